@@ -1,0 +1,4 @@
+//! sluice: declarative message pipelines. YAML files in, RabbitMQ topology and workers out.
+//!
+//! Data flows left to right through the modules: `config` → `topology` → `broker` →
+//! `runtime` → `handler`, with `cli` a thin layer on top.

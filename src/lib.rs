@@ -2,3 +2,8 @@
 //!
 //! Data flows left to right through the modules: `config` → `topology` → `broker` →
 //! `runtime` → `handler`, with `cli` a thin layer on top.
+
+pub mod cli;
+pub mod config;
+pub mod handler;
+pub mod topology;

@@ -1,0 +1,551 @@
+//! One pass from parsed files to the validated `Config`: schema, merge, semantic checks,
+//! templates, referenced files. Every problem is collected; nothing stops at the first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::num::{NonZeroU16, NonZeroU32};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::diagnostic::{Diagnostic, Severity};
+use super::source::{self, SourceFile, escape_token};
+use super::{
+    Backoff, Binding, CONSUMER_TIMEOUT, Command, Config, Exchange, ExchangeKind, Handler, Idempotency, Jitter,
+    MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook, raw,
+};
+use crate::handler::template::{Escape, Template};
+
+/// Exchanges every RabbitMQ broker has; queues may bind to them without declaring them.
+const BUILTIN_EXCHANGES: &[&str] = &["amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
+
+pub(super) fn load(paths: &[PathBuf]) -> Validation {
+    let mut diags = Vec::new();
+    let files = match source::discover(paths) {
+        Ok(files) if files.is_empty() => {
+            let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+            diags.push(source::file_diag(
+                paths.first().map(PathBuf::as_path).unwrap_or(Path::new(".")),
+                format!("no pipeline files (*.yaml, *.yml) under {}", shown.join(", ")),
+            ));
+            Vec::new()
+        }
+        Ok(files) => files,
+        Err(d) => {
+            diags.push(d);
+            Vec::new()
+        }
+    };
+    let mut parsed = Vec::new();
+    let mut complete = diags.is_empty();
+    for path in &files {
+        match source::load(path) {
+            Ok(file) => {
+                let schema_errors = super::schema::check(&file);
+                if schema_errors.is_empty() {
+                    match deserialize(&file) {
+                        Ok(raw) => parsed.push((file, raw)),
+                        Err(d) => {
+                            diags.push(d);
+                            complete = false;
+                        }
+                    }
+                } else {
+                    diags.extend(schema_errors);
+                    complete = false;
+                }
+            }
+            Err(d) => {
+                diags.push(d);
+                complete = false;
+            }
+        }
+    }
+    let config = Compiler { diags: &mut diags, complete }.compile(parsed);
+    diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
+    let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
+    Validation { config: (!has_errors).then_some(config), diagnostics: diags }
+}
+
+fn deserialize(file: &SourceFile) -> Result<raw::File, Diagnostic> {
+    let mut value = file.value.clone();
+    if let Some(map) = value.as_object_mut() {
+        map.retain(|k, _| !k.starts_with("x-"));
+    }
+    serde_json::from_value(value).map_err(|e| file.diag(Severity::Error, "", e.to_string()))
+}
+
+struct Compiler<'a> {
+    diags: &'a mut Vec<Diagnostic>,
+    /// False when some file could not be read: cross-file references are then not checked.
+    complete: bool,
+}
+
+/// Where a name was first defined: file and position, for "defined twice" messages.
+struct Definition {
+    file: PathBuf,
+    line: usize,
+    column: usize,
+}
+
+impl Compiler<'_> {
+    fn compile(&mut self, files: Vec<(SourceFile, raw::File)>) -> Config {
+        let mut config = Config::default();
+        let mut defined: HashMap<(&'static str, String), Definition> = HashMap::new();
+        let mut queue_sites: Vec<(usize, String)> = Vec::new();
+        for (index, (file, raw)) in files.iter().enumerate() {
+            for (name, exchange) in &raw.exchanges {
+                let pointer = format!("/exchanges/{}", escape_token(name));
+                if !self.define(&mut defined, "exchange", name, file, &pointer) {
+                    continue;
+                }
+                let kind = match exchange.kind.as_str() {
+                    "direct" => ExchangeKind::Direct,
+                    "fanout" => ExchangeKind::Fanout,
+                    "headers" => ExchangeKind::Headers,
+                    _ => ExchangeKind::Topic,
+                };
+                config.exchanges.insert(name.clone(), Exchange { name: name.clone(), kind });
+            }
+            for name in raw.queues.keys() {
+                let pointer = format!("/queues/{}", escape_token(name));
+                if self.define(&mut defined, "queue", name, file, &pointer) {
+                    queue_sites.push((index, name.clone()));
+                }
+            }
+        }
+        let mut files = files;
+        for (index, name) in queue_sites {
+            let (file, raw) = &mut files[index];
+            if let Some(q) = raw.queues.remove(&name)
+                && let Some(queue) = self.queue(file, &name, q, &config.exchanges)
+            {
+                config.queues.insert(name, queue);
+            }
+        }
+        self.dead_letter_collisions(&files, &config);
+        config
+    }
+
+    fn error(&mut self, file: &SourceFile, pointer: &str, message: impl Into<String>) {
+        self.diags.push(file.diag(Severity::Error, pointer, message));
+    }
+
+    /// Records a definition; a second one with the same name is an error naming both places.
+    fn define(
+        &mut self,
+        defined: &mut HashMap<(&'static str, String), Definition>,
+        what: &'static str,
+        name: &str,
+        file: &SourceFile,
+        pointer: &str,
+    ) -> bool {
+        let pos = file.key_pos(pointer);
+        for prefix in ["amq.", "sluice."] {
+            if name.starts_with(prefix) {
+                let owner = if prefix == "amq." { "RabbitMQ" } else { "sluice's own delay queues" };
+                let message = format!("{what} name \"{name}\": the prefix \"{prefix}\" is reserved for {owner}");
+                self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
+                return false;
+            }
+        }
+        if let Some(first) = defined.get(&(what, name.to_string())) {
+            let message = format!(
+                "{what} \"{name}\" is defined twice: here and at {}:{}:{}",
+                first.file.display(),
+                first.line,
+                first.column
+            );
+            self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
+            return false;
+        }
+        defined.insert(
+            (what, name.to_string()),
+            Definition { file: file.path.clone(), line: pos.line, column: pos.column },
+        );
+        true
+    }
+
+    fn duration(&mut self, file: &SourceFile, pointer: &str, text: Option<&str>, default: Duration) -> Duration {
+        match text {
+            None => default,
+            Some(t) => super::parse_duration(t).unwrap_or_else(|| {
+                self.error(file, pointer, format!("\"{t}\" is not a duration such as 250ms, 10s, 5m or 24h"));
+                default
+            }),
+        }
+    }
+
+    /// A handler's timeout, which must stay below the broker's consumer timeout.
+    fn handler_timeout(&mut self, file: &SourceFile, base: &str, text: Option<&str>, default: Duration) -> Duration {
+        let pointer = format!("{base}/timeout");
+        let timeout = self.duration(file, &pointer, text, default);
+        if timeout >= CONSUMER_TIMEOUT {
+            let message = format!(
+                "a handler timeout of {} reaches the broker's consumer timeout (30m); keep it below",
+                humantime::format_duration(timeout)
+            );
+            self.error(file, &pointer, message);
+        }
+        timeout
+    }
+
+    fn template(&mut self, file: &SourceFile, pointer: &str, text: &str, escape: Escape) -> Option<Template> {
+        match Template::compile(text, escape) {
+            Ok(t) => {
+                for var in t.env_vars() {
+                    if std::env::var_os(var).is_none() {
+                        let message = format!(
+                            "environment variable {var} is not set here; messages fail to render where it is unset"
+                        );
+                        self.diags.push(file.diag(Severity::Warning, pointer, message));
+                    }
+                }
+                Some(t)
+            }
+            Err(e) => {
+                self.error(file, pointer, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn queue(
+        &mut self,
+        file: &SourceFile,
+        name: &str,
+        q: raw::Queue,
+        exchanges: &BTreeMap<String, Exchange>,
+    ) -> Option<Queue> {
+        let base = format!("/queues/{}", escape_token(name));
+        let errors_before = self.error_count();
+
+        let mut bindings = Vec::new();
+        for (i, b) in q.bind.into_iter().enumerate() {
+            let defined = exchanges.contains_key(&b.exchange) || BUILTIN_EXCHANGES.contains(&b.exchange.as_str());
+            if !defined && self.complete {
+                let message = format!("binding to undefined exchange \"{}\"", b.exchange);
+                self.error(file, &format!("{base}/bind/{i}/exchange"), message);
+            }
+            bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
+        }
+
+        let concurrency = match (q.concurrency, q.ordered) {
+            (Some(n), true) if n > 1 => {
+                self.error(
+                    file,
+                    &format!("{base}/concurrency"),
+                    format!("an ordered queue handles one message at a time; concurrency must be 1, not {n}"),
+                );
+                NonZeroU16::MIN
+            }
+            (None, true) => NonZeroU16::MIN,
+            (n, false) => NonZeroU16::new(n.unwrap_or(4)).unwrap_or(NonZeroU16::MIN),
+            (Some(n), true) => NonZeroU16::new(n).unwrap_or(NonZeroU16::MIN),
+        };
+
+        let rate_limit = q.rate_limit.as_deref().and_then(|text| {
+            let (n, unit) = text.split_once('/')?;
+            let per = match unit {
+                "s" => Duration::from_secs(1),
+                "m" => Duration::from_secs(60),
+                _ => Duration::from_secs(3600),
+            };
+            Some(RateLimit { count: n.parse().ok()?, per })
+        });
+
+        let payload_schema =
+            q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
+
+        let handler = self.handler(file, &format!("{base}/handler"), q.handler)?;
+        let timeout = handler.timeout();
+        let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
+        let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
+        let dead_letter = q.dead_letter.queue.unwrap_or_else(|| format!("{name}.dlq"));
+
+        (self.error_count() == errors_before).then(|| Queue {
+            name: name.to_string(),
+            kind: if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum },
+            bindings,
+            max_length: q.max_length,
+            payload_schema,
+            concurrency,
+            rate_limit,
+            ordered: q.ordered,
+            handler,
+            retry,
+            idempotency,
+            dead_letter,
+            file: file.path.clone(),
+        })
+    }
+
+    fn error_count(&self) -> usize {
+        self.diags.iter().filter(|d| d.severity == Severity::Error).count()
+    }
+
+    fn payload_schema(&mut self, file: &SourceFile, pointer: &str, relative: &str) -> Option<PayloadSchema> {
+        let path = file.dir().join(relative);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) => {
+                self.error(file, pointer, format!("cannot read payload schema {}: {e}", path.display()));
+                return None;
+            }
+        };
+        let schema: serde_json::Value = match serde_json::from_str(&text) {
+            Ok(v) => v,
+            Err(e) => {
+                self.error(file, pointer, format!("payload schema {} is not JSON: {e}", path.display()));
+                return None;
+            }
+        };
+        match jsonschema::validator_for(&schema) {
+            Ok(validator) => Some(PayloadSchema { path, validator: Arc::new(validator) }),
+            Err(e) => {
+                self.error(file, pointer, format!("payload schema {} is not a valid JSON Schema: {e}", path.display()));
+                None
+            }
+        }
+    }
+
+    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler) -> Option<Handler> {
+        match (h.webhook, h.command) {
+            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w).map(Handler::Webhook),
+            (None, Some(c)) => self.command(file, &format!("{base}/command"), c).map(Handler::Command),
+            _ => {
+                self.error(file, base, "a handler has exactly one of \"webhook\" or \"command\"");
+                None
+            }
+        }
+    }
+
+    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook) -> Option<Webhook> {
+        let url_pointer = format!("{base}/url");
+        let url = self.template(file, &url_pointer, &w.url, Escape::Url);
+        if url.is_some()
+            && let Err(message) = check_url(&w.url)
+        {
+            self.error(file, &url_pointer, message);
+        }
+        let mut headers = Vec::new();
+        for (name, value) in &w.headers {
+            let pointer = format!("{base}/headers/{}", escape_token(name));
+            if let Some(t) = self.template(file, &pointer, value, Escape::Plain) {
+                headers.push((name.clone(), t));
+            }
+        }
+        let body = match &w.body {
+            Some(b) => Some(self.template(file, &format!("{base}/body"), b, Escape::Json)?),
+            None => None,
+        };
+        if let Some(s) = &w.signing
+            && std::env::var_os(&s.secret_env).is_none()
+        {
+            let message = format!(
+                "environment variable {} (the signing secret) is not set here; webhooks fail where it is unset",
+                s.secret_env
+            );
+            self.diags.push(file.diag(Severity::Warning, &format!("{base}/signing/secret_env"), message));
+        }
+        let timeout = self.handler_timeout(file, base, w.timeout.as_deref(), Duration::from_secs(10));
+        Some(Webhook {
+            url: url?,
+            method: w.method.unwrap_or_else(|| "POST".into()),
+            headers,
+            body,
+            timeout,
+            signing_secret_env: w.signing.map(|s| s.secret_env),
+        })
+    }
+
+    fn command(&mut self, file: &SourceFile, base: &str, c: raw::Command) -> Option<Command> {
+        let program = match resolve_program(file.dir(), &c.program) {
+            Ok(p) => Some(p),
+            Err(message) => {
+                self.error(file, &format!("{base}/program"), message);
+                None
+            }
+        };
+        let mut args = Vec::new();
+        for (i, a) in c.args.iter().enumerate() {
+            args.extend(self.template(file, &format!("{base}/args/{i}"), a, Escape::Plain));
+        }
+        let mut env = Vec::new();
+        for (name, value) in &c.env {
+            let pointer = format!("{base}/env/{}", escape_token(name));
+            if let Some(t) = self.template(file, &pointer, value, Escape::Plain) {
+                env.push((name.clone(), t));
+            }
+        }
+        let stdin = match c.stdin.as_deref() {
+            Some("payload") => StdinMode::Payload,
+            Some("none") => StdinMode::None,
+            _ => StdinMode::Envelope,
+        };
+        let timeout = self.handler_timeout(file, base, c.timeout.as_deref(), Duration::from_secs(60));
+        Some(Command { program: program?, args, env, stdin, timeout, permanent_exit_codes: c.permanent_exit_codes })
+    }
+
+    fn retry(&mut self, file: &SourceFile, base: &str, r: &raw::Retry) -> RetryPolicy {
+        let d = RetryPolicy::default();
+        let initial = self.duration(file, &format!("{base}/initial"), r.initial.as_deref(), d.initial);
+        let max = self.duration(file, &format!("{base}/max"), r.max.as_deref(), d.max);
+        if r.initial.is_some() && initial > max {
+            let message = format!(
+                "initial delay {} is longer than the maximum {}",
+                humantime::format_duration(initial),
+                humantime::format_duration(max)
+            );
+            self.error(file, &format!("{base}/initial"), message);
+        }
+        if max > MAX_RETRY_DELAY {
+            let pointer = format!("{base}/max");
+            self.error(file, &pointer, "a retry delay can be at most 30 days (the delay queues cover no more)");
+        }
+        let jitter = match r.jitter.as_deref() {
+            Some("none") => {
+                let message = "jitter: none makes every failed message retry at the same moment; prefer full";
+                self.diags.push(file.diag(Severity::Warning, &format!("{base}/jitter"), message));
+                Jitter::None
+            }
+            Some("equal") => Jitter::Equal,
+            _ => Jitter::Full,
+        };
+        RetryPolicy {
+            max_attempts: r.max_attempts.and_then(NonZeroU32::new).unwrap_or(d.max_attempts),
+            backoff: if r.backoff.as_deref() == Some("fixed") { Backoff::Fixed } else { Backoff::Exponential },
+            initial,
+            max,
+            multiplier: r.multiplier.unwrap_or(d.multiplier),
+            jitter,
+        }
+    }
+
+    fn idempotency(
+        &mut self,
+        file: &SourceFile,
+        queue: &str,
+        i: &raw::Idempotency,
+        retry: &RetryPolicy,
+        timeout: Duration,
+    ) -> Option<Idempotency> {
+        if i.enabled == Some(false) {
+            return None;
+        }
+        let base = format!("{queue}/idempotency");
+        let key = self.template(
+            file,
+            &format!("{base}/key"),
+            i.key.as_deref().unwrap_or("{{idempotency_key}}"),
+            Escape::Plain,
+        )?;
+        let ttl = self.duration(file, &format!("{base}/ttl"), i.ttl.as_deref(), Duration::from_secs(24 * 3600));
+        let window = retry.window(timeout);
+        if ttl < window {
+            let pointer = if i.ttl.is_some() { format!("{base}/ttl") } else { format!("{queue}/retry") };
+            let message = format!(
+                "idempotency ttl {} is shorter than the retry window {} (every attempt, its timeout and backoff); a retried message could run twice",
+                humantime::format_duration(ttl),
+                humantime::format_duration(window)
+            );
+            self.error(file, &pointer, message);
+        }
+        Some(Idempotency { key, ttl })
+    }
+
+    fn dead_letter_collisions(&mut self, files: &[(SourceFile, raw::File)], config: &Config) {
+        let mut owners: BTreeMap<&str, &str> = BTreeMap::new();
+        for queue in config.queues.values() {
+            let Some((file, _)) = files.iter().find(|(f, _)| f.path == queue.file) else {
+                continue;
+            };
+            let base = format!("/queues/{}", escape_token(&queue.name));
+            let explicit = format!("{base}/dead_letter/queue");
+            let pointer = if file.value.pointer(&explicit).is_some() { explicit } else { base };
+            if let Some(other) = config.queues.get(&queue.dead_letter) {
+                let message = format!(
+                    "dead-letter queue \"{}\" collides with queue \"{}\" defined in {}",
+                    queue.dead_letter,
+                    other.name,
+                    other.file.display()
+                );
+                self.error(file, &pointer, message);
+            } else if let Some(owner) = owners.insert(&queue.dead_letter, &queue.name) {
+                let message = format!(
+                    "dead-letter queue \"{}\" is already the dead-letter queue of \"{owner}\"",
+                    queue.dead_letter
+                );
+                self.error(file, &pointer, message);
+            }
+        }
+    }
+}
+
+/// The scheme and host of a webhook URL must be literal: payloads may not choose where requests go.
+fn check_url(template: &str) -> Result<(), String> {
+    let literal_end = template.find("{{").unwrap_or(template.len());
+    let prefix = &template[..literal_end];
+    let authority_start = prefix.find("://").map(|i| i + 3);
+    let fixed = authority_start
+        .map(|start| literal_end == template.len() || prefix[start..].contains(['/', '?', '#']))
+        .unwrap_or(false);
+    if !fixed {
+        return Err("the scheme and host of a webhook URL must be literal text, not a template".into());
+    }
+    let sample = substitute_expressions(template);
+    let url = reqwest::Url::parse(&sample).map_err(|e| format!("not a valid URL: {e}"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("webhook URLs are http or https, not \"{}\"", url.scheme()));
+    }
+    Ok(())
+}
+
+/// The template with each `{{...}}` replaced by a plain word, to check the URL's shape.
+fn substitute_expressions(template: &str) -> String {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        out.push('x');
+        rest = rest[start..].find("}}").map(|end| &rest[start + end + 2..]).unwrap_or("");
+        rest = rest.trim_start_matches('}');
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A program with a slash is resolved relative to the pipeline file; a bare name on PATH.
+fn resolve_program(dir: &Path, program: &str) -> Result<PathBuf, String> {
+    if program.contains('/') {
+        let path = dir.join(program);
+        return if path.is_file() { Ok(path) } else { Err(format!("program {} does not exist", path.display())) };
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+        .ok_or_else(|| format!("program \"{program}\" is not found on PATH"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_host_must_be_literal() {
+        let cases = [
+            ("https://h.example/x/{{payload.id}}", true),
+            ("https://h.example", true),
+            ("https://h.example?x={{id}}", true),
+            ("https://{{payload.host}}/x", false),
+            ("{{payload.url}}", false),
+            ("https://h.example{{payload.path}}", false),
+            ("ftp://h.example/x", false),
+            ("not a url", false),
+        ];
+        for (url, ok) in cases {
+            assert_eq!(check_url(url).is_ok(), ok, "{url}");
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The pipeline file format as serde types: names as strings, durations as text, every field
+//! optional where the format allows. `compile` turns these into the validated `Config`.
+//!
+//! No checks live here beyond what serde enforces; the JSON Schema has already run.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+/// One pipeline file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct File {
+    pub version: u32,
+    #[serde(default)]
+    pub exchanges: BTreeMap<String, Exchange>,
+    #[serde(default)]
+    pub queues: BTreeMap<String, Queue>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Exchange {
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Binding {
+    pub exchange: String,
+    #[serde(default)]
+    pub routing_key: String,
+    #[serde(default)]
+    pub arguments: BTreeMap<String, serde_json::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Queue {
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub bind: Vec<Binding>,
+    pub max_length: Option<u64>,
+    pub payload_schema: Option<String>,
+    pub concurrency: Option<u16>,
+    pub rate_limit: Option<String>,
+    #[serde(default)]
+    pub ordered: bool,
+    pub handler: Handler,
+    #[serde(default)]
+    pub retry: Retry,
+    #[serde(default)]
+    pub idempotency: Idempotency,
+    #[serde(default)]
+    pub dead_letter: DeadLetter,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Handler {
+    pub webhook: Option<Webhook>,
+    pub command: Option<Command>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Webhook {
+    pub url: String,
+    pub method: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    pub body: Option<String>,
+    pub timeout: Option<String>,
+    pub signing: Option<Signing>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Signing {
+    pub secret_env: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Command {
+    pub program: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub stdin: Option<String>,
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub permanent_exit_codes: Vec<i32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Retry {
+    pub max_attempts: Option<u32>,
+    pub backoff: Option<String>,
+    pub initial: Option<String>,
+    pub max: Option<String>,
+    pub multiplier: Option<f64>,
+    pub jitter: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Idempotency {
+    pub enabled: Option<bool>,
+    pub key: Option<String>,
+    pub ttl: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetter {
+    pub queue: Option<String>,
+}

@@ -1,0 +1,316 @@
+//! Handlebars templates in pipeline files: compiled and checked at validate time, rendered per
+//! message with escaping that follows where the text goes (URL, JSON body, plain text).
+//!
+//! Strict: an unknown variable is a render error, never an empty string. No HTML escaping.
+
+use std::sync::LazyLock;
+
+use handlebars::template::{Parameter, TemplateElement};
+use handlebars::{
+    Context, Handlebars, Helper, HelperDef, HelperResult, Output, PathSeg, RenderContext, RenderError,
+    RenderErrorReason, Renderable, StringOutput,
+};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+
+/// The variables a template may start from.
+pub const ROOTS: &[&str] =
+    &["id", "type", "version", "occurred_at", "idempotency_key", "attempt", "queue", "payload", "env"];
+
+const HELPERS: &[&str] = &[
+    "json",
+    "urlencode",
+    "if",
+    "unless",
+    "each",
+    "with",
+    "lookup",
+    "eq",
+    "ne",
+    "gt",
+    "gte",
+    "lt",
+    "lte",
+    "and",
+    "or",
+    "not",
+    "len",
+];
+
+/// Everything but RFC 3986 unreserved characters is encoded, so a value is always one path segment.
+const URL_VALUE: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+/// Where a rendered template goes, which decides how substituted values are escaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Escape {
+    /// Percent-encoded: a webhook URL.
+    Url,
+    /// JSON string content; `{{json x}}` inserts raw JSON: a webhook body.
+    Json,
+    /// As is: headers (CR/LF rejected by the caller), command args and env.
+    Plain,
+}
+
+/// A compiled template.
+#[derive(Debug, Clone)]
+pub struct Template {
+    source: String,
+    escape: Escape,
+    compiled: handlebars::Template,
+    env: Vec<String>,
+}
+
+/// Why a template cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    #[error("template syntax error: {0}")]
+    Syntax(String),
+    #[error("unknown variable \"{0}\": templates start from one of {roots}", roots = ROOTS.join(", "))]
+    UnknownRoot(String),
+    #[error("unknown helper \"{0}\": available helpers are json, urlencode and the Handlebars built-ins")]
+    UnknownHelper(String),
+    #[error("partials and decorators are not supported in templates")]
+    Partial,
+    #[error("triple braces would insert unescaped text into a URL; use {{{{x}}}}")]
+    RawInUrl,
+}
+
+impl Template {
+    /// Compiles `source` and checks every variable it names.
+    pub fn compile(source: &str, escape: Escape) -> Result<Template, TemplateError> {
+        let compiled = handlebars::Template::compile(source).map_err(|e| TemplateError::Syntax(e.to_string()))?;
+        let mut env = Vec::new();
+        check_elements(&compiled.elements, escape, true, &mut env)?;
+        env.sort();
+        env.dedup();
+        Ok(Template { source: source.to_string(), escape, compiled, env })
+    }
+
+    /// The template's text as written.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Environment variables the template reads (`{{env.NAME}}`).
+    pub fn env_vars(&self) -> &[String] {
+        &self.env
+    }
+
+    /// Whether the template is plain text, with no expression at all.
+    pub fn is_literal(&self) -> bool {
+        self.compiled.elements.iter().all(|e| matches!(e, TemplateElement::RawString(_) | TemplateElement::Comment(_)))
+    }
+
+    /// Renders with the given context (see `ROOTS`).
+    pub fn render(&self, context: &Context) -> Result<String, RenderError> {
+        let registry = match self.escape {
+            Escape::Url => &*URL,
+            Escape::Json => &*JSON,
+            Escape::Plain => &*PLAIN,
+        };
+        let mut out = StringOutput::new();
+        let mut rc = RenderContext::new(None);
+        self.compiled.render(registry, context, &mut rc, &mut out)?;
+        out.into_string().map_err(|e| RenderErrorReason::Other(e.to_string()).into())
+    }
+}
+
+fn check_elements(
+    elements: &[TemplateElement],
+    escape: Escape,
+    roots: bool,
+    env: &mut Vec<String>,
+) -> Result<(), TemplateError> {
+    for element in elements {
+        match element {
+            TemplateElement::RawString(_) | TemplateElement::Comment(_) => {}
+            TemplateElement::HtmlExpression(_) if escape == Escape::Url => {
+                return Err(TemplateError::RawInUrl);
+            }
+            TemplateElement::Expression(h) | TemplateElement::HtmlExpression(h) => {
+                let name = h.name.as_name().unwrap_or_default();
+                if h.params.is_empty() && h.hash.is_empty() && !HELPERS.contains(&name) {
+                    check_param(&h.name, roots, env)?;
+                } else {
+                    check_helper(name)?;
+                }
+                for p in h.params.iter().chain(h.hash.values()) {
+                    check_param(p, roots, env)?;
+                }
+            }
+            TemplateElement::HelperBlock(h) => {
+                let name = h.name.as_name().unwrap_or_default();
+                check_helper(name)?;
+                for p in h.params.iter().chain(h.hash.values()) {
+                    check_param(p, roots, env)?;
+                }
+                // Inside each/with, names are relative to the block's value, not the root.
+                let inner_roots = roots && !matches!(name, "each" | "with");
+                for t in [&h.template, &h.inverse].into_iter().flatten() {
+                    check_elements(&t.elements, escape, inner_roots, env)?;
+                }
+            }
+            _ => return Err(TemplateError::Partial),
+        }
+    }
+    Ok(())
+}
+
+fn check_helper(name: &str) -> Result<(), TemplateError> {
+    if HELPERS.contains(&name) { Ok(()) } else { Err(TemplateError::UnknownHelper(name.to_string())) }
+}
+
+fn check_param(param: &Parameter, roots: bool, env: &mut Vec<String>) -> Result<(), TemplateError> {
+    match param {
+        Parameter::Path(handlebars::Path::Relative((segs, raw))) if roots => {
+            let mut names = segs.iter().map(|s| match s {
+                PathSeg::Named(n) => Some(n.as_str()),
+                _ => None,
+            });
+            match names.next().flatten() {
+                Some(root) if ROOTS.contains(&root) => {
+                    if root == "env"
+                        && let Some(Some(var)) = names.next()
+                    {
+                        env.push(var.to_string());
+                    }
+                    Ok(())
+                }
+                Some(root) => Err(TemplateError::UnknownRoot(root.to_string())),
+                None if raw.is_empty() || raw == "this" => Ok(()),
+                None => Err(TemplateError::UnknownRoot(raw.clone())),
+            }
+        }
+        Parameter::Subexpression(sub) => {
+            check_elements(std::slice::from_ref(sub.as_element()), Escape::Plain, roots, env)
+        }
+        _ => Ok(()),
+    }
+}
+
+static URL: LazyLock<Handlebars<'static>> =
+    LazyLock::new(|| registry(|s| utf8_percent_encode(s, URL_VALUE).to_string(), Box::new(JsonHelper { raw: false })));
+static JSON: LazyLock<Handlebars<'static>> = LazyLock::new(|| {
+    registry(
+        |s| {
+            let quoted = serde_json::Value::from(s).to_string();
+            quoted[1..quoted.len() - 1].to_string()
+        },
+        Box::new(JsonHelper { raw: true }),
+    )
+});
+static PLAIN: LazyLock<Handlebars<'static>> =
+    LazyLock::new(|| registry(handlebars::no_escape, Box::new(JsonHelper { raw: true })));
+
+fn registry(
+    escape: impl Fn(&str) -> String + Send + Sync + 'static,
+    json: Box<dyn HelperDef + Send + Sync>,
+) -> Handlebars<'static> {
+    let mut h = Handlebars::new();
+    h.set_strict_mode(true);
+    h.register_escape_fn(escape);
+    h.register_helper("json", json);
+    h.register_helper("urlencode", Box::new(UrlEncodeHelper));
+    h
+}
+
+/// `{{json x}}`: `x` as JSON text; raw (unescaped) except in URLs, where it is percent-encoded.
+struct JsonHelper {
+    raw: bool,
+}
+
+impl HelperDef for JsonHelper {
+    fn call<'reg: 'rc, 'rc>(
+        &self,
+        h: &Helper<'rc>,
+        r: &'reg Handlebars<'reg>,
+        _: &'rc Context,
+        _: &mut RenderContext<'reg, 'rc>,
+        out: &mut dyn Output,
+    ) -> HelperResult {
+        let value = h.param(0).ok_or(RenderErrorReason::ParamNotFoundForIndex("json", 0))?;
+        let text = value.value().to_string();
+        let text = if self.raw { text } else { r.get_escape_fn()(&text) };
+        out.write(&text)?;
+        Ok(())
+    }
+}
+
+/// `{{urlencode x}}`: `x` percent-encoded as one URL component, in any context.
+struct UrlEncodeHelper;
+
+impl HelperDef for UrlEncodeHelper {
+    fn call<'reg: 'rc, 'rc>(
+        &self,
+        h: &Helper<'rc>,
+        _: &'reg Handlebars<'reg>,
+        _: &'rc Context,
+        _: &mut RenderContext<'reg, 'rc>,
+        out: &mut dyn Output,
+    ) -> HelperResult {
+        let value = h.param(0).ok_or(RenderErrorReason::ParamNotFoundForIndex("urlencode", 0))?;
+        let text = match value.value() {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        out.write(&utf8_percent_encode(&text, URL_VALUE).to_string())?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(source: &str, escape: Escape, ctx: serde_json::Value) -> String {
+        let t = Template::compile(source, escape).expect("compiles");
+        t.render(&Context::wraps(ctx).expect("context")).expect("renders")
+    }
+
+    #[test]
+    fn escaping_follows_the_destination() {
+        let ctx = json!({"payload": {"name": "a \"b\"/c?d", "n": 1, "o": {"k": [1, "x"]}}});
+        let cases = [
+            ("https://h/x/{{payload.name}}", Escape::Url, "https://h/x/a%20%22b%22%2Fc%3Fd"),
+            ("{\"n\": \"{{payload.name}}\"}", Escape::Json, "{\"n\": \"a \\\"b\\\"/c?d\"}"),
+            ("{{json payload.o}}", Escape::Json, "{\"k\":[1,\"x\"]}"),
+            ("{{json payload.o}}", Escape::Url, "%7B%22k%22%3A%5B1%2C%22x%22%5D%7D"),
+            ("{{payload.name}} & <b>", Escape::Plain, "a \"b\"/c?d & <b>"),
+            ("{{urlencode payload.name}}", Escape::Plain, "a%20%22b%22%2Fc%3Fd"),
+            ("{{urlencode payload.name}}", Escape::Url, "a%20%22b%22%2Fc%3Fd"),
+            ("{{payload.n}}", Escape::Json, "1"),
+        ];
+        for (source, escape, want) in cases {
+            assert_eq!(render(source, escape, ctx.clone()), want, "{source} {escape:?}");
+        }
+    }
+
+    #[test]
+    fn strict_unknown_variable_is_an_error() {
+        let t = Template::compile("{{payload.missing}}", Escape::Plain).unwrap();
+        assert!(t.render(&Context::wraps(json!({"payload": {}})).unwrap()).is_err());
+    }
+
+    #[test]
+    fn compile_checks() {
+        let cases: &[(&str, Result<(), TemplateError>)] = &[
+            ("{{payload.a}} {{env.X}} {{#if attempt}}{{queue}}{{/if}}", Ok(())),
+            ("{{#each payload.items}}{{name}}{{/each}}", Ok(())),
+            ("{{paylod.a}}", Err(TemplateError::UnknownRoot("paylod".into()))),
+            ("{{json secret}}", Err(TemplateError::UnknownRoot("secret".into()))),
+            ("{{shout payload}}", Err(TemplateError::UnknownHelper("shout".into()))),
+            ("{{> partial}}", Err(TemplateError::Partial)),
+        ];
+        for (source, want) in cases {
+            assert_eq!(Template::compile(source, Escape::Plain).map(|_| ()), *want, "{source}");
+        }
+        assert!(matches!(Template::compile("{{#if}}", Escape::Plain), Err(TemplateError::Syntax(_))));
+        assert_eq!(Template::compile("{{{payload.a}}}", Escape::Url).map(|_| ()), Err(TemplateError::RawInUrl));
+    }
+
+    #[test]
+    fn env_vars_are_collected() {
+        let t = Template::compile("{{env.B}}{{env.A}}{{env.B}}", Escape::Plain).unwrap();
+        assert_eq!(t.env_vars(), ["A", "B"]);
+    }
+}

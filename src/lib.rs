@@ -3,7 +3,9 @@
 //! Data flows left to right through the modules: `config` → `topology` → `broker` →
 //! `runtime` → `handler`, with `cli` a thin layer on top.
 
+pub mod broker;
 pub mod cli;
 pub mod config;
+pub mod envelope;
 pub mod handler;
 pub mod topology;

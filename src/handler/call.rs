@@ -1,0 +1,165 @@
+//! From a message to a ready call: renders the handler's templates against the envelope, adds
+//! the headers (or env vars) every handler receives, and signs webhooks. `sluice render`
+//! prints what this produces; the runtime executes it.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use handlebars::Context;
+use serde_json::{Map, Value, json};
+
+use super::command::{Invocation, Stdin};
+use super::webhook::{self, Request};
+use super::{HandlerError, command};
+use crate::config::{Handler, StdinMode};
+use crate::envelope::Envelope;
+use crate::handler::template::Template;
+
+/// One message as a handler sees it.
+pub struct Message<'a> {
+    pub envelope: &'a Envelope,
+    /// The body as received: the default webhook body and command stdin.
+    pub body: &'a [u8],
+    pub attempt: u32,
+    pub queue: &'a str,
+    pub idempotency_key: &'a str,
+    pub traceparent: Option<&'a str>,
+}
+
+/// A rendered handler call, ready to run.
+#[derive(Debug)]
+pub enum Call {
+    Webhook { request: Request, timeout: Duration },
+    Command(Invocation),
+}
+
+/// Why a call could not be prepared: the message cannot be handled as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("template {field}: {reason}")]
+    Render { field: String, reason: String },
+    #[error("signing secret: {0}")]
+    Signing(String),
+}
+
+/// The template context of a message: the envelope's fields, attempt, queue, and the
+/// environment variables the templates name.
+pub fn context(envelope: &Envelope, attempt: u32, queue: &str, templates: &[&Template]) -> Context {
+    let mut env = Map::new();
+    for t in templates {
+        for name in t.env_vars() {
+            if let Ok(value) = std::env::var(name) {
+                env.insert(name.clone(), Value::String(value));
+            }
+        }
+    }
+    let value = json!({
+        "id": envelope.id,
+        "type": envelope.kind,
+        "version": envelope.version,
+        "occurred_at": envelope.occurred_at,
+        "idempotency_key": envelope.idempotency_key(),
+        "attempt": attempt,
+        "queue": queue,
+        "payload": envelope.payload,
+        "env": env,
+    });
+    Context::from(value)
+}
+
+fn render(template: &Template, field: &str, ctx: &Context) -> Result<String, PrepareError> {
+    template.render(ctx).map_err(|e| PrepareError::Render { field: field.to_string(), reason: render_reason(&e) })
+}
+
+/// The render error without handlebars' internal template names.
+fn render_reason(e: &handlebars::RenderError) -> String {
+    e.reason().to_string()
+}
+
+/// Every template of a handler, for building its context.
+pub fn templates(handler: &Handler) -> Vec<&Template> {
+    match handler {
+        Handler::Webhook(w) => {
+            std::iter::once(&w.url).chain(w.headers.iter().map(|(_, t)| t)).chain(w.body.as_ref()).collect()
+        }
+        Handler::Command(c) => c.args.iter().chain(c.env.iter().map(|(_, t)| t)).collect(),
+    }
+}
+
+/// Renders the call a message makes.
+pub fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Call, PrepareError> {
+    let attempt = message.attempt.to_string();
+    match handler {
+        Handler::Webhook(w) => {
+            let url = render(&w.url, "url", ctx)?;
+            let body = match &w.body {
+                Some(t) => render(t, "body", ctx)?.into_bytes(),
+                None => message.body.to_vec(),
+            };
+            let mut headers = vec![
+                ("content-type".to_string(), "application/json".to_string()),
+                ("idempotency-key".to_string(), message.idempotency_key.to_string()),
+                ("x-sluice-message-id".to_string(), message.envelope.id.clone()),
+                ("x-sluice-attempt".to_string(), attempt),
+            ];
+            if let Some(tp) = message.traceparent {
+                headers.push(("traceparent".to_string(), tp.to_string()));
+            }
+            for (name, t) in &w.headers {
+                let value = render(t, &format!("header {name}"), ctx)?;
+                if value.contains(['\r', '\n']) {
+                    return Err(PrepareError::Render {
+                        field: format!("header {name}"),
+                        reason: "the value contains a line break".into(),
+                    });
+                }
+                headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+                headers.push((name.clone(), value));
+            }
+            if let Some(var) = &w.signing_secret_env {
+                let secret = std::env::var(var)
+                    .map_err(|_| PrepareError::Signing(format!("environment variable {var} is not set")))?;
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default();
+                let signed = webhook::signature_headers(&secret, &message.envelope.id, now as i64, &body)
+                    .map_err(|e| PrepareError::Signing(e.to_string()))?;
+                headers.extend(signed.into_iter().map(|(k, v)| (k.to_string(), v)));
+            }
+            let method = reqwest::Method::from_bytes(w.method.as_bytes()).unwrap_or(reqwest::Method::POST);
+            Ok(Call::Webhook { request: Request { method, url, headers, body }, timeout: w.timeout })
+        }
+        Handler::Command(c) => {
+            let args = c.args.iter().enumerate().map(|(i, t)| render(t, &format!("args[{i}]"), ctx)).collect::<Result<_, _>>()?;
+            let mut env = vec![
+                ("SLUICE_IDEMPOTENCY_KEY".to_string(), message.idempotency_key.to_string()),
+                ("SLUICE_MESSAGE_ID".to_string(), message.envelope.id.clone()),
+                ("SLUICE_ATTEMPT".to_string(), attempt),
+            ];
+            if let Some(tp) = message.traceparent {
+                env.push(("TRACEPARENT".to_string(), tp.to_string()));
+            }
+            for (name, t) in &c.env {
+                env.push((name.clone(), render(t, &format!("env {name}"), ctx)?));
+            }
+            let stdin = match c.stdin {
+                StdinMode::Envelope => Stdin::Bytes(message.body.to_vec()),
+                StdinMode::Payload => Stdin::Bytes(message.envelope.payload.to_string().into_bytes()),
+                StdinMode::None => Stdin::Null,
+            };
+            Ok(Call::Command(Invocation {
+                program: c.program.clone(),
+                args,
+                env,
+                stdin,
+                timeout: c.timeout,
+                permanent_exit_codes: c.permanent_exit_codes.clone(),
+            }))
+        }
+    }
+}
+
+/// Runs a prepared call.
+pub async fn execute(call: Call, client: &reqwest::Client) -> Result<(), HandlerError> {
+    match call {
+        Call::Webhook { request, timeout } => webhook::call(client, request, timeout).await,
+        Call::Command(invocation) => command::run(&invocation).await.map(|_| ()),
+    }
+}

@@ -1,0 +1,86 @@
+//! Retry delays: exponential (or fixed) backoff with full, equal or no jitter, at least the
+//! server's `Retry-After` and never above the policy's maximum. Also the reconnect backoff.
+
+use std::time::Duration;
+
+use rand::Rng;
+
+use crate::config::{Jitter, RetryPolicy};
+
+/// The delay before attempt `next` (2 = the first retry).
+pub fn retry_delay(policy: &RetryPolicy, next: u32, retry_after: Option<Duration>, rng: &mut impl Rng) -> Duration {
+    let ceiling = policy.ceiling(next);
+    let jittered = match policy.jitter {
+        Jitter::None => ceiling,
+        Jitter::Full => ceiling.mul_f64(rng.random::<f64>()),
+        Jitter::Equal => ceiling / 2 + (ceiling / 2).mul_f64(rng.random::<f64>()),
+    };
+    match retry_after {
+        Some(hint) => jittered.max(hint).min(policy.max),
+        None => jittered,
+    }
+}
+
+/// Full-jitter exponential backoff for reconnecting and re-publishing: 100ms doubling to `cap`.
+pub fn reconnect_delay(failures: u32, cap: Duration, rng: &mut impl Rng) -> Duration {
+    let ceiling = Duration::from_millis(100).saturating_mul(1 << failures.min(16)).min(cap);
+    ceiling.mul_f64(rng.random_range(0.5..=1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Backoff;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+    use std::num::NonZeroU32;
+
+    fn policy(jitter: Jitter) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: NonZeroU32::new(10).unwrap(),
+            backoff: Backoff::Exponential,
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(30),
+            multiplier: 2.0,
+            jitter,
+        }
+    }
+
+    #[test]
+    fn jitter_bounds() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for next in 2..=10 {
+            for _ in 0..200 {
+                let ceiling = policy(Jitter::None).ceiling(next);
+                assert_eq!(retry_delay(&policy(Jitter::None), next, None, &mut rng), ceiling);
+                let full = retry_delay(&policy(Jitter::Full), next, None, &mut rng);
+                assert!(full <= ceiling);
+                let equal = retry_delay(&policy(Jitter::Equal), next, None, &mut rng);
+                assert!(equal >= ceiling / 2 && equal <= ceiling, "{equal:?} {ceiling:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn full_jitter_spreads() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let delays: Vec<Duration> = (0..100).map(|_| retry_delay(&policy(Jitter::Full), 5, None, &mut rng)).collect();
+        let below_half = delays.iter().filter(|d| **d < Duration::from_secs(4)).count();
+        assert!((25..=75).contains(&below_half), "{below_half}");
+    }
+
+    #[test]
+    fn retry_after_is_a_floor_capped_at_max() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let p = policy(Jitter::Full);
+        assert!(retry_delay(&p, 2, Some(Duration::from_secs(7)), &mut rng) >= Duration::from_secs(7));
+        assert_eq!(retry_delay(&p, 2, Some(Duration::from_secs(3600)), &mut rng), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn reconnect_grows_to_cap() {
+        let mut rng = StdRng::seed_from_u64(5);
+        assert!(reconnect_delay(0, Duration::from_secs(10), &mut rng) <= Duration::from_millis(100));
+        assert!(reconnect_delay(20, Duration::from_secs(10), &mut rng) >= Duration::from_secs(5));
+    }
+}

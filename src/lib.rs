@@ -2,3 +2,5 @@
 //!
 //! Data flows left to right through the modules: `config` → `topology` → `broker` →
 //! `runtime` → `handler`, with `cli` a thin layer on top.
+
+pub mod handler;

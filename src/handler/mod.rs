@@ -1,0 +1,112 @@
+//! Handlers: executing one already-rendered request — an HTTP call ([`webhook`]) or a
+//! subprocess (`command`) — and classifying how it ended as success, transient or
+//! permanent failure.
+//!
+//! This module must not know about YAML config, templates, envelopes or brokers: the
+//! runtime renders the request, calls in here, and turns the [`HandlerError`] class into a
+//! disposition. Error texts end up in logs and DLQ headers, so they stay short and never
+//! carry secrets.
+
+pub mod webhook;
+
+use std::time::Duration;
+
+/// A handler run that did not succeed, classified so the runtime knows whether to retry.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum HandlerError {
+    /// Worth retrying after backoff; `retry_after` is the server's own hint (Retry-After), if any.
+    #[error("{error}")]
+    Transient {
+        /// What went wrong, short enough for a log field or a DLQ header.
+        error: String,
+        /// The earliest the server wants to hear from us again.
+        retry_after: Option<Duration>,
+    },
+    /// Retrying cannot help: dead-letter at once.
+    #[error("{error}")]
+    Permanent {
+        /// What went wrong, short enough for a log field or a DLQ header.
+        error: String,
+    },
+}
+
+impl HandlerError {
+    /// A transient failure without a server hint.
+    pub fn transient(error: impl Into<String>) -> Self {
+        Self::Transient {
+            error: error.into(),
+            retry_after: None,
+        }
+    }
+
+    /// A permanent failure.
+    pub fn permanent(error: impl Into<String>) -> Self {
+        Self::Permanent {
+            error: error.into(),
+        }
+    }
+
+    /// The handler did not finish within `timeout`: always worth another try.
+    pub fn timeout(timeout: Duration) -> Self {
+        // Debug prints durations as written in config: `60s`, `250ms`, `1.5s`.
+        Self::transient(format!("timeout after {timeout:?}"))
+    }
+}
+
+/// How many bytes of a response body an error text quotes.
+const EXCERPT_BYTES: usize = 200;
+
+/// The start of `bytes` as one short line, for quoting a response body in an error.
+fn head_excerpt(bytes: &[u8]) -> String {
+    let text = collapse_whitespace(&String::from_utf8_lossy(bytes));
+    if text.len() <= EXCERPT_BYTES {
+        return text;
+    }
+    format!("{}…", &text[..text.floor_char_boundary(EXCERPT_BYTES)])
+}
+
+/// Error texts travel in single-line places (log fields, AMQP headers).
+fn collapse_whitespace(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// `"{prefix}: {excerpt}"`, or just the prefix when there is nothing to quote.
+fn with_excerpt(prefix: String, excerpt: String) -> String {
+    if excerpt.is_empty() {
+        prefix
+    } else {
+        format!("{prefix}: {excerpt}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn excerpts_are_short_single_lines() {
+        let long = "é".repeat(300);
+        let cases: [(&[u8], String); 4] = [
+            (b"", String::new()),
+            (b"  bad\n\tinput \r\n", "bad input".into()),
+            (b"\xffok", "\u{fffd}ok".into()),
+            (long.as_bytes(), format!("{}…", "é".repeat(100))),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(head_excerpt(input), expected, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn timeout_text_reads_like_config_durations() {
+        let cases = [
+            (Duration::from_secs(10), "timeout after 10s"),
+            (Duration::from_secs(60), "timeout after 60s"),
+            (Duration::from_millis(250), "timeout after 250ms"),
+            (Duration::from_millis(1500), "timeout after 1.5s"),
+        ];
+        for (timeout, expected) in cases {
+            assert_eq!(HandlerError::timeout(timeout).to_string(), expected);
+        }
+    }
+}

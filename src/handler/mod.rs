@@ -1,5 +1,5 @@
 //! Handlers: executing one already-rendered request — an HTTP call ([`webhook`]) or a
-//! subprocess (`command`) — and classifying how it ended as success, transient or
+//! subprocess ([`command`]) — and classifying how it ended as success, transient or
 //! permanent failure.
 //!
 //! This module must not know about YAML config, templates, envelopes or brokers: the
@@ -7,6 +7,7 @@
 //! disposition. Error texts end up in logs and DLQ headers, so they stay short and never
 //! carry secrets.
 
+pub mod command;
 pub mod webhook;
 
 use std::time::Duration;
@@ -53,7 +54,7 @@ impl HandlerError {
     }
 }
 
-/// How many bytes of a response body an error text quotes.
+/// How many bytes of a response body or stderr an error text quotes.
 const EXCERPT_BYTES: usize = 200;
 
 /// The start of `bytes` as one short line, for quoting a response body in an error.
@@ -63,6 +64,19 @@ fn head_excerpt(bytes: &[u8]) -> String {
         return text;
     }
     format!("{}…", &text[..text.floor_char_boundary(EXCERPT_BYTES)])
+}
+
+/// The end of `bytes` as one short line, for quoting stderr in an error: the last lines
+/// of a failing program are the ones that say why.
+fn tail_excerpt(bytes: &[u8]) -> String {
+    let text = collapse_whitespace(&String::from_utf8_lossy(bytes));
+    if text.len() <= EXCERPT_BYTES {
+        return text;
+    }
+    format!(
+        "…{}",
+        &text[text.ceil_char_boundary(text.len() - EXCERPT_BYTES)..]
+    )
 }
 
 /// Error texts travel in single-line places (log fields, AMQP headers).
@@ -86,15 +100,31 @@ mod tests {
     #[test]
     fn excerpts_are_short_single_lines() {
         let long = "é".repeat(300);
-        let cases: [(&[u8], String); 4] = [
+        let head_cases: [(&[u8], String); 4] = [
             (b"", String::new()),
             (b"  bad\n\tinput \r\n", "bad input".into()),
             (b"\xffok", "\u{fffd}ok".into()),
             (long.as_bytes(), format!("{}…", "é".repeat(100))),
         ];
-        for (input, expected) in cases {
+        for (input, expected) in head_cases {
             assert_eq!(head_excerpt(input), expected, "input {input:?}");
         }
+        let tail_cases: [(&[u8], String); 3] = [
+            (b"", String::new()),
+            (b"line 1\nline 2\n", "line 1 line 2".into()),
+            (long.as_bytes(), format!("…{}", "é".repeat(100))),
+        ];
+        for (input, expected) in tail_cases {
+            assert_eq!(tail_excerpt(input), expected, "input {input:?}");
+        }
+    }
+
+    #[test]
+    fn tail_excerpt_keeps_the_last_words() {
+        let stderr = format!("{}\nfatal: disk full\n", "noise ".repeat(100));
+        let excerpt = tail_excerpt(stderr.as_bytes());
+        assert!(excerpt.ends_with("fatal: disk full"), "{excerpt}");
+        assert!(excerpt.len() <= EXCERPT_BYTES + '…'.len_utf8());
     }
 
     #[test]

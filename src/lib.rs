@@ -8,4 +8,5 @@ pub mod cli;
 pub mod config;
 pub mod envelope;
 pub mod handler;
+pub mod runtime;
 pub mod topology;

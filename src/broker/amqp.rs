@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::Map;
+use lapin::Confirmation;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
-use lapin::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
@@ -279,7 +279,8 @@ impl Broker for Amqp {
 }
 
 fn lost(e: lapin::Error) -> BrokerError {
-    BrokerError::Lost(e.to_string())
+    let text = e.to_string();
+    if text.contains("NOT_FOUND") { BrokerError::NotFound(text) } else { BrokerError::Lost(text) }
 }
 
 /// A declaration error, worded for the user: which object, and the broker's own reason (which

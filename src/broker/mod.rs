@@ -120,7 +120,8 @@ pub trait Broker: Clone + Send + Sync + 'static {
     }
 
     /// Starts consuming `queue` with at most `prefetch` unacked deliveries.
-    fn consume(&self, queue: &str, prefetch: u16) -> impl Future<Output = Result<Self::Deliveries, BrokerError>> + Send;
+    fn consume(&self, queue: &str, prefetch: u16)
+    -> impl Future<Output = Result<Self::Deliveries, BrokerError>> + Send;
 
     /// Stops delivering from `queue`; deliveries already sent still arrive, then the stream ends.
     fn cancel(&self, queue: &str) -> impl Future<Output = Result<(), BrokerError>> + Send;

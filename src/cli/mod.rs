@@ -1,12 +1,24 @@
 //! The command line: clap subcommands, each a thin call into the modules that do the work.
 //! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own).
 
-use std::path::PathBuf;
+mod publish;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
 
+use crate::broker::amqp::Amqp;
 use crate::config::{self, Format};
+use crate::envelope::Envelope;
+use crate::handler::call::{self, Call};
+use crate::handler::command::Stdin;
+use crate::runtime;
 use crate::topology::{self, PlanFormat};
 
 #[derive(Debug, Parser)]
@@ -39,6 +51,50 @@ enum Command {
     },
     /// Print the JSON Schema of pipeline files.
     Schema,
+    /// Declare the topology and consume: call the handlers, retry, dead-letter.
+    Run {
+        #[arg(default_value = "pipelines")]
+        paths: Vec<PathBuf>,
+        #[command(flatten)]
+        broker: BrokerArg,
+        /// Stop consuming on SIGTERM/SIGINT and let in-flight handlers finish for this long.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        shutdown_grace: Duration,
+        /// Exit 0 once every queue and pending retry is drained.
+        #[arg(long)]
+        exit_when_idle: bool,
+    },
+    /// Publish messages (JSON envelopes) and wait for the broker to confirm each.
+    Publish(publish::Args),
+    /// Dry run: print the HTTP request or the command a message would produce.
+    Render {
+        #[arg(default_value = "pipelines")]
+        paths: Vec<PathBuf>,
+        /// The pipeline queue whose handler renders the message.
+        #[arg(long)]
+        queue: String,
+        /// A file holding the message envelope (JSON).
+        #[arg(long)]
+        message: PathBuf,
+        /// The attempt number to render as.
+        #[arg(long, default_value_t = 1)]
+        attempt: u32,
+    },
+}
+
+/// Where the broker is.
+#[derive(Debug, clap::Args)]
+pub struct BrokerArg {
+    /// amqp://user:pass@host:port/vhost (default: $SLUICE_BROKER, else the local RabbitMQ).
+    #[arg(long = "broker", env = "SLUICE_BROKER", default_value = DEFAULT_BROKER, hide_env_values = true)]
+    pub url: String,
+}
+
+/// Until the embedded broker exists, the default is the RabbitMQ on this machine.
+const DEFAULT_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    config::parse_duration(text).ok_or_else(|| format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h"))
 }
 
 /// Runs the command line and returns the process exit code.
@@ -57,7 +113,92 @@ pub fn main() -> ExitCode {
             print!("{}", config::schema::TEXT);
             ExitCode::SUCCESS
         }
+        Command::Run { paths, broker, shutdown_grace, exit_when_idle } => {
+            let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            let options = runtime::Options { shutdown_grace, exit_when_idle };
+            exit(block_on(run(config, broker.url, options)))
+        }
+        Command::Publish(args) => exit(block_on(publish::publish(args))),
+        Command::Render { paths, queue, message, attempt } => {
+            let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            exit(render(&config, &queue, &message, attempt))
+        }
     }
+}
+
+/// Logs go to stderr; `RUST_LOG` filters them (default info).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn block_on<F: Future<Output = anyhow::Result<()>>>(future: F) -> anyhow::Result<()> {
+    init_logging();
+    tokio::runtime::Runtime::new().context("cannot start the async runtime")?.block_on(future)
+}
+
+fn exit(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: config::Config, url: String, options: runtime::Options) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutting down: no new messages, finishing in-flight ones");
+        signals.cancel();
+    });
+    let connect = || Amqp::connect(&url);
+    runtime::run(Arc::new(config), connect, options, shutdown).await?;
+    Ok(())
+}
+
+fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<()> {
+    let q = config.queues.get(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
+    let body = std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?;
+    let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
+    match call::render_call(q, &envelope, &body, attempt, None, true)? {
+        Call::Webhook { request, timeout } => {
+            println!("{} {}", request.method, request.url);
+            for (name, value) in &request.headers {
+                println!("{name}: {value}");
+            }
+            println!("(timeout {})\n", humantime::format_duration(timeout));
+            println!("{}", String::from_utf8_lossy(&request.body));
+        }
+        Call::Command(inv) => {
+            let argv: Vec<String> =
+                std::iter::once(inv.program.display().to_string()).chain(inv.args.iter().cloned()).collect();
+            println!("argv: {}", serde_json::to_string(&argv)?);
+            for (name, value) in &inv.env {
+                println!("env: {name}={value}");
+            }
+            println!("timeout: {}", humantime::format_duration(inv.timeout));
+            match &inv.stdin {
+                Stdin::Null => println!("stdin: (none)"),
+                Stdin::Bytes(b) => println!("stdin: {}", String::from_utf8_lossy(b)),
+            }
+        }
+    }
+    Ok(())
 }
 
 fn validate(paths: &[PathBuf], format: Format) -> ExitCode {

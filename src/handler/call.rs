@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 use super::command::{Invocation, Stdin};
 use super::webhook::{self, Request};
 use super::{HandlerError, command};
-use crate::config::{Handler, StdinMode};
+use crate::config::{Handler, Queue, StdinMode};
 use crate::envelope::Envelope;
 use crate::handler::template::Template;
 
@@ -42,12 +42,13 @@ pub enum PrepareError {
 }
 
 /// The template context of a message: the envelope's fields, attempt, queue, and the
-/// environment variables the templates name.
-pub fn context(envelope: &Envelope, attempt: u32, queue: &str, templates: &[&Template]) -> Context {
+/// environment variables the templates name (as `***` when `redact`, for printing).
+fn context(envelope: &Envelope, attempt: u32, queue: &str, templates: &[&Template], redact: bool) -> Context {
     let mut env = Map::new();
     for t in templates {
         for name in t.env_vars() {
             if let Ok(value) = std::env::var(name) {
+                let value = if redact { "***".to_string() } else { value };
                 env.insert(name.clone(), Value::String(value));
             }
         }
@@ -76,7 +77,7 @@ fn render_reason(e: &handlebars::RenderError) -> String {
 }
 
 /// Every template of a handler, for building its context.
-pub fn templates(handler: &Handler) -> Vec<&Template> {
+fn templates(handler: &Handler) -> Vec<&Template> {
     match handler {
         Handler::Webhook(w) => {
             std::iter::once(&w.url).chain(w.headers.iter().map(|(_, t)| t)).chain(w.body.as_ref()).collect()
@@ -86,7 +87,7 @@ pub fn templates(handler: &Handler) -> Vec<&Template> {
 }
 
 /// Renders the call a message makes.
-pub fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Call, PrepareError> {
+fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Call, PrepareError> {
     let attempt = message.attempt.to_string();
     match handler {
         Handler::Webhook(w) => {
@@ -127,7 +128,12 @@ pub fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Resul
             Ok(Call::Webhook { request: Request { method, url, headers, body }, timeout: w.timeout })
         }
         Handler::Command(c) => {
-            let args = c.args.iter().enumerate().map(|(i, t)| render(t, &format!("args[{i}]"), ctx)).collect::<Result<_, _>>()?;
+            let args = c
+                .args
+                .iter()
+                .enumerate()
+                .map(|(i, t)| render(t, &format!("args[{i}]"), ctx))
+                .collect::<Result<_, _>>()?;
             let mut env = vec![
                 ("SLUICE_IDEMPOTENCY_KEY".to_string(), message.idempotency_key.to_string()),
                 ("SLUICE_MESSAGE_ID".to_string(), message.envelope.id.clone()),
@@ -154,6 +160,28 @@ pub fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Resul
             }))
         }
     }
+}
+
+/// Renders the call a delivery on `queue` makes at `attempt`: the idempotency key (from the
+/// queue's template, else the envelope's), then the handler's request or invocation.
+/// With `redact`, environment values print as `***` (for `sluice render`).
+pub fn render_call(
+    queue: &Queue,
+    envelope: &Envelope,
+    body: &[u8],
+    attempt: u32,
+    traceparent: Option<&str>,
+    redact: bool,
+) -> Result<Call, PrepareError> {
+    let mut used = templates(&queue.handler);
+    used.extend(queue.idempotency.as_ref().map(|i| &i.key));
+    let ctx = context(envelope, attempt, &queue.name, &used, redact);
+    let key = match &queue.idempotency {
+        Some(i) => render(&i.key, "idempotency key", &ctx)?,
+        None => envelope.idempotency_key().to_string(),
+    };
+    let message = Message { envelope, body, attempt, queue: &queue.name, idempotency_key: &key, traceparent };
+    prepare(&queue.handler, &message, &ctx)
 }
 
 /// Runs a prepared call.

@@ -1,0 +1,314 @@
+//! Webhook handler: sends one rendered HTTP request, classifies the response by DESIGN's
+//! Outcomes table, and signs bodies with Standard Webhooks signatures.
+//!
+//! It must not follow redirects (a 3xx is a permanent failure), buffer an unbounded
+//! response body, or put URLs, header values or signing secrets into error texts: rendered
+//! URLs and headers may carry tokens.
+
+use std::time::{Duration, SystemTime};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use hmac::{Hmac, Mac as _};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use reqwest::{Method, StatusCode, Url};
+use sha2::Sha256;
+use tokio::time::{Instant, timeout_at};
+
+use super::{HandlerError, head_excerpt, with_excerpt};
+
+/// How long establishing a TCP (and TLS) connection may take before it counts as a connect error.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an unused keep-alive connection stays in the pool.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Idle connections kept per host: enough to serve a queue's full concurrency without reconnecting.
+const POOL_MAX_IDLE_PER_HOST: usize = 64;
+/// The most of a response body ever read: enough to quote an error, small enough to ignore abuse.
+const MAX_BODY_BYTES: usize = 4 * 1024;
+
+/// The shared HTTP client could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot build the HTTP client (TLS backend initialisation failed)")]
+pub struct ClientError(#[source] reqwest::Error);
+
+/// Builds the HTTP client all webhooks share, so connections stay warm across messages.
+pub fn client() -> Result<reqwest::Client, ClientError> {
+    reqwest::Client::builder()
+        .tls_backend_rustls()
+        .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
+        .connect_timeout(CONNECT_TIMEOUT)
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+        .tcp_nodelay(true)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(ClientError)
+}
+
+/// A fully rendered HTTP request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// HTTP method.
+    pub method: Method,
+    /// Absolute `http` or `https` URL.
+    pub url: String,
+    /// Header names and values, sent in this order; a repeated name is sent repeatedly.
+    pub headers: Vec<(String, String)>,
+    /// Request body, sent as is.
+    pub body: Vec<u8>,
+}
+
+/// Sends `request` and classifies the outcome; `timeout` bounds the whole exchange.
+pub async fn call(client: &reqwest::Client, request: Request, timeout: Duration) -> Result<(), HandlerError> {
+    let deadline = Instant::now() + timeout;
+    let request = build(client, request)?;
+    let mut response = match timeout_at(deadline, client.execute(request)).await {
+        Err(_elapsed) => return Err(HandlerError::timeout(timeout)),
+        Ok(Err(error)) => return Err(send_error(&error)),
+        Ok(Ok(response)) => response,
+    };
+    let status = response.status();
+    let retry_after = response
+        .headers()
+        .get(RETRY_AFTER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| parse_retry_after(value, SystemTime::now()));
+
+    // Reading the body even on success lets a small response finish, so the connection
+    // goes back to the pool; a timeout or error here cannot change the status's verdict.
+    let mut body = Vec::new();
+    let _ = timeout_at(deadline, read_bounded(&mut response, &mut body)).await;
+    drop(response);
+
+    let error = || with_excerpt(format!("HTTP {}", status.as_u16()), head_excerpt(&body));
+    match classify(status) {
+        Class::Success => Ok(()),
+        Class::Transient => Err(HandlerError::Transient { error: error(), retry_after }),
+        Class::Permanent => Err(HandlerError::permanent(error())),
+    }
+}
+
+/// Turns the rendered parts into a request, rejecting what no retry could fix.
+fn build(client: &reqwest::Client, request: Request) -> Result<reqwest::Request, HandlerError> {
+    let url = Url::parse(&request.url).map_err(|error| HandlerError::permanent(format!("invalid URL: {error}")))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(HandlerError::permanent(format!("invalid URL: scheme \"{}\" is not http or https", url.scheme())));
+    }
+    let mut headers = HeaderMap::with_capacity(request.headers.len());
+    for (name, value) in &request.headers {
+        let header = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| HandlerError::permanent(format!("invalid header name \"{name}\"")))?;
+        // The value may be a credential, so the error names only the header.
+        let value = HeaderValue::from_bytes(value.as_bytes())
+            .map_err(|_| HandlerError::permanent(format!("invalid value for header \"{name}\"")))?;
+        headers.append(header, value);
+    }
+    client
+        .request(request.method, url)
+        .headers(headers)
+        .body(request.body)
+        .build()
+        .map_err(|error| HandlerError::permanent(format!("invalid request: {}", cause(&error))))
+}
+
+/// Classifies a request that got no response at all.
+fn send_error(error: &reqwest::Error) -> HandlerError {
+    if error.is_builder() {
+        HandlerError::permanent(format!("invalid request: {}", cause(error)))
+    } else if error.is_connect() {
+        HandlerError::transient(format!("connect error: {}", cause(error)))
+    } else {
+        HandlerError::transient(format!("request error: {}", cause(error)))
+    }
+}
+
+/// The innermost cause says what went wrong ("Connection refused") and, unlike reqwest's
+/// own text, does not repeat the URL.
+fn cause(error: &reqwest::Error) -> String {
+    let mut innermost = None;
+    let mut next = std::error::Error::source(error);
+    while let Some(source) = next {
+        innermost = Some(source);
+        next = source.source();
+    }
+    innermost.map_or_else(|| "no detail given".to_owned(), ToString::to_string)
+}
+
+/// Appends the start of the response body to `body`, stopping after [`MAX_BODY_BYTES`].
+async fn read_bounded(response: &mut reqwest::Response, body: &mut Vec<u8>) {
+    while body.len() < MAX_BODY_BYTES {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = MAX_BODY_BYTES - body.len();
+                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            // A broken body is no reason to lose the status we already have.
+            Ok(None) | Err(_) => break,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Success,
+    Transient,
+    Permanent,
+}
+
+/// DESIGN's Outcomes table for a response status.
+fn classify(status: StatusCode) -> Class {
+    match status.as_u16() {
+        200..=299 => Class::Success,
+        408 | 425 | 429 | 500..=599 => Class::Transient,
+        // Other 4xx and 3xx, and 1xx, which reqwest never returns as a final response.
+        _ => Class::Permanent,
+    }
+}
+
+/// Parses `Retry-After` (delta-seconds or an HTTP-date); a date already past is no hint.
+fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    at.duration_since(now).ok()
+}
+
+/// A Standard Webhooks secret could not be used; messages never quote the secret itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SigningError {
+    /// The secret lacks the `whsec_` prefix.
+    #[error("webhook signing secret does not start with \"whsec_\"")]
+    MissingPrefix,
+    /// What follows `whsec_` is not standard base64.
+    #[error("webhook signing secret is not valid base64 after \"whsec_\"")]
+    InvalidBase64,
+    /// What follows `whsec_` decodes to no key at all.
+    #[error("webhook signing secret has an empty key after \"whsec_\"")]
+    EmptyKey,
+}
+
+/// Signs a webhook the Standard Webhooks way: `v1,` + base64 HMAC-SHA256 of `id.timestamp.body`.
+pub fn sign(secret: &str, msg_id: &str, timestamp: i64, body: &[u8]) -> Result<String, SigningError> {
+    let encoded = secret.strip_prefix("whsec_").ok_or(SigningError::MissingPrefix)?;
+    // The decode error is dropped on purpose: it quotes the offending byte of the secret.
+    let key = BASE64.decode(encoded).map_err(|_| SigningError::InvalidBase64)?;
+    if key.is_empty() {
+        return Err(SigningError::EmptyKey);
+    }
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("HMAC accepts keys of any length");
+    mac.update(msg_id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    Ok(format!("v1,{}", BASE64.encode(mac.finalize().into_bytes())))
+}
+
+/// The three Standard Webhooks headers: `webhook-id`, `webhook-timestamp`, `webhook-signature`.
+pub fn signature_headers(
+    secret: &str,
+    msg_id: &str,
+    timestamp: i64,
+    body: &[u8],
+) -> Result<[(&'static str, String); 3], SigningError> {
+    let signature = sign(secret, msg_id, timestamp, body)?;
+    Ok([
+        ("webhook-id", msg_id.to_owned()),
+        ("webhook-timestamp", timestamp.to_string()),
+        ("webhook-signature", signature),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    const MSG_ID: &str = "msg_p5jXN8AQM9LWM0D4loKWxJek";
+    const TIMESTAMP: i64 = 1_614_265_330;
+    const BODY: &[u8] = br#"{"test": 2432232314}"#;
+
+    #[test]
+    fn signature_matches_the_standard_webhooks_test_vector() {
+        assert_eq!(
+            sign(SECRET, MSG_ID, TIMESTAMP, BODY).as_deref(),
+            Ok("v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=")
+        );
+    }
+
+    #[test]
+    fn signature_headers_carry_id_timestamp_and_signature() {
+        let headers = signature_headers(SECRET, MSG_ID, TIMESTAMP, BODY).expect("valid secret");
+        assert_eq!(
+            headers,
+            [
+                ("webhook-id", MSG_ID.to_owned()),
+                ("webhook-timestamp", "1614265330".to_owned()),
+                ("webhook-signature", "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=".to_owned()),
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_secrets_are_named_but_never_quoted() {
+        let cases = [
+            ("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", SigningError::MissingPrefix),
+            ("whsec_not-base64!", SigningError::InvalidBase64),
+            ("whsec_", SigningError::EmptyKey),
+        ];
+        for (secret, expected) in cases {
+            let error = sign(secret, MSG_ID, TIMESTAMP, BODY).expect_err(secret);
+            assert_eq!(error, expected, "secret {secret:?}");
+            let key = secret.trim_start_matches("whsec_");
+            if !key.is_empty() {
+                assert!(!error.to_string().contains(key), "{error}");
+            }
+        }
+    }
+
+    #[test]
+    fn statuses_are_classified_as_designed() {
+        let cases = [
+            (200, Class::Success),
+            (201, Class::Success),
+            (204, Class::Success),
+            (301, Class::Permanent),
+            (304, Class::Permanent),
+            (400, Class::Permanent),
+            (404, Class::Permanent),
+            (408, Class::Transient),
+            (409, Class::Permanent),
+            (422, Class::Permanent),
+            (425, Class::Transient),
+            (429, Class::Transient),
+            (500, Class::Transient),
+            (503, Class::Transient),
+            (599, Class::Transient),
+        ];
+        for (code, expected) in cases {
+            let status = StatusCode::from_u16(code).expect("valid status");
+            assert_eq!(classify(status), expected, "status {code}");
+        }
+    }
+
+    #[test]
+    fn retry_after_accepts_seconds_and_future_dates_only() {
+        let now = httpdate::parse_http_date("Sun, 29 Nov 2026 12:00:00 GMT").expect("valid date");
+        let cases = [
+            ("7", Some(Duration::from_secs(7))),
+            (" 120 ", Some(Duration::from_secs(120))),
+            ("0", Some(Duration::ZERO)),
+            ("Sun, 29 Nov 2026 12:01:30 GMT", Some(Duration::from_secs(90))),
+            ("Sun, 29 Nov 2026 11:59:00 GMT", None),
+            ("-5", None),
+            ("1.5", None),
+            ("soon", None),
+            ("", None),
+        ];
+        for (value, expected) in cases {
+            assert_eq!(parse_retry_after(value, now), expected, "value {value:?}");
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! `sluice run`: supervises a broker session (connect with backoff, declare, one worker per
+//! queue, reconnect when the session is lost) and drains on shutdown.
+//!
+//! Generic over [`Broker`]: nothing here knows RabbitMQ.
+
+pub mod backoff;
+pub mod worker;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{error, info, warn};
+
+use crate::broker::{Broker, BrokerError};
+use crate::config::Config;
+use crate::topology::{self, Plan, Role};
+use worker::Worker;
+
+/// How `run` behaves beyond the config.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// How long in-flight handlers may take to finish on shutdown.
+    pub shutdown_grace: Duration,
+    /// Exit once every queue (and every pending retry) is empty and nothing is in flight.
+    pub exit_when_idle: bool,
+}
+
+/// Why `run` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+}
+
+/// Runs the pipeline until `shutdown` is cancelled (or, with `exit_when_idle`, until idle).
+/// `connect` opens a new broker session; it is called again after a session is lost.
+pub async fn run<B, C, F>(
+    config: Arc<Config>,
+    connect: C,
+    options: Options,
+    shutdown: CancellationToken,
+) -> Result<(), RunError>
+where
+    B: Broker,
+    C: Fn() -> F,
+    F: Future<Output = Result<B, BrokerError>>,
+{
+    let plan = topology::plan(&config);
+    let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let tracker = TaskTracker::new();
+    let workers: Vec<Arc<Worker>> = config
+        .queues
+        .keys()
+        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), in_flight.clone())))
+        .collect();
+    let mut failures = 0u32;
+    let mut declared_once = false;
+    loop {
+        let session = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            s = connect() => s,
+        };
+        let broker = match session {
+            Ok(b) => b,
+            Err(e) => {
+                failures += 1;
+                let delay = backoff::reconnect_delay(failures, Duration::from_secs(10), &mut rand::rng());
+                warn!(error = %e, retry_in = ?delay, "broker unreachable; retrying");
+                if sleep_or_shutdown(delay, &shutdown).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        match broker.declare(&plan).await {
+            Ok(()) => {}
+            Err(e @ (BrokerError::Conflict(_) | BrokerError::NotFound(_))) => {
+                broker.close().await;
+                return Err(e.into());
+            }
+            Err(e) => {
+                failures += 1;
+                warn!(error = %e, "declaring the topology failed; reconnecting");
+                continue;
+            }
+        }
+        info!(queues = workers.len(), reconnect = declared_once, "topology declared; starting workers");
+        declared_once = true;
+        failures = 0;
+        let stop = shutdown.child_token();
+        let mut running = JoinSet::new();
+        for w in &workers {
+            running.spawn(w.clone().run(broker.clone(), stop.clone(), tracker.clone()));
+        }
+        if options.exit_when_idle {
+            let (broker, plan, in_flight, stop) = (broker.clone(), plan.clone(), in_flight.clone(), stop.clone());
+            running.spawn(async move {
+                watch_idle(&broker, &plan, &in_flight, &stop).await;
+                Ok(())
+            });
+        }
+        let mut lost = None;
+        while let Some(result) = running.join_next().await {
+            match result {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    lost.get_or_insert(e);
+                    stop.cancel();
+                }
+                Err(e) => {
+                    error!(error = %e, "worker task failed");
+                    stop.cancel();
+                }
+            }
+        }
+        match lost {
+            Some(e) if !shutdown.is_cancelled() => {
+                error!(error = %e, "broker session lost; reconnecting");
+                broker.close().await;
+            }
+            _ => {
+                drain(&tracker, options.shutdown_grace, &in_flight).await;
+                broker.close().await;
+                return Ok(());
+            }
+        }
+    }
+    drain(&tracker, options.shutdown_grace, &in_flight).await;
+    Ok(())
+}
+
+async fn drain(tracker: &TaskTracker, grace: Duration, in_flight: &AtomicUsize) {
+    tracker.close();
+    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+        warn!(
+            in_flight = in_flight.load(Ordering::SeqCst),
+            ?grace,
+            "shutdown grace expired; unfinished messages go back to the broker"
+        );
+    }
+}
+
+/// Sleeps; true if shutdown came first.
+async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => true,
+        _ = tokio::time::sleep(delay) => false,
+    }
+}
+
+/// Cancels `stop` once every work and delay queue is empty and nothing is in flight, twice in
+/// a row (a message between two hops of the cascade must not look like idleness).
+async fn watch_idle<B: Broker>(broker: &B, plan: &Plan, in_flight: &AtomicUsize, stop: &CancellationToken) {
+    let queues: Vec<&str> =
+        plan.queues.iter().filter(|q| q.role != Role::DeadLetter).map(|q| q.name.as_str()).collect();
+    let mut idle_polls = 0;
+    while !stop.is_cancelled() {
+        if sleep_or_shutdown(Duration::from_millis(250), stop).await {
+            return;
+        }
+        let mut idle = in_flight.load(Ordering::SeqCst) == 0;
+        for q in &queues {
+            if !idle {
+                break;
+            }
+            idle = matches!(broker.depth(q).await, Ok(0));
+        }
+        idle_polls = if idle && in_flight.load(Ordering::SeqCst) == 0 { idle_polls + 1 } else { 0 };
+        if idle_polls >= 3 {
+            info!("every queue is drained; exiting (--exit-when-idle)");
+            stop.cancel();
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! One worker per queue: consume with prefetch = concurrency, run each delivery through
+//! decode → schema → render → rate limit → handler, turn the result into exactly one
+//! [`Disposition`], make it durable (a confirmed retry or dead-letter copy), then ack.
+//!
+//! A delivery whose copy is not confirmed is never acked: the worker keeps retrying the
+//! publish while the delivery's channel lives, and otherwise leaves it to the broker to
+//! redeliver.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+use futures_util::StreamExt;
+use governor::{DefaultDirectRateLimiter, Quota};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, error, info, warn};
+
+use super::backoff;
+use crate::broker::{Broker, BrokerError, Delivery, HeaderValue, Headers};
+use crate::config::{Config, Queue};
+use crate::envelope::{self, Envelope};
+use crate::handler::HandlerError;
+use crate::handler::call;
+
+/// How a delivery ends. Every delivery gets exactly one.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Disposition {
+    /// Done (or a duplicate of something done): ack.
+    Ack,
+    /// Try again: a copy with attempt `next` reaches the queue after `after`, then ack.
+    Retry { next: u32, after: Duration, error: String },
+    /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
+    DeadLetter { reason: Reason, error: String, attempts: u32 },
+}
+
+/// Why a message was dead-lettered (the `x-sluice-reason` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Permanent,
+    Exhausted,
+    Malformed,
+    Schema,
+    Template,
+}
+
+impl Reason {
+    /// The header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Permanent => "permanent",
+            Reason::Exhausted => "exhausted",
+            Reason::Malformed => "malformed",
+            Reason::Schema => "schema",
+            Reason::Template => "template",
+        }
+    }
+}
+
+/// Error texts in headers are kept short.
+const MAX_ERROR_HEADER: usize = 1000;
+
+/// Everything a queue's worker needs, shared by its delivery tasks.
+pub struct Worker {
+    config: Arc<Config>,
+    name: String,
+    limiter: Option<DefaultDirectRateLimiter>,
+    client: reqwest::Client,
+    /// Deliveries received and not yet settled, across all workers (for `--exit-when-idle`).
+    in_flight: Arc<AtomicUsize>,
+}
+
+enum AckEvent<D> {
+    Received(u64),
+    Finished(D),
+}
+
+impl Worker {
+    /// A worker for queue `name` of `config`.
+    pub fn new(config: Arc<Config>, name: &str, client: reqwest::Client, in_flight: Arc<AtomicUsize>) -> Worker {
+        let limiter = config.queues.get(name).and_then(|q| q.rate_limit).and_then(|r| {
+            let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
+            Some(DefaultDirectRateLimiter::direct(quota))
+        });
+        Worker { config, name: name.to_string(), limiter, client, in_flight }
+    }
+
+    fn queue(&self) -> &Queue {
+        // Workers are only made for queues of their config.
+        &self.config.queues[&self.name]
+    }
+
+    /// Consumes until `stop` (then drains what was already delivered) or until the session
+    /// is lost (an error). Delivery tasks are spawned on `tracker`.
+    pub async fn run<B: Broker>(
+        self: Arc<Self>,
+        broker: B,
+        stop: CancellationToken,
+        tracker: TaskTracker,
+    ) -> Result<(), BrokerError> {
+        let queue = self.queue();
+        let mut deliveries = broker.consume(&queue.name, queue.concurrency.get()).await?;
+        info!(queue = %queue.name, concurrency = queue.concurrency.get(), "consuming");
+        let (acks, ack_events) = mpsc::unbounded_channel();
+        let acker = tokio::spawn(ack_loop(ack_events, usize::from(queue.concurrency.get()) / 2));
+        let mut cancelled = false;
+        let result = loop {
+            tokio::select! {
+                _ = stop.cancelled(), if !cancelled => {
+                    cancelled = true;
+                    if let Err(e) = broker.cancel(&queue.name).await {
+                        break Err(e);
+                    }
+                }
+                item = deliveries.next() => match item {
+                    Some(Ok(delivery)) => {
+                        self.in_flight.fetch_add(1, Ordering::SeqCst);
+                        let _ = acks.send(AckEvent::Received(delivery.tag()));
+                        let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
+                        tracker.spawn(async move {
+                            let disposition = worker.decide(&delivery).await;
+                            if worker.settle(&broker, &delivery, disposition).await {
+                                let _ = acks.send(AckEvent::Finished(delivery));
+                            }
+                            worker.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    }
+                    Some(Err(e)) => break Err(e),
+                    None if cancelled => break Ok(()),
+                    None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name))),
+                }
+            }
+        };
+        drop(acks);
+        if result.is_ok() {
+            // Let the delivery tasks finish so their acks are sent before we return.
+            let _ = acker.await;
+        }
+        result
+    }
+
+    /// Decides what happens to a delivery: runs the handler unless the message is bad.
+    pub async fn decide<D: Delivery>(&self, delivery: &D) -> Disposition {
+        let q = self.queue();
+        let attempt = match delivery.header(envelope::ATTEMPT_HEADER) {
+            Some(HeaderValue::Int(n)) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
+            Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
+            _ => 1,
+        };
+        let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
+        let envelope = match Envelope::decode(delivery.body()) {
+            Ok(e) => e,
+            Err(e) => return dead(Reason::Malformed, e.to_string()),
+        };
+        if let Some(schema) = &q.payload_schema
+            && let Some(e) = schema.validator.iter_errors(&envelope.payload).next()
+        {
+            return dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str()));
+        }
+        let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());
+        let prepared = match call::render_call(q, &envelope, delivery.body(), attempt, traceparent.as_deref(), false) {
+            Ok(c) => c,
+            Err(e) => return dead(Reason::Template, e.to_string()),
+        };
+        if let Some(limiter) = &self.limiter {
+            limiter.until_ready().await;
+        }
+        match call::execute(prepared, &self.client).await {
+            Ok(()) => {
+                debug!(queue = %q.name, id = %envelope.id, attempt, "handled");
+                Disposition::Ack
+            }
+            Err(HandlerError::Permanent { error }) => dead(Reason::Permanent, error),
+            Err(HandlerError::Transient { error, .. }) if attempt >= q.retry.max_attempts.get() => {
+                dead(Reason::Exhausted, error)
+            }
+            Err(HandlerError::Transient { error, retry_after }) => {
+                let after = backoff::retry_delay(&q.retry, attempt + 1, retry_after, &mut rand::rng());
+                Disposition::Retry { next: attempt + 1, after, error }
+            }
+        }
+    }
+
+    /// Makes a disposition durable; true when the delivery may now be acked.
+    async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: Disposition) -> bool {
+        let q = self.queue();
+        let (headers, describe) = match &disposition {
+            Disposition::Ack => return true,
+            Disposition::Retry { next, after, error } => {
+                warn!(queue = %q.name, attempt = next - 1, retry_in = ?after, %error, "handler failed; retrying");
+                let headers =
+                    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(*next)))]);
+                (headers, "retry copy")
+            }
+            Disposition::DeadLetter { reason, error, attempts } => {
+                warn!(queue = %q.name, reason = reason.as_str(), attempts, %error, "dead-lettering");
+                let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
+                let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+                let headers = BTreeMap::from([
+                    (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
+                    (envelope::ERROR_HEADER.to_string(), HeaderValue::Str(error)),
+                    (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(*attempts))),
+                    (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
+                    (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(q.name.clone())),
+                ]);
+                (headers, "dead-letter copy")
+            }
+        };
+        let mut failures = 0;
+        loop {
+            let published = match &disposition {
+                Disposition::Retry { after, .. } => {
+                    broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
+                }
+                _ => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
+            };
+            match published {
+                Ok(()) => return true,
+                Err(e) if !delivery.is_live() || !broker.is_connected() => {
+                    warn!(queue = %q.name, error = %e, "{describe} not confirmed and the channel is gone; the broker will redeliver");
+                    return false;
+                }
+                Err(e) => {
+                    failures += 1;
+                    error!(queue = %q.name, error = %e, failures, "{describe} refused by the broker; holding the message and retrying");
+                    let delay = backoff::reconnect_delay(failures, Duration::from_secs(10), &mut rand::rng());
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    }
+}
+
+/// Acks settled deliveries: the contiguous settled range from the oldest unsettled delivery
+/// in one `multiple` ack; settled deliveries beyond a gap wait for it, unless more than
+/// `hold` of them wait (so one slow handler cannot pin the whole prefetch window).
+async fn ack_loop<D: Delivery>(mut events: mpsc::UnboundedReceiver<AckEvent<D>>, hold: usize) {
+    let mut outstanding: BTreeMap<u64, Option<D>> = BTreeMap::new();
+    let mut batch = Vec::new();
+    while events.recv_many(&mut batch, 1024).await > 0 {
+        for event in batch.drain(..) {
+            match event {
+                AckEvent::Received(tag) => {
+                    outstanding.insert(tag, None);
+                }
+                AckEvent::Finished(d) => {
+                    outstanding.insert(d.tag(), Some(d));
+                }
+            }
+        }
+        let mut last = None;
+        while let Some(entry) = outstanding.first_entry() {
+            if entry.get().is_none() {
+                break;
+            }
+            last = entry.remove();
+        }
+        if let Some(d) = last {
+            ack(&d, true).await;
+        }
+        let waiting = outstanding.values().filter(|d| d.is_some()).count();
+        if waiting > hold {
+            let settled: Vec<u64> = outstanding.iter().filter(|(_, d)| d.is_some()).map(|(t, _)| *t).collect();
+            for tag in settled {
+                if let Some(Some(d)) = outstanding.remove(&tag) {
+                    ack(&d, false).await;
+                }
+            }
+        }
+    }
+}
+
+async fn ack<D: Delivery>(delivery: &D, multiple: bool) {
+    if let Err(e) = delivery.ack(multiple).await {
+        warn!(error = %e, "ack failed; the broker will redeliver");
+    }
+}

@@ -1,0 +1,226 @@
+//! The command handler with real subprocesses. `/bin/sh -c` is only the program under
+//! test here; the handler itself never goes through a shell.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sluice::handler::HandlerError;
+use sluice::handler::command::{self, CAPTURE_BYTES, Invocation, Output, Stdin};
+
+/// `/bin/sh -c script`, with `args` as `$0 $1 ...`.
+fn sh(script: &str, args: &[&str]) -> Invocation {
+    Invocation {
+        program: PathBuf::from("/bin/sh"),
+        args: ["-c", script].iter().chain(args).map(|arg| (*arg).to_owned()).collect(),
+        env: Vec::new(),
+        stdin: Stdin::Null,
+        timeout: Duration::from_secs(30),
+        permanent_exit_codes: vec![65],
+    }
+}
+
+async fn run_ok(invocation: &Invocation) -> Output {
+    match command::run(invocation).await {
+        Ok(output) => output,
+        Err(error) => panic!("expected success, got {error:?}"),
+    }
+}
+
+/// Polls `condition` until it holds, failing the test after `deadline`.
+async fn wait_until(deadline: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !condition() {
+        assert!(start.elapsed() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Whether `pid` is a running process. A killed process whose new parent (the container's
+/// init) has not reaped it yet lingers as a zombie; it is dead all the same.
+fn is_running(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 only checks that the process exists; nothing is delivered.
+    let exists = unsafe { libc::kill(pid, 0) } == 0;
+    exists
+        && std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            // The state follows the parenthesised command name, which may contain spaces.
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+}
+
+/// The pid a script wrote to `pidfile`, once it is completely written.
+fn read_pid(pidfile: &Path) -> Option<libc::pid_t> {
+    let text = std::fs::read_to_string(pidfile).ok()?;
+    text.strip_suffix('\n')?.parse().ok()
+}
+
+#[tokio::test]
+async fn exit_codes_map_to_outcomes() {
+    let cases = [
+        ("exit 0", Ok(())),
+        (
+            "echo 'order 1234: amount is negative' >&2; exit 65",
+            Err(HandlerError::permanent("exit 65: order 1234: amount is negative")),
+        ),
+        ("exit 3", Err(HandlerError::transient("exit 3"))),
+        ("echo 'database is down' >&2; exit 1", Err(HandlerError::transient("exit 1: database is down"))),
+        ("kill -9 $$", Err(HandlerError::transient("killed by signal 9"))),
+    ];
+    for (script, expected) in cases {
+        let result = command::run(&sh(script, &[])).await.map(|_| ());
+        assert_eq!(result, expected, "script {script:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_error_quotes_the_end_of_stderr() {
+    let script = "for i in $(seq 1 500); do echo \"progress $i\" >&2; done; \
+                  echo 'fatal: bad payload' >&2; exit 65";
+    let Err(HandlerError::Permanent { error }) = command::run(&sh(script, &[])).await else {
+        panic!("expected a permanent failure");
+    };
+    assert!(error.starts_with("exit 65: …"), "{error}");
+    assert!(error.ends_with("progress 500 fatal: bad payload"), "{error}");
+    assert!(error.len() < 300, "{error}");
+}
+
+#[tokio::test]
+async fn a_timeout_kills_the_whole_process_group() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pidfile = dir.path().join("grandchild.pid");
+    let mut invocation = sh("sleep 30 & echo $! > \"$1\"; wait", &["sh", pidfile.to_str().expect("utf-8 path")]);
+    invocation.timeout = Duration::from_millis(500);
+
+    let started = Instant::now();
+    let result = command::run(&invocation).await;
+
+    assert_eq!(result, Err(HandlerError::transient("timeout after 500ms")));
+    assert!(started.elapsed() < Duration::from_secs(10), "run ended late");
+    let pid = read_pid(&pidfile).expect("the script wrote the grandchild's pid");
+    wait_until(Duration::from_secs(5), "the grandchild is gone", || !is_running(pid)).await;
+}
+
+#[tokio::test]
+async fn a_cancelled_run_kills_the_whole_process_group() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pidfile = dir.path().join("grandchild.pid");
+    let invocation = sh("sleep 30 & echo $! > \"$1\"; wait", &["sh", pidfile.to_str().expect("utf-8 path")]);
+    let pid = std::cell::Cell::new(None);
+
+    // The caller gives up (as a drain deadline would) once the grandchild is running.
+    tokio::select! {
+        result = command::run(&invocation) => panic!("run ended on its own: {result:?}"),
+        () = wait_until(Duration::from_secs(5), "the grandchild is started", || {
+            pid.set(read_pid(&pidfile));
+            pid.get().is_some()
+        }) => {}
+    }
+
+    let pid = pid.get().expect("grandchild pid");
+    wait_until(Duration::from_secs(5), "the grandchild is gone", || !is_running(pid)).await;
+}
+
+#[tokio::test]
+async fn stdin_bytes_reach_the_program() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("stdin");
+    let input = b"{\"id\": \"0193\"}\n\x00binary\xff".to_vec();
+    let mut invocation = sh("cat > \"$1\"", &["sh", file.to_str().expect("utf-8 path")]);
+    invocation.stdin = Stdin::Bytes(input.clone());
+
+    run_ok(&invocation).await;
+
+    assert_eq!(std::fs::read(&file).expect("file written"), input);
+}
+
+#[tokio::test]
+async fn null_stdin_reads_as_empty() {
+    let output = run_ok(&sh("wc -c", &[])).await;
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "0");
+}
+
+#[tokio::test]
+async fn large_output_is_drained_and_only_its_tail_kept() {
+    // 5 MB of numbered lines, so the tail shows which bytes were kept.
+    let output = run_ok(&sh("seq 1 700000; echo done >&2", &[])).await;
+
+    assert_eq!(output.stdout.len(), CAPTURE_BYTES);
+    assert!(output.stdout.ends_with(b"699999\n700000\n"));
+    assert_eq!(output.stderr, b"done\n");
+}
+
+#[tokio::test]
+async fn a_program_that_writes_before_reading_stdin_does_not_deadlock() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("stdin");
+    // More output than a pipe buffer holds, before the program reads any input.
+    let mut invocation = sh("head -c 1000000 /dev/zero; cat > \"$1\"", &["sh", file.to_str().expect("utf-8 path")]);
+    invocation.stdin = Stdin::Bytes(vec![b'x'; 1_000_000]);
+
+    let output = run_ok(&invocation).await;
+
+    assert_eq!(output.stdout.len(), CAPTURE_BYTES);
+    assert_eq!(std::fs::metadata(&file).expect("file written").len(), 1_000_000);
+}
+
+#[tokio::test]
+async fn a_program_that_ignores_stdin_still_completes() {
+    let mut invocation = sh("echo ignored", &[]);
+    invocation.stdin = Stdin::Bytes(vec![b'x'; 1_000_000]);
+
+    let output = run_ok(&invocation).await;
+
+    assert_eq!(output.stdout, b"ignored\n");
+}
+
+#[tokio::test]
+async fn env_vars_are_added_to_the_inherited_environment() {
+    let mut invocation = sh("printf '%s|%s|%s' \"$SLUICE_MESSAGE_ID\" \"$SLUICE_ATTEMPT\" \"$PATH\"", &[]);
+    invocation.env =
+        vec![("SLUICE_MESSAGE_ID".to_owned(), "0193 abc".to_owned()), ("SLUICE_ATTEMPT".to_owned(), "2".to_owned())];
+
+    let output = run_ok(&invocation).await;
+
+    let path = std::env::var("PATH").unwrap_or_default();
+    assert_eq!(String::from_utf8_lossy(&output.stdout), format!("0193 abc|2|{path}"));
+}
+
+#[tokio::test]
+async fn args_arrive_verbatim() {
+    let args = ["two words", "it's \"quoted\"", "$(touch /tmp/sluice-pwned)", "`id`", "$HOME; rm -rf /", "*", ""];
+    // printf, not sh: the arguments go straight into argv.
+    let invocation = Invocation {
+        program: PathBuf::from("printf"),
+        args: std::iter::once("%s\\n").chain(args).map(str::to_owned).collect(),
+        ..sh("", &[])
+    };
+
+    let output = run_ok(&invocation).await;
+
+    let expected: String = args.iter().map(|arg| format!("{arg}\n")).collect();
+    assert_eq!(String::from_utf8_lossy(&output.stdout), expected);
+    assert!(!Path::new("/tmp/sluice-pwned").exists());
+}
+
+#[tokio::test]
+async fn a_missing_program_is_permanent_and_named() {
+    let invocation = Invocation { program: PathBuf::from("/nonexistent/resize.sh"), ..sh("", &[]) };
+
+    let result = command::run(&invocation).await;
+
+    let Err(HandlerError::Permanent { error }) = result else {
+        panic!("expected permanent, got {result:?}");
+    };
+    assert!(error.contains("\"/nonexistent/resize.sh\""), "{error}");
+}
+
+#[tokio::test]
+async fn a_file_that_is_not_executable_is_permanent() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let script = dir.path().join("script.sh");
+    std::fs::write(&script, "#!/bin/sh\nexit 0\n").expect("write script");
+    let invocation = Invocation { program: script, ..sh("", &[]) };
+
+    let result = command::run(&invocation).await;
+
+    assert!(matches!(&result, Err(HandlerError::Permanent { error }) if error.contains("script.sh")), "{result:?}");
+}

@@ -76,6 +76,12 @@ pub struct Sluice {
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
+        Sluice::run_with_env(dir, url, extra, &[])
+    }
+
+    /// Like [`Sluice::run`], with extra environment variables for the process (secrets,
+    /// values that `{{env.X}}` templates read).
+    pub fn run_with_env(dir: &Path, url: &str, extra: &[&str], env: &[(&str, &str)]) -> Sluice {
         let log = dir.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
         let file = std::fs::File::create(&log).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
@@ -84,6 +90,7 @@ impl Sluice {
             .args(["--broker", url])
             .args(extra)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
@@ -140,8 +147,20 @@ pub async fn publish_raw(broker: &Amqp, exchange: &str, routing_key: &str, body:
     broker.publish(exchange, routing_key, message).await.expect("publish confirmed");
 }
 
+/// A message read from a queue: body, the headers sluice reads, and all AMQP properties.
+pub struct Drained {
+    pub body: Vec<u8>,
+    pub headers: std::collections::BTreeMap<String, HeaderValue>,
+    pub properties: lapin::BasicProperties,
+}
+
 /// Reads every message in `queue` (without removing them for good: they are nacked back).
 pub async fn drain_queue(url: &str, queue: &str) -> Vec<(Vec<u8>, std::collections::BTreeMap<String, HeaderValue>)> {
+    drain_messages(url, queue).await.into_iter().map(|m| (m.body, m.headers)).collect()
+}
+
+/// Like [`drain_queue`], with each message's AMQP properties.
+pub async fn drain_messages(url: &str, queue: &str) -> Vec<Drained> {
     use lapin::options::{BasicGetOptions, BasicNackOptions};
     let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await.expect("connect");
     let channel = conn.create_channel().await.expect("channel");
@@ -162,7 +181,7 @@ pub async fn drain_queue(url: &str, queue: &str) -> Vec<(Vec<u8>, std::collectio
                 headers.insert(k.as_str().to_string(), value);
             }
         }
-        out.push((msg.delivery.data.clone(), headers));
+        out.push(Drained { body: msg.delivery.data.clone(), headers, properties: msg.delivery.properties.clone() });
         held.push(msg);
     }
     for msg in held {
@@ -202,4 +221,226 @@ pub async fn declare(dir: &Path, broker: &Amqp) {
     let validation = sluice::config::load(&[dir.to_path_buf()]);
     let config = validation.config.unwrap_or_else(|| panic!("test pipeline invalid: {:?}", validation.diagnostics));
     broker.declare(&sluice::topology::plan(&config)).await.expect("declare topology");
+}
+
+/// How a one-shot `sluice` command ended.
+#[derive(Debug)]
+pub struct Finished {
+    /// The exit code, or None if killed by a signal.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `sluice ARGS` to completion with extra environment variables; killed (and the test
+/// failed) if it takes longer than `deadline`.
+pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Finished {
+    // Files rather than pipes: nothing to drain while we poll for the exit.
+    let out = tempfile::tempfile().expect("stdout file");
+    let err = tempfile::tempfile().expect("stderr file");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().expect("dup"))
+        .stderr(err.try_clone().expect("dup"))
+        .spawn()
+        .expect("spawn sluice");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("sluice {args:?} did not exit within {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let read = |mut file: std::fs::File| {
+        use std::io::{Read, Seek};
+        let mut text = String::new();
+        file.rewind().expect("rewind");
+        file.read_to_string(&mut text).expect("utf-8 output");
+        text
+    };
+    Finished { code: status.code(), stdout: read(out), stderr: read(err) }
+}
+
+/// One request as the [`Receiver`] saw it.
+#[derive(Debug, Clone)]
+pub struct Hit {
+    /// When its head arrived.
+    pub at: Instant,
+    pub method: String,
+    /// Path and query exactly as sent (still percent-encoded).
+    pub target: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Hit {
+    /// The first value of a header (names are case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    /// The body parsed as JSON (panics if it is not).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+/// What the [`Receiver`] answers to one request.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    /// How long the request stays in flight before the answer.
+    pub delay: Duration,
+}
+
+impl Reply {
+    pub fn status(status: u16) -> Reply {
+        Reply { status, headers: Vec::new(), delay: Duration::ZERO }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Reply {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    pub fn after(mut self, delay: Duration) -> Reply {
+        self.delay = delay;
+        self
+    }
+}
+
+type Responder = dyn Fn(&Hit, usize) -> Reply + Send + Sync;
+
+struct ReceiverState {
+    hits: std::sync::Mutex<Vec<Hit>>,
+    in_flight: std::sync::atomic::AtomicUsize,
+    max_in_flight: std::sync::atomic::AtomicUsize,
+    respond: Box<Responder>,
+}
+
+/// A webhook receiver that records every request with its arrival time and how many requests
+/// were in flight at once — what wiremock does not record. Stops on drop.
+pub struct Receiver {
+    uri: String,
+    state: std::sync::Arc<ReceiverState>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Receiver {
+    /// Starts a receiver; `respond` gets each request and how many came before it.
+    pub async fn start(respond: impl Fn(&Hit, usize) -> Reply + Send + Sync + 'static) -> Receiver {
+        use hyper_util::rt::TokioIo;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
+        let uri = format!("http://{}", listener.local_addr().expect("local addr"));
+        let state = std::sync::Arc::new(ReceiverState {
+            hits: Default::default(),
+            in_flight: Default::default(),
+            max_in_flight: Default::default(),
+            respond: Box::new(respond),
+        });
+        let shared = state.clone();
+        let server = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let state = shared.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request| state.clone().handle(request));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Receiver { uri, state, server }
+    }
+
+    /// A receiver that answers 200 at once to everything.
+    pub async fn ok() -> Receiver {
+        Receiver::start(|_, _| Reply::status(200)).await
+    }
+
+    /// `http://127.0.0.1:PORT`, without a trailing slash.
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn hits(&self) -> Vec<Hit> {
+        self.state.hits.lock().expect("hits lock").clone()
+    }
+
+    /// The most requests that were ever in flight at the same time.
+    pub fn max_in_flight(&self) -> usize {
+        self.state.max_in_flight.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until at least `n` requests have arrived, then returns them all.
+    pub async fn wait_for(&self, n: usize, deadline: Duration) -> Vec<Hit> {
+        wait_until(deadline, &format!("{n} request(s) at the receiver"), || async { self.hits().len() >= n }).await;
+        self.hits()
+    }
+}
+
+impl ReceiverState {
+    async fn handle(
+        self: std::sync::Arc<Self>,
+        request: hyper::Request<hyper::body::Incoming>,
+    ) -> Result<hyper::Response<http_body_util::Full<hyper::body::Bytes>>, std::convert::Infallible> {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::Ordering;
+
+        /// Leaves the in-flight count however the request ends.
+        struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for InFlight<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+
+        let at = Instant::now();
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        let _guard = InFlight(&self.in_flight);
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        let (parts, body) = request.into_parts();
+        let body = body.collect().await.map(|b| b.to_bytes().to_vec()).unwrap_or_default();
+        let hit = Hit {
+            at,
+            method: parts.method.to_string(),
+            target: parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default(),
+            headers: parts
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+                .collect(),
+            body,
+        };
+        let reply = {
+            let mut hits = self.hits.lock().expect("hits lock");
+            let reply = (self.respond)(&hit, hits.len());
+            hits.push(hit);
+            reply
+        };
+        if !reply.delay.is_zero() {
+            tokio::time::sleep(reply.delay).await;
+        }
+        let mut response = hyper::Response::builder().status(reply.status);
+        for (name, value) in &reply.headers {
+            response = response.header(name, value);
+        }
+        Ok(response.body(http_body_util::Full::new(hyper::body::Bytes::new())).expect("valid response"))
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
 }

@@ -18,6 +18,7 @@ use tracing::{error, info, warn};
 
 use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
+use crate::dedup::Store;
 use crate::topology::{self, Plan, Role};
 use worker::Worker;
 
@@ -44,6 +45,7 @@ pub enum RunError {
 pub async fn run<B, C, F>(
     config: Arc<Config>,
     connect: C,
+    store: Option<Store>,
     options: Options,
     shutdown: CancellationToken,
 ) -> Result<(), RunError>
@@ -59,8 +61,12 @@ where
     let workers: Vec<Arc<Worker>> = config
         .queues
         .keys()
-        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), in_flight.clone())))
+        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), in_flight.clone(), store.clone())))
         .collect();
+    if let Some(store) = store.clone() {
+        let stop = shutdown.clone();
+        tokio::spawn(async move { purge_expired(&store, &stop).await });
+    }
     let mut failures = 0u32;
     let mut declared_once = false;
     loop {
@@ -147,6 +153,23 @@ async fn drain(tracker: &TaskTracker, grace: Duration, in_flight: &AtomicUsize) 
         );
     }
 }
+
+/// Removes expired idempotency keys now and then, so the store does not grow.
+async fn purge_expired(store: &Store, stop: &CancellationToken) {
+    loop {
+        match store.purge().await {
+            Ok(0) => {}
+            Ok(n) => info!(purged = n, "expired idempotency keys removed"),
+            Err(e) => warn!(error = %e, "purging expired idempotency keys failed"),
+        }
+        if sleep_or_shutdown(PURGE_EVERY, stop).await {
+            return;
+        }
+    }
+}
+
+/// How often expired idempotency keys are purged.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
 
 /// Sleeps; true if shutdown came first.
 async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> bool {

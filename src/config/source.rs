@@ -286,7 +286,8 @@ impl SpanMap {
             }
             Some(Frame::Skip { .. }) => return None,
         };
-        self.values.entry(pointer.clone()).or_insert(pos);
+        // An explicit value overrides one a `<<` merge earlier in the same mapping recorded.
+        self.values.insert(pointer.clone(), pos);
         Some(pointer)
     }
 
@@ -341,6 +342,16 @@ mod tests {
         assert_eq!(f.value["queues"]["q"]["retry"]["max"], "5m");
         assert_eq!(f.pos("/queues/q/retry/max"), Pos { line: 3, column: 10 });
         assert_eq!(f.pos("/queues/q/concurrency"), Pos { line: 7, column: 18 });
+    }
+
+    #[test]
+    fn explicit_keys_after_a_merge_point_at_themselves() {
+        let text = "x-r: &r\n  max: 5m\n  initial: 1s\nretry:\n  <<: *r\n  max: 0s\n";
+        let f = parsed(text);
+        assert_eq!(f.value["retry"]["max"], "0s");
+        assert_eq!(f.pos("/retry/max"), Pos { line: 6, column: 8 });
+        assert_eq!(f.key_pos("/retry/max"), Pos { line: 6, column: 3 });
+        assert_eq!(f.pos("/retry/initial"), Pos { line: 3, column: 12 });
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //!
 //! This module knows YAML, not the pipeline format: it never interprets keys.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use saphyr_parser::{Event, Parser, Span};
@@ -145,11 +145,19 @@ pub fn escape_token(token: &str) -> String {
     token.replace('~', "~0").replace('/', "~1")
 }
 
-/// JSON pointer → position of the value, and of the key for object members.
+/// How many positions aliases and merges may copy in one file. Beyond it, nodes reached only
+/// through an alias report the alias's own position: an alias bomb ("billion laughs") must
+/// not expand here (the YAML loader rejects it afterwards).
+const MAX_ALIAS_COPIES: usize = 100_000;
+
+/// JSON pointer → position of the value, and of the key for object members. Ordered, so that
+/// the nodes under an anchor are one range.
 #[derive(Debug, Default)]
 struct SpanMap {
-    values: HashMap<String, Pos>,
-    keys: HashMap<String, Pos>,
+    values: BTreeMap<String, Pos>,
+    keys: BTreeMap<String, Pos>,
+    /// Positions copied so far for aliases and merges, bounded by `MAX_ALIAS_COPIES`.
+    copied: usize,
 }
 
 enum Frame {
@@ -296,7 +304,8 @@ impl SpanMap {
     fn copy_subtree(&mut self, base: &str, target: &str, merge: bool) {
         for table in [&mut self.values, &mut self.keys] {
             let copies: Vec<(String, Pos)> = table
-                .iter()
+                .range(base.to_string()..)
+                .take_while(|(k, _)| k.starts_with(base))
                 .filter_map(|(k, v)| {
                     let rest = k.strip_prefix(base)?;
                     if merge && rest.is_empty() {
@@ -304,7 +313,9 @@ impl SpanMap {
                     }
                     (rest.is_empty() || rest.starts_with('/')).then(|| (format!("{target}{rest}"), *v))
                 })
+                .take(MAX_ALIAS_COPIES.saturating_sub(self.copied))
                 .collect();
+            self.copied += copies.len();
             for (k, v) in copies {
                 table.entry(k).or_insert(v);
             }
@@ -365,6 +376,19 @@ mod tests {
         let err = parse(Path::new("t.yaml"), "a: [1, 2\nb: 3\n".to_string()).unwrap_err();
         assert!(err.message.starts_with("YAML syntax error"), "{}", err.message);
         assert!(err.line >= 1);
+    }
+
+    #[test]
+    fn alias_expansion_is_bounded() {
+        let mut text = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+        for level in 1..10 {
+            let prev = (b'a' + level - 1) as char;
+            let aliases = vec![format!("*{prev}"); 10].join(", ");
+            text.push_str(&format!("{}: &{} [{aliases}]\n", (b'a' + level) as char, (b'a' + level) as char));
+        }
+        let spans = SpanMap::build(&text).expect("well-formed YAML");
+        assert!(spans.values.len() <= MAX_ALIAS_COPIES + 200, "{}", spans.values.len());
+        assert_eq!(spans.value_pos("/b/3/9"), Pos { line: 1, column: 35 });
     }
 
     #[test]

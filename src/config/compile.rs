@@ -250,7 +250,12 @@ impl Compiler<'_> {
                 "m" => Duration::from_secs(60),
                 _ => Duration::from_secs(3600),
             };
-            Some(RateLimit { count: n.parse().ok()?, per })
+            let Ok(count) = n.parse() else {
+                let message = format!("rate limit \"{text}\": the count can be at most {}", u32::MAX);
+                self.error(file, &format!("{base}/rate_limit"), message);
+                return None;
+            };
+            Some(RateLimit { count, per })
         });
 
         let payload_schema =

@@ -140,13 +140,9 @@ impl Compiler<'_> {
         pointer: &str,
     ) -> bool {
         let pos = file.key_pos(pointer);
-        for prefix in ["amq.", "sluice."] {
-            if name.starts_with(prefix) {
-                let owner = if prefix == "amq." { "RabbitMQ" } else { "sluice's own delay queues" };
-                let message = format!("{what} name \"{name}\": the prefix \"{prefix}\" is reserved for {owner}");
-                self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
-                return false;
-            }
+        if let Some(message) = reserved(what, name) {
+            self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
+            return false;
         }
         if let Some(first) = defined.get(&(what, name.to_string())) {
             let message = format!(
@@ -266,6 +262,9 @@ impl Compiler<'_> {
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
         let dead_letter = q.dead_letter.queue.unwrap_or_else(|| format!("{name}.dlq"));
+        if let Some(message) = reserved("dead-letter queue", &dead_letter) {
+            self.error(file, &format!("{base}/dead_letter/queue"), message);
+        }
 
         (self.error_count() == errors_before).then(|| Queue {
             name: name.to_string(),
@@ -484,6 +483,13 @@ impl Compiler<'_> {
             }
         }
     }
+}
+
+/// Why `name` may not be declared, when its prefix belongs to the broker or to sluice.
+fn reserved(what: &str, name: &str) -> Option<String> {
+    let prefix = ["amq.", "sluice."].into_iter().find(|p| name.starts_with(p))?;
+    let owner = if prefix == "amq." { "RabbitMQ" } else { "sluice's own delay queues" };
+    Some(format!("{what} name \"{name}\": the prefix \"{prefix}\" is reserved for {owner}"))
 }
 
 /// The scheme and host of a webhook URL must be literal: payloads may not choose where requests go.

@@ -71,7 +71,23 @@ fn deserialize(file: &SourceFile) -> Result<raw::File, Diagnostic> {
     if let Some(map) = value.as_object_mut() {
         map.retain(|k, _| !k.starts_with("x-"));
     }
+    integral_floats_as_integers(&mut value);
     serde_json::from_value(value).map_err(|e| file.diag(Severity::Error, "", e.to_string()))
+}
+
+/// JSON Schema counts `8.0` as an integer, so the schema accepts `concurrency: 8.0`; serde would
+/// then fail with no position. Make such numbers integers, as the schema already saw them.
+fn integral_floats_as_integers(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            if let Some(f) = n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 2f64.powi(53)) {
+                *n = (f as i64).into();
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
+        serde_json::Value::Object(map) => map.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
 }
 
 struct Compiler<'a> {
@@ -542,6 +558,14 @@ fn resolve_program(dir: &Path, program: &str) -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integral_floats_become_integers() {
+        let mut v = serde_json::json!({"a": 8.0, "b": [2.5, 1e3], "c": 1e30, "d": 7, "e": "8.0"});
+        integral_floats_as_integers(&mut v);
+        assert_eq!(v, serde_json::json!({"a": 8, "b": [2.5, 1000], "c": 1e30, "d": 7, "e": "8.0"}));
+        assert!(v["a"].is_i64());
+    }
 
     #[test]
     fn url_host_must_be_literal() {

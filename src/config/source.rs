@@ -164,6 +164,8 @@ enum Frame {
     Map {
         path: String,
         key: Option<String>,
+        /// The keys written in this mapping so far, where: YAML keys are unique.
+        seen: HashMap<String, Pos>,
     },
     Seq {
         path: String,
@@ -222,7 +224,14 @@ impl SpanMap {
                     }
                 }
                 Event::Scalar(value, _, anchor, _) => {
-                    if let Some(Frame::Map { path, key: key @ None }) = stack.last_mut() {
+                    if let Some(Frame::Map { path, key: key @ None, seen }) = stack.last_mut() {
+                        if let Some(first) = seen.insert(value.to_string(), pos) {
+                            let message = format!(
+                                "key \"{value}\" is defined twice in one mapping: here and at line {}, column {}",
+                                first.line, first.column
+                            );
+                            return Err((pos, message));
+                        }
                         let pointer = format!("{path}/{}", escape_token(&value));
                         map.keys.insert(pointer, pos);
                         *key = Some(value.into_owned());
@@ -244,7 +253,7 @@ impl SpanMap {
                         anchors.insert(anchor, path.clone());
                     }
                     stack.push(if matches!(event, Event::MappingStart(..)) {
-                        Frame::Map { path, key: None }
+                        Frame::Map { path, key: None, seen: HashMap::new() }
                     } else {
                         Frame::Seq { path, index: 0 }
                     });
@@ -257,7 +266,7 @@ impl SpanMap {
                         || matches!(stack.as_slice(), [.., Frame::Map { key: Some(k), .. }, Frame::Seq { .. }] if k == "<<");
                     let target = if merge {
                         let parent = stack.iter().rev().find_map(|f| match f {
-                            Frame::Map { path, key: Some(k) } if k == "<<" => Some(path.clone()),
+                            Frame::Map { path, key: Some(k), .. } if k == "<<" => Some(path.clone()),
                             _ => None,
                         });
                         if let Some(Frame::Seq { index, .. }) = stack.last_mut() {
@@ -284,7 +293,7 @@ impl SpanMap {
     fn place(&mut self, stack: &mut [Frame], pos: Pos) -> Option<String> {
         let pointer = match stack.last_mut() {
             None => String::new(),
-            Some(Frame::Map { path, key }) => {
+            Some(Frame::Map { path, key, .. }) => {
                 let k = key.take()?;
                 format!("{path}/{}", escape_token(&k))
             }
@@ -389,6 +398,18 @@ mod tests {
         let spans = SpanMap::build(&text).expect("well-formed YAML");
         assert!(spans.values.len() <= MAX_ALIAS_COPIES + 200, "{}", spans.values.len());
         assert_eq!(spans.value_pos("/b/3/9"), Pos { line: 1, column: 35 });
+    }
+
+    #[test]
+    fn duplicate_key_is_reported_at_the_second_one() {
+        let text = "queues:\n  a:\n    x: 1\n  b: {}\n  a:\n    y: 2\nother:\n  a: 1\n";
+        let err = parse(Path::new("t.yaml"), text.to_string()).unwrap_err();
+        assert_eq!((err.line, err.column), (5, 3));
+        assert!(
+            err.message.contains("\"a\" is defined twice in one mapping: here and at line 2, column 3"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]

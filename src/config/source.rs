@@ -117,13 +117,16 @@ pub fn load(path: &Path) -> Result<SourceFile, Diagnostic> {
 
 /// Parses YAML text that came from `path`.
 pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
-    let at = |pos: Pos, message: String| Diagnostic {
-        file: path.to_path_buf(),
-        line: pos.line,
-        column: pos.column,
-        severity: Severity::Error,
-        pointer: String::new(),
-        message,
+    let at = |pos: Pos, message: String| {
+        let pos = within(&text, pos);
+        Diagnostic {
+            file: path.to_path_buf(),
+            line: pos.line,
+            column: pos.column,
+            severity: Severity::Error,
+            pointer: String::new(),
+            message,
+        }
     };
     let spans = SpanMap::build(&text).map_err(|(pos, msg)| at(pos, format!("YAML syntax error: {msg}")))?;
     let mut yaml: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| {
@@ -138,6 +141,16 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
             .map_err(|e| at(Pos { line: 1, column: 1 }, format!("not representable as JSON: {e}")))?,
     };
     Ok(SourceFile { path: path.to_path_buf(), text, value, spans })
+}
+
+/// Parsers report the end of the input on the line after the last one, or past trailing blank
+/// lines: point just after the last character instead, so that there is a line to show.
+fn within(text: &str, pos: Pos) -> Pos {
+    match text.trim_end().lines().enumerate().last() {
+        Some((i, last)) if pos.line > i + 1 => Pos { line: i + 1, column: last.chars().count() + 1 },
+        None => Pos { line: 1, column: 1 },
+        Some(_) => pos,
+    }
 }
 
 /// Escapes one JSON pointer token (RFC 6901).
@@ -385,6 +398,14 @@ mod tests {
         let err = parse(Path::new("t.yaml"), "a: [1, 2\nb: 3\n".to_string()).unwrap_err();
         assert!(err.message.starts_with("YAML syntax error"), "{}", err.message);
         assert!(err.line >= 1);
+    }
+
+    #[test]
+    fn an_error_at_the_end_of_the_input_points_after_the_last_character() {
+        for (text, want) in [("a: 1\nb: [x, y\n", (2, 9)), ("[", (1, 2)), ("a: 1\nb: [x\n\n\n", (2, 6))] {
+            let err = parse(Path::new("t.yaml"), text.to_string()).unwrap_err();
+            assert_eq!((err.line, err.column), want, "{text:?}: {}", err.message);
+        }
     }
 
     #[test]

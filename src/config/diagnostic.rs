@@ -92,7 +92,7 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
 
 /// The offending line with its number and a caret under the column.
 fn snippet(text: &str, line: usize, column: usize) -> String {
-    let Some(src) = text.lines().nth(line.saturating_sub(1)) else {
+    let Some(src) = super::source::lines(text).nth(line.saturating_sub(1)) else {
         return String::new();
     };
     let gutter = line.to_string().len();
@@ -128,6 +128,13 @@ mod tests {
             out,
             "pipelines/orders.yaml:2:5: error: /queues/a/concurrency: 0 is less than the minimum of 1\n  |\n2 | foo: bar\n  |     ^\n"
         );
+    }
+
+    #[test]
+    fn snippet_counts_a_lone_carriage_return_as_a_line_break() {
+        let text = "version: 1\rfoo: bar\r";
+        let out = render(&[diag()], Format::Human, &|_| Some(text.to_string()));
+        assert!(out.contains("\n2 | foo: bar\n"), "{out}");
     }
 
     #[test]

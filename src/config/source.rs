@@ -146,11 +146,27 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
 /// Parsers report the end of the input on the line after the last one, or past trailing blank
 /// lines: point just after the last character instead, so that there is a line to show.
 fn within(text: &str, pos: Pos) -> Pos {
-    match text.trim_end().lines().enumerate().last() {
+    match lines(text.trim_end()).enumerate().last() {
         Some((i, last)) if pos.line > i + 1 => Pos { line: i + 1, column: last.chars().count() + 1 },
         None => Pos { line: 1, column: 1 },
         Some(_) => pos,
     }
+}
+
+/// Lines as YAML counts them, and so every position: `\n`, `\r\n` and a lone `\r` each end one
+/// (`str::lines` ignores a lone `\r`).
+pub fn lines(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest.find(['\n', '\r']).unwrap_or(rest.len());
+        let line = &rest[..end];
+        let ending = if rest[end..].starts_with("\r\n") { 2 } else { usize::from(end < rest.len()) };
+        rest = &rest[end + ending..];
+        Some(line)
+    })
 }
 
 /// Escapes one JSON pointer token (RFC 6901).
@@ -431,6 +447,23 @@ mod tests {
             "{}",
             err.message
         );
+    }
+
+    #[test]
+    fn lines_end_as_in_yaml() {
+        let cases: &[(&str, &[&str])] = &[
+            ("", &[]),
+            ("a", &["a"]),
+            ("a\n", &["a"]),
+            ("a\n\nb", &["a", "", "b"]),
+            ("a\r\nb\rc\n", &["a", "b", "c"]),
+            ("a\r\r\n", &["a", ""]),
+        ];
+        for (text, want) in cases {
+            assert_eq!(lines(text).collect::<Vec<_>>(), *want, "{text:?}");
+        }
+        let f = parsed("version: 1\rqueues:\r  a: 1\r");
+        assert_eq!(f.pos("/queues/a"), Pos { line: 3, column: 6 });
     }
 
     #[test]

@@ -1,0 +1,246 @@
+//! The `sluice` binary: `validate` exit codes and output formats, `schema`, `plan`, and the
+//! pipeline files shipped in the repository.
+
+mod util;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use predicates::prelude::*;
+use serde_json::Value;
+use util::sluice;
+
+/// A fixture with one error whose position and message are easy to check by eye.
+const ONE_ERROR: &str = "tests/fixtures/invalid/max-attempts-zero.yaml";
+
+#[test]
+fn validate_exits_0_on_the_valid_fixtures() {
+    sluice()
+        .args(["validate", util::VALID])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("ok: 8 queue(s) valid"));
+}
+
+#[test]
+fn validate_exits_1_on_errors_and_0_on_warnings_alone() {
+    for fixture in util::invalid_fixtures() {
+        let code = if fixture.warnings_only() { 0 } else { 1 };
+        let output = sluice().arg("validate").arg(&fixture.path).output().unwrap();
+        assert_eq!(output.status.code(), Some(code), "{}: {output:?}", fixture.path.display());
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        let severity = if fixture.warnings_only() { ": warning: " } else { ": error: " };
+        assert!(stdout.contains(severity), "{}: {stdout}", fixture.path.display());
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let cases: &[&[&str]] = &[
+        &["validate", "--bogus"],
+        &["validate", "--format", "xml", util::VALID],
+        &["plan", "--format", "png", util::VALID],
+        &["frobnicate"],
+        &[],
+    ];
+    for args in cases {
+        sluice().args(*args).assert().code(2).stdout("");
+    }
+}
+
+#[test]
+fn human_format_is_a_headline_and_a_snippet_with_a_caret() {
+    let out = sluice().args(["validate", ONE_ERROR, "--format", "human"]).assert().code(1).get_output().clone();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        stdout,
+        format!(
+            "{ONE_ERROR}:10:21: error: /queues/work/retry/max_attempts: 0 is less than the minimum of 1\n   |\n10 |       max_attempts: 0\n   |                     ^\n"
+        )
+    );
+    // Human is the default.
+    sluice().args(["validate", ONE_ERROR]).assert().code(1).stdout(stdout);
+}
+
+#[test]
+fn human_format_of_a_syntax_error_has_no_pointer() {
+    let file = "tests/fixtures/invalid/yaml-unclosed-flow.yaml";
+    let out = sluice().args(["validate", file]).assert().code(1).get_output().stdout.clone();
+    let stdout = String::from_utf8(out).unwrap();
+    let mut lines = stdout.lines();
+    assert_eq!(
+        lines.next(),
+        Some(&*format!("{file}:9:30: error: YAML syntax error: while parsing a flow sequence, expected ',' or ']'"))
+    );
+    assert_eq!(lines.nth(1), Some("9 |     bind: [{exchange: orders}"));
+    assert_eq!(lines.next(), Some("  |                              ^"));
+}
+
+/// `validate --format json` on `path`, checked to be an array of objects with exactly the
+/// documented keys.
+fn json_diagnostics(path: &str, code: i32) -> Vec<Value> {
+    let out = sluice().args(["validate", path, "--format", "json"]).assert().code(code).get_output().stdout.clone();
+    let Value::Array(items) = serde_json::from_slice(&out).expect("JSON") else { panic!("not an array") };
+    let keys: BTreeSet<&str> = ["file", "line", "column", "severity", "pointer", "message"].into();
+    for item in &items {
+        let got: BTreeSet<&str> = item.as_object().expect("objects").keys().map(String::as_str).collect();
+        assert_eq!(got, keys, "{item}");
+        assert!(item["line"].as_u64().unwrap() >= 1 && item["column"].as_u64().unwrap() >= 1, "{item}");
+        assert!(matches!(item["severity"].as_str(), Some("error" | "warning")), "{item}");
+    }
+    items
+}
+
+#[test]
+fn json_format_is_an_array_of_diagnostics() {
+    let items = json_diagnostics(ONE_ERROR, 1);
+    assert_eq!(
+        items,
+        [serde_json::json!({
+            "file": ONE_ERROR,
+            "line": 10,
+            "column": 21,
+            "severity": "error",
+            "pointer": "/queues/work/retry/max_attempts",
+            "message": "0 is less than the minimum of 1",
+        })]
+    );
+    let warnings = json_diagnostics(util::VALID, 0);
+    assert_eq!(warnings.len(), 4);
+    assert!(warnings.iter().all(|w| w["severity"] == "warning"));
+    assert_eq!(json_diagnostics("tests/fixtures/invalid/dup", 1).len(), 1);
+    assert_eq!(json_diagnostics("pipelines", 0), Vec::<Value>::new());
+}
+
+#[test]
+fn github_format_is_workflow_commands() {
+    sluice().args(["validate", ONE_ERROR, "--format", "github"]).assert().code(1).stdout(format!(
+        "::error file={ONE_ERROR},line=10,col=21::/queues/work/retry/max_attempts: 0 is less than the minimum of 1\n"
+    ));
+    let warning = "tests/fixtures/invalid/warn-jitter-none.yaml";
+    sluice().args(["validate", warning, "--format", "github"]).assert().code(0).stdout(format!(
+        "::warning file={warning},line=10,col=15::/queues/work/retry/jitter: jitter: none makes every failed message retry at the same moment; prefer full\n"
+    ));
+    // Regression: without a pointer the message used to start with ": ".
+    let syntax = "tests/fixtures/invalid/yaml-tab-indent.yaml";
+    sluice().args(["validate", syntax, "--format", "github"]).assert().code(1).stdout(format!(
+        "::error file={syntax},line=6,col=2::YAML syntax error: tabs disallowed within this context (block indentation)\n"
+    ));
+}
+
+#[test]
+fn validate_of_a_missing_path_fails_clearly() {
+    let missing = "tests/fixtures/does-not-exist.yaml";
+    sluice()
+        .args(["validate", missing])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::starts_with(format!("{missing}:1:1: error: no such file or directory")));
+    let empty = tempfile::tempdir().unwrap();
+    sluice()
+        .arg("validate")
+        .arg(empty.path())
+        .assert()
+        .code(1)
+        .stdout(predicate::str::contains("no pipeline files (*.yaml, *.yml) under"));
+}
+
+#[test]
+fn schema_prints_the_committed_schema_byte_for_byte() {
+    let committed = std::fs::read(util::SCHEMA).unwrap();
+    let out = sluice().arg("schema").assert().success().get_output().stdout.clone();
+    assert!(out == committed, "`sluice schema` differs from {}", util::SCHEMA);
+}
+
+#[test]
+fn shipped_pipelines_and_examples_validate_and_name_the_schema() {
+    let mut files = util::yaml_files(Path::new("pipelines"));
+    assert!(!files.is_empty(), "pipelines/ has pipeline files");
+    if Path::new("examples").is_dir() {
+        files.extend(util::yaml_files(Path::new("examples")));
+    }
+    for file in files {
+        util::check_schema_header(&file).unwrap();
+        sluice().arg("validate").arg(&file).assert().success();
+    }
+}
+
+/// `sluice plan` of the valid fixtures in `format`.
+fn plan(format: &str) -> String {
+    let out = sluice().args(["plan", util::VALID, "--format", format]).assert().success().get_output().stdout.clone();
+    String::from_utf8(out).unwrap()
+}
+
+#[test]
+fn plan_json_declares_queues_their_dead_letter_queues_and_the_delay_cascade() {
+    let plan: Value = serde_json::from_str(&plan("json")).expect("JSON");
+    let queues: Vec<(&str, &str)> = plan["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| (q["name"].as_str().unwrap(), q["role"].as_str().unwrap()))
+        .collect();
+    let names_with =
+        |role: &str| -> BTreeSet<String> { queues.iter().filter(|q| q.1 == role).map(|q| q.0.to_string()).collect() };
+    let work: BTreeSet<String> = [
+        "billing.cleanup",
+        "billing.invoice",
+        "billing.lookup",
+        "media.archive",
+        "media.resize",
+        "media.thumbnail",
+        "orders.audit",
+        "orders.charge",
+    ]
+    .map(String::from)
+    .into();
+    assert_eq!(names_with("work"), work);
+    let dead = work.iter().map(|q| if q == "orders.charge" { format!("{q}.failed") } else { format!("{q}.dlq") });
+    assert_eq!(names_with("dead_letter"), dead.collect());
+    assert_eq!(names_with("delay"), (0..25).map(|n| format!("sluice.delay.{n:02}")).collect());
+    assert_eq!(queues.len(), 8 + 8 + 25, "nothing else is declared");
+
+    let charge = queues.iter().position(|q| q.0 == "orders.charge").unwrap();
+    let args = &plan["queues"][charge]["arguments"];
+    assert_eq!(args["x-max-length"], 100_000);
+    assert_eq!(args["x-dead-letter-routing-key"], "orders.charge.failed");
+    let audit = queues.iter().position(|q| q.0 == "orders.audit").unwrap();
+    assert_eq!(plan["queues"][audit]["arguments"]["x-queue-type"], "classic");
+    assert_eq!(plan["queues"][audit]["arguments"]["x-single-active-consumer"], true);
+    let headers = plan["bindings"].as_array().unwrap().iter().find(|b| b["source"] == "routing.headers").unwrap();
+    assert_eq!(headers["arguments"]["x-match"], "all");
+}
+
+#[test]
+fn plan_text_dot_and_mermaid() {
+    let text = plan("text");
+    assert!(text.starts_with("exchanges:\n"), "{text}");
+    assert!(text.contains("  orders.charge.failed [dead-letter]\n"), "{text}");
+    assert!(text.contains("delay cascade: 25 levels"), "{text}");
+    let dot = plan("dot");
+    assert!(dot.starts_with("digraph"), "{dot}");
+    assert!(dot.trim_end().ends_with('}'), "{dot}");
+    assert!(dot.contains("q_orders_charge -> q_orders_charge_failed"), "{dot}");
+    let mermaid = plan("mermaid");
+    assert!(mermaid.starts_with("flowchart"), "{mermaid}");
+    assert!(mermaid.contains("q_media_resize"), "{mermaid}");
+    // Text is the default.
+    sluice().args(["plan", util::VALID]).assert().success().stdout(text);
+}
+
+#[test]
+fn plan_of_an_invalid_pipeline_fails_with_the_diagnostics() {
+    sluice()
+        .args(["plan", ONE_ERROR, "--format", "json"])
+        .assert()
+        .code(1)
+        .stdout("")
+        .stderr(predicate::str::contains(format!("{ONE_ERROR}:10:21: error:")));
+}
+
+#[test]
+fn paths_default_to_pipelines() {
+    let explicit = sluice().args(["plan", "pipelines"]).assert().success().get_output().stdout.clone();
+    assert!(!explicit.is_empty());
+    sluice().arg("plan").assert().success().stdout(explicit);
+}

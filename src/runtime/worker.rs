@@ -66,8 +66,9 @@ impl Reason {
     }
 }
 
-/// A claim's lease outlives the handler's timeout (twice over) by this much.
-const LEASE_MARGIN: Duration = Duration::from_secs(60);
+/// A claim's lease outlives the handler's timeout (twice over, for rendering and the rate
+/// limit) by this much; after a crash, a claimed key is free again once its lease ends.
+const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
 /// The longest wait before retrying a message whose key could not be claimed.
 const STORE_DOWN_WAIT: Duration = Duration::from_secs(5);
@@ -136,6 +137,7 @@ impl Worker {
                 }
                 item = deliveries.next() => match item {
                     Some(Ok(delivery)) => {
+                        tracing::trace!(queue = %queue.name, tag = delivery.tag(), "delivery");
                         self.in_flight.fetch_add(1, Ordering::SeqCst);
                         let _ = acks.send(AckEvent::Received(delivery.tag()));
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
@@ -290,10 +292,11 @@ impl Worker {
         let mut failures = 0;
         loop {
             let published = match &disposition {
-                Disposition::Retry { after, .. } => {
+                Disposition::Retry { after, .. } | Disposition::Wait { after, .. } => {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
-                _ => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
+                Disposition::DeadLetter { .. } => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
+                Disposition::Ack | Disposition::Duplicate => return true,
             };
             match published {
                 Ok(()) => return true,

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
@@ -114,7 +115,21 @@ where
             });
         }
         let mut lost = None;
-        while let Some(result) = running.join_next().await {
+        // Workers return only once their deliveries are settled, so the grace, counted from
+        // shutdown, bounds waiting for them as well as for the delivery tasks.
+        let mut deadline = None;
+        loop {
+            let result = tokio::select! {
+                result = running.join_next() => match result {
+                    Some(result) => result,
+                    None => break,
+                },
+                () = shutdown.cancelled(), if deadline.is_none() => {
+                    deadline = Some(Instant::now() + options.shutdown_grace);
+                    continue;
+                }
+                () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => break,
+            };
             match result {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
@@ -133,19 +148,22 @@ where
                 broker.close().await;
             }
             _ => {
-                drain(&tracker, options.shutdown_grace, &in_flight).await;
+                let deadline = deadline.unwrap_or_else(|| Instant::now() + options.shutdown_grace);
+                drain(&tracker, deadline, options.shutdown_grace, &in_flight).await;
                 broker.close().await;
                 return Ok(());
             }
         }
     }
-    drain(&tracker, options.shutdown_grace, &in_flight).await;
+    drain(&tracker, Instant::now() + options.shutdown_grace, options.shutdown_grace, &in_flight).await;
     Ok(())
 }
 
-async fn drain(tracker: &TaskTracker, grace: Duration, in_flight: &AtomicUsize) {
+/// Waits until `deadline` for the delivery tasks; what is still unfinished then goes back to
+/// the broker when the session closes.
+async fn drain(tracker: &TaskTracker, deadline: Instant, grace: Duration, in_flight: &AtomicUsize) {
     tracker.close();
-    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+    if tokio::time::timeout_at(deadline, tracker.wait()).await.is_err() {
         warn!(
             in_flight = in_flight.load(Ordering::SeqCst),
             ?grace,

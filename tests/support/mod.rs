@@ -6,6 +6,7 @@
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice::broker::amqp::Amqp;
@@ -51,6 +52,28 @@ impl Vhost {
 
     pub async fn connect(&self) -> Amqp {
         Amqp::connect(&self.url()).await.expect("connect to the test vhost")
+    }
+
+    /// Messages ready in `queue` (a passive declare on a fresh connection, so it works after
+    /// the vhost's connections were closed).
+    pub async fn depth(&self, queue: &str) -> u32 {
+        let broker = self.connect().await;
+        let depth = broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"));
+        broker.close().await;
+        depth
+    }
+
+    /// Has the broker close every connection of this vhost (ours and the runner's); how many.
+    pub fn close_all_connections(&self) -> usize {
+        let out = Command::new("rabbitmqctl")
+            .args(["close_all_connections", "-p", &self.name, "test"])
+            .output()
+            .expect("rabbitmqctl runs");
+        assert!(out.status.success(), "close_all_connections failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| l.strip_prefix("Closed ")?.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected rabbitmqctl output: {text}"))
     }
 }
 
@@ -99,6 +122,17 @@ impl Sluice {
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill(2) with the pid of a child we own; no memory is touched.
         unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    /// SIGTERM, then waits for exit with a deadline; the exit code.
+    pub fn stop(&mut self, deadline: Duration) -> Option<i32> {
+        self.signal(libc::SIGTERM);
+        self.wait(deadline)
     }
 
     /// Waits for exit with a deadline; the exit code, or None if killed by a signal.
@@ -202,4 +236,170 @@ pub async fn declare(dir: &Path, broker: &Amqp) {
     let validation = sluice::config::load(&[dir.to_path_buf()]);
     let config = validation.config.unwrap_or_else(|| panic!("test pipeline invalid: {:?}", validation.diagnostics));
     broker.declare(&sluice::topology::plan(&config)).await.expect("declare topology");
+}
+
+/// A header of a dead-lettered message as text, if present and a string.
+pub fn header_str<'a>(headers: &'a std::collections::BTreeMap<String, HeaderValue>, name: &str) -> Option<&'a str> {
+    match headers.get(name) {
+        Some(HeaderValue::Str(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// Writes an executable `#!/bin/sh` script into `dir` (for command handlers).
+pub fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod script");
+    path
+}
+
+/// The lines of a file a handler appends to (none while it does not exist). A line still being
+/// written (no newline yet) is left out.
+pub fn lines(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete.lines().map(str::to_string).collect()
+}
+
+/// Whether `pid` is a running process. A killed process whose new parent (the container's
+/// init) has not reaped it yet lingers as a zombie; it is dead all the same.
+pub fn is_running(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 only checks that the process exists; nothing is delivered.
+    let exists = unsafe { libc::kill(pid, 0) } == 0;
+    exists
+        && std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            // The state follows the parenthesised command name, which may contain spaces.
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+}
+
+/// The pid a script wrote to `pidfile`, once it is completely written.
+pub fn read_pid(pidfile: &Path) -> Option<libc::pid_t> {
+    let text = std::fs::read_to_string(pidfile).ok()?;
+    text.strip_suffix('\n')?.parse().ok()
+}
+
+/// How often each line occurs.
+pub fn counts<I: IntoIterator<Item = S>, S: Into<String>>(items: I) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for item in items {
+        *counts.entry(item.into()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// How a [`Receiver`] answers one call.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub delay: Duration,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn status(status: u16) -> Reply {
+        Reply { status, delay: Duration::ZERO, headers: Vec::new(), body: String::new() }
+    }
+
+    pub fn ok() -> Reply {
+        Reply::status(200)
+    }
+
+    /// Answers only after `delay` (the request is recorded when it arrives).
+    pub fn after(mut self, delay: Duration) -> Reply {
+        self.delay = delay;
+        self
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Reply {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    pub fn body(mut self, body: &str) -> Reply {
+        self.body = body.to_string();
+        self
+    }
+}
+
+/// One call a [`Receiver`] got.
+#[derive(Debug, Clone)]
+pub struct Hit {
+    /// The `Idempotency-Key` header ("" when absent).
+    pub key: String,
+    /// The `X-Sluice-Message-Id` header ("" when absent).
+    pub message_id: String,
+    pub path: String,
+    /// The status it was answered with.
+    pub status: u16,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+impl Hit {
+    pub fn succeeded(&self) -> bool {
+        (200..300).contains(&self.status)
+    }
+}
+
+type Answer = dyn Fn(&str, usize) -> Reply + Send + Sync;
+
+/// A webhook receiver that counts side effects by `Idempotency-Key`: `answer(key, n)` chooses
+/// the reply to the n-th (1-based) call with that key, and every call is recorded with it.
+pub struct Receiver {
+    pub server: wiremock::MockServer,
+    hits: Arc<Mutex<Vec<Hit>>>,
+}
+
+impl Receiver {
+    pub async fn start(answer: impl Fn(&str, usize) -> Reply + Send + Sync + 'static) -> Receiver {
+        let server = wiremock::MockServer::start().await;
+        let hits = Arc::new(Mutex::new(Vec::new()));
+        let (recorded, answer): (_, Box<Answer>) = (hits.clone(), Box::new(answer));
+        let respond = move |request: &wiremock::Request| {
+            let header =
+                |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+            let key = header("idempotency-key");
+            let mut hits = recorded.lock().expect("hits lock");
+            let n = hits.iter().filter(|h: &&Hit| h.key == key).count() + 1;
+            let reply = answer(&key, n);
+            hits.push(Hit {
+                key,
+                message_id: header("x-sluice-message-id"),
+                path: request.url.path().to_string(),
+                status: reply.status,
+                at: Instant::now(),
+            });
+            let mut response =
+                wiremock::ResponseTemplate::new(reply.status).set_delay(reply.delay).set_body_string(reply.body);
+            for (name, value) in reply.headers {
+                response = response.insert_header(name.as_str(), value.as_str());
+            }
+            response
+        };
+        wiremock::Mock::given(wiremock::matchers::any()).respond_with(respond).mount(&server).await;
+        Receiver { server, hits }
+    }
+
+    pub fn uri(&self) -> String {
+        self.server.uri()
+    }
+
+    /// Every call so far, in arrival order.
+    pub fn hits(&self) -> Vec<Hit> {
+        self.hits.lock().expect("hits lock").clone()
+    }
+
+    /// The calls with this key, in arrival order.
+    pub fn hits_for(&self, key: &str) -> Vec<Hit> {
+        self.hits().into_iter().filter(|h| h.key == key).collect()
+    }
+
+    /// The distinct keys that got a 2xx answer.
+    pub fn succeeded_keys(&self) -> std::collections::BTreeSet<String> {
+        self.hits().into_iter().filter(Hit::succeeded).map(|h| h.key).collect()
+    }
 }

@@ -6,6 +6,7 @@
 pub mod broker;
 pub mod cli;
 pub mod config;
+pub mod dedup;
 pub mod envelope;
 pub mod handler;
 pub mod runtime;

@@ -1,245 +1,246 @@
-//! The one-shot commands as a user runs them: `sluice publish` against real RabbitMQ (what
-//! lands, and every way it refuses) and `sluice render` (the request or command a message
-//! makes, secrets masked).
+//! The `sluice` binary: `validate` exit codes and output formats, `schema`, `plan`, and the
+//! pipeline files shipped in the repository.
 
-mod support;
+mod util;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::collections::BTreeSet;
+use std::path::Path;
 
-use serde_json::json;
-use sluice::envelope::Envelope;
-use support::*;
+use predicates::prelude::*;
+use serde_json::Value;
+use util::sluice;
 
-const DEADLINE: Duration = Duration::from_secs(30);
+/// A fixture with one error whose position and message are easy to check by eye.
+const ONE_ERROR: &str = "tests/fixtures/invalid/max-attempts-zero.yaml";
 
-/// An exchange `ev` with queue `inbox` bound to `order.*`, and a direct exchange `tiny`
-/// feeding `small`, which holds one message.
-const PUBLISH_PIPELINE: &str = r##"version: 1
-exchanges:
-  ev: {type: topic}
-  tiny: {type: direct}
-queues:
-  inbox:
-    bind: [{exchange: ev, routing_key: "order.*"}]
-    handler: {command: {program: /bin/true}}
-  small:
-    max_length: 1
-    bind: [{exchange: tiny, routing_key: small}]
-    handler: {command: {program: /bin/true}}
-"##;
-
-/// A vhost with [`PUBLISH_PIPELINE`] declared (and nobody consuming).
-async fn publish_vhost() -> Vhost {
-    let vhost = Vhost::new();
-    let dir = pipeline(PUBLISH_PIPELINE);
-    declare(dir.path(), &vhost.connect().await).await;
-    vhost
-}
-
-fn publish(vhost: &Vhost, args: &[&str]) -> Finished {
-    let url = vhost.url();
-    let all: Vec<&str> = ["publish", "--broker", url.as_str()].iter().copied().chain(args.iter().copied()).collect();
-    sluice_cli(&all, &[], DEADLINE)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_lands_an_envelope_with_amqp_properties() {
-    let vhost = publish_vhost().await;
-    let before = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_secs();
-    let run = publish(
-        &vhost,
-        &[
-            "--exchange",
-            "ev",
-            "--routing-key",
-            "order.created",
-            "--type",
-            "order.created",
-            "--idempotency-key",
-            "order:1234",
-            "--payload",
-            r#"{"order_id": 1234}"#,
-        ],
-    );
-    assert_eq!(run.code, Some(0), "{run:?}");
-
-    let messages = drain_messages(&vhost.url(), "inbox").await;
-    assert_eq!(messages.len(), 1);
-    let m = &messages[0];
-    let envelope = Envelope::decode(&m.body).expect("an envelope");
-    assert!(!envelope.id.is_empty());
-    assert_eq!(envelope.kind, "order.created");
-    assert_eq!(envelope.payload, json!({"order_id": 1234}));
-    assert_eq!(envelope.idempotency_key.as_deref(), Some("order:1234"));
-    let p = &m.properties;
-    assert_eq!(p.message_id().as_ref().map(|s| s.as_str()), Some(envelope.id.as_str()));
-    assert_eq!(p.kind().as_ref().map(|s| s.as_str()), Some("order.created"));
-    assert_eq!(p.content_type().as_ref().map(|s| s.as_str()), Some("application/json"));
-    assert_eq!(*p.delivery_mode(), Some(2), "persistent");
-    let timestamp = p.timestamp().expect("timestamp");
-    assert!((before.saturating_sub(5)..=before + 60).contains(&timestamp), "timestamp {timestamp}, now {before}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_to_a_missing_exchange_fails_clearly() {
-    let vhost = publish_vhost().await;
-    let run = publish(&vhost, &["--exchange", "nope", "--type", "t", "--payload", "{}"]);
-    assert_eq!(run.code, Some(1), "{run:?}");
-    assert!(run.stderr.contains("error:") && run.stderr.contains("'nope'"), "{}", run.stderr);
-    assert!(run.stderr.contains("not found") || run.stderr.contains("NOT_FOUND"), "{}", run.stderr);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_unroutable_fails() {
-    let vhost = publish_vhost().await;
-    let run = publish(&vhost, &["--exchange", "ev", "--routing-key", "invoice.paid", "--type", "t", "--payload", "{}"]);
-    assert_eq!(run.code, Some(1), "{run:?}");
-    assert!(run.stderr.contains("unroutable") && run.stderr.contains("invoice.paid"), "{}", run.stderr);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_nacked_by_a_full_queue_fails() {
-    let vhost = publish_vhost().await;
-    let args = ["--exchange", "tiny", "--routing-key", "small", "--type", "t", "--payload", "{}"];
-    let first = publish(&vhost, &args);
-    assert_eq!(first.code, Some(0), "{first:?}");
-    // max_length 1 with overflow reject-publish: once the queue is full the broker nacks.
-    // A quorum queue on RabbitMQ 3.10 checks the limit only after it is exceeded, so it
-    // admits one message past it: the second or the third publish is the one refused.
-    let mut accepted = 1;
-    let refused = loop {
-        let run = publish(&vhost, &args);
-        if run.code != Some(0) || accepted == 3 {
-            break run;
-        }
-        accepted += 1;
-    };
-    assert_eq!(refused.code, Some(1), "{accepted} publishes into a queue of max_length 1 confirmed: {refused:?}");
-    assert!(refused.stderr.contains("nack") && refused.stderr.contains("\"tiny\""), "{}", refused.stderr);
-    assert_eq!(drain_queue(&vhost.url(), "small").await.len(), accepted, "the confirmed messages, and only them");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publish_jsonl_publishes_one_message_per_line() {
-    let vhost = publish_vhost().await;
-    let file = tempfile::NamedTempFile::new().expect("tempfile");
-    let lines: String = (0..100).map(|i| format!("{{\"n\": {i}}}\n")).collect();
-    std::fs::write(file.path(), lines).expect("write jsonl");
-    let path = file.path().to_str().expect("utf-8 path");
-    let run = publish(&vhost, &["--exchange", "ev", "--routing-key", "order.bulk", "--type", "t", "--jsonl", path]);
-    assert_eq!(run.code, Some(0), "{run:?}");
-    let mut seen: Vec<i64> = drain_messages(&vhost.url(), "inbox")
-        .await
-        .iter()
-        .map(|m| Envelope::decode(&m.body).expect("envelope").payload["n"].as_i64().expect("n"))
-        .collect();
-    seen.sort();
-    assert_eq!(seen, (0..100).collect::<Vec<_>>());
+#[test]
+fn validate_exits_0_on_the_valid_fixtures() {
+    sluice()
+        .args(["validate", util::VALID])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("ok: 8 queue(s) valid"));
 }
 
 #[test]
-fn publish_rejects_a_payload_that_is_not_json() {
-    // The payload is checked before connecting: no broker needed.
-    let run = sluice_cli(
-        &["publish", "--broker", "amqp://127.0.0.1:1", "--exchange", "ev", "--type", "t", "--payload", "{oops"],
+fn validate_exits_1_on_errors_and_0_on_warnings_alone() {
+    for fixture in util::invalid_fixtures() {
+        let code = if fixture.warnings_only() { 0 } else { 1 };
+        let output = sluice().arg("validate").arg(&fixture.path).output().unwrap();
+        assert_eq!(output.status.code(), Some(code), "{}: {output:?}", fixture.path.display());
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        let severity = if fixture.warnings_only() { ": warning: " } else { ": error: " };
+        assert!(stdout.contains(severity), "{}: {stdout}", fixture.path.display());
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let cases: &[&[&str]] = &[
+        &["validate", "--bogus"],
+        &["validate", "--format", "xml", util::VALID],
+        &["plan", "--format", "png", util::VALID],
+        &["frobnicate"],
         &[],
-        DEADLINE,
-    );
-    assert_eq!(run.code, Some(1), "{run:?}");
-    assert!(run.stderr.contains("--payload is not JSON"), "{}", run.stderr);
-}
-
-#[test]
-fn publish_without_type_is_a_usage_error() {
-    let run = sluice_cli(&["publish", "--exchange", "ev", "--payload", "{}"], &[], DEADLINE);
-    assert_eq!(run.code, Some(2), "{run:?}");
-    assert!(run.stderr.contains("--type"), "{}", run.stderr);
-}
-
-/// Writes `pipeline` and a message, then runs `sluice render` on queue `q` with `env`.
-fn render(pipeline_yaml: &str, message: &serde_json::Value, env: &[(&str, &str)]) -> Finished {
-    let dir = pipeline(pipeline_yaml);
-    let message_file = dir.path().join("message.json");
-    std::fs::write(&message_file, message.to_string()).expect("write message");
-    let (dir_arg, message_arg) = (dir.path().to_str().expect("utf-8"), message_file.to_str().expect("utf-8"));
-    sluice_cli(&["render", dir_arg, "--queue", "q", "--message", message_arg], env, DEADLINE)
-}
-
-#[test]
-fn render_prints_the_webhook_request_with_secrets_masked() {
-    let message = json!({
-        "id": "msg-1", "type": "order.created", "idempotency_key": "order:1234",
-        "payload": {"order_id": 1234, "note": "a \"b\"/c"}
-    });
-    let run = render(
-        r#"version: 1
-queues:
-  q:
-    handler:
-      webhook:
-        url: "https://payments.example/charge/{{payload.order_id}}?token={{env.SLUICE_RENDER_TOKEN}}"
-        method: PUT
-        headers: {Authorization: "Bearer {{env.SLUICE_RENDER_TOKEN}}"}
-        body: '{"order": {{payload.order_id}}, "note": "{{payload.note}}"}'
-"#,
-        &message,
-        &[("SLUICE_RENDER_TOKEN", "s3cr3t-value")],
-    );
-    assert_eq!(run.code, Some(0), "{run:?}");
-    let out = &run.stdout;
-    let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines[0], "PUT https://payments.example/charge/1234?token=%2A%2A%2A", "{out}");
-    for header in [
-        "idempotency-key: order:1234",
-        "x-sluice-message-id: msg-1",
-        "x-sluice-attempt: 1",
-        "content-type: application/json",
-        "Authorization: Bearer ***",
-    ] {
-        assert!(lines.contains(&header), "no line {header:?} in:\n{out}");
+    ];
+    for args in cases {
+        sluice().args(*args).assert().code(2).stdout("");
     }
-    assert!(lines.contains(&r#"{"order": 1234, "note": "a \"b\"/c"}"#), "no body line in:\n{out}");
-    assert!(!out.contains("s3cr3t") && !run.stderr.contains("s3cr3t"), "a secret was printed:\n{out}{}", run.stderr);
 }
 
 #[test]
-fn render_prints_the_command_argv_env_and_stdin_with_secrets_masked() {
-    let message = json!({"id": "msg-2", "type": "image.resize", "payload": {"image_id": "img 7", "size": 640}});
-    let yaml = |stdin: &str| {
+fn human_format_is_a_headline_and_a_snippet_with_a_caret() {
+    let out = sluice().args(["validate", ONE_ERROR, "--format", "human"]).assert().code(1).get_output().clone();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        stdout,
         format!(
-            r#"version: 1
-queues:
-  q:
-    handler:
-      command:
-        program: /bin/echo
-        args: ["{{{{payload.image_id}}}}", "--size", "{{{{payload.size}}}}"]
-        env: {{BUCKET: "{{{{env.SLUICE_RENDER_BUCKET}}}}", TOKEN: "t-{{{{env.SLUICE_RENDER_TOKEN}}}}"}}
-        stdin: {stdin}
-"#
+            "{ONE_ERROR}:10:21: error: /queues/work/retry/max_attempts: 0 is less than the minimum of 1\n   |\n10 |       max_attempts: 0\n   |                     ^\n"
         )
-    };
-    let env = [("SLUICE_RENDER_BUCKET", "my-bucket"), ("SLUICE_RENDER_TOKEN", "s3cr3t-value")];
-    let run = render(&yaml("payload"), &message, &env);
-    assert_eq!(run.code, Some(0), "{run:?}");
-    let out = &run.stdout;
-    let lines: Vec<&str> = out.lines().collect();
-    for line in [
-        r#"argv: ["/bin/echo","img 7","--size","640"]"#,
-        "env: SLUICE_IDEMPOTENCY_KEY=msg-2",
-        "env: SLUICE_MESSAGE_ID=msg-2",
-        "env: SLUICE_ATTEMPT=1",
-        "env: BUCKET=***",
-        "env: TOKEN=t-***",
-        r#"stdin: {"image_id":"img 7","size":640}"#,
-    ] {
-        assert!(lines.contains(&line), "no line {line:?} in:\n{out}");
-    }
-    assert!(!out.contains("s3cr3t") && !out.contains("my-bucket"), "an env value was printed:\n{out}");
+    );
+    // Human is the default.
+    sluice().args(["validate", ONE_ERROR]).assert().code(1).stdout(stdout);
+}
 
-    let none = render(&yaml("none"), &message, &env);
-    assert!(none.stdout.lines().any(|l| l == "stdin: (none)"), "{}", none.stdout);
-    let envelope = render(&yaml("envelope"), &message, &env);
-    let stdin_line = envelope.stdout.lines().find_map(|l| l.strip_prefix("stdin: ")).expect("a stdin line");
-    assert_eq!(serde_json::from_str::<serde_json::Value>(stdin_line).expect("JSON"), message);
+#[test]
+fn human_format_of_a_syntax_error_has_no_pointer() {
+    let file = "tests/fixtures/invalid/yaml-unclosed-flow.yaml";
+    let out = sluice().args(["validate", file]).assert().code(1).get_output().stdout.clone();
+    let stdout = String::from_utf8(out).unwrap();
+    let mut lines = stdout.lines();
+    assert_eq!(
+        lines.next(),
+        Some(&*format!("{file}:9:30: error: YAML syntax error: while parsing a flow sequence, expected ',' or ']'"))
+    );
+    assert_eq!(lines.nth(1), Some("9 |     bind: [{exchange: orders}"));
+    assert_eq!(lines.next(), Some("  |                              ^"));
+}
+
+/// `validate --format json` on `path`, checked to be an array of objects with exactly the
+/// documented keys.
+fn json_diagnostics(path: &str, code: i32) -> Vec<Value> {
+    let out = sluice().args(["validate", path, "--format", "json"]).assert().code(code).get_output().stdout.clone();
+    let Value::Array(items) = serde_json::from_slice(&out).expect("JSON") else { panic!("not an array") };
+    let keys: BTreeSet<&str> = ["file", "line", "column", "severity", "pointer", "message"].into();
+    for item in &items {
+        let got: BTreeSet<&str> = item.as_object().expect("objects").keys().map(String::as_str).collect();
+        assert_eq!(got, keys, "{item}");
+        assert!(item["line"].as_u64().unwrap() >= 1 && item["column"].as_u64().unwrap() >= 1, "{item}");
+        assert!(matches!(item["severity"].as_str(), Some("error" | "warning")), "{item}");
+    }
+    items
+}
+
+#[test]
+fn json_format_is_an_array_of_diagnostics() {
+    let items = json_diagnostics(ONE_ERROR, 1);
+    assert_eq!(
+        items,
+        [serde_json::json!({
+            "file": ONE_ERROR,
+            "line": 10,
+            "column": 21,
+            "severity": "error",
+            "pointer": "/queues/work/retry/max_attempts",
+            "message": "0 is less than the minimum of 1",
+        })]
+    );
+    let warnings = json_diagnostics(util::VALID, 0);
+    assert_eq!(warnings.len(), 4);
+    assert!(warnings.iter().all(|w| w["severity"] == "warning"));
+    assert_eq!(json_diagnostics("tests/fixtures/invalid/dup", 1).len(), 1);
+    assert_eq!(json_diagnostics("pipelines", 0), Vec::<Value>::new());
+}
+
+#[test]
+fn github_format_is_workflow_commands() {
+    sluice().args(["validate", ONE_ERROR, "--format", "github"]).assert().code(1).stdout(format!(
+        "::error file={ONE_ERROR},line=10,col=21::/queues/work/retry/max_attempts: 0 is less than the minimum of 1\n"
+    ));
+    let warning = "tests/fixtures/invalid/warn-jitter-none.yaml";
+    sluice().args(["validate", warning, "--format", "github"]).assert().code(0).stdout(format!(
+        "::warning file={warning},line=10,col=15::/queues/work/retry/jitter: jitter: none makes every failed message retry at the same moment; prefer full\n"
+    ));
+    // Regression: without a pointer the message used to start with ": ".
+    let syntax = "tests/fixtures/invalid/yaml-tab-indent.yaml";
+    sluice().args(["validate", syntax, "--format", "github"]).assert().code(1).stdout(format!(
+        "::error file={syntax},line=6,col=2::YAML syntax error: tabs disallowed within this context (block indentation)\n"
+    ));
+}
+
+#[test]
+fn validate_of_a_missing_path_fails_clearly() {
+    let missing = "tests/fixtures/does-not-exist.yaml";
+    sluice()
+        .args(["validate", missing])
+        .assert()
+        .code(1)
+        .stdout(predicate::str::starts_with(format!("{missing}:1:1: error: no such file or directory")));
+    let empty = tempfile::tempdir().unwrap();
+    sluice()
+        .arg("validate")
+        .arg(empty.path())
+        .assert()
+        .code(1)
+        .stdout(predicate::str::contains("no pipeline files (*.yaml, *.yml) under"));
+}
+
+#[test]
+fn schema_prints_the_committed_schema_byte_for_byte() {
+    let committed = std::fs::read(util::SCHEMA).unwrap();
+    let out = sluice().arg("schema").assert().success().get_output().stdout.clone();
+    assert!(out == committed, "`sluice schema` differs from {}", util::SCHEMA);
+}
+
+#[test]
+fn shipped_pipelines_and_examples_validate_and_name_the_schema() {
+    let mut files = util::yaml_files(Path::new("pipelines"));
+    assert!(!files.is_empty(), "pipelines/ has pipeline files");
+    if Path::new("examples").is_dir() {
+        files.extend(util::yaml_files(Path::new("examples")));
+    }
+    for file in files {
+        util::check_schema_header(&file).unwrap();
+        sluice().arg("validate").arg(&file).assert().success();
+    }
+}
+
+/// `sluice plan` of the valid fixtures in `format`.
+fn plan(format: &str) -> String {
+    let out = sluice().args(["plan", util::VALID, "--format", format]).assert().success().get_output().stdout.clone();
+    String::from_utf8(out).unwrap()
+}
+
+#[test]
+fn plan_json_declares_queues_their_dead_letter_queues_and_the_delay_cascade() {
+    let plan: Value = serde_json::from_str(&plan("json")).expect("JSON");
+    let queues: Vec<(&str, &str)> = plan["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| (q["name"].as_str().unwrap(), q["role"].as_str().unwrap()))
+        .collect();
+    let names_with =
+        |role: &str| -> BTreeSet<String> { queues.iter().filter(|q| q.1 == role).map(|q| q.0.to_string()).collect() };
+    let work: BTreeSet<String> = [
+        "billing.cleanup",
+        "billing.invoice",
+        "billing.lookup",
+        "media.archive",
+        "media.resize",
+        "media.thumbnail",
+        "orders.audit",
+        "orders.charge",
+    ]
+    .map(String::from)
+    .into();
+    assert_eq!(names_with("work"), work);
+    let dead = work.iter().map(|q| if q == "orders.charge" { format!("{q}.failed") } else { format!("{q}.dlq") });
+    assert_eq!(names_with("dead_letter"), dead.collect());
+    assert_eq!(names_with("delay"), (0..25).map(|n| format!("sluice.delay.{n:02}")).collect());
+    assert_eq!(queues.len(), 8 + 8 + 25, "nothing else is declared");
+
+    let charge = queues.iter().position(|q| q.0 == "orders.charge").unwrap();
+    let args = &plan["queues"][charge]["arguments"];
+    assert_eq!(args["x-max-length"], 100_000);
+    assert_eq!(args["x-dead-letter-routing-key"], "orders.charge.failed");
+    let audit = queues.iter().position(|q| q.0 == "orders.audit").unwrap();
+    assert_eq!(plan["queues"][audit]["arguments"]["x-queue-type"], "classic");
+    assert_eq!(plan["queues"][audit]["arguments"]["x-single-active-consumer"], true);
+    let headers = plan["bindings"].as_array().unwrap().iter().find(|b| b["source"] == "routing.headers").unwrap();
+    assert_eq!(headers["arguments"]["x-match"], "all");
+}
+
+#[test]
+fn plan_text_dot_and_mermaid() {
+    let text = plan("text");
+    assert!(text.starts_with("exchanges:\n"), "{text}");
+    assert!(text.contains("  orders.charge.failed [dead-letter]\n"), "{text}");
+    assert!(text.contains("delay cascade: 25 levels"), "{text}");
+    let dot = plan("dot");
+    assert!(dot.starts_with("digraph"), "{dot}");
+    assert!(dot.trim_end().ends_with('}'), "{dot}");
+    assert!(dot.contains("q_orders_charge -> q_orders_charge_failed"), "{dot}");
+    let mermaid = plan("mermaid");
+    assert!(mermaid.starts_with("flowchart"), "{mermaid}");
+    assert!(mermaid.contains("q_media_resize"), "{mermaid}");
+    // Text is the default.
+    sluice().args(["plan", util::VALID]).assert().success().stdout(text);
+}
+
+#[test]
+fn plan_of_an_invalid_pipeline_fails_with_the_diagnostics() {
+    sluice()
+        .args(["plan", ONE_ERROR, "--format", "json"])
+        .assert()
+        .code(1)
+        .stdout("")
+        .stderr(predicate::str::contains(format!("{ONE_ERROR}:10:21: error:")));
+}
+
+#[test]
+fn paths_default_to_pipelines() {
+    let explicit = sluice().args(["plan", "pipelines"]).assert().success().get_output().stdout.clone();
+    assert!(!explicit.is_empty());
+    sluice().arg("plan").assert().success().stdout(explicit);
 }

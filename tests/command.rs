@@ -1,11 +1,14 @@
 //! The command handler with real subprocesses. `/bin/sh -c` is only the program under
 //! test here; the handler itself never goes through a shell.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sluice::handler::HandlerError;
 use sluice::handler::command::{self, CAPTURE_BYTES, Invocation, Output, Stdin};
+use support::{is_running, read_pid};
 
 /// `/bin/sh -c script`, with `args` as `$0 $1 ...`.
 fn sh(script: &str, args: &[&str]) -> Invocation {
@@ -33,24 +36,6 @@ async fn wait_until(deadline: Duration, what: &str, mut condition: impl FnMut() 
         assert!(start.elapsed() < deadline, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// Whether `pid` is a running process. A killed process whose new parent (the container's
-/// init) has not reaped it yet lingers as a zombie; it is dead all the same.
-fn is_running(pid: libc::pid_t) -> bool {
-    // SAFETY: signal 0 only checks that the process exists; nothing is delivered.
-    let exists = unsafe { libc::kill(pid, 0) } == 0;
-    exists
-        && std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-            // The state follows the parenthesised command name, which may contain spaces.
-            stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
-        })
-}
-
-/// The pid a script wrote to `pidfile`, once it is completely written.
-fn read_pid(pidfile: &Path) -> Option<libc::pid_t> {
-    let text = std::fs::read_to_string(pidfile).ok()?;
-    text.strip_suffix('\n')?.parse().ok()
 }
 
 #[tokio::test]

@@ -21,7 +21,7 @@ use serde_json::Value;
 use tokio::sync::Mutex;
 
 use super::{Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing};
-use crate::topology::{DestinationKind, Plan};
+use crate::topology::{self, DestinationKind, Plan};
 
 /// How long a publish may wait for the broker's confirm before it counts as failed.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -109,6 +109,35 @@ impl Amqp {
             }
         }
     }
+
+    /// Publishes the original's body and properties with `headers` merged over `base`.
+    async fn copy(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        original: &AmqpDelivery,
+        base: FieldTable,
+        headers: &Headers,
+    ) -> Result<(), BrokerError> {
+        let properties =
+            original.0.properties.clone().with_delivery_mode(2).with_headers(headers_table(&base, headers));
+        self.publish_raw(exchange, routing_key, &original.0.data, properties).await
+    }
+}
+
+/// The headers without the broker's dead-letter history (`x-death`, `x-first-death-*`,
+/// `x-last-death-*`). A retry copy passes through the delay cascade again; RabbitMQ takes a
+/// message whose `x-death` already names the queue it is dead-lettered into for a cycle, and
+/// strands it (at-least-once) or drops it. Each trip through the cascade starts afresh.
+fn without_death_history(headers: Option<&FieldTable>) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in headers.map(|h| h.inner().iter()).into_iter().flatten() {
+        let name = k.as_str();
+        if !(name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")) {
+            t.insert(k.clone(), v.clone());
+        }
+    }
+    t
 }
 
 /// A delivery from RabbitMQ.
@@ -233,10 +262,20 @@ impl Broker for Amqp {
         original: &AmqpDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        let props = &original.0.properties;
-        let base = props.headers().clone().unwrap_or_default();
-        let properties = props.clone().with_delivery_mode(2).with_headers(headers_table(&base, &headers));
-        self.publish_raw(exchange, routing_key, &original.0.data, properties).await
+        let base = original.0.properties.headers().clone().unwrap_or_default();
+        self.copy(exchange, routing_key, original, base, &headers).await
+    }
+
+    async fn publish_delayed(
+        &self,
+        queue: &str,
+        delay: Duration,
+        original: &AmqpDelivery,
+        headers: Headers,
+    ) -> Result<(), BrokerError> {
+        let (exchange, routing_key) = topology::delay_route(queue, delay);
+        let base = without_death_history(original.0.properties.headers().as_ref());
+        self.copy(&exchange, &routing_key, original, base, &headers).await
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<Self::Deliveries, BrokerError> {
@@ -332,6 +371,21 @@ fn headers_table(base: &FieldTable, headers: &Headers) -> FieldTable {
 
 #[cfg(test)]
 mod tests {
+    use lapin::types::{AMQPValue, FieldTable};
+
+    #[test]
+    fn retry_copies_drop_the_dead_letter_history() {
+        let mut headers = FieldTable::default();
+        let names = ["x-death", "x-first-death-queue", "x-last-death-reason", "x-sluice-attempt", "traceparent"];
+        for name in names {
+            headers.insert(name.into(), AMQPValue::LongString("v".into()));
+        }
+        let kept = super::without_death_history(Some(&headers));
+        let kept: Vec<&str> = kept.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(kept, ["traceparent", "x-sluice-attempt"]);
+        assert!(super::without_death_history(None).inner().is_empty());
+    }
+
     #[test]
     fn redacts_passwords() {
         assert_eq!(super::redact("amqp://guest:secret@host:5672/%2f"), "amqp://guest:***@host:5672/%2f");

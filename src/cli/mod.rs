@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker::amqp::Amqp;
 use crate::config::{self, Format};
+use crate::dedup::{Location, Store};
 use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
@@ -63,6 +64,9 @@ enum Command {
         /// Exit 0 once every queue and pending retry is drained.
         #[arg(long)]
         exit_when_idle: bool,
+        /// Idempotency store: redis://host:port (shared by many runners) or a SQLite file path.
+        #[arg(long, env = "SLUICE_DEDUP", default_value = ".sluice/dedup.sqlite", hide_env_values = true)]
+        dedup: String,
     },
     /// Publish messages (JSON envelopes) and wait for the broker to confirm each.
     Publish(publish::Args),
@@ -113,10 +117,10 @@ pub fn main() -> ExitCode {
             print!("{}", config::schema::TEXT);
             ExitCode::SUCCESS
         }
-        Command::Run { paths, broker, shutdown_grace, exit_when_idle } => {
+        Command::Run { paths, broker, shutdown_grace, exit_when_idle, dedup } => {
             let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
             let options = runtime::Options { shutdown_grace, exit_when_idle };
-            exit(block_on(run(config, broker.url, options)))
+            exit(block_on(run(config, broker.url, Location::parse(&dedup), options)))
         }
         Command::Publish(args) => exit(block_on(publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
@@ -148,7 +152,12 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
-async fn run(config: config::Config, url: String, options: runtime::Options) -> anyhow::Result<()> {
+async fn run(config: config::Config, url: String, dedup: Location, options: runtime::Options) -> anyhow::Result<()> {
+    let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
+        Some(Store::open(&dedup).await.context("cannot open the idempotency store")?)
+    } else {
+        None
+    };
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
@@ -167,7 +176,7 @@ async fn run(config: config::Config, url: String, options: runtime::Options) -> 
         signals.cancel();
     });
     let connect = || Amqp::connect(&url);
-    runtime::run(Arc::new(config), connect, options, shutdown).await?;
+    runtime::run(Arc::new(config), connect, store, options, shutdown).await?;
     Ok(())
 }
 
@@ -175,7 +184,8 @@ fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) ->
     let q = config.queues.get(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
     let body = std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?;
     let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
-    match call::render_call(q, &envelope, &body, attempt, None, true)? {
+    let renderer = call::Renderer::new(q, &envelope, attempt, true);
+    match renderer.call(&body, &renderer.key()?, None)? {
         Call::Webhook { request, timeout } => {
             println!("{} {}", request.method, request.url);
             for (name, value) in &request.headers {

@@ -71,7 +71,23 @@ fn deserialize(file: &SourceFile) -> Result<raw::File, Diagnostic> {
     if let Some(map) = value.as_object_mut() {
         map.retain(|k, _| !k.starts_with("x-"));
     }
+    integral_floats_as_integers(&mut value);
     serde_json::from_value(value).map_err(|e| file.diag(Severity::Error, "", e.to_string()))
+}
+
+/// JSON Schema counts `8.0` as an integer, so the schema accepts `concurrency: 8.0`; serde would
+/// then fail with no position. Make such numbers integers, as the schema already saw them.
+fn integral_floats_as_integers(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            if let Some(f) = n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 2f64.powi(53)) {
+                *n = (f as i64).into();
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
+        serde_json::Value::Object(map) => map.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
 }
 
 struct Compiler<'a> {
@@ -140,13 +156,9 @@ impl Compiler<'_> {
         pointer: &str,
     ) -> bool {
         let pos = file.key_pos(pointer);
-        for prefix in ["amq.", "sluice."] {
-            if name.starts_with(prefix) {
-                let owner = if prefix == "amq." { "RabbitMQ" } else { "sluice's own delay queues" };
-                let message = format!("{what} name \"{name}\": the prefix \"{prefix}\" is reserved for {owner}");
-                self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
-                return false;
-            }
+        if let Some(message) = reserved(what, name) {
+            self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
+            return false;
         }
         if let Some(first) = defined.get(&(what, name.to_string())) {
             let message = format!(
@@ -250,7 +262,12 @@ impl Compiler<'_> {
                 "m" => Duration::from_secs(60),
                 _ => Duration::from_secs(3600),
             };
-            Some(RateLimit { count: n.parse().ok()?, per })
+            let Ok(count) = n.parse() else {
+                let message = format!("rate limit \"{text}\": the count can be at most {}", u32::MAX);
+                self.error(file, &format!("{base}/rate_limit"), message);
+                return None;
+            };
+            Some(RateLimit { count, per })
         });
 
         let payload_schema =
@@ -261,6 +278,9 @@ impl Compiler<'_> {
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
         let dead_letter = q.dead_letter.queue.unwrap_or_else(|| format!("{name}.dlq"));
+        if let Some(message) = reserved("dead-letter queue", &dead_letter) {
+            self.error(file, &format!("{base}/dead_letter/queue"), message);
+        }
 
         (self.error_count() == errors_before).then(|| Queue {
             name: name.to_string(),
@@ -481,6 +501,13 @@ impl Compiler<'_> {
     }
 }
 
+/// Why `name` may not be declared, when its prefix belongs to the broker or to sluice.
+fn reserved(what: &str, name: &str) -> Option<String> {
+    let prefix = ["amq.", "sluice."].into_iter().find(|p| name.starts_with(p))?;
+    let owner = if prefix == "amq." { "RabbitMQ" } else { "sluice's own delay queues" };
+    Some(format!("{what} name \"{name}\": the prefix \"{prefix}\" is reserved for {owner}"))
+}
+
 /// The scheme and host of a webhook URL must be literal: payloads may not choose where requests go.
 fn check_url(template: &str) -> Result<(), String> {
     let literal_end = template.find("{{").unwrap_or(template.len());
@@ -531,6 +558,14 @@ fn resolve_program(dir: &Path, program: &str) -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integral_floats_become_integers() {
+        let mut v = serde_json::json!({"a": 8.0, "b": [2.5, 1e3], "c": 1e30, "d": 7, "e": "8.0"});
+        integral_floats_as_integers(&mut v);
+        assert_eq!(v, serde_json::json!({"a": 8, "b": [2.5, 1000], "c": 1e30, "d": 7, "e": "8.0"}));
+        assert!(v["a"].is_i64());
+    }
 
     #[test]
     fn url_host_must_be_literal() {

@@ -39,15 +39,12 @@ pub struct Diagnostic {
 impl Diagnostic {
     /// `file:line:col: error: /pointer: message`, the first line of the human format.
     pub fn headline(&self) -> String {
-        let pointer = if self.pointer.is_empty() { String::new() } else { format!("{}: ", self.pointer) };
-        format!(
-            "{}:{}:{}: {}: {pointer}{}",
-            self.file.display(),
-            self.line,
-            self.column,
-            self.severity.as_str(),
-            self.message
-        )
+        format!("{}:{}:{}: {}: {}", self.file.display(), self.line, self.column, self.severity.as_str(), self.text())
+    }
+
+    /// `/pointer: message`, or the message alone for a problem with the file as a whole.
+    fn text(&self) -> String {
+        if self.pointer.is_empty() { self.message.clone() } else { format!("{}: {}", self.pointer, self.message) }
     }
 }
 
@@ -77,7 +74,7 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
                     d.file.display(),
                     d.line,
                     d.column,
-                    github_escape(&format!("{}: {}", d.pointer, d.message))
+                    github_escape(&d.text())
                 );
             }
         }
@@ -95,7 +92,7 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
 
 /// The offending line with its number and a caret under the column.
 fn snippet(text: &str, line: usize, column: usize) -> String {
-    let Some(src) = text.lines().nth(line.saturating_sub(1)) else {
+    let Some(src) = super::source::lines(text).nth(line.saturating_sub(1)) else {
         return String::new();
     };
     let gutter = line.to_string().len();
@@ -134,12 +131,26 @@ mod tests {
     }
 
     #[test]
+    fn snippet_counts_a_lone_carriage_return_as_a_line_break() {
+        let text = "version: 1\rfoo: bar\r";
+        let out = render(&[diag()], Format::Human, &|_| Some(text.to_string()));
+        assert!(out.contains("\n2 | foo: bar\n"), "{out}");
+    }
+
+    #[test]
     fn github_annotation() {
         let out = render(&[diag()], Format::Github, &|_| None);
         assert_eq!(
             out,
             "::error file=pipelines/orders.yaml,line=2,col=5::/queues/a/concurrency: 0 is less than the minimum of 1\n"
         );
+    }
+
+    #[test]
+    fn github_annotation_without_pointer() {
+        let d = Diagnostic { pointer: String::new(), message: "YAML syntax error: x".into(), ..diag() };
+        let out = render(&[d], Format::Github, &|_| None);
+        assert_eq!(out, "::error file=pipelines/orders.yaml,line=2,col=5::YAML syntax error: x\n");
     }
 
     #[test]

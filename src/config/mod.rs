@@ -203,16 +203,18 @@ impl RetryPolicy {
             Backoff::Exponential => {
                 let factor = self.multiplier.powi(retries.min(1000) as i32);
                 let secs = (self.initial.as_secs_f64() * factor).min(self.max.as_secs_f64());
-                Duration::from_secs_f64(secs)
+                // Near u64::MAX seconds the float rounds up past what a Duration holds.
+                Duration::try_from_secs_f64(secs).unwrap_or(self.max)
             }
         }
     }
 
-    /// The longest time from the first attempt to the last one's end.
+    /// The longest time from the first attempt to the last one's end (saturating: validation
+    /// computes it for durations it is about to reject).
     pub fn window(&self, handler_timeout: Duration) -> Duration {
         let attempts = self.max_attempts.get();
-        let waits: Duration = (2..=attempts).map(|n| self.ceiling(n)).sum();
-        waits + handler_timeout * attempts
+        let waits = (2..=attempts).map(|n| self.ceiling(n)).fold(Duration::ZERO, Duration::saturating_add);
+        waits.saturating_add(handler_timeout.saturating_mul(attempts))
     }
 }
 
@@ -308,5 +310,19 @@ mod tests {
         assert_eq!(p.window(Duration::from_secs(10)), Duration::from_secs(12 + 50));
         let fixed = RetryPolicy { backoff: Backoff::Fixed, initial: Duration::from_secs(3), ..p };
         assert_eq!(fixed.ceiling(4), Duration::from_secs(3));
+    }
+
+    #[test]
+    fn huge_durations_saturate_instead_of_panicking() {
+        let huge = Duration::from_secs(u64::MAX);
+        let p = RetryPolicy {
+            max_attempts: NonZeroU32::new(1000).unwrap(),
+            initial: huge,
+            max: huge,
+            ..Default::default()
+        };
+        assert_eq!(p.ceiling(3), huge);
+        assert_eq!(p.window(huge), Duration::MAX);
+        assert_eq!(RetryPolicy::default().window(huge), Duration::MAX);
     }
 }

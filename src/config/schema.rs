@@ -44,12 +44,17 @@ fn diagnostics(file: &SourceFile, error: &ValidationError<'_>) -> Vec<Diagnostic
                 file.diag_at(file.key_pos(&at), Severity::Error, &at, message)
             })
             .collect(),
-        _ if schema_path.contains("/propertyNames") => {
-            let key = error.instance().as_str().unwrap_or_default();
+        // The error is about the object; the inner error's instance is the offending key.
+        ValidationErrorKind::PropertyNames { error: inner } => {
+            let key = inner.instance().as_str().unwrap_or_default();
             let at = format!("{pointer}/{}", escape_token(key));
-            let message = format!(
-                "invalid name \"{key}\": names start with a letter or digit, then letters, digits, '_', '.', ':' or '-', at most 200 characters"
-            );
+            let message = if inner.schema_path().as_str().starts_with("/$defs/name/") {
+                format!(
+                    "invalid name \"{key}\": names start with a letter or digit, then letters, digits, '_', '.', ':' or '-', at most 200 characters"
+                )
+            } else {
+                format!("invalid name \"{key}\": {inner}")
+            };
             vec![file.diag_at(file.key_pos(&at), Severity::Error, &at, message)]
         }
         ValidationErrorKind::MinProperties { .. } | ValidationErrorKind::MaxProperties { .. }
@@ -104,6 +109,20 @@ mod tests {
     fn schema_is_valid_draft_2020_12() {
         assert!(jsonschema::meta::is_valid(&SCHEMA));
         LazyLock::force(&VALIDATOR);
+    }
+
+    #[test]
+    fn invalid_names_are_reported_at_the_key() {
+        let text = "version: 1\nqueues:\n  ok:\n    handler: {command: {program: x}}\n  -bad:\n    handler: {command: {program: x, env: {1X: a}}}\n";
+        let file = crate::config::source::parse(std::path::Path::new("t.yaml"), text.to_string()).unwrap();
+        let got: Vec<(usize, usize, String)> =
+            check(&file).into_iter().map(|d| (d.line, d.column, d.pointer)).collect();
+        assert_eq!(
+            got,
+            [(5, 3, "/queues/-bad".to_string()), (6, 43, "/queues/-bad/handler/command/env/1X".to_string())]
+        );
+        assert!(check(&file)[0].message.starts_with("invalid name \"-bad\": names start with"));
+        assert!(check(&file)[1].message.starts_with("invalid name \"1X\": \"1X\" does not match"));
     }
 
     #[test]

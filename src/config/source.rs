@@ -4,7 +4,7 @@
 //!
 //! This module knows YAML, not the pipeline format: it never interprets keys.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use saphyr_parser::{Event, Parser, Span};
@@ -117,13 +117,16 @@ pub fn load(path: &Path) -> Result<SourceFile, Diagnostic> {
 
 /// Parses YAML text that came from `path`.
 pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
-    let at = |pos: Pos, message: String| Diagnostic {
-        file: path.to_path_buf(),
-        line: pos.line,
-        column: pos.column,
-        severity: Severity::Error,
-        pointer: String::new(),
-        message,
+    let at = |pos: Pos, message: String| {
+        let pos = within(&text, pos);
+        Diagnostic {
+            file: path.to_path_buf(),
+            line: pos.line,
+            column: pos.column,
+            severity: Severity::Error,
+            pointer: String::new(),
+            message,
+        }
     };
     let spans = SpanMap::build(&text).map_err(|(pos, msg)| at(pos, format!("YAML syntax error: {msg}")))?;
     let mut yaml: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| {
@@ -140,22 +143,58 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
     Ok(SourceFile { path: path.to_path_buf(), text, value, spans })
 }
 
+/// Parsers report the end of the input on the line after the last one, or past trailing blank
+/// lines: point just after the last character instead, so that there is a line to show.
+fn within(text: &str, pos: Pos) -> Pos {
+    match lines(text.trim_end()).enumerate().last() {
+        Some((i, last)) if pos.line > i + 1 => Pos { line: i + 1, column: last.chars().count() + 1 },
+        None => Pos { line: 1, column: 1 },
+        Some(_) => pos,
+    }
+}
+
+/// Lines as YAML counts them, and so every position: `\n`, `\r\n` and a lone `\r` each end one
+/// (`str::lines` ignores a lone `\r`).
+pub fn lines(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest.find(['\n', '\r']).unwrap_or(rest.len());
+        let line = &rest[..end];
+        let ending = if rest[end..].starts_with("\r\n") { 2 } else { usize::from(end < rest.len()) };
+        rest = &rest[end + ending..];
+        Some(line)
+    })
+}
+
 /// Escapes one JSON pointer token (RFC 6901).
 pub fn escape_token(token: &str) -> String {
     token.replace('~', "~0").replace('/', "~1")
 }
 
-/// JSON pointer → position of the value, and of the key for object members.
+/// How many positions aliases and merges may copy in one file. Beyond it, nodes reached only
+/// through an alias report the alias's own position: an alias bomb ("billion laughs") must
+/// not expand here (the YAML loader rejects it afterwards).
+const MAX_ALIAS_COPIES: usize = 100_000;
+
+/// JSON pointer → position of the value, and of the key for object members. Ordered, so that
+/// the nodes under an anchor are one range.
 #[derive(Debug, Default)]
 struct SpanMap {
-    values: HashMap<String, Pos>,
-    keys: HashMap<String, Pos>,
+    values: BTreeMap<String, Pos>,
+    keys: BTreeMap<String, Pos>,
+    /// Positions copied so far for aliases and merges, bounded by `MAX_ALIAS_COPIES`.
+    copied: usize,
 }
 
 enum Frame {
     Map {
         path: String,
         key: Option<String>,
+        /// The keys written in this mapping so far, where: YAML keys are unique.
+        seen: HashMap<String, Pos>,
     },
     Seq {
         path: String,
@@ -214,7 +253,14 @@ impl SpanMap {
                     }
                 }
                 Event::Scalar(value, _, anchor, _) => {
-                    if let Some(Frame::Map { path, key: key @ None }) = stack.last_mut() {
+                    if let Some(Frame::Map { path, key: key @ None, seen }) = stack.last_mut() {
+                        if let Some(first) = seen.insert(value.to_string(), pos) {
+                            let message = format!(
+                                "key \"{value}\" is defined twice in one mapping: here and at line {}, column {}",
+                                first.line, first.column
+                            );
+                            return Err((pos, message));
+                        }
                         let pointer = format!("{path}/{}", escape_token(&value));
                         map.keys.insert(pointer, pos);
                         *key = Some(value.into_owned());
@@ -236,7 +282,7 @@ impl SpanMap {
                         anchors.insert(anchor, path.clone());
                     }
                     stack.push(if matches!(event, Event::MappingStart(..)) {
-                        Frame::Map { path, key: None }
+                        Frame::Map { path, key: None, seen: HashMap::new() }
                     } else {
                         Frame::Seq { path, index: 0 }
                     });
@@ -249,7 +295,7 @@ impl SpanMap {
                         || matches!(stack.as_slice(), [.., Frame::Map { key: Some(k), .. }, Frame::Seq { .. }] if k == "<<");
                     let target = if merge {
                         let parent = stack.iter().rev().find_map(|f| match f {
-                            Frame::Map { path, key: Some(k) } if k == "<<" => Some(path.clone()),
+                            Frame::Map { path, key: Some(k), .. } if k == "<<" => Some(path.clone()),
                             _ => None,
                         });
                         if let Some(Frame::Seq { index, .. }) = stack.last_mut() {
@@ -276,7 +322,7 @@ impl SpanMap {
     fn place(&mut self, stack: &mut [Frame], pos: Pos) -> Option<String> {
         let pointer = match stack.last_mut() {
             None => String::new(),
-            Some(Frame::Map { path, key }) => {
+            Some(Frame::Map { path, key, .. }) => {
                 let k = key.take()?;
                 format!("{path}/{}", escape_token(&k))
             }
@@ -286,7 +332,8 @@ impl SpanMap {
             }
             Some(Frame::Skip { .. }) => return None,
         };
-        self.values.entry(pointer.clone()).or_insert(pos);
+        // An explicit value overrides one a `<<` merge earlier in the same mapping recorded.
+        self.values.insert(pointer.clone(), pos);
         Some(pointer)
     }
 
@@ -295,7 +342,8 @@ impl SpanMap {
     fn copy_subtree(&mut self, base: &str, target: &str, merge: bool) {
         for table in [&mut self.values, &mut self.keys] {
             let copies: Vec<(String, Pos)> = table
-                .iter()
+                .range(base.to_string()..)
+                .take_while(|(k, _)| k.starts_with(base))
                 .filter_map(|(k, v)| {
                     let rest = k.strip_prefix(base)?;
                     if merge && rest.is_empty() {
@@ -303,7 +351,9 @@ impl SpanMap {
                     }
                     (rest.is_empty() || rest.starts_with('/')).then(|| (format!("{target}{rest}"), *v))
                 })
+                .take(MAX_ALIAS_COPIES.saturating_sub(self.copied))
                 .collect();
+            self.copied += copies.len();
             for (k, v) in copies {
                 table.entry(k).or_insert(v);
             }
@@ -344,6 +394,16 @@ mod tests {
     }
 
     #[test]
+    fn explicit_keys_after_a_merge_point_at_themselves() {
+        let text = "x-r: &r\n  max: 5m\n  initial: 1s\nretry:\n  <<: *r\n  max: 0s\n";
+        let f = parsed(text);
+        assert_eq!(f.value["retry"]["max"], "0s");
+        assert_eq!(f.pos("/retry/max"), Pos { line: 6, column: 8 });
+        assert_eq!(f.key_pos("/retry/max"), Pos { line: 6, column: 3 });
+        assert_eq!(f.pos("/retry/initial"), Pos { line: 3, column: 12 });
+    }
+
+    #[test]
     fn slash_and_tilde_in_keys_are_escaped() {
         let f = parsed("a/b:\n  c~d: 1\n");
         assert_eq!(f.pos("/a~1b/c~0d"), Pos { line: 2, column: 8 });
@@ -354,6 +414,56 @@ mod tests {
         let err = parse(Path::new("t.yaml"), "a: [1, 2\nb: 3\n".to_string()).unwrap_err();
         assert!(err.message.starts_with("YAML syntax error"), "{}", err.message);
         assert!(err.line >= 1);
+    }
+
+    #[test]
+    fn an_error_at_the_end_of_the_input_points_after_the_last_character() {
+        for (text, want) in [("a: 1\nb: [x, y\n", (2, 9)), ("[", (1, 2)), ("a: 1\nb: [x\n\n\n", (2, 6))] {
+            let err = parse(Path::new("t.yaml"), text.to_string()).unwrap_err();
+            assert_eq!((err.line, err.column), want, "{text:?}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn alias_expansion_is_bounded() {
+        let mut text = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+        for level in 1..10 {
+            let prev = (b'a' + level - 1) as char;
+            let aliases = vec![format!("*{prev}"); 10].join(", ");
+            text.push_str(&format!("{}: &{} [{aliases}]\n", (b'a' + level) as char, (b'a' + level) as char));
+        }
+        let spans = SpanMap::build(&text).expect("well-formed YAML");
+        assert!(spans.values.len() <= MAX_ALIAS_COPIES + 200, "{}", spans.values.len());
+        assert_eq!(spans.value_pos("/b/3/9"), Pos { line: 1, column: 35 });
+    }
+
+    #[test]
+    fn duplicate_key_is_reported_at_the_second_one() {
+        let text = "queues:\n  a:\n    x: 1\n  b: {}\n  a:\n    y: 2\nother:\n  a: 1\n";
+        let err = parse(Path::new("t.yaml"), text.to_string()).unwrap_err();
+        assert_eq!((err.line, err.column), (5, 3));
+        assert!(
+            err.message.contains("\"a\" is defined twice in one mapping: here and at line 2, column 3"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn lines_end_as_in_yaml() {
+        let cases: &[(&str, &[&str])] = &[
+            ("", &[]),
+            ("a", &["a"]),
+            ("a\n", &["a"]),
+            ("a\n\nb", &["a", "", "b"]),
+            ("a\r\nb\rc\n", &["a", "b", "c"]),
+            ("a\r\r\n", &["a", ""]),
+        ];
+        for (text, want) in cases {
+            assert_eq!(lines(text).collect::<Vec<_>>(), *want, "{text:?}");
+        }
+        let f = parsed("version: 1\rqueues:\r  a: 1\r");
+        assert_eq!(f.pos("/queues/a"), Pos { line: 3, column: 6 });
     }
 
     #[test]

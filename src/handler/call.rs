@@ -162,26 +162,43 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Ca
     }
 }
 
-/// Renders the call a delivery on `queue` makes at `attempt`: the idempotency key (from the
-/// queue's template, else the envelope's), then the handler's request or invocation.
-/// With `redact`, environment values print as `***` (for `sluice render`).
-pub fn render_call(
-    queue: &Queue,
-    envelope: &Envelope,
-    body: &[u8],
+/// Renders what a delivery on a queue needs at one attempt: its idempotency key, then its
+/// handler call. With `redact`, environment values render as `***` (for `sluice render`).
+pub struct Renderer<'a> {
+    queue: &'a Queue,
+    envelope: &'a Envelope,
     attempt: u32,
-    traceparent: Option<&str>,
-    redact: bool,
-) -> Result<Call, PrepareError> {
-    let mut used = templates(&queue.handler);
-    used.extend(queue.idempotency.as_ref().map(|i| &i.key));
-    let ctx = context(envelope, attempt, &queue.name, &used, redact);
-    let key = match &queue.idempotency {
-        Some(i) => render(&i.key, "idempotency key", &ctx)?,
-        None => envelope.idempotency_key().to_string(),
-    };
-    let message = Message { envelope, body, attempt, queue: &queue.name, idempotency_key: &key, traceparent };
-    prepare(&queue.handler, &message, &ctx)
+    ctx: Context,
+}
+
+impl<'a> Renderer<'a> {
+    pub fn new(queue: &'a Queue, envelope: &'a Envelope, attempt: u32, redact: bool) -> Renderer<'a> {
+        let mut used = templates(&queue.handler);
+        used.extend(queue.idempotency.as_ref().map(|i| &i.key));
+        let ctx = context(envelope, attempt, &queue.name, &used, redact);
+        Renderer { queue, envelope, attempt, ctx }
+    }
+
+    /// The idempotency key: the queue's template, else the envelope's key.
+    pub fn key(&self) -> Result<String, PrepareError> {
+        match &self.queue.idempotency {
+            Some(i) => render(&i.key, "idempotency key", &self.ctx),
+            None => Ok(self.envelope.idempotency_key().to_string()),
+        }
+    }
+
+    /// The handler's request or invocation; `body` is the delivery's body as received.
+    pub fn call(&self, body: &[u8], key: &str, traceparent: Option<&str>) -> Result<Call, PrepareError> {
+        let message = Message {
+            envelope: self.envelope,
+            body,
+            attempt: self.attempt,
+            queue: &self.queue.name,
+            idempotency_key: key,
+            traceparent,
+        };
+        prepare(&self.queue.handler, &message, &self.ctx)
+    }
 }
 
 /// Runs a prepared call.

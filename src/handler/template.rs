@@ -77,7 +77,7 @@ pub enum TemplateError {
 impl Template {
     /// Compiles `source` and checks every variable it names.
     pub fn compile(source: &str, escape: Escape) -> Result<Template, TemplateError> {
-        let compiled = handlebars::Template::compile(source).map_err(|e| TemplateError::Syntax(e.to_string()))?;
+        let compiled = handlebars::Template::compile(source).map_err(syntax_error)?;
         let mut env = Vec::new();
         check_elements(&compiled.elements, escape, true, &mut env)?;
         env.sort();
@@ -112,6 +112,14 @@ impl Template {
         self.compiled.render(registry, context, &mut rc, &mut out)?;
         out.into_string().map_err(|e| RenderErrorReason::Other(e.to_string()).into())
     }
+}
+
+/// One line, as diagnostics are: handlebars' own Display spans several lines with a snippet.
+fn syntax_error(e: handlebars::TemplateError) -> TemplateError {
+    TemplateError::Syntax(match e.pos() {
+        Some((line, column)) => format!("{} (template line {line}, column {column})", e.reason()),
+        None => e.reason().to_string(),
+    })
 }
 
 fn check_elements(
@@ -305,6 +313,11 @@ mod tests {
             assert_eq!(Template::compile(source, Escape::Plain).map(|_| ()), *want, "{source}");
         }
         assert!(matches!(Template::compile("{{#if}}", Escape::Plain), Err(TemplateError::Syntax(_))));
+        let Err(TemplateError::Syntax(message)) = Template::compile("x {{#if payload}}", Escape::Plain) else {
+            panic!("an unclosed block is a syntax error");
+        };
+        assert!(!message.contains('\n'), "{message}");
+        assert!(message.contains("(template line 1, column "), "{message}");
         assert_eq!(Template::compile("{{{payload.a}}}", Escape::Url).map(|_| ()), Err(TemplateError::RawInUrl));
     }
 

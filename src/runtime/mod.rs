@@ -12,12 +12,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
+use crate::dedup::Store;
 use crate::topology::{self, Plan, Role};
 use worker::Worker;
 
@@ -44,6 +46,7 @@ pub enum RunError {
 pub async fn run<B, C, F>(
     config: Arc<Config>,
     connect: C,
+    store: Option<Store>,
     options: Options,
     shutdown: CancellationToken,
 ) -> Result<(), RunError>
@@ -59,8 +62,12 @@ where
     let workers: Vec<Arc<Worker>> = config
         .queues
         .keys()
-        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), in_flight.clone())))
+        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), in_flight.clone(), store.clone())))
         .collect();
+    if let Some(store) = store.clone() {
+        let stop = shutdown.clone();
+        tokio::spawn(async move { purge_expired(&store, &stop).await });
+    }
     let mut failures = 0u32;
     let mut declared_once = false;
     loop {
@@ -108,7 +115,21 @@ where
             });
         }
         let mut lost = None;
-        while let Some(result) = running.join_next().await {
+        // Workers return only once their deliveries are settled, so the grace, counted from
+        // shutdown, bounds waiting for them as well as for the delivery tasks.
+        let mut deadline = None;
+        loop {
+            let result = tokio::select! {
+                result = running.join_next() => match result {
+                    Some(result) => result,
+                    None => break,
+                },
+                () = shutdown.cancelled(), if deadline.is_none() => {
+                    deadline = Some(Instant::now() + options.shutdown_grace);
+                    continue;
+                }
+                () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => break,
+            };
             match result {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
@@ -127,19 +148,22 @@ where
                 broker.close().await;
             }
             _ => {
-                drain(&tracker, options.shutdown_grace, &in_flight).await;
+                let deadline = deadline.unwrap_or_else(|| Instant::now() + options.shutdown_grace);
+                drain(&tracker, deadline, options.shutdown_grace, &in_flight).await;
                 broker.close().await;
                 return Ok(());
             }
         }
     }
-    drain(&tracker, options.shutdown_grace, &in_flight).await;
+    drain(&tracker, Instant::now() + options.shutdown_grace, options.shutdown_grace, &in_flight).await;
     Ok(())
 }
 
-async fn drain(tracker: &TaskTracker, grace: Duration, in_flight: &AtomicUsize) {
+/// Waits until `deadline` for the delivery tasks; what is still unfinished then goes back to
+/// the broker when the session closes.
+async fn drain(tracker: &TaskTracker, deadline: Instant, grace: Duration, in_flight: &AtomicUsize) {
     tracker.close();
-    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+    if tokio::time::timeout_at(deadline, tracker.wait()).await.is_err() {
         warn!(
             in_flight = in_flight.load(Ordering::SeqCst),
             ?grace,
@@ -147,6 +171,23 @@ async fn drain(tracker: &TaskTracker, grace: Duration, in_flight: &AtomicUsize) 
         );
     }
 }
+
+/// Removes expired idempotency keys now and then, so the store does not grow.
+async fn purge_expired(store: &Store, stop: &CancellationToken) {
+    loop {
+        match store.purge().await {
+            Ok(0) => {}
+            Ok(n) => info!(purged = n, "expired idempotency keys removed"),
+            Err(e) => warn!(error = %e, "purging expired idempotency keys failed"),
+        }
+        if sleep_or_shutdown(PURGE_EVERY, stop).await {
+            return;
+        }
+    }
+}
+
+/// How often expired idempotency keys are purged.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
 
 /// Sleeps; true if shutdown came first.
 async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> bool {

@@ -9,10 +9,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::StreamExt;
 use governor::{DefaultDirectRateLimiter, Quota};
+use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -21,15 +22,21 @@ use tracing::{debug, error, info, warn};
 use super::backoff;
 use crate::broker::{Broker, BrokerError, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
+use crate::dedup::{Claim, Store};
 use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
-use crate::handler::call;
+use crate::handler::call::{self, Renderer};
 
 /// How a delivery ends. Every delivery gets exactly one.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Disposition {
-    /// Done (or a duplicate of something done): ack.
+    /// Done: ack.
     Ack,
+    /// Already done before (its idempotency key is complete): ack without running the handler.
+    Duplicate,
+    /// Not now (the key is busy elsewhere, or the store is unreachable): a copy with the same
+    /// attempt reaches the queue after `after`, then ack.
+    Wait { attempt: u32, after: Duration, why: String },
     /// Try again: a copy with attempt `next` reaches the queue after `after`, then ack.
     Retry { next: u32, after: Duration, error: String },
     /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
@@ -59,6 +66,13 @@ impl Reason {
     }
 }
 
+/// A claim's lease outlives the handler's timeout (twice over, for rendering and the rate
+/// limit) by this much; after a crash, a claimed key is free again once its lease ends.
+const LEASE_MARGIN: Duration = Duration::from_secs(5);
+
+/// The longest wait before retrying a message whose key could not be claimed.
+const STORE_DOWN_WAIT: Duration = Duration::from_secs(5);
+
 /// Error texts in headers are kept short.
 const MAX_ERROR_HEADER: usize = 1000;
 
@@ -70,6 +84,7 @@ pub struct Worker {
     client: reqwest::Client,
     /// Deliveries received and not yet settled, across all workers (for `--exit-when-idle`).
     in_flight: Arc<AtomicUsize>,
+    store: Option<Store>,
 }
 
 enum AckEvent<D> {
@@ -79,12 +94,18 @@ enum AckEvent<D> {
 
 impl Worker {
     /// A worker for queue `name` of `config`.
-    pub fn new(config: Arc<Config>, name: &str, client: reqwest::Client, in_flight: Arc<AtomicUsize>) -> Worker {
+    pub fn new(
+        config: Arc<Config>,
+        name: &str,
+        client: reqwest::Client,
+        in_flight: Arc<AtomicUsize>,
+        store: Option<Store>,
+    ) -> Worker {
         let limiter = config.queues.get(name).and_then(|q| q.rate_limit).and_then(|r| {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
-        Worker { config, name: name.to_string(), limiter, client, in_flight }
+        Worker { config, name: name.to_string(), limiter, client, in_flight, store }
     }
 
     fn queue(&self) -> &Queue {
@@ -116,6 +137,7 @@ impl Worker {
                 }
                 item = deliveries.next() => match item {
                     Some(Ok(delivery)) => {
+                        tracing::trace!(queue = %queue.name, tag = delivery.tag(), "delivery");
                         self.in_flight.fetch_add(1, Ordering::SeqCst);
                         let _ = acks.send(AckEvent::Received(delivery.tag()));
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
@@ -141,7 +163,8 @@ impl Worker {
         result
     }
 
-    /// Decides what happens to a delivery: runs the handler unless the message is bad.
+    /// Decides what happens to a delivery: bad messages are dead-lettered, duplicates acked,
+    /// the rest run the handler under an idempotency claim.
     pub async fn decide<D: Delivery>(&self, delivery: &D) -> Disposition {
         let q = self.queue();
         let attempt = match delivery.header(envelope::ATTEMPT_HEADER) {
@@ -159,8 +182,60 @@ impl Worker {
         {
             return dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str()));
         }
+        let renderer = Renderer::new(q, &envelope, attempt, false);
+        let key = match renderer.key() {
+            Ok(k) => k,
+            Err(e) => return dead(Reason::Template, e.to_string()),
+        };
+        let (Some(idempotency), Some(store)) = (&q.idempotency, &self.store) else {
+            return self.handle(delivery, &renderer, &key, attempt).await;
+        };
+        let lease = q.handler.timeout() * 2 + LEASE_MARGIN;
+        match store.claim(&q.name, &key, lease).await {
+            Ok(Claim::Claimed) => {}
+            Ok(Claim::Done) => return Disposition::Duplicate,
+            Ok(Claim::Busy) => {
+                let after = q.retry.initial.max(Duration::from_secs(1)).mul_f64(rand::rng().random_range(0.5..=1.0));
+                return Disposition::Wait { attempt, after, why: "another worker holds this key".into() };
+            }
+            Err(e) => {
+                let after = backoff::reconnect_delay(6, STORE_DOWN_WAIT, &mut rand::rng());
+                return Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") };
+            }
+        }
+        let disposition = self.handle(delivery, &renderer, &key, attempt).await;
+        if disposition == Disposition::Ack {
+            self.complete(store, &key, idempotency.ttl, lease).await;
+        } else if let Err(e) = store.release(&q.name, &key).await {
+            warn!(queue = %q.name, error = %e, "releasing the idempotency claim failed; it expires with its lease");
+        }
+        disposition
+    }
+
+    /// Records a success, retrying while the lease lasts: a success the store does not know
+    /// of could run again when its message is delivered twice.
+    async fn complete(&self, store: &Store, key: &str, ttl: Duration, lease: Duration) {
+        let q = self.queue();
+        let started = Instant::now();
+        let mut failures = 0;
+        while let Err(e) = store.complete(&q.name, key, ttl).await {
+            failures += 1;
+            if started.elapsed() >= lease {
+                error!(queue = %q.name, error = %e, "could not record a success in the idempotency store; a duplicate of this message may run again");
+                return;
+            }
+            error!(queue = %q.name, error = %e, failures, "recording a success in the idempotency store failed; retrying");
+            let delay = backoff::reconnect_delay(failures, Duration::from_secs(5), &mut rand::rng());
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Renders the call, waits for the rate limit, runs the handler, classifies the result.
+    async fn handle<D: Delivery>(&self, delivery: &D, renderer: &Renderer<'_>, key: &str, attempt: u32) -> Disposition {
+        let q = self.queue();
+        let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
         let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());
-        let prepared = match call::render_call(q, &envelope, delivery.body(), attempt, traceparent.as_deref(), false) {
+        let prepared = match renderer.call(delivery.body(), key, traceparent.as_deref()) {
             Ok(c) => c,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
@@ -169,7 +244,7 @@ impl Worker {
         }
         match call::execute(prepared, &self.client).await {
             Ok(()) => {
-                debug!(queue = %q.name, id = %envelope.id, attempt, "handled");
+                debug!(queue = %q.name, key, attempt, "handled");
                 Disposition::Ack
             }
             Err(HandlerError::Permanent { error }) => dead(Reason::Permanent, error),
@@ -188,11 +263,17 @@ impl Worker {
         let q = self.queue();
         let (headers, describe) = match &disposition {
             Disposition::Ack => return true,
+            Disposition::Duplicate => {
+                info!(queue = %q.name, "duplicate of a message already handled; acked without running the handler");
+                return true;
+            }
             Disposition::Retry { next, after, error } => {
                 warn!(queue = %q.name, attempt = next - 1, retry_in = ?after, %error, "handler failed; retrying");
-                let headers =
-                    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(*next)))]);
-                (headers, "retry copy")
+                (attempt_header(*next), "retry copy")
+            }
+            Disposition::Wait { attempt, after, why } => {
+                warn!(queue = %q.name, attempt, retry_in = ?after, why = %why, "not handled yet; will try again without spending an attempt");
+                (attempt_header(*attempt), "delayed copy")
             }
             Disposition::DeadLetter { reason, error, attempts } => {
                 warn!(queue = %q.name, reason = reason.as_str(), attempts, %error, "dead-lettering");
@@ -211,10 +292,11 @@ impl Worker {
         let mut failures = 0;
         loop {
             let published = match &disposition {
-                Disposition::Retry { after, .. } => {
+                Disposition::Retry { after, .. } | Disposition::Wait { after, .. } => {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
-                _ => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
+                Disposition::DeadLetter { .. } => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
+                Disposition::Ack | Disposition::Duplicate => return true,
             };
             match published {
                 Ok(()) => return true,
@@ -231,6 +313,10 @@ impl Worker {
             }
         }
     }
+}
+
+fn attempt_header(attempt: u32) -> Headers {
+    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
 /// Acks settled deliveries: the contiguous settled range from the oldest unsettled delivery

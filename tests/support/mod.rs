@@ -6,6 +6,7 @@
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice::broker::amqp::Amqp;
@@ -52,6 +53,28 @@ impl Vhost {
     pub async fn connect(&self) -> Amqp {
         Amqp::connect(&self.url()).await.expect("connect to the test vhost")
     }
+
+    /// Messages ready in `queue` (a passive declare on a fresh connection, so it works after
+    /// the vhost's connections were closed).
+    pub async fn depth(&self, queue: &str) -> u32 {
+        let broker = self.connect().await;
+        let depth = broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"));
+        broker.close().await;
+        depth
+    }
+
+    /// Has the broker close every connection of this vhost (ours and the runner's); how many.
+    pub fn close_all_connections(&self) -> usize {
+        let out = Command::new("rabbitmqctl")
+            .args(["close_all_connections", "-p", &self.name, "test"])
+            .output()
+            .expect("rabbitmqctl runs");
+        assert!(out.status.success(), "close_all_connections failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| l.strip_prefix("Closed ")?.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected rabbitmqctl output: {text}"))
+    }
 }
 
 impl Drop for Vhost {
@@ -75,6 +98,9 @@ pub struct Sluice {
 
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
+    /// Unless the args or `env` choose one, the idempotency store is a SQLite file in DIR: the
+    /// default (`.sluice/dedup.sqlite` in the working directory) would be shared by every test
+    /// and every earlier run, so keys handled there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
         Sluice::run_with_env(dir, url, extra, &[])
     }
@@ -90,6 +116,7 @@ impl Sluice {
             .args(["--broker", url])
             .args(extra)
             .env("RUST_LOG", "info")
+            .env("SLUICE_DEDUP", dir.join(".sluice/dedup.sqlite"))
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
@@ -106,6 +133,17 @@ impl Sluice {
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill(2) with the pid of a child we own; no memory is touched.
         unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    /// SIGTERM, then waits for exit with a deadline; the exit code.
+    pub fn stop(&mut self, deadline: Duration) -> Option<i32> {
+        self.signal(libc::SIGTERM);
+        self.wait(deadline)
     }
 
     /// Waits for exit with a deadline; the exit code, or None if killed by a signal.
@@ -268,7 +306,59 @@ pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Fi
     Finished { code: status.code(), stdout: read(out), stderr: read(err) }
 }
 
-/// One request as the [`Receiver`] saw it.
+/// A header of a dead-lettered message as text, if present and a string.
+pub fn header_str<'a>(headers: &'a std::collections::BTreeMap<String, HeaderValue>, name: &str) -> Option<&'a str> {
+    match headers.get(name) {
+        Some(HeaderValue::Str(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// Writes an executable `#!/bin/sh` script into `dir` (for command handlers).
+pub fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod script");
+    path
+}
+
+/// The lines of a file a handler appends to (none while it does not exist). A line still being
+/// written (no newline yet) is left out.
+pub fn lines(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete.lines().map(str::to_string).collect()
+}
+
+/// Whether `pid` is a running process. A killed process whose new parent (the container's
+/// init) has not reaped it yet lingers as a zombie; it is dead all the same.
+pub fn is_running(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 only checks that the process exists; nothing is delivered.
+    let exists = unsafe { libc::kill(pid, 0) } == 0;
+    exists
+        && std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            // The state follows the parenthesised command name, which may contain spaces.
+            stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+}
+
+/// The pid a script wrote to `pidfile`, once it is completely written.
+pub fn read_pid(pidfile: &Path) -> Option<libc::pid_t> {
+    let text = std::fs::read_to_string(pidfile).ok()?;
+    text.strip_suffix('\n')?.parse().ok()
+}
+
+/// How often each line occurs.
+pub fn counts<I: IntoIterator<Item = S>, S: Into<String>>(items: I) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for item in items {
+        *counts.entry(item.into()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// One request as the [`Receiver`] saw it, and how it was answered.
 #[derive(Debug, Clone)]
 pub struct Hit {
     /// When its head arrived.
@@ -278,6 +368,8 @@ pub struct Hit {
     pub target: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// The status it was (or, while a delayed reply is pending, will be) answered with.
+    pub status: u16,
 }
 
 impl Hit {
@@ -286,10 +378,20 @@ impl Hit {
         self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
+    /// The `Idempotency-Key` header ("" when absent).
+    pub fn key(&self) -> &str {
+        self.header("idempotency-key").unwrap_or_default()
+    }
+
     /// The body parsed as JSON (panics if it is not).
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// Whether it was answered 2xx.
+    pub fn succeeded(&self) -> bool {
+        (200..300).contains(&self.status)
     }
 }
 
@@ -298,17 +400,27 @@ impl Hit {
 pub struct Reply {
     pub status: u16,
     pub headers: Vec<(String, String)>,
-    /// How long the request stays in flight before the answer.
+    pub body: String,
+    /// How long the request stays in flight before the answer (it is recorded when it arrives).
     pub delay: Duration,
 }
 
 impl Reply {
     pub fn status(status: u16) -> Reply {
-        Reply { status, headers: Vec::new(), delay: Duration::ZERO }
+        Reply { status, headers: Vec::new(), body: String::new(), delay: Duration::ZERO }
+    }
+
+    pub fn ok() -> Reply {
+        Reply::status(200)
     }
 
     pub fn header(mut self, name: &str, value: &str) -> Reply {
         self.headers.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    pub fn body(mut self, body: &str) -> Reply {
+        self.body = body.to_string();
         self
     }
 
@@ -321,27 +433,30 @@ impl Reply {
 type Responder = dyn Fn(&Hit, usize) -> Reply + Send + Sync;
 
 struct ReceiverState {
-    hits: std::sync::Mutex<Vec<Hit>>,
+    hits: Mutex<Vec<Hit>>,
     in_flight: std::sync::atomic::AtomicUsize,
     max_in_flight: std::sync::atomic::AtomicUsize,
     respond: Box<Responder>,
 }
 
-/// A webhook receiver that records every request with its arrival time and how many requests
-/// were in flight at once — what wiremock does not record. Stops on drop.
+/// A webhook receiver that records every request (method, target, headers, body, arrival
+/// time, the status it got) and how many requests were in flight at once — what wiremock does
+/// not record. Side effects are counted by `Idempotency-Key`. Stops on drop.
 pub struct Receiver {
     uri: String,
-    state: std::sync::Arc<ReceiverState>,
+    state: Arc<ReceiverState>,
     server: tokio::task::JoinHandle<()>,
 }
 
 impl Receiver {
-    /// Starts a receiver; `respond` gets each request and how many came before it.
+    /// Starts a receiver; `respond` gets each request and how many earlier requests carried the
+    /// same `Idempotency-Key` (0 for the first call with a key; all requests without one count
+    /// as one key).
     pub async fn start(respond: impl Fn(&Hit, usize) -> Reply + Send + Sync + 'static) -> Receiver {
         use hyper_util::rt::TokioIo;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
         let uri = format!("http://{}", listener.local_addr().expect("local addr"));
-        let state = std::sync::Arc::new(ReceiverState {
+        let state = Arc::new(ReceiverState {
             hits: Default::default(),
             in_flight: Default::default(),
             max_in_flight: Default::default(),
@@ -364,7 +479,7 @@ impl Receiver {
 
     /// A receiver that answers 200 at once to everything.
     pub async fn ok() -> Receiver {
-        Receiver::start(|_, _| Reply::status(200)).await
+        Receiver::start(|_, _| Reply::ok()).await
     }
 
     /// `http://127.0.0.1:PORT`, without a trailing slash.
@@ -375,6 +490,16 @@ impl Receiver {
     /// Every request so far, in arrival order.
     pub fn hits(&self) -> Vec<Hit> {
         self.state.hits.lock().expect("hits lock").clone()
+    }
+
+    /// The requests with this `Idempotency-Key`, in arrival order.
+    pub fn hits_for(&self, key: &str) -> Vec<Hit> {
+        self.hits().into_iter().filter(|h| h.key() == key).collect()
+    }
+
+    /// The distinct keys that got a 2xx answer.
+    pub fn succeeded_keys(&self) -> std::collections::BTreeSet<String> {
+        self.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()).collect()
     }
 
     /// The most requests that were ever in flight at the same time.
@@ -391,7 +516,7 @@ impl Receiver {
 
 impl ReceiverState {
     async fn handle(
-        self: std::sync::Arc<Self>,
+        self: Arc<Self>,
         request: hyper::Request<hyper::body::Incoming>,
     ) -> Result<hyper::Response<http_body_util::Full<hyper::body::Bytes>>, std::convert::Infallible> {
         use http_body_util::BodyExt;
@@ -411,7 +536,7 @@ impl ReceiverState {
         self.max_in_flight.fetch_max(now, Ordering::SeqCst);
         let (parts, body) = request.into_parts();
         let body = body.collect().await.map(|b| b.to_bytes().to_vec()).unwrap_or_default();
-        let hit = Hit {
+        let mut hit = Hit {
             at,
             method: parts.method.to_string(),
             target: parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default(),
@@ -421,10 +546,13 @@ impl ReceiverState {
                 .map(|(n, v)| (n.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
                 .collect(),
             body,
+            status: 0,
         };
         let reply = {
             let mut hits = self.hits.lock().expect("hits lock");
-            let reply = (self.respond)(&hit, hits.len());
+            let earlier = hits.iter().filter(|h| h.key() == hit.key()).count();
+            let reply = (self.respond)(&hit, earlier);
+            hit.status = reply.status;
             hits.push(hit);
             reply
         };
@@ -435,7 +563,8 @@ impl ReceiverState {
         for (name, value) in &reply.headers {
             response = response.header(name, value);
         }
-        Ok(response.body(http_body_util::Full::new(hyper::body::Bytes::new())).expect("valid response"))
+        let body = http_body_util::Full::new(hyper::body::Bytes::from(reply.body));
+        Ok(response.body(body).expect("valid response"))
     }
 }
 

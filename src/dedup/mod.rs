@@ -1,0 +1,127 @@
+//! Idempotency stores: `claim(key, lease)` → `Claimed | Done | Busy`, `complete(key, ttl)`,
+//! `release(key)`. Embedded (SQLite in WAL mode, one runner, survives kill -9) or Redis (many
+//! runners on many machines). Keys are namespaced by queue, so a fan-out's queues each handle
+//! the same event once; expired keys are purged (SQLite) or expire natively (Redis).
+//!
+//! A store only remembers; what to do with `Busy` or an unreachable store is the runtime's call.
+
+mod redis_store;
+mod sqlite;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use redis_store::RedisStore;
+pub use sqlite::SqliteStore;
+
+/// What a claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This worker owns the key until the lease ends: run the handler.
+    Claimed,
+    /// Already handled successfully within its TTL: a duplicate.
+    Done,
+    /// Another worker holds a live lease on it.
+    Busy,
+}
+
+/// The store could not answer.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("idempotency store: {0}")]
+pub struct StoreError(pub String);
+
+/// Where idempotency keys live, chosen by `--dedup`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A SQLite file (the default: `.sluice/dedup.sqlite`).
+    File(PathBuf),
+    /// A Redis URL (`redis://` or `rediss://`).
+    Redis(String),
+}
+
+impl Location {
+    /// Parses `--dedup`: a redis URL, `file:PATH`, or a path.
+    pub fn parse(text: &str) -> Location {
+        if text.starts_with("redis://") || text.starts_with("rediss://") {
+            Location::Redis(text.to_string())
+        } else {
+            Location::File(PathBuf::from(text.strip_prefix("file:").unwrap_or(text)))
+        }
+    }
+}
+
+impl Default for Location {
+    fn default() -> Self {
+        Location::File(PathBuf::from(".sluice/dedup.sqlite"))
+    }
+}
+
+/// An open store.
+#[derive(Clone)]
+pub enum Store {
+    Sqlite(SqliteStore),
+    Redis(RedisStore),
+}
+
+impl Store {
+    /// Opens (creating if need be) the store at `location`.
+    pub async fn open(location: &Location) -> Result<Store, StoreError> {
+        match location {
+            Location::File(path) => Ok(Store::Sqlite(SqliteStore::open(path)?)),
+            Location::Redis(url) => Ok(Store::Redis(RedisStore::open(url).await?)),
+        }
+    }
+
+    /// Takes the key for `lease` unless it is done or leased by someone else.
+    pub async fn claim(&self, queue: &str, key: &str, lease: Duration) -> Result<Claim, StoreError> {
+        match self {
+            Store::Sqlite(s) => s.claim(&namespaced(queue, key), lease).await,
+            Store::Redis(s) => s.claim(&namespaced(queue, key), lease).await,
+        }
+    }
+
+    /// Marks the key handled for `ttl`.
+    pub async fn complete(&self, queue: &str, key: &str, ttl: Duration) -> Result<(), StoreError> {
+        match self {
+            Store::Sqlite(s) => s.complete(&namespaced(queue, key), ttl).await,
+            Store::Redis(s) => s.complete(&namespaced(queue, key), ttl).await,
+        }
+    }
+
+    /// Gives up this worker's lease so another attempt can claim the key.
+    pub async fn release(&self, queue: &str, key: &str) -> Result<(), StoreError> {
+        match self {
+            Store::Sqlite(s) => s.release(&namespaced(queue, key)).await,
+            Store::Redis(s) => s.release(&namespaced(queue, key)).await,
+        }
+    }
+
+    /// Removes expired keys (Redis expires them itself); returns how many went.
+    pub async fn purge(&self) -> Result<usize, StoreError> {
+        match self {
+            Store::Sqlite(s) => s.purge().await,
+            Store::Redis(_) => Ok(0),
+        }
+    }
+}
+
+/// One key space per queue: the queue name cannot contain a NUL.
+fn namespaced(queue: &str, key: &str) -> String {
+    format!("{queue}\u{0}{key}")
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations() {
+        assert_eq!(Location::parse("redis://127.0.0.1:6379/0"), Location::Redis("redis://127.0.0.1:6379/0".into()));
+        assert_eq!(Location::parse("file:/tmp/d.sqlite"), Location::File("/tmp/d.sqlite".into()));
+        assert_eq!(Location::parse("state/d.sqlite"), Location::File("state/d.sqlite".into()));
+    }
+}

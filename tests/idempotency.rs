@@ -1,0 +1,301 @@
+//! Effectively-once: duplicates, crashes and many runners, counted at the receiver by
+//! idempotency key. Real RabbitMQ, real Redis (a private server where a test stops it), real
+//! `sluice` processes.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::*;
+use wiremock::matchers::method;
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+fn webhook_pipeline(url: &str, concurrency: u32, extra: &str) -> tempfile::TempDir {
+    pipeline(&format!(
+        r##"version: 1
+exchanges:
+  ev: {{type: topic}}
+queues:
+  work:
+    bind: [{{exchange: ev, routing_key: "#"}}]
+    concurrency: {concurrency}
+    handler:
+      webhook: {{url: "{url}/hook", timeout: 2s}}
+    retry: {{max_attempts: 3, initial: 200ms, max: 1s}}
+{extra}"##
+    ))
+}
+
+fn counts(keys: &[String]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for k in keys {
+        *counts.entry(k.clone()).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn dedup_file(dir: &Path) -> String {
+    format!("file:{}", dir.join("state/dedup.sqlite").display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_sent_twice_in_a_row_is_handled_once() {
+    let vhost = Vhost::new();
+    let server = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&server).await;
+    let dir = webhook_pipeline(&server.uri(), 1, "");
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let dedup = dedup_file(dir.path());
+    let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
+    publish(&broker, "ev", "a", "order-1", serde_json::json!({"n": 1})).await;
+    wait_until(Duration::from_secs(20), "the first call", || async { keys_received(&server).await.len() == 1 }).await;
+    // Same key, new envelope id; then a sentinel behind it on this one-at-a-time queue.
+    publish(&broker, "ev", "a", "order-1", serde_json::json!({"n": 1})).await;
+    publish(&broker, "ev", "a", "sentinel", serde_json::json!({"n": 2})).await;
+    wait_until(Duration::from_secs(20), "the sentinel", || async {
+        keys_received(&server).await.contains(&"sentinel".to_string())
+    })
+    .await;
+    assert_eq!(keys_received(&server).await, ["order-1", "sentinel"], "the duplicate never reached the webhook");
+    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
+    let vhost = Vhost::new();
+    let server = MockServer::start().await;
+    // Slow enough that both copies are in flight at once.
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(800)))
+        .mount(&server)
+        .await;
+    let dir = webhook_pipeline(&server.uri(), 4, "");
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    // Redis is shared by every test: a key of this test's own.
+    let key = format!("dup-{}", vhost.name);
+    for _ in 0..4 {
+        publish(&broker, "ev", "a", &key, serde_json::json!({})).await;
+    }
+    let mut a = Sluice::run(dir.path(), &vhost.url(), &["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"]);
+    let mut b = Sluice::run(dir.path(), &vhost.url(), &["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"]);
+    assert_eq!(a.wait(Duration::from_secs(60)), Some(0), "{}", a.log());
+    assert_eq!(b.wait(Duration::from_secs(60)), Some(0), "{}", b.log());
+    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+    assert_eq!(keys_received(&server).await, [key], "four copies, two runners, one call\n{}\n{}", a.log(), b.log());
+}
+
+/// A command handler that records `start KEY`, works for a while, records `end KEY`.
+fn recording_pipeline(out: &Path, concurrency: u32, work: &str) -> tempfile::TempDir {
+    pipeline(&format!(
+        r##"version: 1
+exchanges:
+  ev: {{type: topic}}
+queues:
+  work:
+    bind: [{{exchange: ev, routing_key: "#"}}]
+    concurrency: {concurrency}
+    handler:
+      command:
+        program: /bin/sh
+        args: ["-c", "echo \"start $SLUICE_IDEMPOTENCY_KEY\" >> {out}; sleep {work}; echo \"end $SLUICE_IDEMPOTENCY_KEY\" >> {out}"]
+        stdin: none
+        timeout: 3s
+    retry: {{max_attempts: 5, initial: 200ms, max: 1s}}
+"##,
+        out = out.display()
+    ))
+}
+
+fn lines(path: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix(prefix).map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_work() {
+    let vhost = Vhost::new();
+    let out_dir = tempfile::tempdir().expect("tempdir");
+    let out = out_dir.path().join("effects.log");
+    let concurrency = 4;
+    let dir = recording_pipeline(&out, concurrency, "0.3");
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let keys: Vec<String> = (0..40).map(|i| format!("k{i:02}")).collect();
+    for k in &keys {
+        publish(&broker, "ev", "a", k, serde_json::json!({})).await;
+    }
+    let dedup = dedup_file(dir.path());
+    let first = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
+    wait_until(Duration::from_secs(30), "some work done", || async { lines(&out, "end ").len() >= 10 }).await;
+    first.signal(libc::SIGKILL);
+    let mut first = first;
+    assert_eq!(first.wait(Duration::from_secs(10)), None, "killed by a signal");
+    let ended_before_kill = lines(&out, "end ").len();
+
+    let mut second = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup, "--exit-when-idle"]);
+    assert_eq!(second.wait(Duration::from_secs(90)), Some(0), "{}", second.log());
+
+    let ends = counts(&lines(&out, "end "));
+    for k in &keys {
+        assert!(ends.get(k).copied().unwrap_or(0) >= 1, "{k} was never handled: nothing may be lost");
+    }
+    let repeated: Vec<(&String, &usize)> = ends.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        repeated.len() <= concurrency as usize && repeated.iter().all(|(_, n)| **n == 2),
+        "only the in-flight messages at the kill may run twice: {repeated:?} (ended before the kill: {ended_before_kill})"
+    );
+    assert_eq!(sluice::broker::Broker::depth(&broker, "work").await.expect("depth"), 0);
+    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_runners_on_redis_one_killed_every_key_handled_in_flight_only_repeats() {
+    let vhost = Vhost::new();
+    let out_dir = tempfile::tempdir().expect("tempdir");
+    let out = out_dir.path().join("effects.log");
+    let concurrency = 3;
+    let dir = recording_pipeline(&out, concurrency, "0.2");
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let run_id = &vhost.name;
+    let keys: Vec<String> = (0..60).map(|i| format!("{run_id}-{i:02}")).collect();
+    for k in &keys {
+        publish(&broker, "ev", "a", k, serde_json::json!({})).await;
+    }
+    let redis = ["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"];
+    let mut runners: Vec<Sluice> = (0..3).map(|_| Sluice::run(dir.path(), &vhost.url(), &redis)).collect();
+    wait_until(Duration::from_secs(30), "work under way", || async { lines(&out, "end ").len() >= 10 }).await;
+    runners[0].signal(libc::SIGKILL);
+    assert_eq!(runners[0].wait(Duration::from_secs(10)), None);
+    for r in &mut runners[1..] {
+        assert_eq!(r.wait(Duration::from_secs(90)), Some(0), "{}", r.log());
+    }
+    let ends = counts(&lines(&out, "end "));
+    for k in &keys {
+        assert!(ends.contains_key(k), "{k} was never handled");
+    }
+    let repeated: Vec<_> = ends.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(repeated.len() <= concurrency as usize, "only the killed runner's in-flight work may repeat: {repeated:?}");
+    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_can_run_again_after_its_ttl() {
+    let vhost = Vhost::new();
+    let server = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&server).await;
+    let dir = pipeline(&format!(
+        r##"version: 1
+exchanges:
+  ev: {{type: topic}}
+queues:
+  work:
+    bind: [{{exchange: ev, routing_key: "#"}}]
+    handler:
+      webhook: {{url: "{}/hook", timeout: 500ms}}
+    retry: {{max_attempts: 1}}
+    idempotency: {{ttl: 2s}}
+"##,
+        server.uri()
+    ));
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let dedup = dedup_file(dir.path());
+    let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
+    publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
+    wait_until(Duration::from_secs(20), "first call", || async { keys_received(&server).await.len() == 1 }).await;
+    publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
+    publish(&broker, "ev", "a", "sentinel-1", serde_json::json!({})).await;
+    wait_until(Duration::from_secs(20), "sentinel", || async { keys_received(&server).await.len() == 2 }).await;
+    // Concurrency 4: the sentinel may overtake the duplicate, so wait for it to be acked.
+    wait_until(Duration::from_secs(20), "queue drained", || async {
+        drain_queue(&vhost.url(), "work").await.is_empty()
+    })
+    .await;
+    assert_eq!(counts(&keys_received(&server).await)["again"], 1, "within the TTL: a duplicate");
+    tokio::time::sleep(Duration::from_millis(2500)).await; // let the 2s TTL pass
+    publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
+    wait_until(Duration::from_secs(20), "the key handled again", || async {
+        counts(&keys_received(&server).await)["again"] == 2
+    })
+    .await;
+}
+
+/// A private Redis on a free port, so stopping it disturbs no other test.
+struct PrivateRedis {
+    child: Child,
+}
+
+impl PrivateRedis {
+    fn start(port: u16) -> PrivateRedis {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (see README)");
+        let redis = PrivateRedis { child };
+        let start = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "private redis did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        redis
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
+    let vhost = Vhost::new();
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(50)))
+        .mount(&server)
+        .await;
+    let port = PrivateRedis::free_port();
+    let redis = PrivateRedis::start(port);
+    let dir = webhook_pipeline(&server.uri(), 2, "");
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &url]);
+    let keys: Vec<String> = (0..60).map(|i| format!("r{i:02}")).collect();
+    for k in &keys[..20] {
+        publish(&broker, "ev", "a", k, serde_json::json!({})).await;
+    }
+    wait_until(Duration::from_secs(20), "the first batch", || async { keys_received(&server).await.len() == 20 }).await;
+    drop(redis);
+    for k in &keys[20..] {
+        publish(&broker, "ev", "a", k, serde_json::json!({})).await;
+    }
+    // While the store is down, no handler may run: nothing past the first batch arrives.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(keys_received(&server).await.len(), 20, "a handler ran without a claim");
+    let _redis = PrivateRedis::start(port);
+    wait_until(Duration::from_secs(60), "every message after Redis came back", || async {
+        let got = counts(&keys_received(&server).await);
+        keys.iter().all(|k| got.contains_key(k))
+    })
+    .await;
+    let got = counts(&keys_received(&server).await);
+    assert!(got.values().all(|n| *n == 1), "each key once: {got:?}");
+    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered while Redis was down");
+}

@@ -8,8 +8,6 @@ use std::time::Duration;
 use serde_json::json;
 use support::*;
 
-const RECEIVER: &str = "RECEIVER";
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn declaration_conflict_stops_start_up_and_keeps_the_queue() {
     use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
@@ -65,28 +63,11 @@ queues:
     let _ = conn.close(200, "done".into()).await;
 }
 
-fn webhook_pipeline(receiver: &Receiver, retry: &str) -> tempfile::TempDir {
-    pipeline(
-        &format!(
-            r##"version: 1
-exchanges:
-  ev: {{type: topic}}
-queues:
-  work:
-    bind: [{{exchange: ev, routing_key: "#"}}]
-    handler: {{webhook: {{url: "RECEIVER/hook"}}}}
-    retry: {retry}
-"##
-        )
-        .replace(RECEIVER, receiver.uri()),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_when_idle_exits_zero_after_the_backlog() {
     let vhost = Vhost::new();
     let receiver = Receiver::ok().await;
-    let dir = webhook_pipeline(&receiver, "{max_attempts: 3}");
+    let dir = webhook_pipeline(&receiver, "    retry: {max_attempts: 3}\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     for i in 0..10 {
@@ -107,7 +88,7 @@ async fn exit_when_idle_waits_for_a_pending_retry() {
     let receiver = Receiver::start(|_, n| Reply::status(if n == 0 { 503 } else { 200 })).await;
     // The retry waits 2s in the delay cascade: far longer than the idle check needs to see
     // the work queue empty and nothing in flight.
-    let dir = webhook_pipeline(&receiver, "{max_attempts: 3, initial: 2s, max: 2s, jitter: none}");
+    let dir = webhook_pipeline(&receiver, "    retry: {max_attempts: 3, initial: 2s, max: 2s, jitter: none}\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     publish(&broker, "ev", "x", "key-1", json!({})).await;

@@ -15,17 +15,10 @@ use support::*;
 /// Long enough for a loaded 2-core machine; a passing run takes a fraction of it.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// One direct exchange `ev` and a webhook queue `work` bound with key `work`; `extra` is
+/// A direct exchange `ev` and a queue `work` bound with key `work` (the messages of
+/// [`webhook_pipeline`] route to it too), with a command handler `handler.sh` (written from
+/// `body`) that gets the path of `side-effects` in the pipeline directory as `$1`; `extra` is
 /// appended to the queue's definition (indented by four spaces).
-fn webhook_pipeline(receiver: &Receiver, extra: &str) -> tempfile::TempDir {
-    pipeline(&format!(
-        "version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: work}}]\n    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}",
-        receiver.uri()
-    ))
-}
-
-/// Like [`webhook_pipeline`] with a command handler `handler.sh` (written from `body`) that gets
-/// the path of `side-effects` in the pipeline directory as `$1`.
 fn command_pipeline(body: &str, extra: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     script(dir.path(), "handler.sh", body);
@@ -355,9 +348,7 @@ async fn sigterm_finishes_in_flight_messages_and_acks_them() {
     let keys = publish_keys(&vhost, "t", N).await;
     let grace = Duration::from_secs(10);
     let mut first = Sluice::run(dir.path(), &vhost.url(), &["--shutdown-grace", "10s"]);
-    let with = |prefix: &str| -> BTreeSet<String> {
-        lines(&effects).iter().filter_map(|l| l.strip_prefix(prefix)).map(str::to_string).collect()
-    };
+    let with = |prefix: &str| -> BTreeSet<String> { lines_with(&effects, prefix).into_iter().collect() };
     wait_until(DEADLINE, "4 handlers in flight", || async { with("start ").len() >= 4 }).await;
     let in_flight = with("start ");
     let signalled = Instant::now();
@@ -373,7 +364,7 @@ async fn sigterm_finishes_in_flight_messages_and_acks_them() {
     wait_until(DEADLINE, "every message done", || async { with("done ") == keys }).await;
     wait_until(DEADLINE, "the work queue delivered", || async { vhost.depth("work").await == 0 }).await;
     stop_and_assert_drained(&mut second, &vhost).await;
-    let starts = counts(lines(&effects).iter().filter_map(|l| l.strip_prefix("start ")).map(str::to_string));
+    let starts = counts(lines_with(&effects, "start "));
     assert!(starts.values().all(|n| *n == 1), "no message ran twice (acked, not requeued): {starts:?}");
 }
 

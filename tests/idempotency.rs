@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -27,14 +26,6 @@ queues:
     retry: {{max_attempts: 3, initial: 200ms, max: 1s}}
 {extra}"##
     ))
-}
-
-fn counts(keys: &[String]) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for k in keys {
-        *counts.entry(k.clone()).or_insert(0) += 1;
-    }
-    counts
 }
 
 fn dedup_file(dir: &Path) -> String {
@@ -111,14 +102,6 @@ queues:
     ))
 }
 
-fn lines(path: &Path, prefix: &str) -> Vec<String> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.strip_prefix(prefix).map(str::to_string))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_work() {
     let vhost = Vhost::new();
@@ -134,16 +117,16 @@ async fn kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_wo
     }
     let dedup = dedup_file(dir.path());
     let first = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
-    wait_until(Duration::from_secs(30), "some work done", || async { lines(&out, "end ").len() >= 10 }).await;
+    wait_until(Duration::from_secs(30), "some work done", || async { lines_with(&out, "end ").len() >= 10 }).await;
     first.signal(libc::SIGKILL);
     let mut first = first;
     assert_eq!(first.wait(Duration::from_secs(10)), None, "killed by a signal");
-    let ended_before_kill = lines(&out, "end ").len();
+    let ended_before_kill = lines_with(&out, "end ").len();
 
     let mut second = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup, "--exit-when-idle"]);
     assert_eq!(second.wait(Duration::from_secs(90)), Some(0), "{}", second.log());
 
-    let ends = counts(&lines(&out, "end "));
+    let ends = counts(lines_with(&out, "end "));
     for k in &keys {
         assert!(ends.get(k).copied().unwrap_or(0) >= 1, "{k} was never handled: nothing may be lost");
     }
@@ -172,13 +155,13 @@ async fn three_runners_on_redis_one_killed_every_key_handled_in_flight_only_repe
     }
     let redis = ["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"];
     let mut runners: Vec<Sluice> = (0..3).map(|_| Sluice::run(dir.path(), &vhost.url(), &redis)).collect();
-    wait_until(Duration::from_secs(30), "work under way", || async { lines(&out, "end ").len() >= 10 }).await;
+    wait_until(Duration::from_secs(30), "work under way", || async { lines_with(&out, "end ").len() >= 10 }).await;
     runners[0].signal(libc::SIGKILL);
     assert_eq!(runners[0].wait(Duration::from_secs(10)), None);
     for r in &mut runners[1..] {
         assert_eq!(r.wait(Duration::from_secs(90)), Some(0), "{}", r.log());
     }
-    let ends = counts(&lines(&out, "end "));
+    let ends = counts(lines_with(&out, "end "));
     for k in &keys {
         assert!(ends.contains_key(k), "{k} was never handled");
     }
@@ -220,11 +203,11 @@ queues:
         drain_queue(&vhost.url(), "work").await.is_empty()
     })
     .await;
-    assert_eq!(counts(&keys_received(&server).await)["again"], 1, "within the TTL: a duplicate");
+    assert_eq!(counts(keys_received(&server).await)["again"], 1, "within the TTL: a duplicate");
     tokio::time::sleep(Duration::from_millis(2500)).await; // let the 2s TTL pass
     publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
     wait_until(Duration::from_secs(20), "the key handled again", || async {
-        counts(&keys_received(&server).await)["again"] == 2
+        counts(keys_received(&server).await)["again"] == 2
     })
     .await;
 }
@@ -291,11 +274,11 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
     assert_eq!(keys_received(&server).await.len(), 20, "a handler ran without a claim");
     let _redis = PrivateRedis::start(port);
     wait_until(Duration::from_secs(60), "every message after Redis came back", || async {
-        let got = counts(&keys_received(&server).await);
+        let got = counts(keys_received(&server).await);
         keys.iter().all(|k| got.contains_key(k))
     })
     .await;
-    let got = counts(&keys_received(&server).await);
+    let got = counts(keys_received(&server).await);
     assert!(got.values().all(|n| *n == 1), "each key once: {got:?}");
     assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered while Redis was down");
 }

@@ -76,20 +76,7 @@ async fn too_many_requests_once(seconds: u64) -> Receiver {
 /// first two calls.
 async fn gap_between_first_two_calls(receiver: &Receiver, retry: &str) -> Duration {
     let vhost = Vhost::new();
-    let dir = pipeline_for(
-        receiver,
-        &format!(
-            r##"version: 1
-exchanges:
-  ev: {{type: topic}}
-queues:
-  work:
-    bind: [{{exchange: ev, routing_key: "#"}}]
-    handler: {{webhook: {{url: "RECEIVER/hook"}}}}
-    retry: {retry}
-"##
-        ),
-    );
+    let dir = webhook_pipeline(receiver, &format!("    retry: {retry}\n"));
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let _sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
@@ -241,9 +228,8 @@ fn read_recorded(dir: &Path) -> Recorded {
 }
 
 /// Records its argv (NUL-separated), environment and stdin under `$1/$SLUICE_ATTEMPT/`, marks
-/// the run `done`, and fails the first attempt when `FAIL_FIRST` is set.
-const RECORD_SH: &str = r#"#!/bin/sh
-set -e
+/// the run `done`, and fails the first attempt when `FAIL_FIRST` is set (a `#!/bin/sh` body).
+const RECORD_SH: &str = r#"set -e
 out="$1/$SLUICE_ATTEMPT"
 shift
 mkdir -p "$out"
@@ -256,8 +242,6 @@ if [ -n "$FAIL_FIRST" ] && [ "$SLUICE_ATTEMPT" = 1 ]; then exit 3; fi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
-    use std::os::unix::fs::PermissionsExt as _;
-
     let vhost = Vhost::new();
     let out = tempfile::tempdir().expect("tempdir");
     let out_dir = out.path().display().to_string();
@@ -277,9 +261,7 @@ async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
         );
     }
     let dir = pipeline(&yaml);
-    let script = dir.path().join("record.sh");
-    std::fs::write(&script, RECORD_SH).expect("write script");
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    script(dir.path(), "record.sh", RECORD_SH);
 
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
@@ -325,19 +307,7 @@ async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
 async fn rate_limit_spreads_calls_over_time() {
     let vhost = Vhost::new();
     let receiver = Receiver::ok().await;
-    let dir = pipeline_for(
-        &receiver,
-        r##"version: 1
-exchanges:
-  ev: {type: topic}
-queues:
-  work:
-    bind: [{exchange: ev, routing_key: "#"}]
-    concurrency: 8
-    rate_limit: 2/s
-    handler: {webhook: {url: "RECEIVER/hook"}}
-"##,
-    );
+    let dir = webhook_pipeline(&receiver, "    concurrency: 8\n    rate_limit: 2/s\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     for i in 0..6 {
@@ -356,18 +326,7 @@ async fn ordered_queue_calls_one_at_a_time_in_publish_order() {
     let vhost = Vhost::new();
     // Each call stays in flight a while, so that any overlap would be seen.
     let receiver = Receiver::start(|_, _| Reply::status(200).after(Duration::from_millis(25))).await;
-    let dir = pipeline_for(
-        &receiver,
-        r##"version: 1
-exchanges:
-  ev: {type: topic}
-queues:
-  work:
-    bind: [{exchange: ev, routing_key: "#"}]
-    ordered: true
-    handler: {webhook: {url: "RECEIVER/hook"}}
-"##,
-    );
+    let dir = webhook_pipeline(&receiver, "    ordered: true\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     for n in 1..=20 {

@@ -90,6 +90,15 @@ pub fn pipeline(yaml: &str) -> tempfile::TempDir {
     dir
 }
 
+/// A topic exchange `ev` and a queue `work` bound to every routing key, calling `{receiver}/hook`;
+/// `extra` is appended to the queue's definition (lines indented by four spaces).
+pub fn webhook_pipeline(receiver: &Receiver, extra: &str) -> tempfile::TempDir {
+    pipeline(&format!(
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}",
+        receiver.uri()
+    ))
+}
+
 /// A running `sluice run` process; killed on drop.
 pub struct Sluice {
     pub child: Child,
@@ -329,6 +338,11 @@ pub fn lines(path: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let complete = text.rfind('\n').map_or("", |end| &text[..end]);
     complete.lines().map(str::to_string).collect()
+}
+
+/// The lines of `path` (complete ones, as [`lines`] reads them) that start with `prefix`, without it.
+pub fn lines_with(path: &Path, prefix: &str) -> Vec<String> {
+    lines(path).iter().filter_map(|l| l.strip_prefix(prefix)).map(str::to_string).collect()
 }
 
 /// Whether `pid` is a running process. A killed process whose new parent (the container's

@@ -18,13 +18,16 @@ const DEADLINE: Duration = Duration::from_secs(60);
 /// A direct exchange `ev` and a queue `work` bound with key `work` (the messages of
 /// [`webhook_pipeline`] route to it too), with a command handler `handler.sh` (written from
 /// `body`) that gets the path of `side-effects` in the pipeline directory as `$1`; `extra` is
-/// appended to the queue's definition (indented by four spaces).
+/// appended to the queue's definition (indented by four spaces). The handler's timeout is 10s
+/// (every script here is done sooner): the idempotency claim of a handler cut off by a crash or
+/// by the shutdown grace holds its key for 2 × timeout + 5s, which the default 60s would make
+/// longer than a test waits for the message to run again.
 fn command_pipeline(body: &str, extra: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     script(dir.path(), "handler.sh", body);
     let effects = dir.path().join("side-effects");
     let yaml = format!(
-        "version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: work}}]\n    handler:\n      command: {{program: ./handler.sh, args: [\"{}\"]}}\n{extra}",
+        "version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: work}}]\n    handler:\n      command: {{program: ./handler.sh, args: [\"{}\"], timeout: 10s}}\n{extra}",
         effects.display()
     );
     std::fs::write(dir.path().join("pipeline.yaml"), yaml).expect("write pipeline");
@@ -52,25 +55,55 @@ async fn stop_and_assert_drained(sluice: &mut Sluice, vhost: &Vhost) {
     assert_eq!(vhost.depth("work.dlq").await, 0, "nothing dead-lettered");
 }
 
-// When the idempotency store (src/dedup/) lands, this test becomes
-// `duplicate_delivery_has_its_side_effect_once`: one call at the receiver, the second delivery
-// acked as a duplicate. Until then both deliveries reach the receiver, and what makes them
-// safe downstream is that both carry the same Idempotency-Key.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicate_delivery_calls_twice_with_one_idempotency_key_until_dedup_lands() {
-    let vhost = Vhost::new();
-    let receiver = Receiver::ok().await;
-    let dir = webhook_pipeline(&receiver, "");
+/// Publishes two envelopes with one key to the pipeline in `dir`, runs it until `calls` calls
+/// reached the receiver, stops it cleanly and returns the calls and the envelopes.
+async fn deliver_a_duplicate(
+    dir: &std::path::Path,
+    vhost: &Vhost,
+    receiver: &Receiver,
+    calls: usize,
+) -> (Vec<Hit>, [sluice::envelope::Envelope; 2]) {
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(dir, &broker).await;
     let first = publish(&broker, "ev", "work", "order:1:charge", serde_json::json!({"order": 1})).await;
     let second = publish(&broker, "ev", "work", "order:1:charge", serde_json::json!({"order": 1})).await;
     assert_ne!(first.id, second.id, "two envelopes, one key");
-    let mut sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
+    let mut sluice = Sluice::run(dir, &vhost.url(), &[]);
+    wait_until(DEADLINE, &format!("{calls} call(s) at the receiver"), || async { receiver.hits().len() >= calls })
+        .await;
+    // Both deliveries settled, the duplicate too: none ready, none waiting in the delay cascade
+    // (where a copy goes while the other holds the key); one in flight is finished by the stop.
+    wait_until(DEADLINE, "the work queue and the delay cascade empty", || async {
+        vhost.depth("work").await == 0 && delayed(vhost).await == 0
+    })
+    .await;
+    stop_and_assert_drained(&mut sluice, vhost).await;
+    (receiver.hits(), [first, second])
+}
 
-    wait_until(DEADLINE, "both deliveries reach the receiver", || async { receiver.hits().len() >= 2 }).await;
-    stop_and_assert_drained(&mut sluice, &vhost).await;
-    let hits = receiver.hits();
+// With the idempotency store (src/dedup/, on by default), a second delivery of a key is
+// acked as a duplicate without running the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_delivery_has_its_side_effect_once() {
+    let vhost = Vhost::new();
+    let receiver = Receiver::ok().await;
+    let dir = webhook_pipeline(&receiver, "");
+    let (hits, envelopes) = deliver_a_duplicate(dir.path(), &vhost, &receiver, 1).await;
+    assert_eq!(hits.len(), 1, "one call for two deliveries of one key: {hits:?}");
+    assert!(hits[0].key() == "order:1:charge" && hits[0].succeeded(), "{hits:?}");
+    // Both are in flight at once (concurrency 4): whichever claims the key first runs.
+    let ran = hits[0].header("x-sluice-message-id");
+    assert!(envelopes.iter().any(|e| ran == Some(e.id.as_str())), "a call for one of the envelopes: {hits:?}");
+}
+
+// Without the store (idempotency disabled on the queue) both deliveries reach the receiver,
+// and what makes them safe downstream is that both carry the same Idempotency-Key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_delivery_without_idempotency_calls_twice_with_one_idempotency_key() {
+    let vhost = Vhost::new();
+    let receiver = Receiver::ok().await;
+    let dir = webhook_pipeline(&receiver, "    idempotency: {enabled: false}\n");
+    let (hits, [first, second]) = deliver_a_duplicate(dir.path(), &vhost, &receiver, 2).await;
     assert_eq!(hits.len(), 2, "each delivery processed once: {hits:?}");
     assert!(hits.iter().all(|h| h.key() == "order:1:charge" && h.succeeded()), "{hits:?}");
     let ids: BTreeSet<&str> = hits.iter().map(|h| h.header("x-sluice-message-id").unwrap_or_default()).collect();

@@ -3,6 +3,7 @@
 //! Data flows left to right through the modules: `config` → `topology` → `broker` →
 //! `runtime` → `handler`, with `cli` a thin layer on top.
 
+pub mod admin;
 pub mod broker;
 pub mod cli;
 pub mod config;

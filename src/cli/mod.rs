@@ -13,6 +13,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Readiness;
 use crate::broker::amqp::Amqp;
 use crate::config::{self, Format};
 use crate::dedup::{Location, Store};
@@ -64,6 +65,9 @@ enum Command {
         /// Exit 0 once every queue and pending retry is drained.
         #[arg(long)]
         exit_when_idle: bool,
+        /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9464).
+        #[arg(long)]
+        admin: Option<std::net::SocketAddr>,
         /// Idempotency store: redis://host:port (shared by many runners) or a SQLite file path.
         #[arg(long, env = "SLUICE_DEDUP", default_value = ".sluice/dedup.sqlite", hide_env_values = true)]
         dedup: String,
@@ -117,10 +121,10 @@ pub fn main() -> ExitCode {
             print!("{}", config::schema::TEXT);
             ExitCode::SUCCESS
         }
-        Command::Run { paths, broker, shutdown_grace, exit_when_idle, dedup } => {
+        Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup } => {
             let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
-            let options = runtime::Options { shutdown_grace, exit_when_idle };
-            exit(block_on(run(config, broker.url, Location::parse(&dedup), options)))
+            let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
+            exit(block_on(run(config, broker.url, Location::parse(&dedup), admin, options)))
         }
         Command::Publish(args) => exit(block_on(publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
@@ -132,8 +136,9 @@ pub fn main() -> ExitCode {
 
 /// Logs go to stderr; `RUST_LOG` filters them (default info).
 fn init_logging() {
+    // lapin logs a returned (unroutable) message whole at WARN; sluice reports it without the payload.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin::returned_messages=off"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
@@ -152,7 +157,13 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
-async fn run(config: config::Config, url: String, dedup: Location, options: runtime::Options) -> anyhow::Result<()> {
+async fn run(
+    config: config::Config,
+    url: String,
+    dedup: Location,
+    admin: Option<std::net::SocketAddr>,
+    options: runtime::Options,
+) -> anyhow::Result<()> {
     let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
         Some(Store::open(&dedup).await.context("cannot open the idempotency store")?)
     } else {
@@ -175,6 +186,18 @@ async fn run(config: config::Config, url: String, dedup: Location, options: runt
         tracing::info!("shutting down: no new messages, finishing in-flight ones");
         signals.cancel();
     });
+    if let Some(addr) = admin {
+        let metrics = crate::admin::install_recorder().map_err(anyhow::Error::msg)?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
+        let (readiness, stop) = (options.readiness.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(e) = crate::admin::serve(listener, metrics, readiness, stop).await {
+                tracing::error!(error = %e, "admin endpoint failed");
+            }
+        });
+    }
     let connect = || Amqp::connect(&url);
     runtime::run(Arc::new(config), connect, store, options, shutdown).await?;
     Ok(())

@@ -4,6 +4,7 @@
 //! Generic over [`Broker`]: nothing here knows RabbitMQ.
 
 pub mod backoff;
+mod events;
 pub mod worker;
 
 use std::future::Future;
@@ -17,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
+use crate::admin::Readiness;
 use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
@@ -30,6 +32,8 @@ pub struct Options {
     pub shutdown_grace: Duration,
     /// Exit once every queue (and every pending retry) is empty and nothing is in flight.
     pub exit_when_idle: bool,
+    /// Set while connected and consuming (`/readyz`).
+    pub readiness: Readiness,
 }
 
 /// Why `run` stopped with an error.
@@ -107,6 +111,14 @@ where
         for w in &workers {
             running.spawn(w.clone().run(broker.clone(), stop.clone(), tracker.clone()));
         }
+        {
+            let (broker, config, stop) = (broker.clone(), config.clone(), stop.clone());
+            running.spawn(async move {
+                poll_depths(&broker, &config, &stop).await;
+                Ok(())
+            });
+        }
+        options.readiness.set(true);
         if options.exit_when_idle {
             let (broker, plan, in_flight, stop) = (broker.clone(), plan.clone(), in_flight.clone(), stop.clone());
             running.spawn(async move {
@@ -142,6 +154,7 @@ where
                 }
             }
         }
+        options.readiness.set(false);
         match lost {
             Some(e) if !shutdown.is_cancelled() => {
                 error!(error = %e, "broker session lost; reconnecting");
@@ -188,6 +201,24 @@ async fn purge_expired(store: &Store, stop: &CancellationToken) {
 
 /// How often expired idempotency keys are purged.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// How often queue and dead-letter depths are read for the metrics.
+const DEPTH_POLL: Duration = Duration::from_secs(5);
+
+/// Reads every queue's depth and its dead-letter queue's (passive declares, no management
+/// plugin needed) into the metrics until `stop`.
+async fn poll_depths<B: Broker>(broker: &B, config: &Config, stop: &CancellationToken) {
+    loop {
+        for q in config.queues.values() {
+            if let (Ok(depth), Ok(dlq)) = (broker.depth(&q.name).await, broker.depth(&q.dead_letter).await) {
+                events::depths(&q.name, depth, &q.dead_letter, dlq);
+            }
+        }
+        if sleep_or_shutdown(DEPTH_POLL, stop).await {
+            return;
+        }
+    }
+}
 
 /// Sleeps; true if shutdown came first.
 async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> bool {

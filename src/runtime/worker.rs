@@ -17,9 +17,9 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, error, info, warn};
+use tracing::{error, info, warn};
 
-use super::backoff;
+use super::{backoff, events};
 use crate::broker::{Broker, BrokerError, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
 use crate::dedup::{Claim, Store};
@@ -137,15 +137,18 @@ impl Worker {
                 }
                 item = deliveries.next() => match item {
                     Some(Ok(delivery)) => {
-                        tracing::trace!(queue = %queue.name, tag = delivery.tag(), "delivery");
                         self.in_flight.fetch_add(1, Ordering::SeqCst);
+                        events::received(&queue.name, delivery.timestamp());
                         let _ = acks.send(AckEvent::Received(delivery.tag()));
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
                         tracker.spawn(async move {
+                            let name = &worker.queue().name;
                             let disposition = worker.decide(&delivery).await;
-                            if worker.settle(&broker, &delivery, disposition).await {
+                            if worker.settle(&broker, &delivery, &disposition).await {
+                                events::outcome(name, &disposition);
                                 let _ = acks.send(AckEvent::Finished(delivery));
                             }
+                            events::settled(name);
                             worker.in_flight.fetch_sub(1, Ordering::SeqCst);
                         });
                     }
@@ -242,11 +245,11 @@ impl Worker {
         if let Some(limiter) = &self.limiter {
             limiter.until_ready().await;
         }
-        match call::execute(prepared, &self.client).await {
-            Ok(()) => {
-                debug!(queue = %q.name, key, attempt, "handled");
-                Disposition::Ack
-            }
+        let started = Instant::now();
+        let result = call::execute(prepared, &self.client).await;
+        events::handler_ran(&q.name, started.elapsed());
+        match result {
+            Ok(()) => Disposition::Ack,
             Err(HandlerError::Permanent { error }) => dead(Reason::Permanent, error),
             Err(HandlerError::Transient { error, .. }) if attempt >= q.retry.max_attempts.get() => {
                 dead(Reason::Exhausted, error)
@@ -259,39 +262,27 @@ impl Worker {
     }
 
     /// Makes a disposition durable; true when the delivery may now be acked.
-    async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: Disposition) -> bool {
+    async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: &Disposition) -> bool {
         let q = self.queue();
-        let (headers, describe) = match &disposition {
-            Disposition::Ack => return true,
-            Disposition::Duplicate => {
-                info!(queue = %q.name, "duplicate of a message already handled; acked without running the handler");
-                return true;
-            }
-            Disposition::Retry { next, after, error } => {
-                warn!(queue = %q.name, attempt = next - 1, retry_in = ?after, %error, "handler failed; retrying");
-                (attempt_header(*next), "retry copy")
-            }
-            Disposition::Wait { attempt, after, why } => {
-                warn!(queue = %q.name, attempt, retry_in = ?after, why = %why, "not handled yet; will try again without spending an attempt");
-                (attempt_header(*attempt), "delayed copy")
-            }
+        let headers = match disposition {
+            Disposition::Ack | Disposition::Duplicate => return true,
+            Disposition::Retry { next, .. } => attempt_header(*next),
+            Disposition::Wait { attempt, .. } => attempt_header(*attempt),
             Disposition::DeadLetter { reason, error, attempts } => {
-                warn!(queue = %q.name, reason = reason.as_str(), attempts, %error, "dead-lettering");
                 let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
                 let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-                let headers = BTreeMap::from([
+                BTreeMap::from([
                     (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
                     (envelope::ERROR_HEADER.to_string(), HeaderValue::Str(error)),
                     (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(*attempts))),
                     (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
                     (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(q.name.clone())),
-                ]);
-                (headers, "dead-letter copy")
+                ])
             }
         };
         let mut failures = 0;
         loop {
-            let published = match &disposition {
+            let published = match disposition {
                 Disposition::Retry { after, .. } | Disposition::Wait { after, .. } => {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
@@ -301,12 +292,12 @@ impl Worker {
             match published {
                 Ok(()) => return true,
                 Err(e) if !delivery.is_live() || !broker.is_connected() => {
-                    warn!(queue = %q.name, error = %e, "{describe} not confirmed and the channel is gone; the broker will redeliver");
+                    events::copy_abandoned(&q.name, &e);
                     return false;
                 }
                 Err(e) => {
                     failures += 1;
-                    error!(queue = %q.name, error = %e, failures, "{describe} refused by the broker; holding the message and retrying");
+                    events::copy_refused(&q.name, failures, &e);
                     let delay = backoff::reconnect_delay(failures, Duration::from_secs(10), &mut rand::rng());
                     tokio::time::sleep(delay).await;
                 }

@@ -33,7 +33,8 @@ impl SourceFile {
     /// Where the node at `pointer` starts; a node that only exists through a merge or an alias
     /// falls back to its nearest ancestor in this file.
     pub fn pos(&self, pointer: &str) -> Pos {
-        self.spans.value_pos(pointer)
+        // An empty document's (implicit) value sits past the last line.
+        within(&self.text, self.spans.value_pos(pointer))
     }
 
     /// Where the key of the member at `pointer` starts (for unknown or misplaced keys).

@@ -9,9 +9,9 @@
 //! 127.0.0.1:5672 (guest/guest) and `rabbitmqctl`, and makes and deletes one vhost per trial.
 //! It asserts nothing about timings: it measures and reports.
 
-mod memory;
 mod rabbit;
 mod sink;
+mod usage;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -21,8 +21,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, bail};
 use clap::{Parser, ValueEnum};
 
-use memory::Sampler;
 use sink::{Mode, Sink};
+use usage::Sampler;
 
 /// Exchange and routing key every bench pipeline binds its queue with.
 const EXCHANGE: &str = "bench";
@@ -41,6 +41,10 @@ struct Args {
     /// The sluice executable.
     #[arg(long, env = "SLUICE_BIN", default_value = env!("CARGO_BIN_EXE_sluice"))]
     sluice: PathBuf,
+    /// A second sluice build (say, with a proposed fix) measured in the throughput trials next
+    /// to the first, as consumer "candidate".
+    #[arg(long)]
+    candidate: Option<PathBuf>,
     /// Messages per throughput trial.
     #[arg(long, default_value_t = 50_000)]
     messages: u64,
@@ -97,6 +101,7 @@ impl QueueType {
 enum Consumer {
     Baseline,
     Sluice,
+    Candidate,
 }
 
 impl Consumer {
@@ -104,6 +109,7 @@ impl Consumer {
         match self {
             Consumer::Baseline => "baseline",
             Consumer::Sluice => "sluice",
+            Consumer::Candidate => "candidate",
         }
     }
 }
@@ -135,6 +141,9 @@ struct Trial {
     preload_rate: f64,
     /// Highest VmHWM of the consumer process.
     peak_rss_mib: f64,
+    /// CPU time (user + system) of the consumer process per 1,000 messages, start-up and
+    /// shutdown included.
+    cpu_ms_per_1k: f64,
     /// VmRSS at 10 %, 50 % and 90 % of the drain (webhook trials only).
     rss_mib_at: [Option<f64>; 3],
 }
@@ -172,18 +181,18 @@ impl Bench {
         let (n, runs) = (self.args.messages, self.args.runs);
         let queues = [QueueType::Classic, QueueType::Quorum];
         if self.wants(Part::Throughput) {
+            let mut order = vec![Consumer::Baseline, Consumer::Sluice];
+            if self.args.candidate.is_some() {
+                order.push(Consumer::Candidate);
+            }
             for run in 1..=runs {
                 for queue in queues {
-                    // Alternate who goes first, so drift on a noisy machine favours neither.
-                    let order = if run % 2 == 1 {
-                        [Consumer::Baseline, Consumer::Sluice]
-                    } else {
-                        [Consumer::Sluice, Consumer::Baseline]
-                    };
-                    for consumer in order {
+                    for &consumer in &order {
                         self.trial("throughput", run, queue, consumer, Handler::Webhook, n).await?;
                     }
                 }
+                // Who goes first changes every run, so drift on a noisy machine favours no one.
+                order.rotate_left(1);
             }
         }
         if self.wants(Part::Retry) {
@@ -230,11 +239,13 @@ impl Bench {
         eprintln!("{label} pre-loaded {n} messages at {preload_rate:.0} msg/s");
 
         self.sink.reset(if handler == Handler::WebhookFailOnce { Mode::FailOnce } else { Mode::Ok });
+        let cpu_before = usage::reaped_children_cpu();
         let mut child = self.spawn(consumer, handler, dir.path(), &vhost.url(), n)?;
         let sink = self.sink.clone();
         let sampler = Sampler::start(child.id(), move || sink.snapshot().successes);
         let waited = self.wait(&mut child, handler, n).await;
         let samples = sampler.finish();
+        let cpu = usage::reaped_children_cpu() - cpu_before;
         if let Err(e) = waited {
             let _ = child.kill();
             let _ = child.wait();
@@ -267,12 +278,13 @@ impl Bench {
             rate,
             span: span.as_secs_f64(),
             preload_rate,
-            peak_rss_mib: memory::peak_mib(&samples),
-            rss_mib_at: [0.1, 0.5, 0.9].map(|f| memory::rss_at(&samples, n, f)),
+            peak_rss_mib: usage::peak_mib(&samples),
+            cpu_ms_per_1k: cpu.as_secs_f64() * 1e6 / n as f64,
+            rss_mib_at: [0.1, 0.5, 0.9].map(|f| usage::rss_at(&samples, n, f)),
         };
         eprintln!(
-            "{label} drained {n} in {:.2}s: {rate:.0} msg/s ({requests} requests), peak RSS {:.1} MiB",
-            trial.span, trial.peak_rss_mib
+            "{label} drained {n} in {:.2}s: {rate:.0} msg/s ({requests} requests), {:.0} CPU ms/1k msgs, peak RSS {:.1} MiB",
+            trial.span, trial.cpu_ms_per_1k, trial.peak_rss_mib
         );
         self.trials.push(trial);
         Ok(())
@@ -315,8 +327,12 @@ queues:
                 };
                 c
             }
-            Consumer::Sluice => {
-                let mut c = Command::new(&self.args.sluice);
+            Consumer::Sluice | Consumer::Candidate => {
+                let program = match consumer {
+                    Consumer::Candidate => self.args.candidate.as_ref().context("no --candidate")?,
+                    _ => &self.args.sluice,
+                };
+                let mut c = Command::new(program);
                 c.arg("run").arg(dir).args(["--broker", url, "--exit-when-idle"]);
                 // The command figure is read from the per-message debug line (there is no
                 // server to count at); webhook trials log at the default level.
@@ -367,7 +383,7 @@ queues:
                 let secs = |k: &str| summary[k].as_f64().map(|s| UNIX_EPOCH + Duration::from_secs_f64(s));
                 (summary["handled"].as_u64().unwrap_or(0), secs("first"), secs("last"))
             }
-            Consumer::Sluice => {
+            Consumer::Sluice | Consumer::Candidate => {
                 let log = std::fs::read_to_string(dir.join("consumer.log"))?;
                 handled_times(&log)
             }
@@ -399,10 +415,13 @@ queues:
                 continue;
             }
             let _ = writeln!(out, "## {title}\n");
-            let _ = writeln!(out, "| queue | consumer | median msg/s | min – max | runs | peak RSS MiB (max) |");
-            let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: |");
+            let _ = writeln!(
+                out,
+                "| queue | consumer | median msg/s | min – max | runs | CPU ms / 1k msgs (median) | peak RSS MiB (max) |"
+            );
+            let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: |");
             for queue in ["classic", "quorum"] {
-                for consumer in ["baseline", "sluice"] {
+                for consumer in ["baseline", "sluice", "candidate"] {
                     let trials = pick(part, queue, consumer);
                     if trials.is_empty() {
                         continue;
@@ -412,29 +431,33 @@ queues:
                     let (lo, hi) = min_max(&rates);
                     let _ = writeln!(
                         out,
-                        "| {queue} | {consumer} | {:.0} | {lo:.0} – {hi:.0} | {} | {peak:.1} |",
+                        "| {queue} | {consumer} | {:.0} | {lo:.0} – {hi:.0} | {} | {:.0} | {peak:.1} |",
                         median(&rates),
-                        rates.len()
+                        rates.len(),
+                        median_of(&trials, |t| t.cpu_ms_per_1k),
                     );
                 }
             }
             let _ = writeln!(out);
-            for queue in ["classic", "quorum"] {
-                let (base, ours) = (pick(part, queue, "baseline"), pick(part, queue, "sluice"));
-                if base.is_empty() || ours.is_empty() {
-                    continue;
+            for (ours, theirs) in [("sluice", "baseline"), ("candidate", "sluice")] {
+                for queue in ["classic", "quorum"] {
+                    let (num, den) = (pick(part, queue, ours), pick(part, queue, theirs));
+                    if num.is_empty() || den.is_empty() {
+                        continue;
+                    }
+                    let pairs: Vec<String> = den
+                        .iter()
+                        .filter_map(|d| num.iter().find(|n| n.run == d.run).map(|n| format!("{:.2}", n.rate / d.rate)))
+                        .collect();
+                    let cpu = |ts: &[&Trial]| median_of(ts, |t| t.cpu_ms_per_1k);
+                    let _ = writeln!(
+                        out,
+                        "- {queue}: {ours} / {theirs} throughput = **{:.2}** (ratio of medians; per run: {}); CPU per message {:.2}×",
+                        median_of(&num, |t| t.rate) / median_of(&den, |t| t.rate),
+                        pairs.join(", "),
+                        cpu(&num) / cpu(&den)
+                    );
                 }
-                let rate = |ts: &[&Trial]| median(&ts.iter().map(|t| t.rate).collect::<Vec<_>>());
-                let pairs: Vec<String> = base
-                    .iter()
-                    .filter_map(|b| ours.iter().find(|s| s.run == b.run).map(|s| format!("{:.2}", s.rate / b.rate)))
-                    .collect();
-                let _ = writeln!(
-                    out,
-                    "- {queue}: sluice / baseline = **{:.2}** (ratio of medians); per run: {}",
-                    rate(&ours) / rate(&base),
-                    pairs.join(", ")
-                );
             }
             if part == "retry" {
                 for queue in ["classic", "quorum"] {
@@ -442,11 +465,10 @@ queues:
                     if retry.is_empty() || happy.is_empty() {
                         continue;
                     }
-                    let rate = |ts: &[&Trial]| median(&ts.iter().map(|t| t.rate).collect::<Vec<_>>());
                     let _ = writeln!(
                         out,
                         "- {queue}: retry path / happy path (sluice) = **{:.2}**; requests per message {:.2}",
-                        rate(&retry) / rate(&happy),
+                        median_of(&retry, |t| t.rate) / median_of(&happy, |t| t.rate),
                         retry[0].requests as f64 / retry[0].messages as f64
                     );
                 }
@@ -456,10 +478,12 @@ queues:
         for t in self.trials.iter().filter(|t| t.part == "memory") {
             let fmt = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
             let _ = writeln!(out, "## Memory: sluice run draining a {} message {} backlog\n", t.messages, t.queue);
-            let _ = writeln!(out, "| peak RSS (VmHWM) MiB | RSS at 10 % | at 50 % | at 90 % | msg/s |");
-            let _ = writeln!(out, "| ---: | ---: | ---: | ---: | ---: |");
+            let _ =
+                writeln!(out, "| peak RSS (VmHWM) MiB | RSS at 10 % | at 50 % | at 90 % | msg/s | CPU ms / 1k msgs |");
+            let _ = writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: |");
             let [a, b, c] = t.rss_mib_at;
-            let _ = writeln!(out, "| {:.1} | {} | {} | {} | {:.0} |\n", t.peak_rss_mib, fmt(a), fmt(b), fmt(c), t.rate);
+            let (peak, rate, cpu) = (t.peak_rss_mib, t.rate, t.cpu_ms_per_1k);
+            let _ = writeln!(out, "| {peak:.1} | {} | {} | {} | {rate:.0} | {cpu:.0} |\n", fmt(a), fmt(b), fmt(c));
         }
         let preload: Vec<f64> = self.trials.iter().map(|t| t.preload_rate).collect();
         if !preload.is_empty() {
@@ -497,6 +521,10 @@ fn median(values: &[f64]) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
+}
+
+fn median_of(trials: &[&Trial], value: impl Fn(&Trial) -> f64) -> f64 {
+    median(&trials.iter().map(|t| value(t)).collect::<Vec<_>>())
 }
 
 fn min_max(values: &[f64]) -> (f64, f64) {

@@ -1,6 +1,8 @@
-//! Memory of a consumer process, read from `/proc/<pid>/status` while it runs: `VmRSS` now
-//! and `VmHWM` (the kernel's own peak), sampled with the progress of the drain so the curve
-//! shows whether memory grows with the backlog.
+//! What a consumer process uses. Memory is read from `/proc/<pid>/status` while it runs:
+//! `VmRSS` now and `VmHWM` (the kernel's own peak), sampled with the progress of the drain
+//! so the curve shows whether memory grows with the backlog. CPU time comes from the
+//! kernel's account of reaped children, which is steadier than wall-clock rates on a busy
+//! machine.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,4 +64,17 @@ pub fn peak_mib(samples: &[Sample]) -> f64 {
 pub fn rss_at(samples: &[Sample], total: u64, fraction: f64) -> Option<f64> {
     let at = (total as f64 * fraction) as u64;
     samples.iter().find(|s| s.handled >= at).map(|s| s.rss_kib as f64 / 1024.0)
+}
+
+/// CPU time (user + system) of every child this process has reaped so far; the difference
+/// across one consumer's life is that consumer's CPU time.
+pub fn reaped_children_cpu() -> Duration {
+    // SAFETY: getrusage only writes the struct we pass; a zeroed rusage is a valid value.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage);
+        usage
+    };
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    time(usage.ru_utime) + time(usage.ru_stime)
 }

@@ -3,25 +3,33 @@
 //! false`) after a 2xx, a nack with requeue otherwise. No envelope decoding, templating,
 //! retry policy or dead-lettering — that is what the comparison prices.
 //!
+//! With `--batched-acks` it acks the way sluice's runtime does instead (`ack_loop` in
+//! `src/runtime/worker.rs`): one `multiple` ack over the contiguous finished range, settled
+//! deliveries behind a gap acked one by one once more than PREFETCH/2 wait. The drain
+//! benchmark runs both modes, which splits sluice's difference from the baseline into what
+//! the ack strategy does and what sluice's per-message work costs.
+//!
 //! `scripts/bench.sh` builds and drives it; by hand:
 //!
 //! ```text
 //! cargo bench --no-run --bench baseline_consumer   # prints the executable's path
-//! baseline_consumer AMQP_URL QUEUE PREFETCH COUNT (--webhook URL | --command PROGRAM)
+//! baseline_consumer AMQP_URL QUEUE PREFETCH COUNT (--webhook URL | --command PROGRAM) [--batched-acks]
 //! ```
 //!
 //! It exits after acking COUNT messages and prints one JSON line: how many it handled and
 //! the wall-clock time (Unix seconds) of the first and the last.
 
+use std::collections::BTreeMap;
 use std::process::{ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
+use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc};
 
 enum Handler {
     Webhook(String),
@@ -34,17 +42,22 @@ struct Args {
     prefetch: u16,
     count: u64,
     handler: Handler,
+    batched_acks: bool,
 }
 
 fn parse_args() -> Option<Args> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let batched_acks = args.last().is_some_and(|a| a == "--batched-acks");
+    if batched_acks {
+        args.pop();
+    }
     let [broker, queue, prefetch, count, kind, target] = <[String; 6]>::try_from(args).ok()?;
     let handler = match kind.as_str() {
         "--webhook" => Handler::Webhook(target),
         "--command" => Handler::Command(target),
         _ => return None,
     };
-    Some(Args { broker, queue, prefetch: prefetch.parse().ok()?, count: count.parse().ok()?, handler })
+    Some(Args { broker, queue, prefetch: prefetch.parse().ok()?, count: count.parse().ok()?, handler, batched_acks })
 }
 
 /// Handled count and first/last completion, for the summary line.
@@ -67,7 +80,9 @@ async fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let Some(args) = parse_args() else {
-        eprintln!("usage: baseline_consumer AMQP_URL QUEUE PREFETCH COUNT (--webhook URL | --command PROGRAM)");
+        eprintln!(
+            "usage: baseline_consumer AMQP_URL QUEUE PREFETCH COUNT (--webhook URL | --command PROGRAM) [--batched-acks]"
+        );
         return ExitCode::from(2);
     };
     match consume(args).await {
@@ -96,6 +111,8 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let progress = Arc::new(Mutex::new(Progress::default()));
     let done = Arc::new(Notify::new());
     let count = args.count;
+    let (acks, ack_events) = mpsc::unbounded_channel();
+    let acker = args.batched_acks.then(|| tokio::spawn(ack_loop(ack_events, usize::from(args.prefetch) / 2)));
     loop {
         let delivery = tokio::select! {
             _ = done.notified() => break,
@@ -104,6 +121,10 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 None => break,
             },
         };
+        let batched = acker.is_some().then(|| acks.clone());
+        if let Some(acks) = &batched {
+            let _ = acks.send(AckEvent::Received(delivery.delivery_tag));
+        }
         let (client, handler, progress, done) = (client.clone(), handler.clone(), progress.clone(), done.clone());
         tokio::spawn(async move {
             let ok = match handler.as_ref() {
@@ -121,10 +142,20 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             };
             if !ok {
                 let _ = delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                if let Some(acks) = batched {
+                    let _ = acks.send(AckEvent::Nacked(delivery.delivery_tag));
+                }
                 return;
             }
-            if delivery.ack(BasicAckOptions { multiple: false }).await.is_err() {
-                return;
+            match batched {
+                Some(acks) => {
+                    let _ = acks.send(AckEvent::Finished(delivery));
+                }
+                None => {
+                    if delivery.ack(BasicAckOptions { multiple: false }).await.is_err() {
+                        return;
+                    }
+                }
             }
             let mut p = progress.lock().expect("progress lock");
             let t = now();
@@ -136,8 +167,57 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }
         });
     }
+    drop(acks);
+    if let Some(acker) = acker {
+        // Every delivery has finished; let the last acks out before closing.
+        let _ = acker.await;
+    }
     let _ = connection.close(200, "done".into()).await;
     let p = progress.lock().expect("progress lock");
     println!(r#"{{"handled": {}, "first": {}, "last": {}}}"#, p.handled, p.first.unwrap_or(0.0), p.last.unwrap_or(0.0));
     Ok(())
+}
+
+// Moved by value, as sluice's runtime moves its deliveries: no allocation per message.
+#[allow(clippy::large_enum_variant)]
+enum AckEvent {
+    Received(u64),
+    Finished(Delivery),
+    /// Settled by a nack: no longer a gap.
+    Nacked(u64),
+}
+
+/// Sluice's ack strategy, restated: the contiguous finished range from the oldest unsettled
+/// delivery in one `multiple` ack; beyond a gap, finished deliveries wait unless more than
+/// `hold` of them do.
+async fn ack_loop(mut events: mpsc::UnboundedReceiver<AckEvent>, hold: usize) {
+    let mut outstanding: BTreeMap<u64, Option<Delivery>> = BTreeMap::new();
+    let mut batch = Vec::new();
+    while events.recv_many(&mut batch, 1024).await > 0 {
+        for event in batch.drain(..) {
+            match event {
+                AckEvent::Received(tag) => outstanding.insert(tag, None),
+                AckEvent::Finished(d) => outstanding.insert(d.delivery_tag, Some(d)),
+                AckEvent::Nacked(tag) => outstanding.remove(&tag),
+            };
+        }
+        let mut last = None;
+        while let Some(entry) = outstanding.first_entry() {
+            if entry.get().is_none() {
+                break;
+            }
+            last = entry.remove();
+        }
+        if let Some(d) = last {
+            let _ = d.ack(BasicAckOptions { multiple: true }).await;
+        }
+        if outstanding.values().filter(|d| d.is_some()).count() > hold {
+            let settled: Vec<u64> = outstanding.iter().filter(|(_, d)| d.is_some()).map(|(t, _)| *t).collect();
+            for tag in settled {
+                if let Some(Some(d)) = outstanding.remove(&tag) {
+                    let _ = d.ack(BasicAckOptions { multiple: false }).await;
+                }
+            }
+        }
+    }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks sluice; the method and the latest figures are in BENCHMARKS.md.
 #
-#   scripts/bench.sh                 # everything (about 10 minutes on 2 cores)
+#   scripts/bench.sh                 # everything (about 13 minutes on 2 cores)
 #   scripts/bench.sh --quick         # tiny sizes, one run: checks the harness, figures mean nothing
 #   scripts/bench.sh --no-validate --only throughput --runs 5    # options after ours go to the driver
 #
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 drain=1 validate=1 driver_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --quick) driver_args+=(--messages 2000 --runs 1 --retry-messages 1000 --command-messages 500 --backlog 5000) ;;
+    --quick) driver_args+=(--messages 2000 --runs 1 --other-runs 1 --retry-messages 1000 --command-messages 500 --backlog 5000) ;;
     --no-drain) drain=0 ;;
     --no-validate) validate=0 ;;
     *) driver_args+=("$1") ;;

@@ -1,8 +1,10 @@
 //! The drain benchmark: how fast `sluice run` empties a pre-loaded queue into a webhook (or a
 //! command), side by side with a hand-written lapin + reqwest consumer
 //! (`benches/baseline_consumer.rs`), in one run on one machine so the ratio means something
-//! even when the absolute figures wander. Also the retry path, the command handler, and the
-//! memory of `sluice run` while a large backlog drains.
+//! even when the absolute figures wander. The throughput trials also run the baseline acking
+//! the way sluice does, which splits the difference into ack strategy and per-message work.
+//! Also the retry path, the command handler, and the memory of `sluice run` while a large
+//! backlog drains.
 //!
 //! Run it through `scripts/bench.sh` (which builds both binaries and passes the baseline's
 //! path); BENCHMARKS.md describes the method and the latest figures. It needs RabbitMQ at
@@ -48,9 +50,12 @@ struct Args {
     /// Messages per throughput trial.
     #[arg(long, default_value_t = 50_000)]
     messages: u64,
-    /// Trials per consumer and queue type (the figure is their median).
-    #[arg(long, default_value_t = 3)]
+    /// Throughput trials per consumer and queue type (the figure is their median).
+    #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Trials per queue type (retry) or consumer (command).
+    #[arg(long, default_value_t = 3)]
+    other_runs: usize,
     /// Prefetch of both consumers, and sluice's `concurrency`.
     #[arg(long, default_value_t = 50)]
     concurrency: u16,
@@ -100,6 +105,8 @@ impl QueueType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Consumer {
     Baseline,
+    /// The baseline acking as sluice does (`--batched-acks`).
+    BaselineBatched,
     Sluice,
     Candidate,
 }
@@ -108,6 +115,7 @@ impl Consumer {
     fn name(self) -> &'static str {
         match self {
             Consumer::Baseline => "baseline",
+            Consumer::BaselineBatched => "baseline-batched",
             Consumer::Sluice => "sluice",
             Consumer::Candidate => "candidate",
         }
@@ -178,10 +186,10 @@ impl Bench {
     }
 
     async fn run_all(&mut self) -> anyhow::Result<()> {
-        let (n, runs) = (self.args.messages, self.args.runs);
+        let (n, runs, other_runs) = (self.args.messages, self.args.runs, self.args.other_runs);
         let queues = [QueueType::Classic, QueueType::Quorum];
         if self.wants(Part::Throughput) {
-            let mut order = vec![Consumer::Baseline, Consumer::Sluice];
+            let mut order = vec![Consumer::Baseline, Consumer::BaselineBatched, Consumer::Sluice];
             if self.args.candidate.is_some() {
                 order.push(Consumer::Candidate);
             }
@@ -196,7 +204,7 @@ impl Bench {
             }
         }
         if self.wants(Part::Retry) {
-            for run in 1..=runs {
+            for run in 1..=other_runs {
                 for queue in queues {
                     let n = self.args.retry_messages;
                     self.trial("retry", run, queue, Consumer::Sluice, Handler::WebhookFailOnce, n).await?;
@@ -204,7 +212,7 @@ impl Bench {
             }
         }
         if self.wants(Part::Command) {
-            for run in 1..=runs {
+            for run in 1..=other_runs {
                 for consumer in [Consumer::Baseline, Consumer::Sluice] {
                     let n = self.args.command_messages;
                     self.trial("command", run, QueueType::Classic, consumer, Handler::Command, n).await?;
@@ -318,13 +326,16 @@ queues:
     fn spawn(&self, consumer: Consumer, handler: Handler, dir: &Path, url: &str, n: u64) -> anyhow::Result<Child> {
         let log = std::fs::File::create(dir.join("consumer.log"))?;
         let mut command = match consumer {
-            Consumer::Baseline => {
+            Consumer::Baseline | Consumer::BaselineBatched => {
                 let mut c = Command::new(self.args.baseline.as_ref().context("no --baseline")?);
                 c.args([url, QUEUE, &self.args.concurrency.to_string(), &n.to_string()]);
                 match handler {
                     Handler::Command => c.args(["--command", "/bin/true"]),
                     _ => c.args(["--webhook".to_string(), format!("http://{}/hook", self.sink.addr)]),
                 };
+                if consumer == Consumer::BaselineBatched {
+                    c.arg("--batched-acks");
+                }
                 c
             }
             Consumer::Sluice | Consumer::Candidate => {
@@ -376,7 +387,7 @@ queues:
     /// them: the baseline's summary line, sluice's per-message debug lines.
     fn command_span(&self, consumer: Consumer, child: &mut Child, dir: &Path) -> anyhow::Result<(u64, Duration)> {
         let (handled, first, last) = match consumer {
-            Consumer::Baseline => {
+            Consumer::Baseline | Consumer::BaselineBatched => {
                 let mut out = String::new();
                 std::io::Read::read_to_string(&mut child.stdout.take().context("baseline stdout")?, &mut out)?;
                 let summary: serde_json::Value = serde_json::from_str(out.trim()).context("baseline summary")?;
@@ -400,10 +411,11 @@ queues:
         let _ = writeln!(out, "# sluice drain benchmark\n");
         let _ = writeln!(
             out,
-            "{} cores; messages per throughput trial {}; runs {}; concurrency/prefetch {}.\n",
+            "{} cores; messages per throughput trial {}; throughput runs {}, other runs {}; concurrency/prefetch {}.\n",
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             self.args.messages,
             self.args.runs,
+            self.args.other_runs,
             self.args.concurrency
         );
         for (part, title) in [
@@ -421,7 +433,7 @@ queues:
             );
             let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: |");
             for queue in ["classic", "quorum"] {
-                for consumer in ["baseline", "sluice", "candidate"] {
+                for consumer in ["baseline", "baseline-batched", "sluice", "candidate"] {
                     let trials = pick(part, queue, consumer);
                     if trials.is_empty() {
                         continue;
@@ -439,7 +451,15 @@ queues:
                 }
             }
             let _ = writeln!(out);
-            for (ours, theirs) in [("sluice", "baseline"), ("candidate", "sluice")] {
+            // The first is the headline; the next two split it into what the ack strategy does
+            // and what sluice's per-message work costs.
+            let comparisons = [
+                ("sluice", "baseline"),
+                ("baseline-batched", "baseline"),
+                ("sluice", "baseline-batched"),
+                ("candidate", "sluice"),
+            ];
+            for (ours, theirs) in comparisons {
                 for queue in ["classic", "quorum"] {
                     let (num, den) = (pick(part, queue, ours), pick(part, queue, theirs));
                     if num.is_empty() || den.is_empty() {

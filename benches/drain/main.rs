@@ -237,7 +237,7 @@ impl Bench {
         n: u64,
     ) -> anyhow::Result<()> {
         let label = format!("[{part} {} {} run {run}]", queue.name(), consumer.name());
-        let vhost = rabbit::Vhost::new()?;
+        let mut vhost = rabbit::Vhost::new()?;
         let dir = tempfile::tempdir()?;
         std::fs::write(dir.path().join("bench.yaml"), self.pipeline(queue, handler))?;
         rabbit::declare(dir.path(), &vhost.url()).await?;
@@ -260,7 +260,13 @@ impl Bench {
             let log = std::fs::read_to_string(dir.path().join("consumer.log")).unwrap_or_default();
             let lines: Vec<&str> = log.lines().collect();
             let tail = lines[lines.len().saturating_sub(20)..].join("\n");
-            bail!("{label} {e:#}\nconsumer log (tail):\n{tail}");
+            vhost.keep();
+            let name = &vhost.name;
+            bail!(
+                "{label} {e:#}\nconsumer log (tail):\n{tail}\nkept for inspection: vhost {name} \
+                 (rabbitmqctl list_queues -p {name}; rabbitmqctl delete_vhost {name}) and {}",
+                dir.keep().display()
+            );
         }
         let (handled, requests, span) = match handler {
             Handler::Command => {

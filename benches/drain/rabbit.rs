@@ -22,16 +22,17 @@ fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A vhost of its own for one trial; deleted on drop.
+/// A vhost of its own for one trial; deleted on drop unless kept.
 pub struct Vhost {
-    name: String,
+    pub name: String,
+    kept: bool,
 }
 
 impl Vhost {
     pub fn new() -> anyhow::Result<Vhost> {
         let name = format!("sluice-bench-{}", uuid::Uuid::now_v7());
         rabbitmqctl(&["add_vhost", &name])?;
-        let vhost = Vhost { name };
+        let vhost = Vhost { name, kept: false };
         rabbitmqctl(&["set_permissions", "-p", &vhost.name, "guest", ".*", ".*", ".*"])?;
         Ok(vhost)
     }
@@ -39,11 +40,18 @@ impl Vhost {
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:5672/{}", self.name)
     }
+
+    /// Leaves the vhost on the broker, for looking into a failed trial.
+    pub fn keep(&mut self) {
+        self.kept = true;
+    }
 }
 
 impl Drop for Vhost {
     fn drop(&mut self) {
-        let _ = rabbitmqctl(&["delete_vhost", &self.name]);
+        if !self.kept {
+            let _ = rabbitmqctl(&["delete_vhost", &self.name]);
+        }
     }
 }
 

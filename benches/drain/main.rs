@@ -1,0 +1,558 @@
+//! The drain benchmark: how fast `sluice run` empties a pre-loaded queue into a webhook (or a
+//! command), side by side with a hand-written lapin + reqwest consumer
+//! (`benches/baseline_consumer.rs`), in one run on one machine so the ratio means something
+//! even when the absolute figures wander. The throughput trials also run the baseline acking
+//! the way sluice does, which splits the difference into ack strategy and per-message work.
+//! Also the retry path, the command handler, and the memory of `sluice run` while a large
+//! backlog drains.
+//!
+//! Run it through `scripts/bench.sh` (which builds both binaries and passes the baseline's
+//! path); BENCHMARKS.md describes the method and the latest figures. It needs RabbitMQ at
+//! 127.0.0.1:5672 (guest/guest) and `rabbitmqctl`, and makes and deletes one vhost per trial.
+//! It asserts nothing about timings: it measures and reports.
+
+mod rabbit;
+mod sink;
+mod usage;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, ValueEnum};
+
+use sink::{Mode, Sink};
+use usage::Sampler;
+
+/// Exchange and routing key every bench pipeline binds its queue with.
+const EXCHANGE: &str = "bench";
+const ROUTING_KEY: &str = "work";
+const QUEUE: &str = "bench.work";
+/// No trial may take longer than this.
+const TRIAL_DEADLINE: Duration = Duration::from_secs(600);
+
+#[derive(Debug, Parser)]
+#[command(about = "Drain benchmark: sluice run vs a hand-written consumer (see BENCHMARKS.md)")]
+struct Args {
+    /// The hand-written consumer's executable (scripts/bench.sh finds it). Without it the
+    /// driver only points at scripts/bench.sh, as when `cargo bench` runs it bare.
+    #[arg(long, env = "BASELINE_CONSUMER")]
+    baseline: Option<PathBuf>,
+    /// The sluice executable.
+    #[arg(long, env = "SLUICE_BIN", default_value = env!("CARGO_BIN_EXE_sluice"))]
+    sluice: PathBuf,
+    /// A second sluice build (say, with a proposed fix) measured in the throughput trials next
+    /// to the first, as consumer "candidate".
+    #[arg(long)]
+    candidate: Option<PathBuf>,
+    /// Messages per throughput trial.
+    #[arg(long, default_value_t = 50_000)]
+    messages: u64,
+    /// Throughput trials per consumer and queue type (the figure is their median).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Trials per queue type (retry) or consumer (command).
+    #[arg(long, default_value_t = 3)]
+    other_runs: usize,
+    /// Prefetch of both consumers, and sluice's `concurrency`.
+    #[arg(long, default_value_t = 50)]
+    concurrency: u16,
+    /// Messages per retry-path trial (each fails once).
+    #[arg(long, default_value_t = 20_000)]
+    retry_messages: u64,
+    /// Messages per command-handler trial.
+    #[arg(long, default_value_t = 5_000)]
+    command_messages: u64,
+    /// Backlog drained while sampling sluice's memory.
+    #[arg(long, default_value_t = 200_000)]
+    backlog: u64,
+    /// Which parts to run (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<Part>,
+    /// Also write every trial as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Part {
+    Throughput,
+    Retry,
+    Command,
+    Memory,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QueueType {
+    Classic,
+    Quorum,
+}
+
+impl QueueType {
+    fn name(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Consumer {
+    Baseline,
+    /// The baseline acking as sluice does (`--batched-acks`).
+    BaselineBatched,
+    Sluice,
+    Candidate,
+}
+
+impl Consumer {
+    fn name(self) -> &'static str {
+        match self {
+            Consumer::Baseline => "baseline",
+            Consumer::BaselineBatched => "baseline-batched",
+            Consumer::Sluice => "sluice",
+            Consumer::Candidate => "candidate",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handler {
+    Webhook,
+    /// Every message fails once with 503, then succeeds.
+    WebhookFailOnce,
+    /// `/bin/true`.
+    Command,
+}
+
+/// One drain, measured.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Trial {
+    part: &'static str,
+    queue: &'static str,
+    consumer: &'static str,
+    run: usize,
+    messages: u64,
+    /// Requests the webhook server received (more than `messages` on the retry path).
+    requests: u64,
+    /// Messages per second from the first to the last handled.
+    rate: f64,
+    /// Seconds from the first to the last handled.
+    span: f64,
+    /// Messages per second `publish` pre-loaded the queue at.
+    preload_rate: f64,
+    /// Highest VmHWM of the consumer process.
+    peak_rss_mib: f64,
+    /// CPU time (user + system) of the consumer process per 1,000 messages, start-up and
+    /// shutdown included.
+    cpu_ms_per_1k: f64,
+    /// VmRSS at 10 %, 50 % and 90 % of the drain (webhook trials only).
+    rss_mib_at: [Option<f64>; 3],
+}
+
+struct Bench {
+    args: Args,
+    sink: Sink,
+    trials: Vec<Trial>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.baseline.is_none() {
+        eprintln!("the drain benchmark needs RabbitMQ and the baseline consumer: run scripts/bench.sh");
+        return Ok(());
+    }
+    tokio::runtime::Runtime::new()?.block_on(async {
+        let sink = Sink::start().await?;
+        let mut bench = Bench { args, sink, trials: Vec::new() };
+        bench.run_all().await?;
+        print!("{}", bench.report());
+        if let Some(path) = &bench.args.json {
+            std::fs::write(path, serde_json::to_string_pretty(&bench.trials)?)?;
+        }
+        Ok(())
+    })
+}
+
+impl Bench {
+    fn wants(&self, part: Part) -> bool {
+        self.args.only.is_empty() || self.args.only.contains(&part)
+    }
+
+    async fn run_all(&mut self) -> anyhow::Result<()> {
+        let (n, runs, other_runs) = (self.args.messages, self.args.runs, self.args.other_runs);
+        let queues = [QueueType::Classic, QueueType::Quorum];
+        if self.wants(Part::Throughput) {
+            let mut order = vec![Consumer::Baseline, Consumer::BaselineBatched, Consumer::Sluice];
+            if self.args.candidate.is_some() {
+                order.push(Consumer::Candidate);
+            }
+            for run in 1..=runs {
+                for queue in queues {
+                    for &consumer in &order {
+                        self.trial("throughput", run, queue, consumer, Handler::Webhook, n).await?;
+                    }
+                }
+                // Who goes first changes every run, so drift on a noisy machine favours no one.
+                order.rotate_left(1);
+            }
+        }
+        if self.wants(Part::Retry) {
+            for run in 1..=other_runs {
+                for queue in queues {
+                    let n = self.args.retry_messages;
+                    self.trial("retry", run, queue, Consumer::Sluice, Handler::WebhookFailOnce, n).await?;
+                }
+            }
+        }
+        if self.wants(Part::Command) {
+            for run in 1..=other_runs {
+                for consumer in [Consumer::Baseline, Consumer::Sluice] {
+                    let n = self.args.command_messages;
+                    self.trial("command", run, QueueType::Classic, consumer, Handler::Command, n).await?;
+                }
+            }
+        }
+        if self.wants(Part::Memory) {
+            let n = self.args.backlog;
+            self.trial("memory", 1, QueueType::Quorum, Consumer::Sluice, Handler::Webhook, n).await?;
+        }
+        Ok(())
+    }
+
+    /// Fresh vhost, topology, backlog of `n`; then one consumer drains it.
+    async fn trial(
+        &mut self,
+        part: &'static str,
+        run: usize,
+        queue: QueueType,
+        consumer: Consumer,
+        handler: Handler,
+        n: u64,
+    ) -> anyhow::Result<()> {
+        let label = format!("[{part} {} {} run {run}]", queue.name(), consumer.name());
+        let mut vhost = rabbit::Vhost::new()?;
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join("bench.yaml"), self.pipeline(queue, handler))?;
+        rabbit::declare(dir.path(), &vhost.url()).await?;
+        let started = Instant::now();
+        rabbit::preload(&vhost.url(), EXCHANGE, ROUTING_KEY, n).await?;
+        let preload_rate = n as f64 / started.elapsed().as_secs_f64();
+        eprintln!("{label} pre-loaded {n} messages at {preload_rate:.0} msg/s");
+
+        self.sink.reset(if handler == Handler::WebhookFailOnce { Mode::FailOnce } else { Mode::Ok });
+        let cpu_before = usage::reaped_children_cpu();
+        let mut child = self.spawn(consumer, handler, dir.path(), &vhost.url(), n)?;
+        let sink = self.sink.clone();
+        let sampler = Sampler::start(child.id(), move || sink.snapshot().successes);
+        let waited = self.wait(&mut child, handler, n).await;
+        let samples = sampler.finish();
+        let cpu = usage::reaped_children_cpu() - cpu_before;
+        if let Err(e) = waited {
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(dir.path().join("consumer.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+            vhost.keep();
+            let name = &vhost.name;
+            bail!(
+                "{label} {e:#}\nconsumer log (tail):\n{tail}\nkept for inspection: vhost {name} \
+                 (rabbitmqctl list_queues -p {name}; rabbitmqctl delete_vhost {name}) and {}",
+                dir.keep().display()
+            );
+        }
+        let (handled, requests, span) = match handler {
+            Handler::Command => {
+                let (handled, span) = self.command_span(consumer, &mut child, dir.path())?;
+                (handled, handled, span)
+            }
+            Handler::Webhook | Handler::WebhookFailOnce => {
+                let s = self.sink.snapshot();
+                (s.successes, s.requests, s.span.context("no request reached the sink")?)
+            }
+        };
+        if handled != n {
+            bail!("{label} handled {handled} of {n} messages");
+        }
+        let rate = n as f64 / span.as_secs_f64();
+        let trial = Trial {
+            part,
+            queue: queue.name(),
+            consumer: consumer.name(),
+            run,
+            messages: n,
+            requests,
+            rate,
+            span: span.as_secs_f64(),
+            preload_rate,
+            peak_rss_mib: usage::peak_mib(&samples),
+            cpu_ms_per_1k: cpu.as_secs_f64() * 1e6 / n as f64,
+            rss_mib_at: [0.1, 0.5, 0.9].map(|f| usage::rss_at(&samples, n, f)),
+        };
+        eprintln!(
+            "{label} drained {n} in {:.2}s: {rate:.0} msg/s ({requests} requests), {:.0} CPU ms/1k msgs, peak RSS {:.1} MiB",
+            trial.span, trial.cpu_ms_per_1k, trial.peak_rss_mib
+        );
+        self.trials.push(trial);
+        Ok(())
+    }
+
+    fn pipeline(&self, queue: QueueType, handler: Handler) -> String {
+        let handler = match handler {
+            Handler::Webhook | Handler::WebhookFailOnce => {
+                format!("webhook: {{url: \"http://{}/hook\"}}", self.sink.addr)
+            }
+            Handler::Command => "command: {program: /bin/true}".to_string(),
+        };
+        format!(
+            "version: 1
+exchanges:
+  {EXCHANGE}: {{type: direct}}
+queues:
+  {QUEUE}:
+    type: {}
+    bind: [{{exchange: {EXCHANGE}, routing_key: {ROUTING_KEY}}}]
+    concurrency: {}
+    handler:
+      {handler}
+    retry: {{max_attempts: 3, backoff: fixed, initial: 100ms, max: 100ms}}
+",
+            queue.name(),
+            self.args.concurrency
+        )
+    }
+
+    fn spawn(&self, consumer: Consumer, handler: Handler, dir: &Path, url: &str, n: u64) -> anyhow::Result<Child> {
+        let log = std::fs::File::create(dir.join("consumer.log"))?;
+        let mut command = match consumer {
+            Consumer::Baseline | Consumer::BaselineBatched => {
+                let mut c = Command::new(self.args.baseline.as_ref().context("no --baseline")?);
+                c.args([url, QUEUE, &self.args.concurrency.to_string(), &n.to_string()]);
+                match handler {
+                    Handler::Command => c.args(["--command", "/bin/true"]),
+                    _ => c.args(["--webhook".to_string(), format!("http://{}/hook", self.sink.addr)]),
+                };
+                if consumer == Consumer::BaselineBatched {
+                    c.arg("--batched-acks");
+                }
+                c
+            }
+            Consumer::Sluice | Consumer::Candidate => {
+                let program = match consumer {
+                    Consumer::Candidate => self.args.candidate.as_ref().context("no --candidate")?,
+                    _ => &self.args.sluice,
+                };
+                let mut c = Command::new(program);
+                c.arg("run").arg(dir).args(["--broker", url, "--exit-when-idle"]);
+                // The command figure is read from the per-message debug line (there is no
+                // server to count at); webhook trials log at the default level.
+                let filter = if handler == Handler::Command { "info,sluice::runtime::worker=debug" } else { "info" };
+                c.env("RUST_LOG", filter).env("NO_COLOR", "1");
+                c
+            }
+        };
+        let stdout = if handler == Handler::Command { Stdio::piped() } else { Stdio::null() };
+        command
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", consumer.name()))
+    }
+
+    /// Waits until the sink has seen all `n` messages succeed (webhooks) and the consumer has
+    /// exited on its own.
+    async fn wait(&self, child: &mut Child, handler: Handler, n: u64) -> anyhow::Result<()> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait()? {
+                let seen = self.sink.snapshot().successes;
+                if !status.success() {
+                    bail!("the consumer exited with {status}");
+                }
+                if handler != Handler::Command && seen < n {
+                    bail!("the consumer exited after {seen} of {n} messages");
+                }
+                return Ok(());
+            }
+            if start.elapsed() > TRIAL_DEADLINE {
+                bail!("not drained within {TRIAL_DEADLINE:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Messages handled and first-to-last span of a command trial, as the consumer reports
+    /// them: the baseline's summary line, sluice's per-message debug lines.
+    fn command_span(&self, consumer: Consumer, child: &mut Child, dir: &Path) -> anyhow::Result<(u64, Duration)> {
+        let (handled, first, last) = match consumer {
+            Consumer::Baseline | Consumer::BaselineBatched => {
+                let mut out = String::new();
+                std::io::Read::read_to_string(&mut child.stdout.take().context("baseline stdout")?, &mut out)?;
+                let summary: serde_json::Value = serde_json::from_str(out.trim()).context("baseline summary")?;
+                let secs = |k: &str| summary[k].as_f64().map(|s| UNIX_EPOCH + Duration::from_secs_f64(s));
+                (summary["handled"].as_u64().unwrap_or(0), secs("first"), secs("last"))
+            }
+            Consumer::Sluice | Consumer::Candidate => {
+                let log = std::fs::read_to_string(dir.join("consumer.log"))?;
+                handled_times(&log)
+            }
+        };
+        let (Some(first), Some(last)) = (first, last) else { bail!("{} handled nothing", consumer.name()) };
+        Ok((handled, last.duration_since(first)?))
+    }
+
+    fn report(&self) -> String {
+        let mut out = String::new();
+        let pick = |part: &str, queue: &str, consumer: &str| -> Vec<&Trial> {
+            self.trials.iter().filter(|t| t.part == part && t.queue == queue && t.consumer == consumer).collect()
+        };
+        let _ = writeln!(out, "# sluice drain benchmark\n");
+        let _ = writeln!(
+            out,
+            "{} cores; messages per throughput trial {}; throughput runs {}, other runs {}; concurrency/prefetch {}.\n",
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            self.args.messages,
+            self.args.runs,
+            self.args.other_runs,
+            self.args.concurrency
+        );
+        for (part, title) in [
+            ("throughput", "Webhook throughput (msg/s at the HTTP server, first to last)"),
+            ("retry", "Retry path: every message fails once with 503 (msg/s = messages / span)"),
+            ("command", "Command handler /bin/true (msg/s, first to last handled)"),
+        ] {
+            if !self.trials.iter().any(|t| t.part == part) {
+                continue;
+            }
+            let _ = writeln!(out, "## {title}\n");
+            let _ = writeln!(
+                out,
+                "| queue | consumer | median msg/s | min – max | runs | CPU ms / 1k msgs (median) | peak RSS MiB (max) |"
+            );
+            let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: |");
+            for queue in ["classic", "quorum"] {
+                for consumer in ["baseline", "baseline-batched", "sluice", "candidate"] {
+                    let trials = pick(part, queue, consumer);
+                    if trials.is_empty() {
+                        continue;
+                    }
+                    let rates: Vec<f64> = trials.iter().map(|t| t.rate).collect();
+                    let peak = trials.iter().map(|t| t.peak_rss_mib).fold(0.0, f64::max);
+                    let (lo, hi) = min_max(&rates);
+                    let _ = writeln!(
+                        out,
+                        "| {queue} | {consumer} | {:.0} | {lo:.0} – {hi:.0} | {} | {:.0} | {peak:.1} |",
+                        median(&rates),
+                        rates.len(),
+                        median_of(&trials, |t| t.cpu_ms_per_1k),
+                    );
+                }
+            }
+            let _ = writeln!(out);
+            // The first is the headline; the next two split it into what the ack strategy does
+            // and what sluice's per-message work costs.
+            let comparisons = [
+                ("sluice", "baseline"),
+                ("baseline-batched", "baseline"),
+                ("sluice", "baseline-batched"),
+                ("candidate", "sluice"),
+            ];
+            for (ours, theirs) in comparisons {
+                for queue in ["classic", "quorum"] {
+                    let (num, den) = (pick(part, queue, ours), pick(part, queue, theirs));
+                    if num.is_empty() || den.is_empty() {
+                        continue;
+                    }
+                    let pairs: Vec<String> = den
+                        .iter()
+                        .filter_map(|d| num.iter().find(|n| n.run == d.run).map(|n| format!("{:.2}", n.rate / d.rate)))
+                        .collect();
+                    let cpu = |ts: &[&Trial]| median_of(ts, |t| t.cpu_ms_per_1k);
+                    let _ = writeln!(
+                        out,
+                        "- {queue}: {ours} / {theirs} throughput = **{:.2}** (ratio of medians; per run: {}); CPU per message {:.2}×",
+                        median_of(&num, |t| t.rate) / median_of(&den, |t| t.rate),
+                        pairs.join(", "),
+                        cpu(&num) / cpu(&den)
+                    );
+                }
+            }
+            if part == "retry" {
+                for queue in ["classic", "quorum"] {
+                    let (retry, happy) = (pick("retry", queue, "sluice"), pick("throughput", queue, "sluice"));
+                    if retry.is_empty() || happy.is_empty() {
+                        continue;
+                    }
+                    let _ = writeln!(
+                        out,
+                        "- {queue}: retry path / happy path (sluice) = **{:.2}**; requests per message {:.2}",
+                        median_of(&retry, |t| t.rate) / median_of(&happy, |t| t.rate),
+                        retry[0].requests as f64 / retry[0].messages as f64
+                    );
+                }
+            }
+            let _ = writeln!(out);
+        }
+        for t in self.trials.iter().filter(|t| t.part == "memory") {
+            let fmt = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
+            let _ = writeln!(out, "## Memory: sluice run draining a {} message {} backlog\n", t.messages, t.queue);
+            let _ =
+                writeln!(out, "| peak RSS (VmHWM) MiB | RSS at 10 % | at 50 % | at 90 % | msg/s | CPU ms / 1k msgs |");
+            let _ = writeln!(out, "| ---: | ---: | ---: | ---: | ---: | ---: |");
+            let [a, b, c] = t.rss_mib_at;
+            let (peak, rate, cpu) = (t.peak_rss_mib, t.rate, t.cpu_ms_per_1k);
+            let _ = writeln!(out, "| {peak:.1} | {} | {} | {} | {rate:.0} | {cpu:.0} |\n", fmt(a), fmt(b), fmt(c));
+        }
+        let preload: Vec<f64> = self.trials.iter().map(|t| t.preload_rate).collect();
+        if !preload.is_empty() {
+            let _ = writeln!(
+                out,
+                "Pre-loading (library publish with confirms, 256 in flight): median {:.0} msg/s.\n",
+                median(&preload)
+            );
+        }
+        let stamp = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let _ = writeln!(out, "_Run finished at Unix time {stamp}._");
+        out
+    }
+}
+
+/// Count, first and last timestamp of sluice's `handled` debug lines.
+fn handled_times(log: &str) -> (u64, Option<SystemTime>, Option<SystemTime>) {
+    let mut count = 0;
+    let (mut first, mut last) = (None, None);
+    for line in log.lines().filter(|l| l.contains(" handled ") || l.ends_with(" handled")) {
+        let Some(stamp) = line.split_whitespace().next() else { continue };
+        let Ok(t) = humantime::parse_rfc3339_weak(stamp) else { continue };
+        count += 1;
+        first = Some(first.map_or(t, |f: SystemTime| f.min(t)));
+        last = Some(last.map_or(t, |l: SystemTime| l.max(t)));
+    }
+    (count, first, last)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn median_of(trials: &[&Trial], value: impl Fn(&Trial) -> f64) -> f64 {
+    median(&trials.iter().map(|t| value(t)).collect::<Vec<_>>())
+}
+
+fn min_max(values: &[f64]) -> (f64, f64) {
+    values.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+}

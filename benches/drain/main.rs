@@ -74,6 +74,10 @@ struct Args {
     /// Also write every trial as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also measure sluice with idempotency off and with the Redis store (127.0.0.1:6379)
+    /// in the throughput trials ("sluice" itself uses the embedded SQLite store).
+    #[arg(long)]
+    dedup_variants: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -107,7 +111,12 @@ enum Consumer {
     Baseline,
     /// The baseline acking as sluice does (`--batched-acks`).
     BaselineBatched,
+    /// The embedded (SQLite) idempotency store, the default.
     Sluice,
+    /// `idempotency: {enabled: false}`.
+    SluiceNoDedup,
+    /// `--dedup redis://127.0.0.1:6379`.
+    SluiceRedis,
     Candidate,
 }
 
@@ -117,6 +126,8 @@ impl Consumer {
             Consumer::Baseline => "baseline",
             Consumer::BaselineBatched => "baseline-batched",
             Consumer::Sluice => "sluice",
+            Consumer::SluiceNoDedup => "sluice-no-dedup",
+            Consumer::SluiceRedis => "sluice-redis",
             Consumer::Candidate => "candidate",
         }
     }
@@ -193,6 +204,9 @@ impl Bench {
             if self.args.candidate.is_some() {
                 order.push(Consumer::Candidate);
             }
+            if self.args.dedup_variants {
+                order.extend([Consumer::SluiceNoDedup, Consumer::SluiceRedis]);
+            }
             for run in 1..=runs {
                 for queue in queues {
                     for &consumer in &order {
@@ -239,7 +253,7 @@ impl Bench {
         let label = format!("[{part} {} {} run {run}]", queue.name(), consumer.name());
         let mut vhost = rabbit::Vhost::new()?;
         let dir = tempfile::tempdir()?;
-        std::fs::write(dir.path().join("bench.yaml"), self.pipeline(queue, handler))?;
+        std::fs::write(dir.path().join("bench.yaml"), self.pipeline(queue, handler, consumer))?;
         rabbit::declare(dir.path(), &vhost.url()).await?;
         let started = Instant::now();
         rabbit::preload(&vhost.url(), EXCHANGE, ROUTING_KEY, n).await?;
@@ -304,7 +318,8 @@ impl Bench {
         Ok(())
     }
 
-    fn pipeline(&self, queue: QueueType, handler: Handler) -> String {
+    fn pipeline(&self, queue: QueueType, handler: Handler, consumer: Consumer) -> String {
+        let idempotency = if consumer == Consumer::SluiceNoDedup { "    idempotency: {enabled: false}\n" } else { "" };
         let handler = match handler {
             Handler::Webhook | Handler::WebhookFailOnce => {
                 format!("webhook: {{url: \"http://{}/hook\"}}", self.sink.addr)
@@ -323,7 +338,7 @@ queues:
     handler:
       {handler}
     retry: {{max_attempts: 3, backoff: fixed, initial: 100ms, max: 100ms}}
-",
+{idempotency}",
             queue.name(),
             self.args.concurrency
         )
@@ -344,16 +359,21 @@ queues:
                 }
                 c
             }
-            Consumer::Sluice | Consumer::Candidate => {
+            Consumer::Sluice | Consumer::SluiceNoDedup | Consumer::SluiceRedis | Consumer::Candidate => {
                 let program = match consumer {
                     Consumer::Candidate => self.args.candidate.as_ref().context("no --candidate")?,
                     _ => &self.args.sluice,
                 };
                 let mut c = Command::new(program);
                 c.arg("run").arg(dir).args(["--broker", url, "--exit-when-idle"]);
+                let dedup = match consumer {
+                    Consumer::SluiceRedis => "redis://127.0.0.1:6379".to_string(),
+                    _ => format!("file:{}", dir.join("dedup.sqlite").display()),
+                };
+                c.args(["--dedup", &dedup]);
                 // The command figure is read from the per-message debug line (there is no
                 // server to count at); webhook trials log at the default level.
-                let filter = if handler == Handler::Command { "info,sluice::runtime::worker=debug" } else { "info" };
+                let filter = if handler == Handler::Command { "info,sluice::runtime::events=debug" } else { "info" };
                 c.env("RUST_LOG", filter).env("NO_COLOR", "1");
                 c
             }
@@ -400,7 +420,7 @@ queues:
                 let secs = |k: &str| summary[k].as_f64().map(|s| UNIX_EPOCH + Duration::from_secs_f64(s));
                 (summary["handled"].as_u64().unwrap_or(0), secs("first"), secs("last"))
             }
-            Consumer::Sluice | Consumer::Candidate => {
+            Consumer::Sluice | Consumer::SluiceNoDedup | Consumer::SluiceRedis | Consumer::Candidate => {
                 let log = std::fs::read_to_string(dir.join("consumer.log"))?;
                 handled_times(&log)
             }

@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use metrics::{counter, gauge, histogram};
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::worker::Disposition;
 
@@ -30,7 +30,10 @@ pub fn handler_ran(queue: &str, elapsed: Duration) {
 /// A delivery's disposition is durable (its copy confirmed) and it is about to be acked.
 pub fn outcome(queue: &str, disposition: &Disposition) {
     let outcome = match disposition {
-        Disposition::Ack => "success",
+        Disposition::Ack => {
+            debug!(queue, "handled");
+            "success"
+        }
         Disposition::Duplicate => {
             info!(queue, "duplicate of a message already handled; acked without running the handler");
             "duplicate"

@@ -23,7 +23,7 @@ use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Plan, Role};
-use worker::Worker;
+use worker::{Activity, Worker};
 
 /// How `run` behaves beyond the config.
 #[derive(Debug, Clone)]
@@ -61,12 +61,12 @@ where
 {
     let plan = topology::plan(&config);
     let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
-    let in_flight = Arc::new(AtomicUsize::new(0));
+    let activity = Arc::new(Activity::default());
     let tracker = TaskTracker::new();
     let workers: Vec<Arc<Worker>> = config
         .queues
         .keys()
-        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), in_flight.clone(), store.clone())))
+        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), activity.clone(), store.clone())))
         .collect();
     if let Some(store) = store.clone() {
         let stop = shutdown.clone();
@@ -120,9 +120,9 @@ where
         }
         options.readiness.set(true);
         if options.exit_when_idle {
-            let (broker, plan, in_flight, stop) = (broker.clone(), plan.clone(), in_flight.clone(), stop.clone());
+            let (broker, plan, activity, stop) = (broker.clone(), plan.clone(), activity.clone(), stop.clone());
             running.spawn(async move {
-                watch_idle(&broker, &plan, &in_flight, &stop).await;
+                watch_idle(&broker, &plan, &activity, &stop).await;
                 Ok(())
             });
         }
@@ -162,13 +162,13 @@ where
             }
             _ => {
                 let deadline = deadline.unwrap_or_else(|| Instant::now() + options.shutdown_grace);
-                drain(&tracker, deadline, options.shutdown_grace, &in_flight).await;
+                drain(&tracker, deadline, options.shutdown_grace, &activity.in_flight).await;
                 broker.close().await;
                 return Ok(());
             }
         }
     }
-    drain(&tracker, Instant::now() + options.shutdown_grace, options.shutdown_grace, &in_flight).await;
+    drain(&tracker, Instant::now() + options.shutdown_grace, options.shutdown_grace, &activity.in_flight).await;
     Ok(())
 }
 
@@ -202,6 +202,10 @@ async fn purge_expired(store: &Store, stop: &CancellationToken) {
 /// How often expired idempotency keys are purged.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
 
+/// How long after its due time a delayed copy may still be on its way back through the broker's
+/// dead-lettering before `--exit-when-idle` stops waiting for it.
+const DELAY_SLACK: Duration = Duration::from_secs(2);
+
 /// How often queue and dead-letter depths are read for the metrics.
 const DEPTH_POLL: Duration = Duration::from_secs(5);
 
@@ -230,7 +234,7 @@ async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> boo
 
 /// Cancels `stop` once every work and delay queue is empty and nothing is in flight, twice in
 /// a row (a message between two hops of the cascade must not look like idleness).
-async fn watch_idle<B: Broker>(broker: &B, plan: &Plan, in_flight: &AtomicUsize, stop: &CancellationToken) {
+async fn watch_idle<B: Broker>(broker: &B, plan: &Plan, activity: &Activity, stop: &CancellationToken) {
     let queues: Vec<&str> =
         plan.queues.iter().filter(|q| q.role != Role::DeadLetter).map(|q| q.name.as_str()).collect();
     let mut idle_polls = 0;
@@ -238,14 +242,14 @@ async fn watch_idle<B: Broker>(broker: &B, plan: &Plan, in_flight: &AtomicUsize,
         if sleep_or_shutdown(Duration::from_millis(250), stop).await {
             return;
         }
-        let mut idle = in_flight.load(Ordering::SeqCst) == 0;
+        let mut idle = activity.is_quiet(DELAY_SLACK);
         for q in &queues {
             if !idle {
                 break;
             }
             idle = matches!(broker.depth(q).await, Ok(0));
         }
-        idle_polls = if idle && in_flight.load(Ordering::SeqCst) == 0 { idle_polls + 1 } else { 0 };
+        idle_polls = if idle && activity.is_quiet(DELAY_SLACK) { idle_polls + 1 } else { 0 };
         if idle_polls >= 3 {
             info!("every queue is drained; exiting (--exit-when-idle)");
             stop.cancel();

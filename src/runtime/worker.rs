@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::StreamExt;
@@ -26,6 +26,36 @@ use crate::dedup::{Claim, Store};
 use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
 use crate::handler::call::{self, Renderer};
+
+/// What a runner has under way, for telling when it is idle.
+#[derive(Debug, Default)]
+pub struct Activity {
+    /// Deliveries received and not yet settled.
+    pub in_flight: AtomicUsize,
+    /// When the last delayed copy this runner published is due back (ms since the epoch).
+    /// Queue depths alone miss copies the broker has expired but not yet dead-lettered on.
+    pub delayed_due_ms: AtomicU64,
+}
+
+impl Activity {
+    fn delayed_until(&self, after: Duration) {
+        let due = now_ms().saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
+        self.delayed_due_ms.fetch_max(due, Ordering::SeqCst);
+    }
+
+    /// Nothing in flight, and every delayed copy due back at least `slack` ago.
+    pub fn is_quiet(&self, slack: Duration) -> bool {
+        let slack = u64::try_from(slack.as_millis()).unwrap_or(u64::MAX);
+        self.in_flight.load(Ordering::SeqCst) == 0
+            && self.delayed_due_ms.load(Ordering::SeqCst).saturating_add(slack) <= now_ms()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
 
 /// How a delivery ends. Every delivery gets exactly one.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,8 +112,8 @@ pub struct Worker {
     name: String,
     limiter: Option<DefaultDirectRateLimiter>,
     client: reqwest::Client,
-    /// Deliveries received and not yet settled, across all workers (for `--exit-when-idle`).
-    in_flight: Arc<AtomicUsize>,
+    /// What this runner has under way, across all workers (for `--exit-when-idle`).
+    activity: Arc<Activity>,
     store: Option<Store>,
 }
 
@@ -98,14 +128,14 @@ impl Worker {
         config: Arc<Config>,
         name: &str,
         client: reqwest::Client,
-        in_flight: Arc<AtomicUsize>,
+        activity: Arc<Activity>,
         store: Option<Store>,
     ) -> Worker {
         let limiter = config.queues.get(name).and_then(|q| q.rate_limit).and_then(|r| {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
-        Worker { config, name: name.to_string(), limiter, client, in_flight, store }
+        Worker { config, name: name.to_string(), limiter, client, activity, store }
     }
 
     fn queue(&self) -> &Queue {
@@ -137,7 +167,7 @@ impl Worker {
                 }
                 item = deliveries.next() => match item {
                     Some(Ok(delivery)) => {
-                        self.in_flight.fetch_add(1, Ordering::SeqCst);
+                        self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
                         events::received(&queue.name, delivery.timestamp());
                         let _ = acks.send(AckEvent::Received(delivery.tag()));
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
@@ -149,7 +179,7 @@ impl Worker {
                                 let _ = acks.send(AckEvent::Finished(delivery));
                             }
                             events::settled(name);
-                            worker.in_flight.fetch_sub(1, Ordering::SeqCst);
+                            worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
                         });
                     }
                     Some(Err(e)) => break Err(e),
@@ -290,7 +320,12 @@ impl Worker {
                 Disposition::Ack | Disposition::Duplicate => return true,
             };
             match published {
-                Ok(()) => return true,
+                Ok(()) => {
+                    if let Disposition::Retry { after, .. } | Disposition::Wait { after, .. } = disposition {
+                        self.activity.delayed_until(*after);
+                    }
+                    return true;
+                }
                 Err(e) if !delivery.is_live() || !broker.is_connected() => {
                     events::copy_abandoned(&q.name, &e);
                     return false;

@@ -459,7 +459,9 @@ queues:
             );
             let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: |");
             for queue in ["classic", "quorum"] {
-                for consumer in ["baseline", "baseline-batched", "sluice", "candidate"] {
+                for consumer in
+                    ["baseline", "baseline-batched", "sluice", "sluice-no-dedup", "sluice-redis", "candidate"]
+                {
                     let trials = pick(part, queue, consumer);
                     if trials.is_empty() {
                         continue;
@@ -484,6 +486,9 @@ queues:
                 ("baseline-batched", "baseline"),
                 ("sluice", "baseline-batched"),
                 ("candidate", "sluice"),
+                ("sluice", "sluice-no-dedup"),
+                ("sluice-redis", "sluice-no-dedup"),
+                ("sluice-no-dedup", "baseline"),
             ];
             for (ours, theirs) in comparisons {
                 for queue in ["classic", "quorum"] {

@@ -1,12 +1,13 @@
 //! The embedded store: one SQLite file in WAL mode with `synchronous = NORMAL`, which keeps
 //! every committed claim across a killed process (only an OS crash can lose the last ones).
-//! Calls run on tokio's blocking pool; one connection behind a mutex is plenty for one runner.
+//! One writer thread owns the connection and commits the calls that queue up meanwhile in one
+//! transaction (group commit); each caller hears back only after its transaction committed.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{Connection, OptionalExtension, params};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{Claim, StoreError, millis};
 
@@ -16,7 +17,36 @@ const DONE: i64 = 1;
 /// The embedded idempotency store.
 #[derive(Clone)]
 pub struct SqliteStore {
-    connection: Arc<Mutex<Connection>>,
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+/// A call run on the writer thread; what it returns answers the caller once the batch's
+/// transaction has committed (or failed).
+type Job = Box<dyn FnOnce(&Connection) -> Answer + Send>;
+type Answer = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+/// The most calls committed in one transaction.
+const BATCH: usize = 512;
+
+fn writer(connection: Connection, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    while let Some(first) = jobs.blocking_recv() {
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            match jobs.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let begun = connection.execute_batch("BEGIN IMMEDIATE").map_err(err);
+        let answers: Vec<Answer> = batch.into_iter().map(|job| job(&connection)).collect();
+        let committed = begun.and_then(|()| connection.execute_batch("COMMIT").map_err(err));
+        if committed.is_err() {
+            let _ = connection.execute_batch("ROLLBACK");
+        }
+        for answer in answers {
+            answer(committed.clone());
+        }
+    }
 }
 
 fn err(e: impl std::fmt::Display) -> StoreError {
@@ -48,20 +78,28 @@ impl SqliteStore {
                  CREATE INDEX IF NOT EXISTS claims_expiry ON claims (expires_at);",
             )
             .map_err(err)?;
-        Ok(SqliteStore { connection: Arc::new(Mutex::new(connection)) })
+        let (jobs, receiver) = mpsc::unbounded_channel();
+        std::thread::Builder::new()
+            .name("sluice-dedup".into())
+            .spawn(move || writer(connection, receiver))
+            .map_err(|e| StoreError(format!("cannot start the store's writer thread: {e}")))?;
+        Ok(SqliteStore { jobs })
     }
 
     async fn with<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let connection = self.connection.clone();
-        tokio::task::spawn_blocking(move || {
-            let guard = connection.lock().map_err(|_| StoreError("store lock poisoned".into()))?;
-            f(&guard).map_err(err)
-        })
-        .await
-        .map_err(err)?
+        let (reply, answer) = oneshot::channel();
+        let job: Job = Box::new(move |connection| {
+            let result = f(connection).map_err(err);
+            Box::new(move |committed: Result<(), StoreError>| {
+                let _ = reply.send(committed.and(result));
+            })
+        });
+        let stopped = || StoreError("the store's writer thread stopped".into());
+        self.jobs.send(job).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
     }
 
     pub async fn claim(&self, key: &str, lease: Duration) -> Result<Claim, StoreError> {
@@ -70,16 +108,19 @@ impl SqliteStore {
         self.with(move |c| {
             let now = now_ms();
             // Insert, or take over a row whose lease or TTL has run out.
-            let changed = c.execute(
-                "INSERT INTO claims (key, state, expires_at) VALUES (?1, ?2, ?3)
-                 ON CONFLICT (key) DO UPDATE SET state = ?2, expires_at = ?3 WHERE claims.expires_at <= ?4",
-                params![key, IN_PROGRESS, now.saturating_add(lease), now],
-            )?;
+            let changed = c
+                .prepare_cached(
+                    "INSERT INTO claims (key, state, expires_at) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (key) DO UPDATE SET state = ?2, expires_at = ?3 WHERE claims.expires_at <= ?4",
+                )?
+                .execute(params![key, IN_PROGRESS, now.saturating_add(lease), now])?;
             if changed == 1 {
                 return Ok(Claim::Claimed);
             }
-            let state: Option<i64> =
-                c.query_row("SELECT state FROM claims WHERE key = ?1", params![key], |r| r.get(0)).optional()?;
+            let state: Option<i64> = c
+                .prepare_cached("SELECT state FROM claims WHERE key = ?1")?
+                .query_row(params![key], |r| r.get(0))
+                .optional()?;
             Ok(if state == Some(DONE) { Claim::Done } else { Claim::Busy })
         })
         .await
@@ -89,11 +130,11 @@ impl SqliteStore {
         let key = key.to_string();
         let ttl = millis(ttl);
         self.with(move |c| {
-            c.execute(
+            c.prepare_cached(
                 "INSERT INTO claims (key, state, expires_at) VALUES (?1, ?2, ?3)
                  ON CONFLICT (key) DO UPDATE SET state = ?2, expires_at = ?3",
-                params![key, DONE, now_ms().saturating_add(ttl)],
-            )
+            )?
+            .execute(params![key, DONE, now_ms().saturating_add(ttl)])
             .map(|_| ())
         })
         .await
@@ -102,7 +143,9 @@ impl SqliteStore {
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {
         let key = key.to_string();
         self.with(move |c| {
-            c.execute("DELETE FROM claims WHERE key = ?1 AND state = ?2", params![key, IN_PROGRESS]).map(|_| ())
+            c.prepare_cached("DELETE FROM claims WHERE key = ?1 AND state = ?2")?
+                .execute(params![key, IN_PROGRESS])
+                .map(|_| ())
         })
         .await
     }

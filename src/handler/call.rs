@@ -175,7 +175,12 @@ impl<'a> Renderer<'a> {
     pub fn new(queue: &'a Queue, envelope: &'a Envelope, attempt: u32, redact: bool) -> Renderer<'a> {
         let mut used = templates(&queue.handler);
         used.extend(queue.idempotency.as_ref().map(|i| &i.key));
-        let ctx = context(envelope, attempt, &queue.name, &used, redact);
+        // Building the context copies the payload; templates without expressions never read it.
+        let ctx = if used.iter().all(|t| t.is_literal()) {
+            Context::null()
+        } else {
+            context(envelope, attempt, &queue.name, &used, redact)
+        };
         Renderer { queue, envelope, attempt, ctx }
     }
 

@@ -15,14 +15,8 @@ async fn get(url: &str) -> Option<(u16, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_outcomes_and_probes_answer() {
     let vhost = Vhost::new();
-    let dir = pipeline(
-        r##"version: 1
-exchanges:
-  ev: {type: topic}
-queues:
-  work:
-    bind: [{exchange: ev, routing_key: "#"}]
-    handler:
+    let dir = work_pipeline(
+        r##"    handler:
       command: {program: /bin/sh, args: ["-c", "[ \"$SLUICE_IDEMPOTENCY_KEY\" != bad ]"], permanent_exit_codes: [1]}
 "##,
     );

@@ -12,19 +12,14 @@ use support::*;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
-fn webhook_pipeline(url: &str, concurrency: u32, extra: &str) -> tempfile::TempDir {
-    pipeline(&format!(
-        r##"version: 1
-exchanges:
-  ev: {{type: topic}}
-queues:
-  work:
-    bind: [{{exchange: ev, routing_key: "#"}}]
-    concurrency: {concurrency}
+/// A webhook to a wiremock server at `url`, with a 2 s timeout and quick retries.
+fn mock_webhook_pipeline(url: &str, concurrency: u32) -> tempfile::TempDir {
+    work_pipeline(&format!(
+        r##"    concurrency: {concurrency}
     handler:
       webhook: {{url: "{url}/hook", timeout: 2s}}
     retry: {{max_attempts: 3, initial: 200ms, max: 1s}}
-{extra}"##
+"##
     ))
 }
 
@@ -37,7 +32,7 @@ async fn duplicate_sent_twice_in_a_row_is_handled_once() {
     let vhost = Vhost::new();
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&server).await;
-    let dir = webhook_pipeline(&server.uri(), 1, "");
+    let dir = mock_webhook_pipeline(&server.uri(), 1);
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let dedup = dedup_file(dir.path());
@@ -64,7 +59,7 @@ async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
         .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(800)))
         .mount(&server)
         .await;
-    let dir = webhook_pipeline(&server.uri(), 4, "");
+    let dir = mock_webhook_pipeline(&server.uri(), 4);
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     // Redis is shared by every test: a key of this test's own.
@@ -82,14 +77,8 @@ async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
 
 /// A command handler that records `start KEY`, works for a while, records `end KEY`.
 fn recording_pipeline(out: &Path, concurrency: u32, work: &str) -> tempfile::TempDir {
-    pipeline(&format!(
-        r##"version: 1
-exchanges:
-  ev: {{type: topic}}
-queues:
-  work:
-    bind: [{{exchange: ev, routing_key: "#"}}]
-    concurrency: {concurrency}
+    work_pipeline(&format!(
+        r##"    concurrency: {concurrency}
     handler:
       command:
         program: /bin/sh
@@ -175,14 +164,8 @@ async fn a_key_can_run_again_after_its_ttl() {
     let vhost = Vhost::new();
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&server).await;
-    let dir = pipeline(&format!(
-        r##"version: 1
-exchanges:
-  ev: {{type: topic}}
-queues:
-  work:
-    bind: [{{exchange: ev, routing_key: "#"}}]
-    handler:
+    let dir = work_pipeline(&format!(
+        r##"    handler:
       webhook: {{url: "{}/hook", timeout: 500ms}}
     retry: {{max_attempts: 1}}
     idempotency: {{ttl: 2s}}
@@ -255,7 +238,7 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
         .await;
     let port = PrivateRedis::free_port();
     let redis = PrivateRedis::start(port);
-    let dir = webhook_pipeline(&server.uri(), 2, "");
+    let dir = mock_webhook_pipeline(&server.uri(), 2);
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let url = format!("redis://127.0.0.1:{port}");

@@ -14,14 +14,8 @@ async fn retry_exhaustion_calls_exactly_max_attempts_then_dead_letters() {
     let vhost = Vhost::new();
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(503)).mount(&server).await;
-    let dir = pipeline(&format!(
-        r##"version: 1
-exchanges:
-  ev: {{type: topic}}
-queues:
-  work:
-    bind: [{{exchange: ev, routing_key: "#"}}]
-    handler:
+    let dir = work_pipeline(&format!(
+        r##"    handler:
       webhook: {{url: "{}/hook"}}
     retry: {{max_attempts: 3, initial: 100ms, max: 300ms}}
 "##,
@@ -52,14 +46,8 @@ queues:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_dead_letter_copy_holds_the_message_until_the_broker_takes_it() {
     let vhost = Vhost::new();
-    let dir = pipeline(
-        r##"version: 1
-exchanges:
-  ev: {type: topic}
-queues:
-  work:
-    type: classic
-    bind: [{exchange: ev, routing_key: "#"}]
+    let dir = work_pipeline(
+        r##"    type: classic
     handler:
       command: {program: /bin/sh, args: ["-c", "exit 65"], permanent_exit_codes: [65]}
 "##,

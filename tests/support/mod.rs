@@ -90,13 +90,17 @@ pub fn pipeline(yaml: &str) -> tempfile::TempDir {
     dir
 }
 
-/// A topic exchange `ev` and a queue `work` bound to every routing key, calling `{receiver}/hook`;
-/// `extra` is appended to the queue's definition (lines indented by four spaces).
-pub fn webhook_pipeline(receiver: &Receiver, extra: &str) -> tempfile::TempDir {
+/// A topic exchange `ev` and a queue `work` bound to every routing key; `queue` is the rest of
+/// the queue's definition (lines indented by four spaces: handler, retry, ...).
+pub fn work_pipeline(queue: &str) -> tempfile::TempDir {
     pipeline(&format!(
-        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}",
-        receiver.uri()
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n{queue}"
     ))
+}
+
+/// [`work_pipeline`] calling `{receiver}/hook`; `extra` is appended to the queue's definition.
+pub fn webhook_pipeline(receiver: &Receiver, extra: &str) -> tempfile::TempDir {
+    work_pipeline(&format!("    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}", receiver.uri()))
 }
 
 /// A running `sluice run` process; killed on drop.

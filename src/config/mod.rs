@@ -12,7 +12,7 @@ pub mod source;
 
 use std::collections::BTreeMap;
 use std::num::{NonZeroU16, NonZeroU32};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -271,11 +271,6 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
         _ => return None,
     };
     Some(Duration::from_secs(n.checked_mul(secs)?))
-}
-
-/// The default pipeline directory.
-pub fn default_paths() -> Vec<PathBuf> {
-    vec![Path::new("pipelines").to_path_buf()]
 }
 
 #[cfg(test)]

@@ -155,7 +155,8 @@ impl SqliteStore {
     }
 
     /// Keys stored, expired or not (for tests of the purge).
-    pub async fn count(&self) -> Result<usize, StoreError> {
+    #[cfg(test)]
+    async fn count(&self) -> Result<usize, StoreError> {
         self.with(|c| c.query_row("SELECT count(*) FROM claims", [], |r| r.get::<_, i64>(0)))
             .await
             .map(|n| usize::try_from(n).unwrap_or_default())

@@ -3,66 +3,98 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use metrics::{counter, gauge, histogram};
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 use tracing::{debug, error, info, warn};
 
 use super::worker::Disposition;
 
-/// A delivery arrived; `timestamp` is its AMQP timestamp (seconds since the epoch).
-pub fn received(queue: &str, timestamp: Option<u64>) {
-    gauge!("sluice_in_flight", "queue" => queue.to_string()).increment(1.0);
-    if let Some(ts) = timestamp {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default();
-        gauge!("sluice_consumer_lag_seconds", "queue" => queue.to_string()).set((now - ts as f64).max(0.0));
+/// A queue's delivery events. The metric handles are registered once, not per message: the
+/// label strings would otherwise be built on every delivery.
+pub struct QueueEvents {
+    queue: String,
+    in_flight: Gauge,
+    lag: Gauge,
+    duration: Histogram,
+    success: Counter,
+    duplicate: Counter,
+    retry: Counter,
+    dead_lettered: Counter,
+    retries: Counter,
+}
+
+impl QueueEvents {
+    pub fn new(queue: &str) -> QueueEvents {
+        let outcome = |o: &'static str| counter!("sluice_messages_total", "queue" => queue.to_string(), "outcome" => o);
+        QueueEvents {
+            queue: queue.to_string(),
+            in_flight: gauge!("sluice_in_flight", "queue" => queue.to_string()),
+            lag: gauge!("sluice_consumer_lag_seconds", "queue" => queue.to_string()),
+            duration: histogram!("sluice_handler_duration_seconds", "queue" => queue.to_string()),
+            success: outcome("success"),
+            duplicate: outcome("duplicate"),
+            retry: outcome("retry"),
+            dead_lettered: outcome("dead_lettered"),
+            retries: counter!("sluice_retries_total", "queue" => queue.to_string()),
+        }
     }
-}
 
-/// A delivery is settled (acked, or left to the broker to redeliver).
-pub fn settled(queue: &str) {
-    gauge!("sluice_in_flight", "queue" => queue.to_string()).decrement(1.0);
-}
+    /// A delivery arrived; `timestamp` is its AMQP timestamp (seconds since the epoch).
+    pub fn received(&self, timestamp: Option<u64>) {
+        self.in_flight.increment(1.0);
+        if let Some(ts) = timestamp {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default();
+            self.lag.set((now - ts as f64).max(0.0));
+        }
+    }
 
-/// The handler ran for `elapsed`.
-pub fn handler_ran(queue: &str, elapsed: Duration) {
-    histogram!("sluice_handler_duration_seconds", "queue" => queue.to_string()).record(elapsed.as_secs_f64());
-}
+    /// A delivery is settled (acked, or left to the broker to redeliver).
+    pub fn settled(&self) {
+        self.in_flight.decrement(1.0);
+    }
 
-/// A delivery's disposition is durable (its copy confirmed) and it is about to be acked.
-pub fn outcome(queue: &str, disposition: &Disposition) {
-    let outcome = match disposition {
-        Disposition::Ack => {
-            debug!(queue, "handled");
-            "success"
-        }
-        Disposition::Duplicate => {
-            info!(queue, "duplicate of a message already handled; acked without running the handler");
-            "duplicate"
-        }
-        Disposition::Retry { next, after, error } => {
-            warn!(queue, attempt = next - 1, retry_in = ?after, error, "handler failed; retrying");
-            counter!("sluice_retries_total", "queue" => queue.to_string()).increment(1);
-            "retry"
-        }
-        Disposition::Wait { attempt, after, why } => {
-            warn!(queue, attempt, retry_in = ?after, why, "not handled yet; will try again without spending an attempt");
-            return;
-        }
-        Disposition::DeadLetter { reason, error, attempts } => {
-            warn!(queue, reason = reason.as_str(), attempts, error, "dead-lettered");
-            "dead_lettered"
-        }
-    };
-    counter!("sluice_messages_total", "queue" => queue.to_string(), "outcome" => outcome).increment(1);
-}
+    /// The handler ran for `elapsed`.
+    pub fn handler_ran(&self, elapsed: Duration) {
+        self.duration.record(elapsed.as_secs_f64());
+    }
 
-/// The broker refused a retry or dead-letter copy; the message is held.
-pub fn copy_refused(queue: &str, failures: u32, error: &dyn std::fmt::Display) {
-    error!(queue, failures, %error, "the broker refused a retry or dead-letter copy; holding the message and retrying");
-}
+    /// A delivery's disposition is durable (its copy confirmed) and it is about to be acked.
+    pub fn outcome(&self, disposition: &Disposition) {
+        let queue = self.queue.as_str();
+        match disposition {
+            Disposition::Ack => {
+                debug!(queue, "handled");
+                self.success.increment(1);
+            }
+            Disposition::Duplicate => {
+                info!(queue, "duplicate of a message already handled; acked without running the handler");
+                self.duplicate.increment(1);
+            }
+            Disposition::Retry { next, after, error } => {
+                warn!(queue, attempt = next - 1, retry_in = ?after, error, "handler failed; retrying");
+                self.retry.increment(1);
+                self.retries.increment(1);
+            }
+            Disposition::Wait { attempt, after, why } => {
+                warn!(queue, attempt, retry_in = ?after, why, "not handled yet; will try again without spending an attempt");
+            }
+            Disposition::DeadLetter { reason, error, attempts } => {
+                warn!(queue, reason = reason.as_str(), attempts, error, "dead-lettered");
+                self.dead_lettered.increment(1);
+            }
+        }
+    }
 
-/// The copy was not confirmed and the delivery's channel is gone: the broker redelivers it.
-pub fn copy_abandoned(queue: &str, error: &dyn std::fmt::Display) {
-    warn!(queue, %error, "retry or dead-letter copy not confirmed and the channel is gone; the broker will redeliver");
+    /// The broker refused a retry or dead-letter copy; the message is held.
+    pub fn copy_refused(&self, failures: u32, error: &dyn std::fmt::Display) {
+        let queue = self.queue.as_str();
+        error!(queue, failures, %error, "the broker refused a retry or dead-letter copy; holding the message and retrying");
+    }
+
+    /// The copy was not confirmed and the delivery's channel is gone: the broker redelivers it.
+    pub fn copy_abandoned(&self, error: &dyn std::fmt::Display) {
+        let queue = self.queue.as_str();
+        warn!(queue, %error, "retry or dead-letter copy not confirmed and the channel is gone; the broker will redeliver");
+    }
 }
 
 /// Depth of a queue and of its dead-letter queue, from a poll.

@@ -19,7 +19,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use super::{backoff, events};
+use super::backoff;
+use super::events::QueueEvents;
 use crate::broker::{Broker, BrokerError, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
 use crate::dedup::{Claim, Store};
@@ -115,6 +116,7 @@ pub struct Worker {
     /// What this runner has under way, across all workers (for `--exit-when-idle`).
     activity: Arc<Activity>,
     store: Option<Store>,
+    events: QueueEvents,
 }
 
 enum AckEvent<D> {
@@ -135,7 +137,7 @@ impl Worker {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
-        Worker { config, name: name.to_string(), limiter, client, activity, store }
+        Worker { config, name: name.to_string(), limiter, client, activity, store, events: QueueEvents::new(name) }
     }
 
     fn queue(&self) -> &Queue {
@@ -168,17 +170,16 @@ impl Worker {
                 item = deliveries.next() => match item {
                     Some(Ok(delivery)) => {
                         self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
-                        events::received(&queue.name, delivery.timestamp());
+                        self.events.received(delivery.timestamp());
                         let _ = acks.send(AckEvent::Received(delivery.tag()));
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
                         tracker.spawn(async move {
-                            let name = &worker.queue().name;
                             let disposition = worker.decide(&delivery).await;
                             if worker.settle(&broker, &delivery, &disposition).await {
-                                events::outcome(name, &disposition);
+                                worker.events.outcome(&disposition);
                                 let _ = acks.send(AckEvent::Finished(delivery));
                             }
-                            events::settled(name);
+                            worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
                         });
                     }
@@ -277,7 +278,7 @@ impl Worker {
         }
         let started = Instant::now();
         let result = call::execute(prepared, &self.client).await;
-        events::handler_ran(&q.name, started.elapsed());
+        self.events.handler_ran(started.elapsed());
         match result {
             Ok(()) => Disposition::Ack,
             Err(HandlerError::Permanent { error }) => dead(Reason::Permanent, error),
@@ -327,12 +328,12 @@ impl Worker {
                     return true;
                 }
                 Err(e) if !delivery.is_live() || !broker.is_connected() => {
-                    events::copy_abandoned(&q.name, &e);
+                    self.events.copy_abandoned(&e);
                     return false;
                 }
                 Err(e) => {
                     failures += 1;
-                    events::copy_refused(&q.name, failures, &e);
+                    self.events.copy_refused(failures, &e);
                     let delay = backoff::reconnect_delay(failures, Duration::from_secs(10), &mut rand::rng());
                     tokio::time::sleep(delay).await;
                 }

@@ -26,7 +26,7 @@ async fn metrics_count_outcomes_and_probes_answer() {
     publish(&broker, "ev", "a", "bad", serde_json::json!({})).await;
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
     let admin = format!("127.0.0.1:{port}");
-    let dedup = format!("file:{}", dir.path().join("dedup.sqlite").display());
+    let dedup = format!("file:{}", dir.path().join("dedup").display());
     let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--admin", &admin, "--dedup", &dedup]);
     let base = format!("http://{admin}");
     wait_until(Duration::from_secs(30), "both outcomes counted", || async {

@@ -24,7 +24,7 @@ fn mock_webhook_pipeline(url: &str, concurrency: u32) -> tempfile::TempDir {
 }
 
 fn dedup_file(dir: &Path) -> String {
-    format!("file:{}", dir.join("state/dedup.sqlite").display())
+    format!("file:{}", dir.join("state/dedup").display())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

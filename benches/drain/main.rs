@@ -368,7 +368,7 @@ queues:
                 c.arg("run").arg(dir).args(["--broker", url, "--exit-when-idle"]);
                 let dedup = match consumer {
                     Consumer::SluiceRedis => "redis://127.0.0.1:6379".to_string(),
-                    _ => format!("file:{}", dir.join("dedup.sqlite").display()),
+                    _ => format!("file:{}", dir.join("dedup").display()),
                 };
                 c.args(["--dedup", &dedup]);
                 // The command figure is read from the per-message debug line (there is no

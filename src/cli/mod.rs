@@ -69,7 +69,7 @@ enum Command {
         #[arg(long)]
         admin: Option<std::net::SocketAddr>,
         /// Idempotency store: redis://host:port (shared by many runners) or a SQLite file path.
-        #[arg(long, env = "SLUICE_DEDUP", default_value = ".sluice/dedup.sqlite", hide_env_values = true)]
+        #[arg(long, env = "SLUICE_DEDUP", default_value = ".sluice/dedup", hide_env_values = true)]
         dedup: String,
     },
     /// Publish messages (JSON envelopes) and wait for the broker to confirm each.

@@ -1,18 +1,18 @@
 //! Idempotency stores: `claim(key, lease)` → `Claimed | Done | Busy`, `complete(key, ttl)`,
-//! `release(key)`. Embedded (SQLite in WAL mode, one runner, survives kill -9) or Redis (many
-//! runners on many machines). Keys are namespaced by queue, so a fan-out's queues each handle
-//! the same event once; expired keys are purged (SQLite) or expire natively (Redis).
+//! `release(key)`. Embedded (completions in a fjall LSM store, claims in memory: one runner,
+//! survives kill -9) or Redis (many runners on many machines). Keys are namespaced by queue, so a fan-out's queues each handle
+//! the same event once; expired keys are dropped by compactions (embedded) or expire natively (Redis).
 //!
 //! A store only remembers; what to do with `Busy` or an unreachable store is the runtime's call.
 
+mod embedded;
 mod redis_store;
-mod sqlite;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use embedded::EmbeddedStore;
 pub use redis_store::RedisStore;
-pub use sqlite::SqliteStore;
 
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +33,7 @@ pub struct StoreError(pub String);
 /// Where idempotency keys live, chosen by `--dedup`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Location {
-    /// A SQLite file (the default: `.sluice/dedup.sqlite`).
+    /// A directory for the embedded store (the default: `.sluice/dedup`).
     File(PathBuf),
     /// A Redis URL (`redis://` or `rediss://`).
     Redis(String),
@@ -52,14 +52,14 @@ impl Location {
 
 impl Default for Location {
     fn default() -> Self {
-        Location::File(PathBuf::from(".sluice/dedup.sqlite"))
+        Location::File(PathBuf::from(".sluice/dedup"))
     }
 }
 
 /// An open store.
 #[derive(Clone)]
 pub enum Store {
-    Sqlite(SqliteStore),
+    Embedded(EmbeddedStore),
     Redis(RedisStore),
 }
 
@@ -67,7 +67,7 @@ impl Store {
     /// Opens (creating if need be) the store at `location`.
     pub async fn open(location: &Location) -> Result<Store, StoreError> {
         match location {
-            Location::File(path) => Ok(Store::Sqlite(SqliteStore::open(path)?)),
+            Location::File(path) => Ok(Store::Embedded(EmbeddedStore::open(path)?)),
             Location::Redis(url) => Ok(Store::Redis(RedisStore::open(url).await?)),
         }
     }
@@ -75,32 +75,28 @@ impl Store {
     /// Takes the key for `lease` unless it is done or leased by someone else.
     pub async fn claim(&self, queue: &str, key: &str, lease: Duration) -> Result<Claim, StoreError> {
         match self {
-            Store::Sqlite(s) => s.claim(&namespaced(queue, key), lease).await,
+            Store::Embedded(s) => s.claim(&namespaced(queue, key), lease),
             Store::Redis(s) => s.claim(&namespaced(queue, key), lease).await,
         }
     }
 
-    /// Marks the key handled for `ttl`.
-    pub async fn complete(&self, queue: &str, key: &str, ttl: Duration) -> Result<(), StoreError> {
+    /// Marks the keys handled for `ttl`, all at once (one transaction or round trip).
+    pub async fn complete(&self, queue: &str, keys: &[String], ttl: Duration) -> Result<(), StoreError> {
+        let keys: Vec<String> = keys.iter().map(|key| namespaced(queue, key)).collect();
         match self {
-            Store::Sqlite(s) => s.complete(&namespaced(queue, key), ttl).await,
-            Store::Redis(s) => s.complete(&namespaced(queue, key), ttl).await,
+            Store::Embedded(s) => s.complete(&keys, ttl),
+            Store::Redis(s) => s.complete(&keys, ttl).await,
         }
     }
 
     /// Gives up this worker's lease so another attempt can claim the key.
     pub async fn release(&self, queue: &str, key: &str) -> Result<(), StoreError> {
         match self {
-            Store::Sqlite(s) => s.release(&namespaced(queue, key)).await,
+            Store::Embedded(s) => {
+                s.release(&namespaced(queue, key));
+                Ok(())
+            }
             Store::Redis(s) => s.release(&namespaced(queue, key)).await,
-        }
-    }
-
-    /// Removes expired keys (Redis expires them itself); returns how many went.
-    pub async fn purge(&self) -> Result<usize, StoreError> {
-        match self {
-            Store::Sqlite(s) => s.purge().await,
-            Store::Redis(_) => Ok(0),
         }
     }
 }
@@ -121,7 +117,7 @@ mod tests {
     #[test]
     fn locations() {
         assert_eq!(Location::parse("redis://127.0.0.1:6379/0"), Location::Redis("redis://127.0.0.1:6379/0".into()));
-        assert_eq!(Location::parse("file:/tmp/d.sqlite"), Location::File("/tmp/d.sqlite".into()));
-        assert_eq!(Location::parse("state/d.sqlite"), Location::File("state/d.sqlite".into()));
+        assert_eq!(Location::parse("file:/tmp/d"), Location::File("/tmp/d".into()));
+        assert_eq!(Location::parse("state/d"), Location::File("state/d".into()));
     }
 }

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use redis::Script;
 use redis::aio::ConnectionManager;
-use redis::{AsyncCommands, Script};
 
 use super::{Claim, StoreError, millis};
 
@@ -67,10 +67,15 @@ impl RedisStore {
         })
     }
 
-    pub async fn complete(&self, key: &str, ttl: Duration) -> Result<(), StoreError> {
+    /// Records the keys done in one round trip.
+    pub async fn complete(&self, keys: &[String], ttl: Duration) -> Result<(), StoreError> {
         let mut c = self.connection.clone();
         let ttl = u64::try_from(millis(ttl)).unwrap_or(u64::MAX).max(1);
-        c.pset_ex::<_, _, ()>(format!("{PREFIX}{key}"), DONE, ttl).await.map_err(err)
+        let mut pipe = redis::pipe();
+        for key in keys {
+            pipe.pset_ex(format!("{PREFIX}{key}"), DONE, ttl).ignore();
+        }
+        pipe.query_async::<()>(&mut c).await.map_err(err)
     }
 
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {

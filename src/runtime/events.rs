@@ -61,7 +61,7 @@ impl QueueEvents {
     pub fn outcome(&self, disposition: &Disposition) {
         let queue = self.queue.as_str();
         match disposition {
-            Disposition::Ack => {
+            Disposition::Ack | Disposition::Completed { .. } => {
                 debug!(queue, "handled");
                 self.success.increment(1);
             }

@@ -68,10 +68,6 @@ where
         .keys()
         .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), activity.clone(), store.clone())))
         .collect();
-    if let Some(store) = store.clone() {
-        let stop = shutdown.clone();
-        tokio::spawn(async move { purge_expired(&store, &stop).await });
-    }
     let mut failures = 0u32;
     let mut declared_once = false;
     loop {
@@ -186,22 +182,6 @@ async fn drain(tracker: &TaskTracker, deadline: Instant, grace: Duration, in_fli
 }
 
 /// Removes expired idempotency keys now and then, so the store does not grow.
-async fn purge_expired(store: &Store, stop: &CancellationToken) {
-    loop {
-        match store.purge().await {
-            Ok(0) => {}
-            Ok(n) => info!(purged = n, "expired idempotency keys removed"),
-            Err(e) => warn!(error = %e, "purging expired idempotency keys failed"),
-        }
-        if sleep_or_shutdown(PURGE_EVERY, stop).await {
-            return;
-        }
-    }
-}
-
-/// How often expired idempotency keys are purged.
-const PURGE_EVERY: Duration = Duration::from_secs(60);
-
 /// How long after its due time a delayed copy may still be on its way back through the broker's
 /// dead-lettering before `--exit-when-idle` stops waiting for it.
 const DELAY_SLACK: Duration = Duration::from_secs(2);

@@ -63,6 +63,8 @@ fn now_ms() -> u64 {
 pub enum Disposition {
     /// Done: ack.
     Ack,
+    /// Done under an idempotency claim: the key is recorded done, then ack.
+    Completed { key: String },
     /// Already done before (its idempotency key is complete): ack without running the handler.
     Duplicate,
     /// Not now (the key is busy elsewhere, or the store is unreachable): a copy with the same
@@ -101,6 +103,10 @@ impl Reason {
 /// limit) by this much; after a crash, a claimed key is free again once its lease ends.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
+fn lease(q: &Queue) -> Duration {
+    q.handler.timeout() * 2 + LEASE_MARGIN
+}
+
 /// The longest wait before retrying a message whose key could not be claimed.
 const STORE_DOWN_WAIT: Duration = Duration::from_secs(5);
 
@@ -121,7 +127,8 @@ pub struct Worker {
 
 enum AckEvent<D> {
     Received(u64),
-    Finished(D),
+    /// Settled; acked once the key, if any, is recorded done.
+    Finished(D, Option<String>),
 }
 
 impl Worker {
@@ -157,7 +164,7 @@ impl Worker {
         let mut deliveries = broker.consume(&queue.name, queue.concurrency.get()).await?;
         info!(queue = %queue.name, concurrency = queue.concurrency.get(), "consuming");
         let (acks, ack_events) = mpsc::unbounded_channel();
-        let acker = tokio::spawn(ack_loop(ack_events, usize::from(queue.concurrency.get()) / 2));
+        let acker = tokio::spawn(self.clone().ack_loop(ack_events, usize::from(queue.concurrency.get()) / 2));
         let mut cancelled = false;
         let result = loop {
             tokio::select! {
@@ -177,7 +184,11 @@ impl Worker {
                             let disposition = worker.decide(&delivery).await;
                             if worker.settle(&broker, &delivery, &disposition).await {
                                 worker.events.outcome(&disposition);
-                                let _ = acks.send(AckEvent::Finished(delivery));
+                                let key = match disposition {
+                                    Disposition::Completed { key } => Some(key),
+                                    _ => None,
+                                };
+                                let _ = acks.send(AckEvent::Finished(delivery, key));
                             }
                             worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -221,11 +232,10 @@ impl Worker {
             Ok(k) => k,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
-        let (Some(idempotency), Some(store)) = (&q.idempotency, &self.store) else {
+        let (Some(_), Some(store)) = (&q.idempotency, &self.store) else {
             return self.handle(delivery, &renderer, &key, attempt).await;
         };
-        let lease = q.handler.timeout() * 2 + LEASE_MARGIN;
-        match store.claim(&q.name, &key, lease).await {
+        match store.claim(&q.name, &key, lease(q)).await {
             Ok(Claim::Claimed) => {}
             Ok(Claim::Done) => return Disposition::Duplicate,
             Ok(Claim::Busy) => {
@@ -237,28 +247,32 @@ impl Worker {
                 return Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") };
             }
         }
-        let disposition = self.handle(delivery, &renderer, &key, attempt).await;
-        if disposition == Disposition::Ack {
-            self.complete(store, &key, idempotency.ttl, lease).await;
-        } else if let Err(e) = store.release(&q.name, &key).await {
-            warn!(queue = %q.name, error = %e, "releasing the idempotency claim failed; it expires with its lease");
+        match self.handle(delivery, &renderer, &key, attempt).await {
+            Disposition::Ack => Disposition::Completed { key },
+            other => {
+                if let Err(e) = store.release(&q.name, &key).await {
+                    warn!(queue = %q.name, error = %e, "releasing the idempotency claim failed; it expires with its lease");
+                }
+                other
+            }
         }
-        disposition
     }
 
-    /// Records a success, retrying while the lease lasts: a success the store does not know
-    /// of could run again when its message is delivered twice.
-    async fn complete(&self, store: &Store, key: &str, ttl: Duration, lease: Duration) {
+    /// Records successes before their acks, retrying while the lease lasts: a success the
+    /// store does not know of could run again when its message is delivered twice.
+    async fn complete(&self, keys: &[String]) {
         let q = self.queue();
+        let (Some(store), Some(idempotency)) = (&self.store, &q.idempotency) else { return };
+        let lease = lease(q);
         let started = Instant::now();
         let mut failures = 0;
-        while let Err(e) = store.complete(&q.name, key, ttl).await {
+        while let Err(e) = store.complete(&q.name, keys, idempotency.ttl).await {
             failures += 1;
             if started.elapsed() >= lease {
-                error!(queue = %q.name, error = %e, "could not record a success in the idempotency store; a duplicate of this message may run again");
+                error!(queue = %q.name, error = %e, keys = keys.len(), "could not record successes in the idempotency store; duplicates of these messages may run again");
                 return;
             }
-            error!(queue = %q.name, error = %e, failures, "recording a success in the idempotency store failed; retrying");
+            error!(queue = %q.name, error = %e, failures, "recording successes in the idempotency store failed; retrying");
             let delay = backoff::reconnect_delay(failures, Duration::from_secs(5), &mut rand::rng());
             tokio::time::sleep(delay).await;
         }
@@ -296,7 +310,7 @@ impl Worker {
     async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: &Disposition) -> bool {
         let q = self.queue();
         let headers = match disposition {
-            Disposition::Ack | Disposition::Duplicate => return true,
+            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
             Disposition::Retry { next, .. } => attempt_header(*next),
             Disposition::Wait { attempt, .. } => attempt_header(*attempt),
             Disposition::DeadLetter { reason, error, attempts } => {
@@ -318,7 +332,7 @@ impl Worker {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
                 Disposition::DeadLetter { .. } => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
-                Disposition::Ack | Disposition::Duplicate => return true,
+                Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
             };
             match published {
                 Ok(()) => {
@@ -340,49 +354,56 @@ impl Worker {
             }
         }
     }
-}
 
-fn attempt_header(attempt: u32) -> Headers {
-    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
-}
-
-/// Acks settled deliveries: the contiguous settled range from the oldest unsettled delivery
-/// in one `multiple` ack; settled deliveries beyond a gap wait for it, unless more than
-/// `hold` of them wait (so one slow handler cannot pin the whole prefetch window).
-async fn ack_loop<D: Delivery>(mut events: mpsc::UnboundedReceiver<AckEvent<D>>, hold: usize) {
-    let mut outstanding: BTreeMap<u64, Option<D>> = BTreeMap::new();
-    let mut batch = Vec::new();
-    while events.recv_many(&mut batch, 1024).await > 0 {
-        for event in batch.drain(..) {
-            match event {
-                AckEvent::Received(tag) => {
-                    outstanding.insert(tag, None);
-                }
-                AckEvent::Finished(d) => {
-                    outstanding.insert(d.tag(), Some(d));
+    /// Acks settled deliveries: the contiguous settled range from the oldest unsettled delivery
+    /// in one `multiple` ack; settled deliveries beyond a gap wait for it, unless more than
+    /// `hold` of them wait (so one slow handler cannot pin the whole prefetch window). The keys
+    /// of a batch are recorded done (in one transaction or round trip) before any of it is acked.
+    async fn ack_loop<D: Delivery>(self: Arc<Self>, mut events: mpsc::UnboundedReceiver<AckEvent<D>>, hold: usize) {
+        let mut outstanding: BTreeMap<u64, Option<D>> = BTreeMap::new();
+        let mut batch = Vec::new();
+        let mut keys = Vec::new();
+        while events.recv_many(&mut batch, 1024).await > 0 {
+            for event in batch.drain(..) {
+                match event {
+                    AckEvent::Received(tag) => {
+                        outstanding.insert(tag, None);
+                    }
+                    AckEvent::Finished(d, key) => {
+                        keys.extend(key);
+                        outstanding.insert(d.tag(), Some(d));
+                    }
                 }
             }
-        }
-        let mut last = None;
-        while let Some(entry) = outstanding.first_entry() {
-            if entry.get().is_none() {
-                break;
+            if !keys.is_empty() {
+                self.complete(&keys).await;
+                keys.clear();
             }
-            last = entry.remove();
-        }
-        if let Some(d) = last {
-            ack(&d, true).await;
-        }
-        let waiting = outstanding.values().filter(|d| d.is_some()).count();
-        if waiting > hold {
-            let settled: Vec<u64> = outstanding.iter().filter(|(_, d)| d.is_some()).map(|(t, _)| *t).collect();
-            for tag in settled {
-                if let Some(Some(d)) = outstanding.remove(&tag) {
-                    ack(&d, false).await;
+            let mut last = None;
+            while let Some(entry) = outstanding.first_entry() {
+                if entry.get().is_none() {
+                    break;
+                }
+                last = entry.remove();
+            }
+            if let Some(d) = last {
+                ack(&d, true).await;
+            }
+            let waiting = outstanding.values().filter(|d| d.is_some()).count();
+            if waiting > hold {
+                let settled: Vec<u64> = outstanding.iter().filter(|(_, d)| d.is_some()).map(|(t, _)| *t).collect();
+                for tag in settled {
+                    if let Some(Some(d)) = outstanding.remove(&tag) {
+                        ack(&d, false).await;
+                    }
                 }
             }
         }
     }
+}
+
+fn attempt_header(attempt: u32) -> Headers {
+    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
 async fn ack<D: Delivery>(delivery: &D, multiple: bool) {

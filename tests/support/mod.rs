@@ -112,7 +112,7 @@ pub struct Sluice {
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
     /// Unless the args or `env` choose one, the idempotency store is a SQLite file in DIR: the
-    /// default (`.sluice/dedup.sqlite` in the working directory) would be shared by every test
+    /// default (`.sluice/dedup` in the working directory) would be shared by every test
     /// and every earlier run, so keys handled there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
         Sluice::run_with_env(dir, url, extra, &[])
@@ -129,7 +129,7 @@ impl Sluice {
             .args(["--broker", url])
             .args(extra)
             .env("RUST_LOG", "info")
-            .env("SLUICE_DEDUP", dir.join(".sluice/dedup.sqlite"))
+            .env("SLUICE_DEDUP", dir.join(".sluice/dedup"))
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)

@@ -22,8 +22,8 @@ use super::{Claim, StoreError, millis};
 const KEYSPACE: &str = "done";
 
 /// Small memtables and cache: the store must not dominate the runner's memory.
-const MEMTABLE_BYTES: u64 = 8 << 20;
-const CACHE_BYTES: u64 = 8 << 20;
+const MEMTABLE_BYTES: u64 = 2 << 20;
+const CACHE_BYTES: u64 = 4 << 20;
 
 /// The embedded idempotency store.
 #[derive(Clone)]

@@ -57,6 +57,8 @@ pub struct Template {
     escape: Escape,
     compiled: handlebars::Template,
     env: Vec<String>,
+    /// The output of a template with no expression, which every render returns.
+    literal: Option<String>,
 }
 
 /// Why a template cannot be used.
@@ -82,7 +84,16 @@ impl Template {
         check_elements(&compiled.elements, escape, true, &mut env)?;
         env.sort();
         env.dedup();
-        Ok(Template { source: source.to_string(), escape, compiled, env })
+        let literal = compiled
+            .elements
+            .iter()
+            .map(|e| match e {
+                TemplateElement::RawString(text) => Some(text.as_str()),
+                TemplateElement::Comment(_) => Some(""),
+                _ => None,
+            })
+            .collect::<Option<String>>();
+        Ok(Template { source: source.to_string(), escape, compiled, env, literal })
     }
 
     /// The template's text as written.
@@ -97,11 +108,14 @@ impl Template {
 
     /// Whether the template is plain text, with no expression at all.
     pub fn is_literal(&self) -> bool {
-        self.compiled.elements.iter().all(|e| matches!(e, TemplateElement::RawString(_) | TemplateElement::Comment(_)))
+        self.literal.is_some()
     }
 
     /// Renders with the given context (see `ROOTS`).
     pub fn render(&self, context: &Context) -> Result<String, RenderError> {
+        if let Some(text) = &self.literal {
+            return Ok(text.clone());
+        }
         let registry = match self.escape {
             Escape::Url => &*URL,
             Escape::Json => &*JSON,
@@ -290,6 +304,18 @@ mod tests {
         ];
         for (source, escape, want) in cases {
             assert_eq!(render(source, escape, ctx.clone()), want, "{source} {escape:?}");
+        }
+    }
+
+    #[test]
+    fn a_template_without_expressions_renders_as_written_minus_comments() {
+        for (source, literal, want) in [
+            ("https://h/x?a=1&b=2", true, "https://h/x?a=1&b=2"),
+            ("a{{! a note }}b", true, "ab"),
+            ("a{{payload.n}}", false, "a1"),
+        ] {
+            assert_eq!(Template::compile(source, Escape::Url).unwrap().is_literal(), literal, "{source}");
+            assert_eq!(render(source, Escape::Url, json!({"payload": {"n": 1}})), want, "{source}");
         }
     }
 

@@ -1,7 +1,8 @@
 //! Idempotency stores: `claim(key, lease)` → `Claimed | Done | Busy`, `complete(key, ttl)`,
 //! `release(key)`. Embedded (completions in a fjall LSM store, claims in memory: one runner,
-//! survives kill -9) or Redis (many runners on many machines). Keys are namespaced by queue, so a fan-out's queues each handle
-//! the same event once; expired keys are dropped by compactions (embedded) or expire natively (Redis).
+//! survives kill -9) or Redis (many runners on many machines). Keys are namespaced by queue,
+//! so a fan-out's queues each handle the same event once; expired keys are dropped by
+//! compactions (embedded) or expire natively (Redis).
 //!
 //! A store only remembers; what to do with `Busy` or an unreachable store is the runtime's call.
 

@@ -181,7 +181,6 @@ async fn drain(tracker: &TaskTracker, deadline: Instant, grace: Duration, in_fli
     }
 }
 
-/// Removes expired idempotency keys now and then, so the store does not grow.
 /// How long after its due time a delayed copy may still be on its way back through the broker's
 /// dead-lettering before `--exit-when-idle` stops waiting for it.
 const DELAY_SLACK: Duration = Duration::from_secs(2);

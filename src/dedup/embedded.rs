@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fjall::compaction::filter::{CompactionFilter, Context, Factory, ItemAccessor, Verdict};
-use fjall::{Database, Keyspace, KeyspaceCreateOptions};
+use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 
 use super::{Claim, StoreError, millis};
 
@@ -127,7 +127,8 @@ impl EmbeddedStore {
     /// a duplicate meanwhile finds its key busy, never free).
     pub fn complete(&self, keys: &[String], ttl: Duration) -> Result<(), StoreError> {
         let expires_at = now_ms().saturating_add(millis(ttl)).to_le_bytes();
-        let mut batch = self.inner.db.batch();
+        // In the OS's hands before the acks: a killed runner keeps every completion.
+        let mut batch = self.inner.db.batch().durability(Some(PersistMode::Buffer));
         for key in keys {
             batch.insert(&self.inner.done, key.as_str(), expires_at);
         }

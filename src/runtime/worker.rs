@@ -100,9 +100,11 @@ impl Reason {
 }
 
 /// A claim's lease outlives the handler's timeout (twice over, for rendering and the rate
-/// limit) by this much; after a crash, a claimed key is free again once its lease ends.
+/// limit) by this much. After a crash, a key claimed in Redis is free again once its lease
+/// ends; the embedded store's claims are in memory and end with the runner.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
+/// How long a claim on one of `q`'s keys lasts.
 fn lease(q: &Queue) -> Duration {
     q.handler.timeout() * 2 + LEASE_MARGIN
 }

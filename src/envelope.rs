@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// Attempt number of a delivery, 1-based.
 pub const ATTEMPT_HEADER: &str = "x-sluice-attempt";
@@ -19,7 +20,7 @@ pub const FAILED_AT_HEADER: &str = "x-sluice-failed-at";
 pub const SOURCE_QUEUE_HEADER: &str = "x-sluice-source-queue";
 
 /// A decoded message body.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Envelope {
     pub id: String,
     #[serde(rename = "type")]
@@ -31,7 +32,9 @@ pub struct Envelope {
     /// Defaults to `id` when the producer sets none.
     #[serde(default)]
     pub idempotency_key: Option<String>,
-    pub payload: Value,
+    /// As the producer sent it (checked to be JSON): most handlers pass it on untouched, so
+    /// it is parsed only when a schema or template reads it.
+    pub payload: Box<RawValue>,
 }
 
 fn default_version() -> u32 {
@@ -45,8 +48,10 @@ pub struct Malformed(#[from] serde_json::Error);
 
 impl Envelope {
     /// A new envelope with a fresh time-ordered id, stamped now.
-    pub fn new(kind: &str, payload: Value, idempotency_key: Option<String>) -> Envelope {
+    pub fn new(kind: &str, payload: &Value, idempotency_key: Option<String>) -> Envelope {
         let id = uuid::Uuid::now_v7().to_string();
+        // A JSON value always serializes.
+        let payload = serde_json::value::to_raw_value(payload).unwrap_or_default();
         Envelope {
             idempotency_key: Some(idempotency_key.unwrap_or_else(|| id.clone())),
             id,
@@ -64,6 +69,11 @@ impl Envelope {
             return Err(Malformed(serde::de::Error::custom("\"id\" is empty")));
         }
         Ok(envelope)
+    }
+
+    /// The payload as a JSON value.
+    pub fn payload_value(&self) -> Result<Value, Malformed> {
+        Ok(serde_json::from_str(self.payload.get())?)
     }
 
     /// The producer's idempotency key, or the id.
@@ -103,7 +113,9 @@ mod tests {
         let e = Envelope::decode(br#"{"id":"abc","type":"t","payload":{"a":1}}"#).unwrap();
         assert_eq!(e.idempotency_key(), "abc");
         assert_eq!(e.version, 1);
-        let n = Envelope::new("t", serde_json::json!({"a": 1}), Some("k".into()));
-        assert_eq!(Envelope::decode(&n.encode()).unwrap(), n);
+        let n = Envelope::new("t", &serde_json::json!({"a": 1}), Some("k".into()));
+        let again = Envelope::decode(&n.encode()).unwrap();
+        assert_eq!(again.encode(), n.encode());
+        assert_eq!(again.payload_value().unwrap(), serde_json::json!({"a": 1}));
     }
 }

@@ -172,7 +172,7 @@ queues:
     );
     let name = r#"a "quoted"/slashed\ name?&#"#;
     let payload = json!({"name": name, "n": 7});
-    let envelope = Envelope::new("order.created", payload.clone(), Some("order:7".into()));
+    let envelope = Envelope::new("order.created", &payload, Some("order:7".into()));
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let headers = Headers::from([("traceparent".to_string(), HeaderValue::Str(traceparent.into()))]);
     publish_raw(&broker, "ev", "x", envelope.encode(), headers).await;
@@ -269,7 +269,7 @@ async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
     let pwned = out.path().join("pwned");
     let text = format!("two words $(touch {}) `touch {}` ; 'q' \"dq\" *", pwned.display(), pwned.display());
     let payload = json!({"text": text, "size": "1 MB"});
-    let envelope = Envelope::new("image.resize", payload.clone(), Some("img:1".into()));
+    let envelope = Envelope::new("image.resize", &payload, Some("img:1".into()));
     let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     let headers = Headers::from([("traceparent".to_string(), HeaderValue::Str(traceparent.into()))]);
     let body = envelope.encode();

@@ -73,7 +73,7 @@ pub async fn preload(url: &str, exchange: &str, routing_key: &str, count: u64) -
     let result = stream::iter(0..count)
         .map(|i| {
             let payload = serde_json::json!({"order_id": i, "amount_cents": 1999, "email": "bench@example.com"});
-            let envelope = Envelope::new("order.created", payload, None);
+            let envelope = Envelope::new("order.created", &payload, None);
             let message = Outgoing {
                 body: envelope.encode(),
                 message_id: Some(envelope.id.clone()),

@@ -81,7 +81,7 @@ pub async fn publish(args: Args) -> anyhow::Result<()> {
     let total = payloads.len();
     let result = stream::iter(payloads)
         .map(|payload| {
-            let envelope = Envelope::new(&args.kind, payload, args.idempotency_key.clone());
+            let envelope = Envelope::new(&args.kind, &payload, args.idempotency_key.clone());
             let (broker, progress) = (&broker, &progress);
             let (exchange, key) = (&args.exchange, &args.routing_key);
             async move {

@@ -368,8 +368,10 @@ impl Compiler<'_> {
             self.diags.push(file.diag(Severity::Warning, &format!("{base}/signing/secret_env"), message));
         }
         let timeout = self.handler_timeout(file, base, w.timeout.as_deref(), Duration::from_secs(10));
+        let url = url?;
         Some(Webhook {
-            url: url?,
+            fixed_url: url.literal().and_then(|text| reqwest::Url::parse(text).ok()),
+            url,
             method: w.method.unwrap_or_else(|| "POST".into()),
             headers,
             body,
@@ -453,12 +455,10 @@ impl Compiler<'_> {
             return None;
         }
         let base = format!("{queue}/idempotency");
-        let key = self.template(
-            file,
-            &format!("{base}/key"),
-            i.key.as_deref().unwrap_or("{{idempotency_key}}"),
-            Escape::Plain,
-        )?;
+        let key = match &i.key {
+            Some(key) => Some(self.template(file, &format!("{base}/key"), key, Escape::Plain)?),
+            None => None,
+        };
         let ttl = self.duration(file, &format!("{base}/ttl"), i.ttl.as_deref(), Duration::from_secs(24 * 3600));
         let window = retry.window(timeout);
         if ttl < window {

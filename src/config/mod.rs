@@ -138,6 +138,8 @@ impl Handler {
 #[derive(Debug)]
 pub struct Webhook {
     pub url: Template,
+    /// `url` parsed once, when it has no expression (most do): no URL parse per message.
+    pub fixed_url: Option<reqwest::Url>,
     pub method: String,
     pub headers: Vec<(String, Template)>,
     /// `None`: the whole envelope as JSON.
@@ -234,7 +236,8 @@ impl Default for RetryPolicy {
 /// How duplicates of a message are recognised.
 #[derive(Debug)]
 pub struct Idempotency {
-    pub key: Template,
+    /// The key's template; `None`: the envelope's `idempotency_key` (no template to render).
+    pub key: Option<Template>,
     pub ttl: Duration,
 }
 

@@ -91,7 +91,16 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Ca
     let attempt = message.attempt.to_string();
     match handler {
         Handler::Webhook(w) => {
-            let url = render(&w.url, "url", ctx)?;
+            let url = match &w.fixed_url {
+                Some(url) => url.clone(),
+                None => {
+                    let text = render(&w.url, "url", ctx)?;
+                    reqwest::Url::parse(&text).map_err(|e| PrepareError::Render {
+                        field: "url".into(),
+                        reason: format!("\"{text}\" is not a valid URL: {e}"),
+                    })?
+                }
+            };
             let body = match &w.body {
                 Some(t) => render(t, "body", ctx)?.into_bytes(),
                 None => message.body.to_vec(),
@@ -147,7 +156,7 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Ca
             }
             let stdin = match c.stdin {
                 StdinMode::Envelope => Stdin::Bytes(message.body.to_vec()),
-                StdinMode::Payload => Stdin::Bytes(message.envelope.payload.to_string().into_bytes()),
+                StdinMode::Payload => Stdin::Bytes(message.envelope.payload.get().as_bytes().to_vec()),
                 StdinMode::None => Stdin::Null,
             };
             Ok(Call::Command(Invocation {
@@ -174,7 +183,7 @@ pub struct Renderer<'a> {
 impl<'a> Renderer<'a> {
     pub fn new(queue: &'a Queue, envelope: &'a Envelope, attempt: u32, redact: bool) -> Renderer<'a> {
         let mut used = templates(&queue.handler);
-        used.extend(queue.idempotency.as_ref().map(|i| &i.key));
+        used.extend(queue.idempotency.as_ref().and_then(|i| i.key.as_ref()));
         // Building the context copies the payload; templates without expressions never read it.
         let ctx = if used.iter().all(|t| t.is_literal()) {
             Context::null()
@@ -186,8 +195,8 @@ impl<'a> Renderer<'a> {
 
     /// The idempotency key: the queue's template, else the envelope's key.
     pub fn key(&self) -> Result<String, PrepareError> {
-        match &self.queue.idempotency {
-            Some(i) => render(&i.key, "idempotency key", &self.ctx),
+        match self.queue.idempotency.as_ref().and_then(|i| i.key.as_ref()) {
+            Some(key) => render(key, "idempotency key", &self.ctx),
             None => Ok(self.envelope.idempotency_key().to_string()),
         }
     }

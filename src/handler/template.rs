@@ -111,6 +111,11 @@ impl Template {
         self.literal.is_some()
     }
 
+    /// What every render returns, when the template has no expression.
+    pub fn literal(&self) -> Option<&str> {
+        self.literal.as_deref()
+    }
+
     /// Renders with the given context (see `ROOTS`).
     pub fn render(&self, context: &Context) -> Result<String, RenderError> {
         if let Some(text) = &self.literal {

@@ -51,7 +51,7 @@ pub struct Request {
     /// HTTP method.
     pub method: Method,
     /// Absolute `http` or `https` URL.
-    pub url: String,
+    pub url: Url,
     /// Header names and values, sent in this order; a repeated name is sent repeatedly.
     pub headers: Vec<(String, String)>,
     /// Request body, sent as is.
@@ -90,7 +90,7 @@ pub async fn call(client: &reqwest::Client, request: Request, timeout: Duration)
 
 /// Turns the rendered parts into a request, rejecting what no retry could fix.
 fn build(client: &reqwest::Client, request: Request) -> Result<reqwest::Request, HandlerError> {
-    let url = Url::parse(&request.url).map_err(|error| HandlerError::permanent(format!("invalid URL: {error}")))?;
+    let url = request.url;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(HandlerError::permanent(format!("invalid URL: scheme \"{}\" is not http or https", url.scheme())));
     }

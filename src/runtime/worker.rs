@@ -224,10 +224,14 @@ impl Worker {
             Ok(e) => e,
             Err(e) => return dead(Reason::Malformed, e.to_string()),
         };
-        if let Some(schema) = &q.payload_schema
-            && let Some(e) = schema.validator.iter_errors(&envelope.payload).next()
-        {
-            return dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str()));
+        if let Some(schema) = &q.payload_schema {
+            let payload = match envelope.payload_value() {
+                Ok(p) => p,
+                Err(e) => return dead(Reason::Malformed, e.to_string()),
+            };
+            if let Some(e) = schema.validator.iter_errors(&payload).next() {
+                return dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str()));
+            }
         }
         let renderer = Renderer::new(q, &envelope, attempt, false);
         let key = match renderer.key() {

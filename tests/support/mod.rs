@@ -187,7 +187,7 @@ pub async fn publish(
     key: &str,
     payload: serde_json::Value,
 ) -> Envelope {
-    let envelope = Envelope::new("test.event", payload, Some(key.to_string()));
+    let envelope = Envelope::new("test.event", &payload, Some(key.to_string()));
     publish_raw(broker, exchange, routing_key, envelope.encode(), Headers::new()).await;
     envelope
 }

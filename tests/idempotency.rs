@@ -68,7 +68,12 @@ async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
         publish(&broker, "ev", "a", &key, serde_json::json!({})).await;
     }
     let mut a = Sluice::run(dir.path(), &vhost.url(), &["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"]);
-    let mut b = Sluice::run(dir.path(), &vhost.url(), &["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"]);
+    // The second runner also covers the multi-threaded runtime.
+    let mut b = Sluice::run(
+        dir.path(),
+        &vhost.url(),
+        &["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle", "--threads", "2"],
+    );
     assert_eq!(a.wait(Duration::from_secs(60)), Some(0), "{}", a.log());
     assert_eq!(b.wait(Duration::from_secs(60)), Some(0), "{}", b.log());
     assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
@@ -142,8 +147,14 @@ async fn three_runners_on_redis_one_killed_every_key_handled_in_flight_only_repe
     for k in &keys {
         publish(&broker, "ev", "a", k, serde_json::json!({})).await;
     }
-    let redis = ["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle"];
-    let mut runners: Vec<Sluice> = (0..3).map(|_| Sluice::run(dir.path(), &vhost.url(), &redis)).collect();
+    // One survivor runs the multi-threaded runtime.
+    let mut runners: Vec<Sluice> = ["1", "1", "2"]
+        .into_iter()
+        .map(|threads| {
+            let args = ["--dedup", "redis://127.0.0.1:6379", "--exit-when-idle", "--threads", threads];
+            Sluice::run(dir.path(), &vhost.url(), &args)
+        })
+        .collect();
     wait_until(Duration::from_secs(30), "work under way", || async { lines_with(&out, "end ").len() >= 10 }).await;
     runners[0].signal(libc::SIGKILL);
     assert_eq!(runners[0].wait(Duration::from_secs(10)), None);

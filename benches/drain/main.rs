@@ -75,7 +75,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Also measure sluice with idempotency off and with the Redis store (127.0.0.1:6379)
-    /// in the throughput trials ("sluice" itself uses the embedded SQLite store).
+    /// in the throughput trials ("sluice" itself uses the embedded store).
     #[arg(long)]
     dedup_variants: bool,
     /// Passed by `cargo bench`; ignored.
@@ -111,7 +111,7 @@ enum Consumer {
     Baseline,
     /// The baseline acking as sluice does (`--batched-acks`).
     BaselineBatched,
-    /// The embedded (SQLite) idempotency store, the default.
+    /// The embedded idempotency store, the default.
     Sluice,
     /// `idempotency: {enabled: false}`.
     SluiceNoDedup,

@@ -111,7 +111,7 @@ pub struct Sluice {
 
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
-    /// Unless the args or `env` choose one, the idempotency store is a SQLite file in DIR: the
+    /// Unless the args or `env` choose one, the idempotency store is an embedded store in DIR: the
     /// default (`.sluice/dedup` in the working directory) would be shared by every test
     /// and every earlier run, so keys handled there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {

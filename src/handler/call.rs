@@ -185,7 +185,7 @@ impl<'a> Renderer<'a> {
         let mut used = templates(&queue.handler);
         used.extend(queue.idempotency.as_ref().and_then(|i| i.key.as_ref()));
         // Building the context copies the payload; templates without expressions never read it.
-        let ctx = if used.iter().all(|t| t.is_literal()) {
+        let ctx = if used.iter().all(|t| t.literal().is_some()) {
             Context::null()
         } else {
             context(envelope, attempt, &queue.name, &used, redact)

@@ -106,12 +106,7 @@ impl Template {
         &self.env
     }
 
-    /// Whether the template is plain text, with no expression at all.
-    pub fn is_literal(&self) -> bool {
-        self.literal.is_some()
-    }
-
-    /// What every render returns, when the template has no expression.
+    /// What every render returns, when the template is plain text with no expression.
     pub fn literal(&self) -> Option<&str> {
         self.literal.as_deref()
     }
@@ -319,7 +314,7 @@ mod tests {
             ("a{{! a note }}b", true, "ab"),
             ("a{{payload.n}}", false, "a1"),
         ] {
-            assert_eq!(Template::compile(source, Escape::Url).unwrap().is_literal(), literal, "{source}");
+            assert_eq!(Template::compile(source, Escape::Url).unwrap().literal().is_some(), literal, "{source}");
             assert_eq!(render(source, Escape::Url, json!({"payload": {"n": 1}})), want, "{source}");
         }
     }

@@ -4,6 +4,10 @@
 //! Decoding is strict about what sluice needs (id, type, payload) and ignores unknown fields,
 //! so producers can add fields without breaking older runners.
 
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
@@ -19,9 +23,10 @@ pub const ATTEMPTS_HEADER: &str = "x-sluice-attempts";
 pub const FAILED_AT_HEADER: &str = "x-sluice-failed-at";
 pub const SOURCE_QUEUE_HEADER: &str = "x-sluice-source-queue";
 
-/// A decoded message body.
+/// A message body: decoded, it borrows the payload from the delivery's bytes, so an in-flight
+/// message is held once.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Envelope {
+pub struct Envelope<'a> {
     pub id: String,
     #[serde(rename = "type")]
     pub kind: String,
@@ -32,9 +37,67 @@ pub struct Envelope {
     /// Defaults to `id` when the producer sets none.
     #[serde(default)]
     pub idempotency_key: Option<String>,
-    /// As the producer sent it (checked to be JSON): most handlers pass it on untouched, so
-    /// it is parsed only when a schema or template reads it.
-    pub payload: Box<RawValue>,
+    /// As the producer sent it (checked to be JSON that parses into a value): most handlers
+    /// pass it on untouched, so it is parsed only when a schema or template reads it.
+    #[serde(borrow, deserialize_with = "borrowed_raw")]
+    pub payload: Cow<'a, RawValue>,
+}
+
+fn borrowed_raw<'de, D: Deserializer<'de>>(d: D) -> Result<Cow<'de, RawValue>, D::Error> {
+    <&'de RawValue>::deserialize(d).map(Cow::Borrowed)
+}
+
+/// Walks a JSON document the way parsing it into a [`Value`] would, without building it: a
+/// number out of range (`1e400`) or nesting past serde_json's limit fails here, at decode,
+/// rather than later wherever the payload is first parsed.
+struct Parses;
+
+impl<'de> Deserialize<'de> for Parses {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Parses)
+    }
+}
+
+impl<'de> Visitor<'de> for Parses {
+    type Value = Parses;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+
+    fn visit_unit<E>(self) -> Result<Parses, E> {
+        Ok(Parses)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Parses, A::Error> {
+        while seq.next_element::<Parses>()?.is_some() {}
+        Ok(Parses)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parses, A::Error> {
+        while map.next_entry::<IgnoredAny, Parses>()?.is_some() {}
+        Ok(Parses)
+    }
 }
 
 fn default_version() -> u32 {
@@ -46,9 +109,9 @@ fn default_version() -> u32 {
 #[error("not a sluice envelope: {0}")]
 pub struct Malformed(#[from] serde_json::Error);
 
-impl Envelope {
+impl Envelope<'_> {
     /// A new envelope with a fresh time-ordered id, stamped now.
-    pub fn new(kind: &str, payload: &Value, idempotency_key: Option<String>) -> Envelope {
+    pub fn new(kind: &str, payload: &Value, idempotency_key: Option<String>) -> Envelope<'static> {
         let id = uuid::Uuid::now_v7().to_string();
         // A JSON value always serializes.
         let payload = serde_json::value::to_raw_value(payload).unwrap_or_default();
@@ -58,16 +121,18 @@ impl Envelope {
             kind: kind.to_string(),
             version: 1,
             occurred_at: Some(humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()),
-            payload,
+            payload: Cow::Owned(payload),
         }
     }
 
-    /// Decodes a message body.
-    pub fn decode(body: &[u8]) -> Result<Envelope, Malformed> {
+    /// Decodes a message body; the payload is borrowed from it.
+    pub fn decode(body: &[u8]) -> Result<Envelope<'_>, Malformed> {
         let envelope: Envelope = serde_json::from_slice(body)?;
         if envelope.id.is_empty() {
-            return Err(Malformed(serde::de::Error::custom("\"id\" is empty")));
+            return Err(Malformed(de::Error::custom("\"id\" is empty")));
         }
+        serde_json::from_str::<Parses>(envelope.payload.get())
+            .map_err(|e| Malformed(de::Error::custom(format_args!("payload: {e}"))))?;
         Ok(envelope)
     }
 
@@ -102,9 +167,31 @@ mod tests {
             (r#"{"type":"t","payload":1}"#, false),
             ("not json", false),
             ("", false),
+            // Issue 9: numbers out of range are malformed at decode, not a panic later.
+            (r#"{"id":"1","type":"t","payload":{"n":1e400}}"#, false),
+            (r#"{"id":"1","type":"t","payload":[-1e400]}"#, false),
+            (r#"{"id":"1","type":"t","payload":{"n":1e300,"m":18446744073709551616}}"#, true),
         ];
         for (body, ok) in cases {
             assert_eq!(Envelope::decode(body.as_bytes()).is_ok(), *ok, "{body}");
+        }
+    }
+
+    /// Issue 9: a payload decodes exactly when it parses into a value, nesting included.
+    #[test]
+    fn decodes_exactly_what_parses_into_a_value() {
+        for depth in (1..140).chain([1000, 100_000]) {
+            for open in ["[", "{\"a\":"] {
+                let close = if open == "[" { "]" } else { "}" };
+                let payload = format!("{}1{}", open.repeat(depth), close.repeat(depth));
+                let body = format!(r#"{{"id":"1","type":"t","payload":{payload}}}"#);
+                let parses = serde_json::from_str::<Value>(&payload).is_ok();
+                let decoded = Envelope::decode(body.as_bytes());
+                assert_eq!(decoded.is_ok(), parses, "depth {depth} of {open}");
+                if let Ok(e) = decoded {
+                    assert!(e.payload_value().is_ok());
+                }
+            }
         }
     }
 
@@ -114,7 +201,8 @@ mod tests {
         assert_eq!(e.idempotency_key(), "abc");
         assert_eq!(e.version, 1);
         let n = Envelope::new("t", &serde_json::json!({"a": 1}), Some("k".into()));
-        let again = Envelope::decode(&n.encode()).unwrap();
+        let encoded = n.encode();
+        let again = Envelope::decode(&encoded).unwrap();
         assert_eq!(again.encode(), n.encode());
         assert_eq!(again.payload_value().unwrap(), serde_json::json!({"a": 1}));
     }

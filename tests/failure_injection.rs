@@ -62,7 +62,7 @@ async fn deliver_a_duplicate(
     vhost: &Vhost,
     receiver: &Receiver,
     calls: usize,
-) -> (Vec<Hit>, [sluice::envelope::Envelope; 2]) {
+) -> (Vec<Hit>, [sluice::envelope::Envelope<'static>; 2]) {
     let broker = vhost.connect().await;
     declare(dir, &broker).await;
     let first = publish(&broker, "ev", "work", "order:1:charge", serde_json::json!({"order": 1})).await;

@@ -13,7 +13,12 @@ use wiremock::{Mock, MockServer, ResponseTemplate};
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 fn post(url: String) -> Request {
-    Request { method: Method::POST, url: url.parse().expect("a valid URL"), headers: Vec::new(), body: b"{}".to_vec() }
+    Request {
+        method: Method::POST,
+        url: url.parse().expect("a valid URL"),
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"{}"),
+    }
 }
 
 /// Serves `response` to any request and calls it once.
@@ -182,7 +187,7 @@ async fn method_headers_and_body_arrive_as_given() {
             ("X-Sluice-Attempt".to_owned(), "2".to_owned()),
             ("Content-Type".to_owned(), "application/json".to_owned()),
         ],
-        body,
+        body: body.into(),
     };
 
     assert_eq!(webhook::call(&client, request, TIMEOUT).await, Ok(()));
@@ -199,7 +204,7 @@ async fn signed_requests_carry_the_standard_webhooks_headers() {
         webhook::signature_headers(secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, &body).expect("valid secret");
     let request = Request {
         headers: headers.into_iter().map(|(name, value)| (name.to_owned(), value)).collect(),
-        body,
+        body: body.into(),
         ..post(server.uri())
     };
     let client = webhook::client().expect("client builds");

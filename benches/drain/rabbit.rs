@@ -61,7 +61,7 @@ pub async fn declare(dir: &Path, url: &str) -> anyhow::Result<()> {
     let Some(config) = validation.config else {
         bail!("bench pipeline is invalid: {:?}", validation.diagnostics);
     };
-    let broker = Amqp::connect(url).await?;
+    let broker = Amqp::connect(url, sluice::broker::amqp::CONNECT_TIMEOUT).await?;
     broker.declare(&sluice::topology::plan(&config)).await?;
     broker.close().await;
     Ok(())
@@ -69,7 +69,7 @@ pub async fn declare(dir: &Path, url: &str) -> anyhow::Result<()> {
 
 /// Publishes `count` envelopes to `exchange`/`routing_key`, each confirmed.
 pub async fn preload(url: &str, exchange: &str, routing_key: &str, count: u64) -> anyhow::Result<()> {
-    let broker = Amqp::connect(url).await?;
+    let broker = Amqp::connect(url, sluice::broker::amqp::CONNECT_TIMEOUT).await?;
     let result = stream::iter(0..count)
         .map(|i| {
             let payload = serde_json::json!({"order_id": i, "amount_cents": 1999, "email": "bench@example.com"});

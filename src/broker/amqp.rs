@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::stream::Map;
 use lapin::Confirmation;
@@ -15,12 +16,14 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
 use tokio::sync::Mutex;
 
 use super::{Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing};
+use crate::envelope::ERROR_HEADER;
 use crate::topology::{self, DestinationKind, Plan};
 
 /// How long a publish may wait for the broker's confirm before it counts as failed.
@@ -53,15 +56,29 @@ pub fn redact(url: &str) -> String {
     }
 }
 
+/// How long connecting (TCP, TLS, the AMQP handshake and the first channels) may take by default.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl Amqp {
-    /// Connects and opens the publishing and control channels.
-    pub async fn connect(url: &str) -> Result<Amqp, BrokerError> {
-        let fail = |e: lapin::Error| BrokerError::Connect { url: redact(url), reason: e.to_string() };
-        let properties = ConnectionProperties::default().with_connection_name("sluice".into());
-        let connection = Connection::connect(url, properties).await.map_err(fail)?;
-        let publisher = connection.create_channel().await.map_err(fail)?;
-        publisher.confirm_select(ConfirmSelectOptions::default()).await.map_err(fail)?;
-        let control = connection.create_channel().await.map_err(fail)?;
+    /// Connects and opens the publishing and control channels, all within `timeout`: a broker
+    /// that accepts TCP and never finishes the handshake must not hang the caller.
+    pub async fn connect(url: &str, timeout: Duration) -> Result<Amqp, BrokerError> {
+        let opening = async {
+            let properties = ConnectionProperties::default().with_connection_name("sluice".into());
+            let connection = Connection::connect(url, properties).await?;
+            let publisher = connection.create_channel().await?;
+            publisher.confirm_select(ConfirmSelectOptions::default()).await?;
+            let control = connection.create_channel().await?;
+            Ok::<_, lapin::Error>((connection, publisher, control))
+        };
+        let (connection, publisher, control) = match tokio::time::timeout(timeout, opening).await {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(e)) => return Err(connect_error(url, &e)),
+            Err(_) => {
+                let reason = format!("no AMQP handshake within {timeout:?} (is it a RabbitMQ port?)");
+                return Err(BrokerError::Connect { url: redact(url), reason });
+            }
+        };
         Ok(Amqp {
             inner: Arc::new(Inner {
                 connection,
@@ -110,7 +127,8 @@ impl Amqp {
         }
     }
 
-    /// Publishes the original's body and properties with `headers` merged over `base`.
+    /// Publishes the original's body and properties with `headers` merged over `base`, shedding
+    /// the largest original headers if the copy would not fit the connection's frame size.
     async fn copy(
         &self,
         exchange: &str,
@@ -119,11 +137,65 @@ impl Amqp {
         base: FieldTable,
         headers: &Headers,
     ) -> Result<(), BrokerError> {
-        let properties =
-            original.0.properties.clone().with_delivery_mode(2).with_headers(headers_table(&base, headers));
-        self.publish_raw(exchange, routing_key, &original.0.data, properties).await
+        let mut table = headers_table(&base, headers);
+        fit_frame(&original.delivery.properties, &mut table, self.inner.connection.configuration().frame_max());
+        let properties = original.delivery.properties.clone().with_delivery_mode(2).with_headers(table);
+        self.publish_raw(exchange, routing_key, &original.body, properties).await
     }
 }
+
+/// What a content header frame adds to its properties: frame type, channel, size, class,
+/// weight, body size, frame end.
+const HEADER_FRAME_OVERHEAD: usize = 1 + 2 + 4 + 2 + 2 + 8 + 1;
+
+/// The encoded size of a message's properties.
+fn properties_size(properties: &BasicProperties) -> usize {
+    cookie_factory::gen_simple(lapin::protocol::basic::gen_properties(properties), Vec::new())
+        .map_or(usize::MAX, |v| v.len())
+}
+
+/// Makes a copy's headers fit one frame of `frame_max` bytes with the copy's other properties:
+/// the broker closes the whole connection over a frame too large, and with it every other
+/// delivery in flight. The largest headers the copy inherited are shed (sluice's own are
+/// small and kept) and named in `x-sluice-error`.
+fn fit_frame(properties: &BasicProperties, table: &mut FieldTable, frame_max: u32) {
+    let limit = usize::try_from(frame_max).unwrap_or(usize::MAX).saturating_sub(HEADER_FRAME_OVERHEAD);
+    let size = |table: &FieldTable| properties_size(&properties.clone().with_headers(table.clone()));
+    if frame_max == 0 || size(table) <= limit {
+        return;
+    }
+    let error = match table.inner().get(ERROR_HEADER) {
+        Some(AMQPValue::LongString(s)) => format!("{}; ", String::from_utf8_lossy(s.as_bytes())),
+        _ => String::new(),
+    };
+    let mut shed: Vec<String> = Vec::new();
+    while size(table) > limit {
+        let largest = table
+            .inner()
+            .iter()
+            .filter(|(name, _)| !name.as_str().starts_with("x-sluice-"))
+            .max_by_key(|(name, value)| {
+                let mut one = FieldTable::default();
+                one.insert((*name).clone(), (*value).clone());
+                properties_size(&BasicProperties::default().with_headers(one))
+            })
+            .map(|(name, _)| name.clone());
+        let Some(name) = largest else { return };
+        let mut kept = FieldTable::default();
+        for (k, v) in table.inner() {
+            if *k != name {
+                kept.insert(k.clone(), v.clone());
+            }
+        }
+        shed.push(name.as_str().to_string());
+        let note = format!("{error}headers left out to fit the broker's frame size: {}", shed.join(", "));
+        kept.insert(ERROR_HEADER.into(), AMQPValue::LongString(note.chars().take(MAX_NOTE).collect::<String>().into()));
+        *table = kept;
+    }
+}
+
+/// The longest error text a copy carries.
+const MAX_NOTE: usize = 2000;
 
 /// The headers without the broker's dead-letter history (`x-death`, `x-first-death-*`,
 /// `x-last-death-*`). A retry copy passes through the delay cascade again; RabbitMQ takes a
@@ -140,20 +212,23 @@ fn without_death_history(headers: Option<&FieldTable>) -> FieldTable {
     t
 }
 
-/// A delivery from RabbitMQ.
-pub struct AmqpDelivery(lapin::message::Delivery);
+/// A delivery from RabbitMQ; its body is moved out of lapin's delivery, to be shared.
+pub struct AmqpDelivery {
+    body: Bytes,
+    delivery: lapin::message::Delivery,
+}
 
 impl Delivery for AmqpDelivery {
-    fn body(&self) -> &[u8] {
-        &self.0.data
+    fn body(&self) -> &Bytes {
+        &self.body
     }
 
     fn tag(&self) -> u64 {
-        self.0.delivery_tag
+        self.delivery.delivery_tag
     }
 
     fn header(&self, name: &str) -> Option<HeaderValue> {
-        let headers = self.0.properties.headers().as_ref()?;
+        let headers = self.delivery.properties.headers().as_ref()?;
         match headers.inner().get(name)? {
             AMQPValue::LongString(s) => Some(HeaderValue::Str(String::from_utf8_lossy(s.as_bytes()).into_owned())),
             AMQPValue::ShortString(s) => Some(HeaderValue::Str(s.as_str().to_string())),
@@ -169,26 +244,27 @@ impl Delivery for AmqpDelivery {
     }
 
     fn timestamp(&self) -> Option<u64> {
-        *self.0.properties.timestamp()
+        *self.delivery.properties.timestamp()
     }
 
     fn message_id(&self) -> Option<&str> {
-        self.0.properties.message_id().as_ref().map(|s| s.as_str())
+        self.delivery.properties.message_id().as_ref().map(|s| s.as_str())
     }
 
     fn is_live(&self) -> bool {
-        self.0.acker.usable()
+        self.delivery.acker.usable()
     }
 
     async fn ack(&self, multiple: bool) -> Result<(), BrokerError> {
-        self.0.acker.ack(BasicAckOptions { multiple }).await.map(|_| ()).map_err(lost)
+        self.delivery.acker.ack(BasicAckOptions { multiple }).await.map(|_| ()).map_err(lost)
     }
 }
 
 type MapDelivery = fn(lapin::Result<lapin::message::Delivery>) -> Result<AmqpDelivery, BrokerError>;
 
 fn wrap(item: lapin::Result<lapin::message::Delivery>) -> Result<AmqpDelivery, BrokerError> {
-    item.map(AmqpDelivery).map_err(lost)
+    let mut delivery = item.map_err(lost)?;
+    Ok(AmqpDelivery { body: Bytes::from(std::mem::take(&mut delivery.data)), delivery })
 }
 
 impl Broker for Amqp {
@@ -262,7 +338,7 @@ impl Broker for Amqp {
         original: &AmqpDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        let base = original.0.properties.headers().clone().unwrap_or_default();
+        let base = original.delivery.properties.headers().clone().unwrap_or_default();
         self.copy(exchange, routing_key, original, base, &headers).await
     }
 
@@ -274,7 +350,7 @@ impl Broker for Amqp {
         headers: Headers,
     ) -> Result<(), BrokerError> {
         let (exchange, routing_key) = topology::delay_route(queue, delay);
-        let base = without_death_history(original.0.properties.headers().as_ref());
+        let base = without_death_history(original.delivery.properties.headers().as_ref());
         self.copy(&exchange, &routing_key, original, base, &headers).await
     }
 
@@ -317,23 +393,52 @@ impl Broker for Amqp {
     }
 }
 
+/// The AMQP reply code of a protocol error (the broker's own words are in its message).
+fn amqp_error(e: &lapin::Error) -> Option<&lapin::protocol::AMQPError> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp),
+        _ => None,
+    }
+}
+
+fn is_soft(e: &lapin::Error, code: AMQPSoftError) -> bool {
+    amqp_error(e).is_some_and(|a| *a.kind() == AMQPErrorKind::Soft(code))
+}
+
 fn lost(e: lapin::Error) -> BrokerError {
-    let text = e.to_string();
-    if text.contains("NOT_FOUND") { BrokerError::NotFound(text) } else { BrokerError::Lost(text) }
+    if is_soft(&e, AMQPSoftError::NOTFOUND) {
+        BrokerError::NotFound(e.to_string())
+    } else {
+        BrokerError::Lost(e.to_string())
+    }
+}
+
+/// A failed connection attempt: refused credentials and a vhost the user may not open are
+/// the user's to fix, not worth retrying; anything else may pass.
+fn connect_error(url: &str, e: &lapin::Error) -> BrokerError {
+    let url = redact(url);
+    match amqp_error(e).map(|a| (a.kind(), a.get_message().as_str())) {
+        Some((AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED), message)) => {
+            BrokerError::Refused { url, reason: format!("the broker refused the credentials ({message})") }
+        }
+        Some((AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED), message)) => {
+            BrokerError::Refused { url, reason: format!("the broker refused the virtual host ({message})") }
+        }
+        _ => BrokerError::Connect { url, reason: e.to_string() },
+    }
 }
 
 /// A declaration error, worded for the user: which object, and the broker's own reason (which
 /// names the argument and both values for PRECONDITION_FAILED).
 fn conflict(what: &str, name: &str, e: lapin::Error) -> BrokerError {
-    let text = e.to_string();
-    if text.contains("PRECONDITION_FAILED") {
+    if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) {
         BrokerError::Conflict(format!(
-            "{what} \"{name}\" conflicts with what exists on the broker: {text}; sluice never deletes a queue, so change the file back or remove the {what} yourself"
+            "{what} \"{name}\" conflicts with what exists on the broker: {e}; sluice never deletes a queue, so change the file back or remove the {what} yourself"
         ))
-    } else if text.contains("NOT_FOUND") {
-        BrokerError::NotFound(format!("{what} \"{name}\": {text}"))
+    } else if is_soft(&e, AMQPSoftError::NOTFOUND) {
+        BrokerError::NotFound(format!("{what} \"{name}\": {e}"))
     } else {
-        BrokerError::Lost(format!("declaring {what} \"{name}\": {text}"))
+        BrokerError::Lost(format!("declaring {what} \"{name}\": {e}"))
     }
 }
 
@@ -373,6 +478,8 @@ fn headers_table(base: &FieldTable, headers: &Headers) -> FieldTable {
 mod tests {
     use lapin::types::{AMQPValue, FieldTable};
 
+    use crate::envelope::ERROR_HEADER;
+
     #[test]
     fn retry_copies_drop_the_dead_letter_history() {
         let mut headers = FieldTable::default();
@@ -384,6 +491,45 @@ mod tests {
         let kept: Vec<&str> = kept.inner().keys().map(|k| k.as_str()).collect();
         assert_eq!(kept, ["traceparent", "x-sluice-attempt"]);
         assert!(super::without_death_history(None).inner().is_empty());
+    }
+
+    /// Issue 9: a header just under the frame size made the dead-letter copy too large, and
+    /// the broker closed the connection with every delivery on it.
+    #[test]
+    fn copies_shed_the_largest_inherited_headers_to_fit_a_frame() {
+        use lapin::BasicProperties;
+        let frame_max = 131_072;
+        let mut table = FieldTable::default();
+        table.insert("x-big".into(), AMQPValue::LongString("b".repeat(130_950).into()));
+        table.insert("x-medium".into(), AMQPValue::LongString("m".repeat(500).into()));
+        table.insert("traceparent".into(), AMQPValue::LongString("00-abc-def-01".into()));
+        table.insert(ERROR_HEADER.into(), AMQPValue::LongString("HTTP 422".into()));
+        table.insert("x-sluice-reason".into(), AMQPValue::LongString("permanent".into()));
+        let properties = BasicProperties::default().with_message_id("m".into()).with_delivery_mode(2);
+        let limit = frame_max as usize - super::HEADER_FRAME_OVERHEAD;
+        let size = |t: &FieldTable| super::properties_size(&properties.clone().with_headers(t.clone()));
+        assert!(size(&table) > limit);
+
+        let mut fitted = table.clone();
+        super::fit_frame(&properties, &mut fitted, frame_max);
+        assert!(size(&fitted) <= limit);
+        let names: Vec<&str> = fitted.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["traceparent", "x-medium", "x-sluice-error", "x-sluice-reason"]);
+        let Some(AMQPValue::LongString(error)) = fitted.inner().get(ERROR_HEADER) else { panic!("no error header") };
+        assert_eq!(
+            String::from_utf8_lossy(error.as_bytes()),
+            "HTTP 422; headers left out to fit the broker's frame size: x-big"
+        );
+
+        // What fits is left alone, and a broker without a frame limit takes anything.
+        let mut small = FieldTable::default();
+        small.insert("traceparent".into(), AMQPValue::LongString("00-abc-def-01".into()));
+        let mut unchanged = small.clone();
+        super::fit_frame(&properties, &mut unchanged, frame_max);
+        assert_eq!(unchanged, small);
+        let mut unlimited = table.clone();
+        super::fit_frame(&properties, &mut unlimited, 0);
+        assert_eq!(unlimited, table);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::Stream;
 
 use crate::topology::{self, Plan};
@@ -50,6 +51,9 @@ pub struct Outgoing {
 pub enum BrokerError {
     #[error("cannot connect to the broker at {url}: {reason}")]
     Connect { url: String, reason: String },
+    /// The broker turned the session down for good: credentials, a missing virtual host.
+    #[error("cannot connect to the broker at {url}: {reason}")]
+    Refused { url: String, reason: String },
     /// A declaration conflicts with what exists on the broker.
     #[error("{0}")]
     Conflict(String),
@@ -65,10 +69,17 @@ pub enum BrokerError {
     Lost(String),
 }
 
+impl BrokerError {
+    /// Retrying cannot help: the configuration (pipeline files, URL, credentials) must change.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, BrokerError::Refused { .. } | BrokerError::Conflict(_) | BrokerError::NotFound(_))
+    }
+}
+
 /// One message handed to a consumer; settled by `ack`.
 pub trait Delivery: Send + Sync + 'static {
-    /// The body as published.
-    fn body(&self) -> &[u8];
+    /// The body as published, shared (not copied) with whatever sends it on.
+    fn body(&self) -> &Bytes;
     /// Increases per consumer; acks with `multiple` cover every lower tag of the same consumer.
     fn tag(&self) -> u64;
     fn header(&self, name: &str) -> Option<HeaderValue>;

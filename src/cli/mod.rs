@@ -101,6 +101,9 @@ pub struct BrokerArg {
     /// amqp://user:pass@host:port/vhost (default: $SLUICE_BROKER, else the local RabbitMQ).
     #[arg(long = "broker", env = "SLUICE_BROKER", default_value = DEFAULT_BROKER, hide_env_values = true)]
     pub url: String,
+    /// How long connecting to the broker (TCP, TLS and the AMQP handshake) may take.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
 }
 
 /// Until the embedded broker exists, the default is the RabbitMQ on this machine.
@@ -129,7 +132,7 @@ pub fn main() -> ExitCode {
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, threads } => {
             let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
-            exit(block_on(threads, run(config, broker.url, Location::parse(&dedup), admin, options)))
+            exit(block_on(threads, run(config, broker, Location::parse(&dedup), admin, options)))
         }
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
@@ -141,9 +144,11 @@ pub fn main() -> ExitCode {
 
 /// Logs go to stderr; `RUST_LOG` filters them (default info).
 fn init_logging() {
-    // lapin logs a returned (unroutable) message whole at WARN; sluice reports it without the payload.
+    // lapin logs, per failed connection attempt, three ERROR lines for what sluice reports in
+    // one (every error lapin returns reaches sluice), and a returned (unroutable) message
+    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin::returned_messages=off"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off,lsm_tree=warn,fjall=warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
@@ -174,7 +179,7 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
 
 async fn run(
     config: config::Config,
-    url: String,
+    broker: BrokerArg,
     dedup: Location,
     admin: Option<std::net::SocketAddr>,
     options: runtime::Options,
@@ -213,17 +218,18 @@ async fn run(
             }
         });
     }
-    let connect = || Amqp::connect(&url);
+    let connect = || Amqp::connect(&broker.url, broker.connect_timeout);
     runtime::run(Arc::new(config), connect, store, options, shutdown).await?;
     Ok(())
 }
 
 fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<()> {
     let q = config.queues.get(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
-    let body = std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?;
+    let body =
+        bytes::Bytes::from(std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?);
     let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
-    let renderer = call::Renderer::new(q, &envelope, attempt, true);
-    match renderer.call(&body, &renderer.key()?, None)? {
+    let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
+    match renderer.call(&body, &crate::dedup::effective_key(renderer.key()?), None)? {
         Call::Webhook { request, timeout } => {
             println!("{} {}", request.method, request.url);
             for (name, value) in &request.headers {

@@ -76,7 +76,7 @@ pub async fn publish(args: Args) -> anyhow::Result<()> {
     } else {
         bail!("one of --payload, --payload-file or --jsonl is required");
     };
-    let broker = Amqp::connect(&args.broker.url).await?;
+    let broker = Amqp::connect(&args.broker.url, args.broker.connect_timeout).await?;
     let progress = if payloads.len() > 1 { ProgressBar::new(payloads.len() as u64) } else { ProgressBar::hidden() };
     let total = payloads.len();
     let result = stream::iter(payloads)

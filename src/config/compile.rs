@@ -270,6 +270,7 @@ impl Compiler<'_> {
             Some(RateLimit { count, per })
         });
 
+        let max_message_bytes = self.max_message_bytes(file, &format!("{base}/max_message_bytes"), q.max_message_bytes);
         let payload_schema =
             q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
@@ -287,6 +288,7 @@ impl Compiler<'_> {
             kind: if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum },
             bindings,
             max_length: q.max_length,
+            max_message_bytes,
             payload_schema,
             concurrency,
             rate_limit,
@@ -297,6 +299,23 @@ impl Compiler<'_> {
             dead_letter,
             file: file.path.clone(),
         })
+    }
+
+    fn max_message_bytes(&mut self, file: &SourceFile, pointer: &str, value: Option<serde_json::Value>) -> usize {
+        let bytes = match &value {
+            None => return super::DEFAULT_MAX_MESSAGE_BYTES,
+            Some(serde_json::Value::Number(n)) => n.as_u64(),
+            Some(serde_json::Value::String(s)) => super::parse_size(s),
+            Some(_) => None,
+        };
+        match bytes.and_then(|b| usize::try_from(b).ok()) {
+            Some(b) if (1..=super::MAX_MESSAGE_BYTES).contains(&b) => b,
+            _ => {
+                let shown = value.map(|v| v.to_string()).unwrap_or_default();
+                self.error(file, pointer, format!("max_message_bytes {shown} is not a size from 1 byte to 512MiB"));
+                super::DEFAULT_MAX_MESSAGE_BYTES
+            }
+        }
     }
 
     fn error_count(&self) -> usize {

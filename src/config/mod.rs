@@ -83,6 +83,8 @@ pub struct Queue {
     pub kind: QueueKind,
     pub bindings: Vec<Binding>,
     pub max_length: Option<u64>,
+    /// A bigger body is dead-lettered as `too_large`, unparsed.
+    pub max_message_bytes: usize,
     pub payload_schema: Option<PayloadSchema>,
     pub concurrency: NonZeroU16,
     pub rate_limit: Option<RateLimit>,
@@ -260,6 +262,30 @@ pub fn load(paths: &[PathBuf]) -> Validation {
     compile::load(paths)
 }
 
+/// The default `max_message_bytes`.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// RabbitMQ refuses messages over 512 MiB whatever it is configured to.
+pub const MAX_MESSAGE_BYTES: usize = 512 << 20;
+
+/// Parses a size such as `512KiB`, `16MiB`, `1GB` or a plain number of bytes.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (n, unit) = text.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let scale: u64 = match unit {
+        "" | "B" => 1,
+        "KB" => 1000,
+        "MB" => 1000 * 1000,
+        "GB" => 1000 * 1000 * 1000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(scale)
+}
+
 /// Parses a duration such as `250ms`, `10s`, `5m` or `24h`.
 pub fn parse_duration(text: &str) -> Option<Duration> {
     let split = text.find(|c: char| !c.is_ascii_digit())?;
@@ -293,6 +319,25 @@ mod tests {
         ];
         for (text, want) in cases {
             assert_eq!(parse_duration(text), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn sizes() {
+        let cases = [
+            ("1", Some(1)),
+            ("512KiB", Some(512 << 10)),
+            ("16MiB", Some(16 << 20)),
+            ("2MB", Some(2_000_000)),
+            ("1GiB", Some(1 << 30)),
+            ("7B", Some(7)),
+            ("99999999999GiB", None),
+            ("1TiB", None),
+            ("MiB", None),
+            ("", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_size(text), want, "{text}");
         }
     }
 

@@ -43,6 +43,8 @@ pub struct Queue {
     #[serde(default)]
     pub bind: Vec<Binding>,
     pub max_length: Option<u64>,
+    /// Bytes as an integer, or text with a unit (`16MiB`).
+    pub max_message_bytes: Option<serde_json::Value>,
     pub payload_schema: Option<String>,
     pub concurrency: Option<u16>,
     pub rate_limit: Option<String>,

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use handlebars::Context;
 use serde_json::{Map, Value, json};
 
@@ -11,14 +12,14 @@ use super::command::{Invocation, Stdin};
 use super::webhook::{self, Request};
 use super::{HandlerError, command};
 use crate::config::{Handler, Queue, StdinMode};
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, Malformed};
 use crate::handler::template::Template;
 
 /// One message as a handler sees it.
 pub struct Message<'a> {
-    pub envelope: &'a Envelope,
-    /// The body as received: the default webhook body and command stdin.
-    pub body: &'a [u8],
+    pub envelope: &'a Envelope<'a>,
+    /// The body as received: the default webhook body (shared, not copied) and command stdin.
+    pub body: &'a Bytes,
     pub attempt: u32,
     pub queue: &'a str,
     pub idempotency_key: &'a str,
@@ -39,11 +40,19 @@ pub enum PrepareError {
     Render { field: String, reason: String },
     #[error("signing secret: {0}")]
     Signing(String),
+    #[error("payload: {0}")]
+    Payload(#[from] Malformed),
 }
 
 /// The template context of a message: the envelope's fields, attempt, queue, and the
 /// environment variables the templates name (as `***` when `redact`, for printing).
-fn context(envelope: &Envelope, attempt: u32, queue: &str, templates: &[&Template], redact: bool) -> Context {
+fn context(
+    envelope: &Envelope,
+    attempt: u32,
+    queue: &str,
+    templates: &[&Template],
+    redact: bool,
+) -> Result<Context, Malformed> {
     let mut env = Map::new();
     for t in templates {
         for name in t.env_vars() {
@@ -61,10 +70,10 @@ fn context(envelope: &Envelope, attempt: u32, queue: &str, templates: &[&Templat
         "idempotency_key": envelope.idempotency_key(),
         "attempt": attempt,
         "queue": queue,
-        "payload": envelope.payload,
+        "payload": envelope.payload_value()?,
         "env": env,
     });
-    Context::from(value)
+    Ok(Context::from(value))
 }
 
 fn render(template: &Template, field: &str, ctx: &Context) -> Result<String, PrepareError> {
@@ -102,8 +111,8 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Ca
                 }
             };
             let body = match &w.body {
-                Some(t) => render(t, "body", ctx)?.into_bytes(),
-                None => message.body.to_vec(),
+                Some(t) => Bytes::from(render(t, "body", ctx)?),
+                None => message.body.clone(),
             };
             let mut headers = vec![
                 ("content-type".to_string(), "application/json".to_string()),
@@ -175,22 +184,28 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Ca
 /// handler call. With `redact`, environment values render as `***` (for `sluice render`).
 pub struct Renderer<'a> {
     queue: &'a Queue,
-    envelope: &'a Envelope,
+    envelope: &'a Envelope<'a>,
     attempt: u32,
     ctx: Context,
 }
 
 impl<'a> Renderer<'a> {
-    pub fn new(queue: &'a Queue, envelope: &'a Envelope, attempt: u32, redact: bool) -> Renderer<'a> {
+    /// Fails only for a payload that does not parse, which a decoded envelope's always does.
+    pub fn new(
+        queue: &'a Queue,
+        envelope: &'a Envelope<'a>,
+        attempt: u32,
+        redact: bool,
+    ) -> Result<Renderer<'a>, PrepareError> {
         let mut used = templates(&queue.handler);
         used.extend(queue.idempotency.as_ref().and_then(|i| i.key.as_ref()));
         // Building the context copies the payload; templates without expressions never read it.
         let ctx = if used.iter().all(|t| t.literal().is_some()) {
             Context::null()
         } else {
-            context(envelope, attempt, &queue.name, &used, redact)
+            context(envelope, attempt, &queue.name, &used, redact)?
         };
-        Renderer { queue, envelope, attempt, ctx }
+        Ok(Renderer { queue, envelope, attempt, ctx })
     }
 
     /// The idempotency key: the queue's template, else the envelope's key.
@@ -202,7 +217,7 @@ impl<'a> Renderer<'a> {
     }
 
     /// The handler's request or invocation; `body` is the delivery's body as received.
-    pub fn call(&self, body: &[u8], key: &str, traceparent: Option<&str>) -> Result<Call, PrepareError> {
+    pub fn call(&self, body: &Bytes, key: &str, traceparent: Option<&str>) -> Result<Call, PrepareError> {
         let message = Message {
             envelope: self.envelope,
             body,

@@ -54,8 +54,8 @@ pub struct Request {
     pub url: Url,
     /// Header names and values, sent in this order; a repeated name is sent repeatedly.
     pub headers: Vec<(String, String)>,
-    /// Request body, sent as is.
-    pub body: Vec<u8>,
+    /// Request body, sent as is (often the delivery's own bytes, shared rather than copied).
+    pub body: bytes::Bytes,
 }
 
 /// Sends `request` and classifies the outcome; `timeout` bounds the whole exchange.

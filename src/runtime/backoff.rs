@@ -21,10 +21,12 @@ pub fn retry_delay(policy: &RetryPolicy, next: u32, retry_after: Option<Duration
     }
 }
 
-/// Full-jitter exponential backoff for reconnecting and re-publishing: 100ms doubling to `cap`.
+/// Full-jitter exponential backoff for reconnecting and re-publishing: uniform up to a ceiling
+/// of 100ms doubling per failure, at most `cap`. Full jitter spreads many runners that lost the
+/// same broker at the same moment, so they do not come back together.
 pub fn reconnect_delay(failures: u32, cap: Duration, rng: &mut impl Rng) -> Duration {
     let ceiling = Duration::from_millis(100).saturating_mul(1 << failures.min(16)).min(cap);
-    ceiling.mul_f64(rng.random_range(0.5..=1.0))
+    ceiling.mul_f64(rng.random::<f64>())
 }
 
 #[cfg(test)]
@@ -78,9 +80,17 @@ mod tests {
     }
 
     #[test]
-    fn reconnect_grows_to_cap() {
+    fn reconnect_is_full_jitter_growing_to_the_cap() {
         let mut rng = StdRng::seed_from_u64(5);
-        assert!(reconnect_delay(0, Duration::from_secs(10), &mut rng) <= Duration::from_millis(100));
-        assert!(reconnect_delay(20, Duration::from_secs(10), &mut rng) >= Duration::from_secs(5));
+        let cap = Duration::from_secs(30);
+        for (failures, ceiling) in [(0, 100), (1, 200), (4, 1_600), (8, 25_600), (9, 30_000), (40, 30_000)] {
+            let ceiling = Duration::from_millis(ceiling);
+            let delays: Vec<Duration> = (0..400).map(|_| reconnect_delay(failures, cap, &mut rng)).collect();
+            assert!(delays.iter().all(|d| *d <= ceiling), "{failures}: over {ceiling:?}");
+            // Full jitter: the whole range is used, the lowest quarter included.
+            let low = delays.iter().filter(|d| **d < ceiling / 4).count();
+            let high = delays.iter().filter(|d| **d > ceiling * 3 / 4).count();
+            assert!((60..=140).contains(&low) && (60..=140).contains(&high), "{failures}: {low} low, {high} high");
+        }
     }
 }

@@ -84,6 +84,15 @@ impl QueueEvents {
         }
     }
 
+    /// Handling a delivery panicked: a bug in sluice, which dead-letters that delivery alone.
+    pub fn internal_error(&self, message_id: Option<&str>, error: &str) {
+        let queue = self.queue.as_str();
+        error!(
+            queue,
+            message_id, error, "internal error while handling a message; dead-lettering it (reason internal)"
+        );
+    }
+
     /// The broker refused a retry or dead-letter copy; the message is held.
     pub fn copy_refused(&self, failures: u32, error: &dyn std::fmt::Display) {
         let queue = self.queue.as_str();

@@ -68,40 +68,47 @@ where
         .keys()
         .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), activity.clone(), store.clone())))
         .collect();
+    // Sessions that fail in a row; reset only by a session that lived STABLE_SESSION, so a
+    // broker that accepts and then drops every session is not hammered.
     let mut failures = 0u32;
     let mut declared_once = false;
     loop {
+        if failures > 0 {
+            let delay = backoff::reconnect_delay(failures, RECONNECT_CAP, &mut rand::rng());
+            info!(retry_in = ?delay, failures, "reconnecting to the broker after a pause");
+            if sleep_or_shutdown(delay, &shutdown).await {
+                break;
+            }
+        }
         let session = tokio::select! {
             _ = shutdown.cancelled() => break,
             s = connect() => s,
         };
         let broker = match session {
             Ok(b) => b,
+            Err(e) if e.is_fatal() && !declared_once => return Err(e.into()),
             Err(e) => {
                 failures += 1;
-                let delay = backoff::reconnect_delay(failures, Duration::from_secs(10), &mut rand::rng());
-                warn!(error = %e, retry_in = ?delay, "broker unreachable; retrying");
-                if sleep_or_shutdown(delay, &shutdown).await {
-                    break;
-                }
+                warn!(error = %e, "broker unreachable");
                 continue;
             }
         };
         match broker.declare(&plan).await {
             Ok(()) => {}
-            Err(e @ (BrokerError::Conflict(_) | BrokerError::NotFound(_))) => {
+            Err(e) if e.is_fatal() => {
                 broker.close().await;
                 return Err(e.into());
             }
             Err(e) => {
                 failures += 1;
-                warn!(error = %e, "declaring the topology failed; reconnecting");
+                warn!(error = %e, "declaring the topology failed");
+                broker.close().await;
                 continue;
             }
         }
         info!(queues = workers.len(), reconnect = declared_once, "topology declared; starting workers");
         declared_once = true;
-        failures = 0;
+        let session_started = Instant::now();
         let stop = shutdown.child_token();
         let mut running = JoinSet::new();
         for w in &workers {
@@ -155,6 +162,10 @@ where
             Some(e) if !shutdown.is_cancelled() => {
                 error!(error = %e, "broker session lost; reconnecting");
                 broker.close().await;
+                if session_started.elapsed() >= STABLE_SESSION {
+                    failures = 0;
+                }
+                failures += 1;
             }
             _ => {
                 let deadline = deadline.unwrap_or_else(|| Instant::now() + options.shutdown_grace);
@@ -180,6 +191,12 @@ async fn drain(tracker: &TaskTracker, deadline: Instant, grace: Duration, in_fli
         );
     }
 }
+
+/// The longest pause between two attempts to reach the broker.
+const RECONNECT_CAP: Duration = Duration::from_secs(30);
+
+/// A session that lived this long was a success: the next failure starts the backoff afresh.
+const STABLE_SESSION: Duration = Duration::from_secs(30);
 
 /// How long after its due time a delayed copy may still be on its way back through the broker's
 /// dead-lettering before `--exit-when-idle` stops waiting for it.

@@ -6,12 +6,14 @@
 //! publish while the delivery's channel lives, and otherwise leaves it to the broker to
 //! redeliver.
 
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt as _, StreamExt};
 use governor::{DefaultDirectRateLimiter, Quota};
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -23,10 +25,10 @@ use super::backoff;
 use super::events::QueueEvents;
 use crate::broker::{Broker, BrokerError, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
-use crate::dedup::{Claim, Store};
+use crate::dedup::{self, Claim, Store};
 use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
-use crate::handler::call::{self, Renderer};
+use crate::handler::call::{self, Call, Renderer};
 
 /// What a runner has under way, for telling when it is idle.
 #[derive(Debug, Default)]
@@ -84,6 +86,8 @@ pub enum Reason {
     Malformed,
     Schema,
     Template,
+    TooLarge,
+    Internal,
 }
 
 impl Reason {
@@ -95,12 +99,14 @@ impl Reason {
             Reason::Malformed => "malformed",
             Reason::Schema => "schema",
             Reason::Template => "template",
+            Reason::TooLarge => "too_large",
+            Reason::Internal => "internal",
         }
     }
 }
 
-/// A claim's lease outlives the handler's timeout (twice over, for rendering and the rate
-/// limit) by this much. After a crash, a key claimed in Redis is free again once its lease
+/// A claim's lease outlives the handler's timeout (twice over, for recording the success in
+/// the store afterwards) by this much. After a crash, a key claimed in Redis is free again once its lease
 /// ends; the embedded store's claims are in memory and end with the runner.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
@@ -210,17 +216,36 @@ impl Worker {
         result
     }
 
-    /// Decides what happens to a delivery: bad messages are dead-lettered, duplicates acked,
-    /// the rest run the handler under an idempotency claim.
+    /// Decides what happens to a delivery. Whatever goes wrong in here, a panic included, ends
+    /// as a disposition of this delivery alone: a panic is dead-lettered as `internal`.
     pub async fn decide<D: Delivery>(&self, delivery: &D) -> Disposition {
+        let attempt = attempt_of(delivery);
+        match AssertUnwindSafe(self.decide_unguarded(delivery, attempt)).catch_unwind().await {
+            Ok(disposition) => disposition,
+            Err(panic) => {
+                let error = panic_text(panic.as_ref());
+                self.events.internal_error(delivery.message_id(), &error);
+                Disposition::DeadLetter {
+                    reason: Reason::Internal,
+                    error: format!("internal error: {error}"),
+                    attempts: attempt,
+                }
+            }
+        }
+    }
+
+    /// Bad messages are dead-lettered, duplicates acked, the rest run the handler under an
+    /// idempotency claim taken only once the rate limiter lets the handler run.
+    async fn decide_unguarded<D: Delivery>(&self, delivery: &D, attempt: u32) -> Disposition {
         let q = self.queue();
-        let attempt = match delivery.header(envelope::ATTEMPT_HEADER) {
-            Some(HeaderValue::Int(n)) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
-            Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
-            _ => 1,
-        };
         let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
-        let envelope = match Envelope::decode(delivery.body()) {
+        let body = delivery.body();
+        if body.len() > q.max_message_bytes {
+            let error =
+                format!("{} bytes is over the queue's max_message_bytes of {}", body.len(), q.max_message_bytes);
+            return dead(Reason::TooLarge, error);
+        }
+        let envelope = match Envelope::decode(body) {
             Ok(e) => e,
             Err(e) => return dead(Reason::Malformed, e.to_string()),
         };
@@ -233,13 +258,26 @@ impl Worker {
                 return dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str()));
             }
         }
-        let renderer = Renderer::new(q, &envelope, attempt, false);
+        let renderer = match Renderer::new(q, &envelope, attempt, false) {
+            Ok(r) => r,
+            Err(e) => return dead(Reason::Malformed, e.to_string()),
+        };
         let key = match renderer.key() {
-            Ok(k) => k,
+            Ok(k) => dedup::effective_key(k),
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
+        let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());
+        let call = match renderer.call(body, &key, traceparent.as_deref()) {
+            Ok(c) => c,
+            Err(e) => return dead(Reason::Template, e.to_string()),
+        };
+        // The wait holds no claim: a lease taken before it could run out while the message
+        // waits, and let a duplicate run beside it.
+        if let Some(limiter) = &self.limiter {
+            limiter.until_ready().await;
+        }
         let (Some(_), Some(store)) = (&q.idempotency, &self.store) else {
-            return self.handle(delivery, &renderer, &key, attempt).await;
+            return self.handle(call, attempt).await;
         };
         match store.claim(&q.name, &key, lease(q)).await {
             Ok(Claim::Claimed) => {}
@@ -253,7 +291,7 @@ impl Worker {
                 return Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") };
             }
         }
-        match self.handle(delivery, &renderer, &key, attempt).await {
+        match self.handle(call, attempt).await {
             Disposition::Ack => Disposition::Completed { key },
             other => {
                 if let Err(e) = store.release(&q.name, &key).await {
@@ -284,26 +322,19 @@ impl Worker {
         }
     }
 
-    /// Renders the call, waits for the rate limit, runs the handler, classifies the result.
-    async fn handle<D: Delivery>(&self, delivery: &D, renderer: &Renderer<'_>, key: &str, attempt: u32) -> Disposition {
+    /// Runs the handler's call and classifies the result.
+    async fn handle(&self, call: Call, attempt: u32) -> Disposition {
         let q = self.queue();
-        let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
-        let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());
-        let prepared = match renderer.call(delivery.body(), key, traceparent.as_deref()) {
-            Ok(c) => c,
-            Err(e) => return dead(Reason::Template, e.to_string()),
-        };
-        if let Some(limiter) = &self.limiter {
-            limiter.until_ready().await;
-        }
         let started = Instant::now();
-        let result = call::execute(prepared, &self.client).await;
+        let result = call::execute(call, &self.client).await;
         self.events.handler_ran(started.elapsed());
         match result {
             Ok(()) => Disposition::Ack,
-            Err(HandlerError::Permanent { error }) => dead(Reason::Permanent, error),
+            Err(HandlerError::Permanent { error }) => {
+                Disposition::DeadLetter { reason: Reason::Permanent, error, attempts: attempt }
+            }
             Err(HandlerError::Transient { error, .. }) if attempt >= q.retry.max_attempts.get() => {
-                dead(Reason::Exhausted, error)
+                Disposition::DeadLetter { reason: Reason::Exhausted, error, attempts: attempt }
             }
             Err(HandlerError::Transient { error, retry_after }) => {
                 let after = backoff::retry_delay(&q.retry, attempt + 1, retry_after, &mut rand::rng());
@@ -408,6 +439,24 @@ impl Worker {
     }
 }
 
+/// The delivery's attempt number, from its header (1 when absent or nonsense).
+fn attempt_of<D: Delivery>(delivery: &D) -> u32 {
+    match delivery.header(envelope::ATTEMPT_HEADER) {
+        Some(HeaderValue::Int(n)) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
+        Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
+        _ => 1,
+    }
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_text(panic: &(dyn Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_string(),
+        (None, Some(s)) => s.clone(),
+        (None, None) => "a panic without a message".to_string(),
+    }
+}
+
 fn attempt_header(attempt: u32) -> Headers {
     Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
@@ -415,5 +464,56 @@ fn attempt_header(attempt: u32) -> Headers {
 async fn ack<D: Delivery>(delivery: &D, multiple: bool) {
     if let Err(e) = delivery.ack(multiple).await {
         warn!(error = %e, "ack failed; the broker will redeliver");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    /// A delivery whose body cannot be read: the stand-in for any bug that panics mid-delivery.
+    struct Panicking;
+
+    impl Delivery for Panicking {
+        fn body(&self) -> &Bytes {
+            panic!("a bug while reading the body")
+        }
+        fn tag(&self) -> u64 {
+            1
+        }
+        fn header(&self, _: &str) -> Option<HeaderValue> {
+            None
+        }
+        fn timestamp(&self) -> Option<u64> {
+            None
+        }
+        fn message_id(&self) -> Option<&str> {
+            Some("m-1")
+        }
+        fn is_live(&self) -> bool {
+            true
+        }
+        async fn ack(&self, _: bool) -> Result<(), BrokerError> {
+            Ok(())
+        }
+    }
+
+    /// Issue 9: a panic while handling one delivery ends it as DLQ(internal), never unsettled.
+    #[tokio::test]
+    async fn a_panic_while_handling_a_delivery_dead_letters_it_as_internal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
+        let client = crate::handler::webhook::client().expect("client");
+        let worker = Worker::new(Arc::new(config), "work", client, Arc::default(), None);
+        let disposition = worker.decide(&Panicking).await;
+        let Disposition::DeadLetter { reason, error, attempts } = disposition else {
+            panic!("not dead-lettered: {disposition:?}");
+        };
+        assert_eq!((reason, attempts), (Reason::Internal, 1));
+        assert_eq!(error, "internal error: a bug while reading the body");
     }
 }

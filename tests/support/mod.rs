@@ -51,7 +51,7 @@ impl Vhost {
     }
 
     pub async fn connect(&self) -> Amqp {
-        Amqp::connect(&self.url()).await.expect("connect to the test vhost")
+        Amqp::connect(&self.url(), sluice::broker::amqp::CONNECT_TIMEOUT).await.expect("connect to the test vhost")
     }
 
     /// Messages ready in `queue` (a passive declare on a fresh connection, so it works after
@@ -186,7 +186,7 @@ pub async fn publish(
     routing_key: &str,
     key: &str,
     payload: serde_json::Value,
-) -> Envelope {
+) -> Envelope<'static> {
     let envelope = Envelope::new("test.event", &payload, Some(key.to_string()));
     publish_raw(broker, exchange, routing_key, envelope.encode(), Headers::new()).await;
     envelope

@@ -505,7 +505,7 @@ async fn retries_that_take_the_same_path_through_the_delay_cascade_all_arrive() 
 async fn delayed(vhost: &Vhost) -> u32 {
     let broker = vhost.connect().await;
     let mut total = 0;
-    for level in 0..sluice::topology::DELAY_LEVELS {
+    for level in 0..sluice::broker::amqp::DELAY_LEVELS {
         total += broker.depth(&format!("sluice.delay.{level:02}")).await.expect("delay level declared");
     }
     broker.close().await;

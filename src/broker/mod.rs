@@ -1,10 +1,15 @@
 //! The broker seen by the runtime: declare a plan, publish with confirm, consume with
-//! prefetch, ack, delayed publish to one queue, queue depth. One trait, so the embedded
-//! broker and RabbitMQ share every rule in the runtime.
+//! prefetch through a consumer handle (ack a batch, cancel, close), delayed publish to one
+//! queue, dead-lettering, queue depth. One trait, so the embedded broker and RabbitMQ share
+//! every rule in the runtime.
 //!
-//! Implementations do transport only: no retry policy, no classification, no envelopes.
+//! The trait carries no broker's notions (delivery tags, `multiple` acks, `x-` arguments,
+//! delay queues): each implementation maps them its own way. Implementations do transport
+//! only: no retry policy, no classification, no envelopes.
 
 pub mod amqp;
+#[cfg(test)]
+pub mod memory;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -13,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::Stream;
 
-use crate::topology::{self, Plan};
+use crate::topology::Plan;
 
 /// AMQP header values sluice reads and writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,26 +81,39 @@ impl BrokerError {
     }
 }
 
-/// One message handed to a consumer; settled by `ack`.
+/// One message handed to a consumer; settled through its consumer's [`Consumer::ack`].
 pub trait Delivery: Send + Sync + 'static {
     /// The body as published, shared (not copied) with whatever sends it on.
     fn body(&self) -> &Bytes;
-    /// Increases per consumer; acks with `multiple` cover every lower tag of the same consumer.
-    fn tag(&self) -> u64;
     fn header(&self, name: &str) -> Option<HeaderValue>;
     /// The `timestamp` property, seconds since the epoch.
     fn timestamp(&self) -> Option<u64>;
     fn message_id(&self) -> Option<&str>;
-    /// Whether this delivery can still be acked (its channel is open).
+    /// Whether this delivery can still be acked (its consumer is open).
     fn is_live(&self) -> bool;
-    /// Acknowledges this delivery, and with `multiple` every earlier one of its consumer.
-    fn ack(&self, multiple: bool) -> impl Future<Output = Result<(), BrokerError>> + Send;
+}
+
+/// One consumer of one queue: what the runtime holds to settle, stop and hand back what it
+/// was given. Cheap to clone; clones share the consumer.
+pub trait Consumer: Clone + Send + Sync + 'static {
+    type Delivery: Delivery;
+
+    /// Acknowledges settled deliveries of this consumer, in any order; the broker may batch.
+    fn ack(&self, settled: Vec<Self::Delivery>) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Stops new deliveries; those already sent still arrive, then the stream ends.
+    fn cancel(&self) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Hands this consumer's unsettled deliveries back to the broker (and only them, never
+    /// another consumer's), to be delivered again.
+    fn close(&self) -> impl Future<Output = ()> + Send;
 }
 
 /// A live session with a broker. Cheap to clone; all clones share the session.
 pub trait Broker: Clone + Send + Sync + 'static {
     type Delivery: Delivery;
     type Deliveries: Stream<Item = Result<Self::Delivery, BrokerError>> + Send + Unpin + 'static;
+    type Consumer: Consumer<Delivery = Self::Delivery>;
 
     /// Declares everything in the plan, idempotently; a conflict is an error naming it.
     fn declare(&self, plan: &Plan) -> impl Future<Output = Result<(), BrokerError>> + Send;
@@ -108,37 +126,37 @@ pub trait Broker: Clone + Send + Sync + 'static {
         message: Outgoing,
     ) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
-    /// Publishes a copy of a delivery (original body and properties, `headers` merged over its
-    /// own), mandatory, and waits for the confirm.
-    fn republish(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        original: &Self::Delivery,
-        headers: Headers,
-    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
-
-    /// Publishes a copy that reaches `queue` (and only it) after `delay`.
+    /// Publishes a copy of a delivery (original body and properties, `headers` merged over
+    /// its own) that reaches `queue`, and only it, after `delay`; waits for the confirm.
     fn publish_delayed(
         &self,
         queue: &str,
         delay: Duration,
         original: &Self::Delivery,
         headers: Headers,
-    ) -> impl Future<Output = Result<(), BrokerError>> + Send {
-        let (exchange, routing_key) = topology::delay_route(queue, delay);
-        async move { self.republish(&exchange, &routing_key, original, headers).await }
-    }
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
-    /// Starts consuming `queue` with at most `prefetch` unacked deliveries.
-    fn consume(&self, queue: &str, prefetch: u16)
-    -> impl Future<Output = Result<Self::Deliveries, BrokerError>> + Send;
+    /// Publishes a copy of a delivery into the dead-letter queue `dead_letter`; waits for the
+    /// confirm.
+    fn dead_letter(
+        &self,
+        dead_letter: &str,
+        original: &Self::Delivery,
+        headers: Headers,
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
-    /// Stops delivering from `queue`; deliveries already sent still arrive, then the stream ends.
-    fn cancel(&self, queue: &str) -> impl Future<Output = Result<(), BrokerError>> + Send;
+    /// Starts consuming `queue` with at most `prefetch` unsettled deliveries.
+    fn consume(
+        &self,
+        queue: &str,
+        prefetch: u16,
+    ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
 
     /// Messages ready in `queue`.
     fn depth(&self, queue: &str) -> impl Future<Output = Result<u32, BrokerError>> + Send;
+
+    /// Delayed copies not yet due back, whoever published them.
+    fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;
 
     /// Whether the session is still connected.
     fn is_connected(&self) -> bool;

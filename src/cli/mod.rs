@@ -15,14 +15,14 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Readiness;
-use crate::broker::amqp::Amqp;
+use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::config::{self, Format};
 use crate::dedup::{Location, Store};
 use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
 use crate::runtime;
-use crate::topology::{self, PlanFormat};
+use crate::topology;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -122,7 +122,7 @@ pub fn main() -> ExitCode {
             let Some(config) = load_or_report(&paths) else {
                 return ExitCode::FAILURE;
             };
-            print!("{}", topology::render(&topology::plan(&config), format));
+            print!("{}", amqp::render(&amqp::declarations(&topology::plan(&config)), format));
             ExitCode::SUCCESS
         }
         Command::Schema => {
@@ -219,7 +219,8 @@ async fn run(
         });
     }
     let connect = || Amqp::connect(&broker.url, broker.connect_timeout);
-    runtime::run(Arc::new(config), connect, store, options, shutdown).await?;
+    let (_reload, reloads) = tokio::sync::mpsc::unbounded_channel();
+    runtime::run(Arc::new(config), connect, store, options, reloads, shutdown).await?;
     Ok(())
 }
 

@@ -275,6 +275,11 @@ impl Compiler<'_> {
             q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
         let handler = self.handler(file, &format!("{base}/handler"), q.handler)?;
+        let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
+        let program_source = match &handler {
+            Handler::Command(c) => Some(c.program.display().to_string()),
+            Handler::Webhook(_) => None,
+        };
         let timeout = handler.timeout();
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
@@ -298,6 +303,11 @@ impl Compiler<'_> {
             idempotency,
             dead_letter,
             file: file.path.clone(),
+            source: serde_json::json!({
+                "definition": file.value.pointer(&base),
+                "payload_schema": payload_schema_source,
+                "program": program_source,
+            }),
         })
     }
 
@@ -339,7 +349,7 @@ impl Compiler<'_> {
             }
         };
         match jsonschema::validator_for(&schema) {
-            Ok(validator) => Some(PayloadSchema { path, validator: Arc::new(validator) }),
+            Ok(validator) => Some(PayloadSchema { path, schema, validator: Arc::new(validator) }),
             Err(e) => {
                 self.error(file, pointer, format!("payload schema {} is not a valid JSON Schema: {e}", path.display()));
                 None

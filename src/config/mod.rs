@@ -41,7 +41,8 @@ pub struct Exchange {
 }
 
 /// AMQP exchange types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ExchangeKind {
     Direct,
     Fanout,
@@ -70,7 +71,8 @@ pub struct Binding {
 }
 
 /// Quorum (replicated, the default) or classic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum QueueKind {
     Quorum,
     Classic,
@@ -96,12 +98,18 @@ pub struct Queue {
     pub dead_letter: String,
     /// The file the queue is defined in.
     pub file: PathBuf,
+    /// Everything the queue was compiled from: its definition as merged, and what it read
+    /// from other files (the payload schema, the resolved program). Two queues with the same
+    /// source behave the same, so a reload leaves the queue running.
+    pub source: serde_json::Value,
 }
 
 /// A compiled JSON Schema that payloads must satisfy.
 #[derive(Clone)]
 pub struct PayloadSchema {
     pub path: PathBuf,
+    /// The schema as read, to tell whether a reload changed it.
+    pub schema: serde_json::Value,
     pub validator: Arc<jsonschema::Validator>,
 }
 

@@ -1,5 +1,8 @@
-//! `sluice run`: supervises a broker session (connect with backoff, declare, one worker per
-//! queue, reconnect when the session is lost) and drains on shutdown.
+//! `sluice run`: a running topology (vector's design). Each running queue owns its consumer,
+//! its delivery tasks, its stop token and its ack loop, so one queue can be drained and
+//! replaced without touching the others. One apply path, `apply(diff(old, new))`, serves
+//! start-up (old = empty), reconnect (a new session starts from empty again) and reload.
+//! The supervisor opens sessions with backoff and reopens them when one is lost.
 //!
 //! Generic over [`Broker`]: nothing here knows RabbitMQ.
 
@@ -7,28 +10,29 @@ pub mod backoff;
 mod events;
 pub mod worker;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tokio::task::JoinSet;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::admin::Readiness;
 use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
-use crate::topology::{self, Plan, Role};
+use crate::topology::{self, Diff};
 use worker::{Activity, Worker};
 
 /// How `run` behaves beyond the config.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// How long in-flight handlers may take to finish on shutdown.
+    /// How long in-flight handlers may take to finish when their queue stops (shutdown, reload).
     pub shutdown_grace: Duration,
     /// Exit once every queue (and every pending retry) is empty and nothing is in flight.
     pub exit_when_idle: bool,
@@ -45,150 +49,79 @@ pub enum RunError {
     Client(String),
 }
 
-/// Runs the pipeline until `shutdown` is cancelled (or, with `exit_when_idle`, until idle).
-/// `connect` opens a new broker session; it is called again after a session is lost.
-pub async fn run<B, C, F>(
-    config: Arc<Config>,
-    connect: C,
-    store: Option<Store>,
-    options: Options,
-    shutdown: CancellationToken,
-) -> Result<(), RunError>
-where
-    B: Broker,
-    C: Fn() -> F,
-    F: Future<Output = Result<B, BrokerError>>,
-{
-    let plan = topology::plan(&config);
-    let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
-    let activity = Arc::new(Activity::default());
-    let tracker = TaskTracker::new();
-    let workers: Vec<Arc<Worker>> = config
-        .queues
-        .keys()
-        .map(|name| Arc::new(Worker::new(config.clone(), name, client.clone(), activity.clone(), store.clone())))
-        .collect();
-    // Sessions that fail in a row; reset only by a session that lived STABLE_SESSION, so a
-    // broker that accepts and then drops every session is not hammered.
-    let mut failures = 0u32;
-    let mut declared_once = false;
-    loop {
-        if failures > 0 {
-            let delay = backoff::reconnect_delay(failures, RECONNECT_CAP, &mut rand::rng());
-            info!(retry_in = ?delay, failures, "reconnecting to the broker after a pause");
-            if sleep_or_shutdown(delay, &shutdown).await {
-                break;
-            }
-        }
-        let session = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            s = connect() => s,
-        };
-        let broker = match session {
-            Ok(b) => b,
-            Err(e) if e.is_fatal() && !declared_once => return Err(e.into()),
-            Err(e) => {
-                failures += 1;
-                warn!(error = %e, "broker unreachable");
-                continue;
-            }
-        };
-        match broker.declare(&plan).await {
-            Ok(()) => {}
-            Err(e) if e.is_fatal() => {
-                broker.close().await;
-                return Err(e.into());
-            }
-            Err(e) => {
-                failures += 1;
-                warn!(error = %e, "declaring the topology failed");
-                broker.close().await;
-                continue;
-            }
-        }
-        info!(queues = workers.len(), reconnect = declared_once, "topology declared; starting workers");
-        declared_once = true;
-        let session_started = Instant::now();
-        let stop = shutdown.child_token();
-        let mut running = JoinSet::new();
-        for w in &workers {
-            running.spawn(w.clone().run(broker.clone(), stop.clone(), tracker.clone()));
-        }
-        {
-            let (broker, config, stop) = (broker.clone(), config.clone(), stop.clone());
-            running.spawn(async move {
-                poll_depths(&broker, &config, &stop).await;
-                Ok(())
-            });
-        }
-        options.readiness.set(true);
-        if options.exit_when_idle {
-            let (broker, plan, activity, stop) = (broker.clone(), plan.clone(), activity.clone(), stop.clone());
-            running.spawn(async move {
-                watch_idle(&broker, &plan, &activity, &stop).await;
-                Ok(())
-            });
-        }
-        let mut lost = None;
-        // Workers return only once their deliveries are settled, so the grace, counted from
-        // shutdown, bounds waiting for them as well as for the delivery tasks.
-        let mut deadline = None;
-        loop {
-            let result = tokio::select! {
-                result = running.join_next() => match result {
-                    Some(result) => result,
-                    None => break,
-                },
-                () = shutdown.cancelled(), if deadline.is_none() => {
-                    deadline = Some(Instant::now() + options.shutdown_grace);
-                    continue;
-                }
-                () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => break,
-            };
-            match result {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    lost.get_or_insert(e);
-                    stop.cancel();
-                }
-                Err(e) => {
-                    error!(error = %e, "worker task failed");
-                    stop.cancel();
-                }
-            }
-        }
-        options.readiness.set(false);
-        match lost {
-            Some(e) if !shutdown.is_cancelled() => {
-                error!(error = %e, "broker session lost; reconnecting");
-                broker.close().await;
-                if session_started.elapsed() >= STABLE_SESSION {
-                    failures = 0;
-                }
-                failures += 1;
-            }
-            _ => {
-                let deadline = deadline.unwrap_or_else(|| Instant::now() + options.shutdown_grace);
-                drain(&tracker, deadline, options.shutdown_grace, &activity.in_flight).await;
-                broker.close().await;
-                return Ok(());
-            }
-        }
-    }
-    drain(&tracker, Instant::now() + options.shutdown_grace, options.shutdown_grace, &activity.in_flight).await;
-    Ok(())
+/// A new config to apply while running, and where to say how that went: the diff applied,
+/// or why the broker refused it (the old config then keeps running).
+pub struct Reload {
+    pub config: Arc<Config>,
+    pub applied: oneshot::Sender<Result<Diff, BrokerError>>,
 }
 
-/// Waits until `deadline` for the delivery tasks; what is still unfinished then goes back to
-/// the broker when the session closes.
-async fn drain(tracker: &TaskTracker, deadline: Instant, grace: Duration, in_flight: &AtomicUsize) {
-    tracker.close();
-    if tokio::time::timeout_at(deadline, tracker.wait()).await.is_err() {
-        warn!(
-            in_flight = in_flight.load(Ordering::SeqCst),
-            ?grace,
-            "shutdown grace expired; unfinished messages go back to the broker"
-        );
+/// What every running queue shares.
+struct Shared {
+    client: reqwest::Client,
+    activity: Arc<Activity>,
+    store: Option<Store>,
+    grace: Duration,
+}
+
+/// A queue being consumed: its worker task and the token that stops it.
+struct RunningQueue {
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl RunningQueue {
+    /// Stops consuming and waits for the worker to drain (bounded by its grace).
+    async fn drain(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// The queues of one broker session and the config they run.
+struct Running<B: Broker> {
+    broker: B,
+    config: Arc<Config>,
+    queues: BTreeMap<String, RunningQueue>,
+    shared: Arc<Shared>,
+    /// A worker whose session failed says so here.
+    lost: mpsc::UnboundedSender<BrokerError>,
+}
+
+impl<B: Broker> Running<B> {
+    /// Applies `new`: declares it whole first (a refusal changes nothing), drains the changed
+    /// and removed queues, then starts the changed and added ones.
+    async fn apply(&mut self, new: Arc<Config>) -> Result<Diff, BrokerError> {
+        let diff = topology::diff(&self.config, &new);
+        self.broker.declare(&topology::plan(&new)).await?;
+        let stopping: Vec<RunningQueue> = diff.to_stop().filter_map(|name| self.queues.remove(name)).collect();
+        futures_util::future::join_all(stopping.into_iter().map(RunningQueue::drain)).await;
+        for name in diff.to_start() {
+            let worker = Arc::new(Worker::new(
+                new.clone(),
+                name,
+                self.shared.client.clone(),
+                self.shared.activity.clone(),
+                self.shared.store.clone(),
+            ));
+            let stop = CancellationToken::new();
+            let (broker, lost, token, grace) =
+                (self.broker.clone(), self.lost.clone(), stop.clone(), self.shared.grace);
+            let task = tokio::spawn(async move {
+                if let Err(e) = worker.run(broker, token, grace).await {
+                    let _ = lost.send(e);
+                }
+            });
+            self.queues.insert(name.clone(), RunningQueue { stop, task });
+        }
+        self.config = new;
+        Ok(diff)
+    }
+
+    /// Drains every queue (as a reload to the empty config would).
+    async fn stop_all(&mut self) {
+        let all = std::mem::take(&mut self.queues);
+        futures_util::future::join_all(all.into_values().map(RunningQueue::drain)).await;
     }
 }
 
@@ -198,18 +131,161 @@ const RECONNECT_CAP: Duration = Duration::from_secs(30);
 /// A session that lived this long was a success: the next failure starts the backoff afresh.
 const STABLE_SESSION: Duration = Duration::from_secs(30);
 
-/// How long after its due time a delayed copy may still be on its way back through the broker's
-/// dead-lettering before `--exit-when-idle` stops waiting for it.
+/// Runs the pipeline until `shutdown` is cancelled (or, with `exit_when_idle`, until idle),
+/// applying each config that arrives on `reloads`. `connect` opens a new broker session; it
+/// is called again after a session is lost.
+pub async fn run<B, C, F>(
+    config: Arc<Config>,
+    connect: C,
+    store: Option<Store>,
+    options: Options,
+    mut reloads: mpsc::UnboundedReceiver<Reload>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError>
+where
+    B: Broker,
+    C: Fn() -> F,
+    F: Future<Output = Result<B, BrokerError>>,
+{
+    let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
+    let activity = Arc::new(Activity::default());
+    let shared = Arc::new(Shared { client, activity: activity.clone(), store, grace: options.shutdown_grace });
+    let (current, _) = watch::channel(config);
+    // Sessions that fail in a row; reset only by a session that lived STABLE_SESSION, so a
+    // broker that accepts and then drops every session is not hammered.
+    let mut failures = 0u32;
+    let mut started = false;
+    loop {
+        if failures > 0 {
+            let delay = backoff::reconnect_delay(failures, RECONNECT_CAP, &mut rand::rng());
+            info!(retry_in = ?delay, failures, "reconnecting to the broker after a pause");
+            if sleep_or_shutdown(delay, &shutdown).await {
+                return Ok(());
+            }
+        }
+        let session = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            s = connect() => s,
+        };
+        let broker = match session {
+            Ok(b) => b,
+            Err(e) if e.is_fatal() && !started => return Err(e.into()),
+            Err(e) => {
+                failures += 1;
+                warn!(error = %e, "broker unreachable");
+                continue;
+            }
+        };
+        let (lost_tx, mut lost) = mpsc::unbounded_channel();
+        let mut running = Running {
+            broker: broker.clone(),
+            config: Arc::new(Config::default()),
+            queues: BTreeMap::new(),
+            shared: shared.clone(),
+            lost: lost_tx,
+        };
+        let config = current.borrow().clone();
+        match running.apply(config).await {
+            Ok(_) => {}
+            Err(e) if e.is_fatal() => {
+                running.stop_all().await;
+                broker.close().await;
+                return Err(e.into());
+            }
+            Err(e) => {
+                failures += 1;
+                warn!(error = %e, "declaring the topology failed");
+                running.stop_all().await;
+                broker.close().await;
+                continue;
+            }
+        }
+        info!(queues = running.queues.len(), reconnect = started, "topology declared; consuming");
+        started = true;
+        let session_started = Instant::now();
+        let stop = CancellationToken::new();
+        let pollers = {
+            let (broker, watched, stop) = (broker.clone(), current.subscribe(), stop.clone());
+            tokio::spawn(async move { poll_depths(&broker, watched, &stop).await })
+        };
+        let idle = CancellationToken::new();
+        if options.exit_when_idle {
+            let (broker, watched, activity, idle) =
+                (broker.clone(), current.subscribe(), activity.clone(), idle.clone());
+            let stop = stop.clone();
+            tokio::spawn(async move { watch_idle(&broker, watched, &activity, &stop, &idle).await });
+        }
+        options.readiness.set(true);
+        let ended = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break None,
+                _ = idle.cancelled() => {
+                    info!("every queue is drained; exiting (--exit-when-idle)");
+                    break None;
+                }
+                Some(e) = lost.recv() => break Some(e),
+                Some(reload) = reloads.recv() => {
+                    let result = running.apply(reload.config.clone()).await;
+                    let lost = match &result {
+                        Ok(_) => {
+                            current.send_replace(reload.config);
+                            None
+                        }
+                        // Refused as declared: the old config keeps running as it was.
+                        Err(e) if e.is_fatal() => None,
+                        Err(e) => Some(e.clone()),
+                    };
+                    let _ = reload.applied.send(result);
+                    if let Some(e) = lost {
+                        break Some(e);
+                    }
+                }
+            }
+        };
+        options.readiness.set(false);
+        stop.cancel();
+        let _ = pollers.await;
+        match ended {
+            Some(e) if !shutdown.is_cancelled() => {
+                error!(error = %e, "broker session lost; reconnecting");
+                // The connection is gone or going: the workers end, their unsettled messages
+                // go back to the broker with it.
+                running.stop_all().await;
+                broker.close().await;
+                if session_started.elapsed() >= STABLE_SESSION {
+                    failures = 0;
+                }
+                failures += 1;
+            }
+            _ => {
+                if shutdown.is_cancelled() {
+                    info!(grace = ?options.shutdown_grace, "draining: no new messages, finishing in-flight ones");
+                }
+                running.stop_all().await;
+                let unfinished = activity.in_flight.load(Ordering::SeqCst);
+                if unfinished > 0 {
+                    warn!(in_flight = unfinished, "shutdown grace expired; unfinished messages go back to the broker");
+                }
+                broker.close().await;
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// How long after its due time a delayed copy may still be on its way back through the broker
+/// before `--exit-when-idle` stops waiting for it.
 const DELAY_SLACK: Duration = Duration::from_secs(2);
 
 /// How often queue and dead-letter depths are read for the metrics.
 const DEPTH_POLL: Duration = Duration::from_secs(5);
 
-/// Reads every queue's depth and its dead-letter queue's (passive declares, no management
-/// plugin needed) into the metrics until `stop`.
-async fn poll_depths<B: Broker>(broker: &B, config: &Config, stop: &CancellationToken) {
+/// Reads every queue's depth and its dead-letter queue's (no management plugin needed) into
+/// the metrics until `stop`, for the config running at each poll.
+async fn poll_depths<B: Broker>(broker: &B, config: watch::Receiver<Arc<Config>>, stop: &CancellationToken) {
     loop {
-        for q in config.queues.values() {
+        let current = config.borrow().clone();
+        for q in current.queues.values() {
             if let (Ok(depth), Ok(dlq)) = (broker.depth(&q.name).await, broker.depth(&q.dead_letter).await) {
                 events::depths(&q.name, depth, &q.dead_letter, dlq);
             }
@@ -220,35 +296,38 @@ async fn poll_depths<B: Broker>(broker: &B, config: &Config, stop: &Cancellation
     }
 }
 
-/// Sleeps; true if shutdown came first.
-async fn sleep_or_shutdown(delay: Duration, shutdown: &CancellationToken) -> bool {
+/// Sleeps; true if `stop` came first.
+async fn sleep_or_shutdown(delay: Duration, stop: &CancellationToken) -> bool {
     tokio::select! {
-        _ = shutdown.cancelled() => true,
+        _ = stop.cancelled() => true,
         _ = tokio::time::sleep(delay) => false,
     }
 }
 
-/// Cancels `stop` once every work and delay queue is empty and nothing is in flight, twice in
-/// a row (a message between two hops of the cascade must not look like idleness).
-async fn watch_idle<B: Broker>(broker: &B, plan: &Plan, activity: &Activity, stop: &CancellationToken) {
-    let queues: Vec<&str> =
-        plan.queues.iter().filter(|q| q.role != Role::DeadLetter).map(|q| q.name.as_str()).collect();
+/// Cancels `idle` once every queue of the running config is empty, no delayed copy is pending
+/// and nothing is in flight, three polls in a row (a message between two hops of a delay
+/// must not look like idleness).
+async fn watch_idle<B: Broker>(
+    broker: &B,
+    config: watch::Receiver<Arc<Config>>,
+    activity: &Activity,
+    stop: &CancellationToken,
+    idle: &CancellationToken,
+) {
     let mut idle_polls = 0;
-    while !stop.is_cancelled() {
-        if sleep_or_shutdown(Duration::from_millis(250), stop).await {
-            return;
-        }
-        let mut idle = activity.is_quiet(DELAY_SLACK);
-        for q in &queues {
-            if !idle {
+    while !sleep_or_shutdown(Duration::from_millis(250), stop).await {
+        let current = config.borrow().clone();
+        let mut quiet = activity.is_quiet(DELAY_SLACK) && matches!(broker.delayed().await, Ok(0));
+        for q in current.queues.values() {
+            if !quiet {
                 break;
             }
-            idle = matches!(broker.depth(q).await, Ok(0));
+            quiet = matches!(broker.depth(&q.name).await, Ok(0));
         }
-        idle_polls = if idle && activity.is_quiet(DELAY_SLACK) { idle_polls + 1 } else { 0 };
+        idle_polls = if quiet && activity.is_quiet(DELAY_SLACK) { idle_polls + 1 } else { 0 };
         if idle_polls >= 3 {
-            info!("every queue is drained; exiting (--exit-when-idle)");
-            stop.cancel();
+            idle.cancel();
+            return;
         }
     }
 }

@@ -23,7 +23,7 @@ use tracing::{error, info, warn};
 
 use super::backoff;
 use super::events::QueueEvents;
-use crate::broker::{Broker, BrokerError, Delivery, HeaderValue, Headers};
+use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
 use crate::dedup::{self, Claim, Store};
 use crate::envelope::{self, Envelope};
@@ -133,12 +133,6 @@ pub struct Worker {
     events: QueueEvents,
 }
 
-enum AckEvent<D> {
-    Received(u64),
-    /// Settled; acked once the key, if any, is recorded done.
-    Finished(D, Option<String>),
-}
-
 impl Worker {
     /// A worker for queue `name` of `config`.
     pub fn new(
@@ -160,25 +154,27 @@ impl Worker {
         &self.config.queues[&self.name]
     }
 
-    /// Consumes until `stop` (then drains what was already delivered) or until the session
-    /// is lost (an error). Delivery tasks are spawned on `tracker`.
+    /// Consumes until `stop`, then drains: no new deliveries, those already delivered are
+    /// finished within `grace` (counted from `stop`), and whatever is still unsettled then is
+    /// handed back to the broker. Returns an error only when the session is lost.
     pub async fn run<B: Broker>(
         self: Arc<Self>,
         broker: B,
         stop: CancellationToken,
-        tracker: TaskTracker,
+        grace: Duration,
     ) -> Result<(), BrokerError> {
         let queue = self.queue();
-        let mut deliveries = broker.consume(&queue.name, queue.concurrency.get()).await?;
+        let (mut deliveries, consumer) = broker.consume(&queue.name, queue.concurrency.get()).await?;
         info!(queue = %queue.name, concurrency = queue.concurrency.get(), "consuming");
+        let tracker = TaskTracker::new();
         let (acks, ack_events) = mpsc::unbounded_channel();
-        let acker = tokio::spawn(self.clone().ack_loop(ack_events, usize::from(queue.concurrency.get()) / 2));
-        let mut cancelled = false;
+        let acker = tokio::spawn(self.clone().ack_loop(consumer.clone(), ack_events));
+        let mut deadline = None;
         let result = loop {
             tokio::select! {
-                _ = stop.cancelled(), if !cancelled => {
-                    cancelled = true;
-                    if let Err(e) = broker.cancel(&queue.name).await {
+                _ = stop.cancelled(), if deadline.is_none() => {
+                    deadline = Some(tokio::time::Instant::now() + grace);
+                    if let Err(e) = consumer.cancel().await {
                         break Err(e);
                     }
                 }
@@ -186,7 +182,6 @@ impl Worker {
                     Some(Ok(delivery)) => {
                         self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
                         self.events.received(delivery.timestamp());
-                        let _ = acks.send(AckEvent::Received(delivery.tag()));
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
                         tracker.spawn(async move {
                             let disposition = worker.decide(&delivery).await;
@@ -196,23 +191,30 @@ impl Worker {
                                     Disposition::Completed { key } => Some(key),
                                     _ => None,
                                 };
-                                let _ = acks.send(AckEvent::Finished(delivery, key));
+                                let _ = acks.send((delivery, key));
                             }
                             worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
                         });
                     }
                     Some(Err(e)) => break Err(e),
-                    None if cancelled => break Ok(()),
+                    None if deadline.is_some() => break Ok(()),
                     None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name))),
                 }
             }
         };
         drop(acks);
-        if result.is_ok() {
-            // Let the delivery tasks finish so their acks are sent before we return.
-            let _ = acker.await;
+        if let (Ok(()), Some(deadline)) = (&result, deadline) {
+            tracker.close();
+            if tokio::time::timeout_at(deadline, tracker.wait()).await.is_err() {
+                warn!(queue = %queue.name, ?grace, "grace expired with handlers still running; their messages go back to the broker");
+            }
+            // The acks of what finished go out before the rest is handed back.
+            if tokio::time::timeout_at(deadline, acker).await.is_err() {
+                warn!(queue = %queue.name, "acks not sent within the grace; those messages go back to the broker");
+            }
         }
+        consumer.close().await;
         result
     }
 
@@ -368,7 +370,7 @@ impl Worker {
                 Disposition::Retry { after, .. } | Disposition::Wait { after, .. } => {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
-                Disposition::DeadLetter { .. } => broker.republish("", &q.dead_letter, delivery, headers.clone()).await,
+                Disposition::DeadLetter { .. } => broker.dead_letter(&q.dead_letter, delivery, headers.clone()).await,
                 Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
             };
             match published {
@@ -392,48 +394,26 @@ impl Worker {
         }
     }
 
-    /// Acks settled deliveries: the contiguous settled range from the oldest unsettled delivery
-    /// in one `multiple` ack; settled deliveries beyond a gap wait for it, unless more than
-    /// `hold` of them wait (so one slow handler cannot pin the whole prefetch window). The keys
-    /// of a batch are recorded done (in one transaction or round trip) before any of it is acked.
-    async fn ack_loop<D: Delivery>(self: Arc<Self>, mut events: mpsc::UnboundedReceiver<AckEvent<D>>, hold: usize) {
-        let mut outstanding: BTreeMap<u64, Option<D>> = BTreeMap::new();
+    /// Acks settled deliveries as they come, in batches: the keys of a batch are recorded done
+    /// (in one transaction or round trip) before any of it is acked.
+    async fn ack_loop<C: Consumer>(
+        self: Arc<Self>,
+        consumer: C,
+        mut events: mpsc::UnboundedReceiver<(C::Delivery, Option<String>)>,
+    ) {
         let mut batch = Vec::new();
-        let mut keys = Vec::new();
         while events.recv_many(&mut batch, 1024).await > 0 {
-            for event in batch.drain(..) {
-                match event {
-                    AckEvent::Received(tag) => {
-                        outstanding.insert(tag, None);
-                    }
-                    AckEvent::Finished(d, key) => {
-                        keys.extend(key);
-                        outstanding.insert(d.tag(), Some(d));
-                    }
-                }
+            let mut keys = Vec::new();
+            let mut settled = Vec::with_capacity(batch.len());
+            for (delivery, key) in batch.drain(..) {
+                keys.extend(key);
+                settled.push(delivery);
             }
             if !keys.is_empty() {
                 self.complete(&keys).await;
-                keys.clear();
             }
-            let mut last = None;
-            while let Some(entry) = outstanding.first_entry() {
-                if entry.get().is_none() {
-                    break;
-                }
-                last = entry.remove();
-            }
-            if let Some(d) = last {
-                ack(&d, true).await;
-            }
-            let waiting = outstanding.values().filter(|d| d.is_some()).count();
-            if waiting > hold {
-                let settled: Vec<u64> = outstanding.iter().filter(|(_, d)| d.is_some()).map(|(t, _)| *t).collect();
-                for tag in settled {
-                    if let Some(Some(d)) = outstanding.remove(&tag) {
-                        ack(&d, false).await;
-                    }
-                }
+            if let Err(e) = consumer.ack(settled).await {
+                warn!(queue = %self.name, error = %e, "ack failed; the broker will redeliver");
             }
         }
     }
@@ -461,12 +441,6 @@ fn attempt_header(attempt: u32) -> Headers {
     Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
-async fn ack<D: Delivery>(delivery: &D, multiple: bool) {
-    if let Err(e) = delivery.ack(multiple).await {
-        warn!(error = %e, "ack failed; the broker will redeliver");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use bytes::Bytes;
@@ -480,9 +454,6 @@ mod tests {
         fn body(&self) -> &Bytes {
             panic!("a bug while reading the body")
         }
-        fn tag(&self) -> u64 {
-            1
-        }
         fn header(&self, _: &str) -> Option<HeaderValue> {
             None
         }
@@ -494,9 +465,6 @@ mod tests {
         }
         fn is_live(&self) -> bool {
             true
-        }
-        async fn ack(&self, _: bool) -> Result<(), BrokerError> {
-            Ok(())
         }
     }
 

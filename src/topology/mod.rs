@@ -1,36 +1,21 @@
-//! From a validated `Config` to a broker-neutral plan: every exchange, queue (with its
-//! arguments), binding, dead-letter queue and the shared delay cascade used for retries.
+//! From a validated `Config` to a broker-neutral plan: every exchange, queue, binding and
+//! dead-letter queue, as typed declarations any broker can map; and the diff of two configs,
+//! which says what a reload starts, drains and replaces.
 //!
-//! Pure: no broker here. The `broker` module declares what this module plans.
+//! Pure: no broker here, and no broker's notions either (no `x-` arguments, no delay queues):
+//! each broker maps the plan to its own declarations (`broker::amqp::declare`).
 
-mod render;
+mod diff;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use serde::Serialize;
-use serde_json::{Value, json};
 
-pub use render::{PlanFormat, render};
+pub use diff::{Diff, diff};
 
-use crate::config::{Config, QueueKind};
+use crate::config::{Config, ExchangeKind, QueueKind};
 
-/// Retry delays are whole multiples of this unit (rounded up).
-pub const DELAY_UNIT: Duration = Duration::from_millis(100);
-
-/// Delay levels: level L holds messages for 2^L units, so 25 levels cover 2^25 - 1 units
-/// (about 38.8 days), beyond the 30 days `validate` allows.
-pub const DELAY_LEVELS: u32 = 25;
-
-/// Where delayed copies leave the cascade, bound to every work queue.
-pub const DELIVERY_EXCHANGE: &str = "sluice.delay.delivery";
-
-/// How often a quorum queue redelivers a message (crash loops, lost channels) before the broker
-/// dead-letters it. Explicit because RabbitMQ 4 defaults to 20 and, without a dead-letter
-/// route, drops.
-pub const DELIVERY_LIMIT: i64 = 20;
-
-/// Everything to declare on the broker.
+/// Everything a pipeline needs to exist on the broker.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Plan {
     pub exchanges: Vec<ExchangeDecl>,
@@ -39,11 +24,11 @@ pub struct Plan {
 }
 
 /// An exchange to declare (durable).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ExchangeDecl {
     pub name: String,
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: ExchangeKind,
 }
 
 /// What a queue is for.
@@ -54,34 +39,31 @@ pub enum Role {
     Work,
     /// Holds the failures of a work queue.
     DeadLetter,
-    /// One level of the delay cascade.
-    Delay,
 }
 
-/// A queue to declare (durable) with its arguments.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// A queue to declare (durable).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct QueueDecl {
     pub name: String,
     pub role: Role,
-    pub arguments: BTreeMap<String, Value>,
+    #[serde(rename = "type")]
+    pub kind: QueueKind,
+    /// Where the broker itself puts what it drops (work queues: their dead-letter queue).
+    pub dead_letter: Option<String>,
+    /// With producers refused once full.
+    pub max_length: Option<u64>,
+    /// One consumer at a time receives, in queue order.
+    pub single_active_consumer: bool,
 }
 
-/// The destination of a binding: a queue, or (for the cascade) another exchange.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DestinationKind {
-    Queue,
-    Exchange,
-}
-
-/// A binding to declare.
+/// A queue bound to an exchange.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BindingDecl {
-    pub source: String,
-    pub destination: String,
-    pub destination_kind: DestinationKind,
+    pub exchange: String,
+    pub queue: String,
     pub routing_key: String,
-    pub arguments: BTreeMap<String, Value>,
+    /// For headers exchanges: `x-match` and the headers to match, as the pipeline says.
+    pub arguments: BTreeMap<String, serde_json::Value>,
 }
 
 impl Plan {
@@ -91,203 +73,82 @@ impl Plan {
     }
 }
 
-/// Plans the topology of a config, the delay cascade included.
+/// Plans the topology of a config.
 pub fn plan(config: &Config) -> Plan {
     let mut plan = Plan::default();
     for e in config.exchanges.values() {
-        plan.exchanges.push(ExchangeDecl { name: e.name.clone(), kind: e.kind.as_str().into() });
+        plan.exchanges.push(ExchangeDecl { name: e.name.clone(), kind: e.kind });
     }
     for q in config.queues.values() {
-        let kind = match q.kind {
-            QueueKind::Quorum => "quorum",
-            QueueKind::Classic => "classic",
-        };
-        let mut args = BTreeMap::from([
-            ("x-queue-type".to_string(), json!(kind)),
-            ("x-dead-letter-exchange".to_string(), json!("")),
-            ("x-dead-letter-routing-key".to_string(), json!(q.dead_letter)),
-            ("x-overflow".to_string(), json!("reject-publish")),
-        ]);
-        if q.kind == QueueKind::Quorum {
-            args.insert("x-delivery-limit".into(), json!(DELIVERY_LIMIT));
-            args.insert("x-dead-letter-strategy".into(), json!("at-least-once"));
-        }
-        if let Some(n) = q.max_length {
-            args.insert("x-max-length".into(), json!(n));
-        }
-        if q.ordered {
-            args.insert("x-single-active-consumer".into(), json!(true));
-        }
-        plan.queues.push(QueueDecl { name: q.name.clone(), role: Role::Work, arguments: args });
+        plan.queues.push(QueueDecl {
+            name: q.name.clone(),
+            role: Role::Work,
+            kind: q.kind,
+            dead_letter: Some(q.dead_letter.clone()),
+            max_length: q.max_length,
+            single_active_consumer: q.ordered,
+        });
         plan.queues.push(QueueDecl {
             name: q.dead_letter.clone(),
             role: Role::DeadLetter,
-            arguments: BTreeMap::from([("x-queue-type".to_string(), json!(kind))]),
+            kind: q.kind,
+            dead_letter: None,
+            max_length: None,
+            single_active_consumer: false,
         });
         for b in &q.bindings {
             plan.bindings.push(BindingDecl {
-                source: b.exchange.clone(),
-                destination: q.name.clone(),
-                destination_kind: DestinationKind::Queue,
+                exchange: b.exchange.clone(),
+                queue: q.name.clone(),
                 routing_key: b.routing_key.clone(),
                 arguments: b.arguments.clone(),
             });
         }
-        plan.bindings.push(BindingDecl {
-            source: DELIVERY_EXCHANGE.into(),
-            destination: q.name.clone(),
-            destination_kind: DestinationKind::Queue,
-            routing_key: format!("{}{}", "*.".repeat(DELAY_LEVELS as usize), q.name),
-            arguments: BTreeMap::new(),
-        });
-    }
-    if !config.queues.is_empty() {
-        add_cascade(&mut plan);
     }
     plan
-}
-
-fn level_name(level: u32) -> String {
-    format!("sluice.delay.{level:02}")
-}
-
-/// The routing-key pattern that matches bit `level` being `bit`.
-fn bit_pattern(level: u32, bit: char) -> String {
-    format!("{}{bit}.#", "*.".repeat((DELAY_LEVELS - 1 - level) as usize))
-}
-
-/// NServiceBus-style cascade: level L's exchange routes messages whose bit L is set into its
-/// queue (TTL 2^L units) and the rest on to level L-1; an expired message dead-letters into
-/// level L-1's exchange with its routing key unchanged; level 0 leads to the delivery exchange.
-fn add_cascade(plan: &mut Plan) {
-    plan.exchanges.push(ExchangeDecl { name: DELIVERY_EXCHANGE.into(), kind: "topic".into() });
-    for level in (0..DELAY_LEVELS).rev() {
-        let name = level_name(level);
-        let next = if level == 0 { DELIVERY_EXCHANGE.to_string() } else { level_name(level - 1) };
-        let ttl = DELAY_UNIT.as_millis() as u64 * (1u64 << level);
-        plan.exchanges.push(ExchangeDecl { name: name.clone(), kind: "topic".into() });
-        plan.queues.push(QueueDecl {
-            name: name.clone(),
-            role: Role::Delay,
-            arguments: BTreeMap::from([
-                ("x-queue-type".to_string(), json!("quorum")),
-                ("x-message-ttl".to_string(), json!(ttl)),
-                ("x-dead-letter-exchange".to_string(), json!(next)),
-                ("x-dead-letter-strategy".to_string(), json!("at-least-once")),
-                ("x-overflow".to_string(), json!("reject-publish")),
-            ]),
-        });
-        plan.bindings.push(BindingDecl {
-            source: name.clone(),
-            destination: name.clone(),
-            destination_kind: DestinationKind::Queue,
-            routing_key: bit_pattern(level, '1'),
-            arguments: BTreeMap::new(),
-        });
-        plan.bindings.push(BindingDecl {
-            source: name,
-            destination: next,
-            destination_kind: DestinationKind::Exchange,
-            routing_key: bit_pattern(level, '0'),
-            arguments: BTreeMap::new(),
-        });
-    }
-}
-
-/// Where to publish a copy of a message so that it reaches `queue` after `delay`:
-/// the exchange and the routing key (the delay's bits, most significant first, then the queue).
-pub fn delay_route(queue: &str, delay: Duration) -> (String, String) {
-    let max_units = (1u64 << DELAY_LEVELS) - 1;
-    let units = delay.as_nanos().div_ceil(DELAY_UNIT.as_nanos()).min(u128::from(max_units)) as u64;
-    let mut key = String::with_capacity(DELAY_LEVELS as usize * 2 + queue.len());
-    for level in (0..DELAY_LEVELS).rev() {
-        key.push(if units >> level & 1 == 1 { '1' } else { '0' });
-        key.push('.');
-    }
-    key.push_str(queue);
-    let exchange = match units {
-        0 => DELIVERY_EXCHANGE.to_string(),
-        n => level_name(63 - n.leading_zeros()),
-    };
-    (exchange, key)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// AMQP topic matching, enough for the cascade's patterns (`*` one word, `#` zero or more).
-    fn topic_match(pattern: &str, key: &str) -> bool {
-        fn go(p: &[&str], k: &[&str]) -> bool {
-            match (p.first(), k.first()) {
-                (None, None) => true,
-                (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
-                (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
-                (Some(a), Some(b)) if a == b => go(&p[1..], &k[1..]),
-                _ => false,
-            }
-        }
-        let p: Vec<&str> = pattern.split('.').collect();
-        let k: Vec<&str> = key.split('.').collect();
-        go(&p, &k)
-    }
-
-    /// Follows a copy through the planned cascade the way the broker would, summing the TTLs.
-    fn simulate(plan: &Plan, exchange: &str, key: &str) -> (String, Duration) {
-        let mut at = exchange.to_string();
-        let mut waited = Duration::ZERO;
-        for _ in 0..200 {
-            let hits: Vec<&BindingDecl> =
-                plan.bindings.iter().filter(|b| b.source == at && topic_match(&b.routing_key, key)).collect();
-            assert_eq!(hits.len(), 1, "exactly one route from {at} for {key}: {hits:?}");
-            let b = hits[0];
-            match b.destination_kind {
-                DestinationKind::Exchange => at = b.destination.clone(),
-                DestinationKind::Queue => {
-                    let q = plan.queue(&b.destination).expect("declared");
-                    if q.role != Role::Delay {
-                        return (q.name.clone(), waited);
-                    }
-                    waited += Duration::from_millis(q.arguments["x-message-ttl"].as_u64().expect("ttl"));
-                    at = q.arguments["x-dead-letter-exchange"].as_str().expect("dlx").to_string();
-                }
-            }
-        }
-        panic!("no destination reached");
-    }
-
-    fn two_queues() -> Plan {
-        let text = "version: 1\nqueues:\n  work:\n    handler: {command: {program: /bin/true}}\n  acc.work:\n    handler: {command: {program: /bin/true}}\n";
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("p.yaml"), text).unwrap();
+    #[test]
+    fn a_queue_comes_with_its_dead_letter_queue_and_bindings() {
+        let text = "version: 1\nexchanges:\n  ev: {type: topic}\nqueues:\n  work:\n    type: classic\n    ordered: true\n    max_length: 10\n    bind: [{exchange: ev, routing_key: \"a.*\"}]\n    handler: {command: {program: /bin/true}}\n";
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("p.yaml"), text).expect("write");
         let loaded = crate::config::load(&[dir.path().to_path_buf()]);
-        plan(loaded.config.as_ref().expect("valid"))
-    }
-
-    #[test]
-    fn every_delay_arrives_exactly_at_its_queue() {
-        let plan = two_queues();
-        let delays = [0, 1, 99, 100, 101, 250, 1_000, 60_000, 3_600_000, 86_400_000 * 30];
-        for ms in delays {
-            for queue in ["work", "acc.work"] {
-                let (exchange, key) = delay_route(queue, Duration::from_millis(ms));
-                let (reached, waited) = simulate(&plan, &exchange, &key);
-                assert_eq!(reached, queue, "{ms}ms");
-                let want = Duration::from_millis(ms.div_ceil(100) * 100);
-                assert_eq!(waited, want, "{ms}ms to {queue}");
-            }
-        }
-    }
-
-    #[test]
-    fn work_queue_arguments() {
-        let plan = two_queues();
-        let q = plan.queue("work").unwrap();
-        assert_eq!(q.arguments["x-queue-type"], "quorum");
-        assert_eq!(q.arguments["x-dead-letter-routing-key"], "work.dlq");
-        assert_eq!(q.arguments["x-delivery-limit"], DELIVERY_LIMIT);
-        assert_eq!(q.arguments["x-dead-letter-strategy"], "at-least-once");
-        assert_eq!(plan.queue("work.dlq").unwrap().role, Role::DeadLetter);
-        assert_eq!(plan.queues.iter().filter(|q| q.role == Role::Delay).count(), DELAY_LEVELS as usize);
+        let plan = plan(loaded.config.as_ref().expect("valid"));
+        assert_eq!(plan.exchanges, [ExchangeDecl { name: "ev".into(), kind: ExchangeKind::Topic }]);
+        assert_eq!(
+            plan.queues,
+            [
+                QueueDecl {
+                    name: "work".into(),
+                    role: Role::Work,
+                    kind: QueueKind::Classic,
+                    dead_letter: Some("work.dlq".into()),
+                    max_length: Some(10),
+                    single_active_consumer: true,
+                },
+                QueueDecl {
+                    name: "work.dlq".into(),
+                    role: Role::DeadLetter,
+                    kind: QueueKind::Classic,
+                    dead_letter: None,
+                    max_length: None,
+                    single_active_consumer: false,
+                },
+            ]
+        );
+        assert_eq!(
+            plan.bindings,
+            [BindingDecl {
+                exchange: "ev".into(),
+                queue: "work".into(),
+                routing_key: "a.*".into(),
+                arguments: BTreeMap::new()
+            }]
+        );
     }
 }

@@ -1,16 +1,23 @@
 //! RabbitMQ over AMQP 0-9-1 (lapin): one connection per session, a confirm-mode channel for
-//! publishing, one channel per consumed queue (its prefetch and its acks), and a channel for
-//! declarations and depth reads that is reopened when the broker closes it.
+//! publishing, one channel per consumer (its prefetch, its acks, and closing it hands back
+//! exactly its unsettled deliveries), and a channel for declarations and depth reads that is
+//! reopened when the broker closes it. The plan's typed declarations become `x-` arguments
+//! and the delay cascade here ([`declare`]); acks of a batch become contiguous `multiple`
+//! acks ([`ack`]).
 //!
 //! No reconnection here: the runtime supervises sessions and opens a new one when this dies.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+mod ack;
+mod declare;
+mod render;
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
-use futures_util::stream::Map;
+use futures_util::Stream;
 use lapin::Confirmation;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -20,11 +27,14 @@ use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
-use tokio::sync::Mutex;
 
-use super::{Broker, BrokerError, Delivery, HeaderValue, Headers, Outgoing};
+use self::ack::AckWindow;
+use self::declare::DestinationKind;
+pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, declarations, delay_route};
+pub use self::render::{PlanFormat, render};
+use super::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers, Outgoing};
 use crate::envelope::ERROR_HEADER;
-use crate::topology::{self, DestinationKind, Plan};
+use crate::topology::Plan;
 
 /// How long a publish may wait for the broker's confirm before it counts as failed.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -38,8 +48,7 @@ pub struct Amqp {
 struct Inner {
     connection: Connection,
     publisher: Channel,
-    control: Mutex<Channel>,
-    consumers: Mutex<HashMap<String, (Channel, ShortString)>>,
+    control: tokio::sync::Mutex<Channel>,
 }
 
 /// The URL with its password masked, fit for logs and errors.
@@ -79,14 +88,7 @@ impl Amqp {
                 return Err(BrokerError::Connect { url: redact(url), reason });
             }
         };
-        Ok(Amqp {
-            inner: Arc::new(Inner {
-                connection,
-                publisher,
-                control: Mutex::new(control),
-                consumers: Mutex::new(HashMap::new()),
-            }),
-        })
+        Ok(Amqp { inner: Arc::new(Inner { connection, publisher, control: tokio::sync::Mutex::new(control) }) })
     }
 
     /// The control channel, reopened if the broker closed it after an error.
@@ -223,10 +225,6 @@ impl Delivery for AmqpDelivery {
         &self.body
     }
 
-    fn tag(&self) -> u64 {
-        self.delivery.delivery_tag
-    }
-
     fn header(&self, name: &str) -> Option<HeaderValue> {
         let headers = self.delivery.properties.headers().as_ref()?;
         match headers.inner().get(name)? {
@@ -254,24 +252,70 @@ impl Delivery for AmqpDelivery {
     fn is_live(&self) -> bool {
         self.delivery.acker.usable()
     }
+}
 
-    async fn ack(&self, multiple: bool) -> Result<(), BrokerError> {
-        self.delivery.acker.ack(BasicAckOptions { multiple }).await.map(|_| ()).map_err(lost)
+fn lock(window: &Mutex<AckWindow>) -> MutexGuard<'_, AckWindow> {
+    // The window is left whole between its calls, panic or not.
+    window.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The deliveries of one consumer; each is entered in its consumer's ack window as it passes.
+pub struct AmqpDeliveries {
+    inner: lapin::Consumer,
+    window: Arc<Mutex<AckWindow>>,
+}
+
+impl Stream for AmqpDeliveries {
+    type Item = Result<AmqpDelivery, BrokerError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.inner).poll_next(cx).map(|item| {
+            item.map(|result| {
+                let mut delivery = result.map_err(lost)?;
+                lock(&self.window).received(delivery.delivery_tag);
+                Ok(AmqpDelivery { body: Bytes::from(std::mem::take(&mut delivery.data)), delivery })
+            })
+        })
     }
 }
 
-type MapDelivery = fn(lapin::Result<lapin::message::Delivery>) -> Result<AmqpDelivery, BrokerError>;
+/// One consumer on a channel of its own: its prefetch, its acks, and its unsettled
+/// deliveries, which closing the channel hands back.
+#[derive(Clone)]
+pub struct AmqpConsumer {
+    channel: Channel,
+    tag: ShortString,
+    window: Arc<Mutex<AckWindow>>,
+}
 
-fn wrap(item: lapin::Result<lapin::message::Delivery>) -> Result<AmqpDelivery, BrokerError> {
-    let mut delivery = item.map_err(lost)?;
-    Ok(AmqpDelivery { body: Bytes::from(std::mem::take(&mut delivery.data)), delivery })
+impl Consumer for AmqpConsumer {
+    type Delivery = AmqpDelivery;
+
+    async fn ack(&self, settled: Vec<AmqpDelivery>) -> Result<(), BrokerError> {
+        let acks = lock(&self.window).settle(settled.iter().map(|d| d.delivery.delivery_tag));
+        for (tag, multiple) in acks {
+            self.channel.basic_ack(tag, BasicAckOptions { multiple }).await.map_err(lost)?;
+        }
+        Ok(())
+    }
+
+    async fn cancel(&self) -> Result<(), BrokerError> {
+        self.channel.basic_cancel(self.tag.clone(), BasicCancelOptions::default()).await.map_err(lost)
+    }
+
+    async fn close(&self) {
+        // Whatever is unacked on this channel goes back to the queue; the broker redelivers it.
+        let _ = self.channel.close(200, "sluice: consumer closed".into()).await;
+    }
 }
 
 impl Broker for Amqp {
     type Delivery = AmqpDelivery;
-    type Deliveries = Map<lapin::Consumer, MapDelivery>;
+    type Deliveries = AmqpDeliveries;
+    type Consumer = AmqpConsumer;
 
     async fn declare(&self, plan: &Plan) -> Result<(), BrokerError> {
+        let plan = declarations(plan);
         for e in &plan.exchanges {
             let channel = self.control().await?;
             let kind = match e.kind.as_str() {
@@ -331,17 +375,6 @@ impl Broker for Amqp {
         self.publish_raw(exchange, routing_key, &message.body, properties).await
     }
 
-    async fn republish(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        original: &AmqpDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        let base = original.delivery.properties.headers().clone().unwrap_or_default();
-        self.copy(exchange, routing_key, original, base, &headers).await
-    }
-
     async fn publish_delayed(
         &self,
         queue: &str,
@@ -349,29 +382,32 @@ impl Broker for Amqp {
         original: &AmqpDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        let (exchange, routing_key) = topology::delay_route(queue, delay);
+        let (exchange, routing_key) = delay_route(queue, delay);
         let base = without_death_history(original.delivery.properties.headers().as_ref());
         self.copy(&exchange, &routing_key, original, base, &headers).await
     }
 
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<Self::Deliveries, BrokerError> {
+    async fn dead_letter(
+        &self,
+        dead_letter: &str,
+        original: &AmqpDelivery,
+        headers: Headers,
+    ) -> Result<(), BrokerError> {
+        let base = original.delivery.properties.headers().clone().unwrap_or_default();
+        self.copy("", dead_letter, original, base, &headers).await
+    }
+
+    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
         let channel = self.inner.connection.create_channel().await.map_err(lost)?;
         channel.basic_qos(prefetch, BasicQosOptions::default()).await.map_err(lost)?;
         let tag: ShortString = format!("sluice-{}", uuid::Uuid::now_v7()).into();
-        let consumer = channel
+        let inner = channel
             .basic_consume(queue.into(), tag.clone(), BasicConsumeOptions::default(), FieldTable::default())
             .await
             .map_err(|err| conflict("queue", queue, err))?;
-        self.inner.consumers.lock().await.insert(queue.to_string(), (channel, tag));
-        Ok(consumer.map(wrap as MapDelivery))
-    }
-
-    async fn cancel(&self, queue: &str) -> Result<(), BrokerError> {
-        let entry = self.inner.consumers.lock().await.get(queue).cloned();
-        if let Some((channel, tag)) = entry {
-            channel.basic_cancel(tag, BasicCancelOptions::default()).await.map_err(lost)?;
-        }
-        Ok(())
+        // One slow handler may hold up the acks of at most half the window behind it.
+        let window = Arc::new(Mutex::new(AckWindow::new(usize::from(prefetch) / 2)));
+        Ok((AmqpDeliveries { inner, window: window.clone() }, AmqpConsumer { channel, tag, window }))
     }
 
     async fn depth(&self, queue: &str) -> Result<u32, BrokerError> {
@@ -382,6 +418,14 @@ impl Broker for Amqp {
             .await
             .map_err(|err| conflict("queue", queue, err))?;
         Ok(q.message_count())
+    }
+
+    async fn delayed(&self) -> Result<u32, BrokerError> {
+        let mut total = 0u32;
+        for level in 0..DELAY_LEVELS {
+            total = total.saturating_add(self.depth(&declare::level_name(level)).await?);
+        }
+        Ok(total)
     }
 
     fn is_connected(&self) -> bool {

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::{DELAY_LEVELS, DELAY_UNIT, DestinationKind, Plan, Role};
+use super::declare::{DELAY_LEVELS, DELAY_UNIT, DELIVERY_EXCHANGE, Declarations, DestinationKind, Role};
 
 /// Output formats of `sluice plan`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -17,7 +17,7 @@ pub enum PlanFormat {
 const CASCADE: &str = "delay cascade";
 
 /// Renders the plan in the chosen format.
-pub fn render(plan: &Plan, format: PlanFormat) -> String {
+pub fn render(plan: &Declarations, format: PlanFormat) -> String {
     match format {
         PlanFormat::Json => {
             let mut s = serde_json::to_string_pretty(plan).unwrap_or_default();
@@ -34,7 +34,7 @@ fn is_internal(name: &str) -> bool {
     name.starts_with("sluice.delay.")
 }
 
-fn text(plan: &Plan) -> String {
+fn text(plan: &Declarations) -> String {
     let mut out = String::from("exchanges:\n");
     for e in plan.exchanges.iter().filter(|e| !is_internal(&e.name)) {
         let _ = writeln!(out, "  {} ({})", e.name, e.kind);
@@ -59,7 +59,7 @@ fn text(plan: &Plan) -> String {
         "delay cascade: {DELAY_LEVELS} levels (sluice.delay.00 .. sluice.delay.{:02}) in units of {}ms, into {}",
         DELAY_LEVELS - 1,
         DELAY_UNIT.as_millis(),
-        super::DELIVERY_EXCHANGE
+        DELIVERY_EXCHANGE
     );
     out
 }
@@ -73,7 +73,7 @@ trait Graph {
     fn close(&self, out: &mut String);
 }
 
-fn graph(plan: &Plan, g: &dyn Graph) -> String {
+fn graph(plan: &Declarations, g: &dyn Graph) -> String {
     let id = |prefix: &str, name: &str| {
         let clean: String = name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
         format!("{prefix}_{clean}")

@@ -1,0 +1,82 @@
+//! Which acks to send for a consumer's settled deliveries: AMQP acks by delivery tag, and one
+//! `multiple` ack covers every earlier tag of the channel, so the contiguous settled range
+//! from the oldest unsettled delivery goes in one ack. Settled deliveries beyond a gap wait
+//! for it, unless more than `hold` of them wait: then they are acked one by one, so one slow
+//! handler cannot pin the whole prefetch window.
+
+use std::collections::BTreeMap;
+
+/// The deliveries of one channel not yet acked, by tag, and whether each is settled.
+#[derive(Debug, Default)]
+pub struct AckWindow {
+    outstanding: BTreeMap<u64, bool>,
+    hold: usize,
+}
+
+impl AckWindow {
+    pub fn new(hold: usize) -> AckWindow {
+        AckWindow { outstanding: BTreeMap::new(), hold }
+    }
+
+    /// A delivery arrived.
+    pub fn received(&mut self, tag: u64) {
+        self.outstanding.insert(tag, false);
+    }
+
+    /// Marks deliveries settled; the acks to send now, as `(tag, multiple)`, in order.
+    pub fn settle(&mut self, tags: impl IntoIterator<Item = u64>) -> Vec<(u64, bool)> {
+        for tag in tags {
+            self.outstanding.insert(tag, true);
+        }
+        let mut acks = Vec::new();
+        let mut last = None;
+        while let Some(entry) = self.outstanding.first_entry() {
+            if !*entry.get() {
+                break;
+            }
+            last = Some(entry.remove_entry().0);
+        }
+        acks.extend(last.map(|tag| (tag, true)));
+        let waiting = self.outstanding.values().filter(|settled| **settled).count();
+        if waiting > self.hold {
+            self.outstanding.retain(|tag, settled| {
+                if *settled {
+                    acks.push((*tag, false));
+                }
+                !*settled
+            });
+        }
+        acks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tags received, tags settled, and the acks expected then.
+    type Step<'a> = (&'a [u64], &'a [u64], &'a [(u64, bool)]);
+
+    #[test]
+    fn acks_by_window() {
+        // Applied in order to one window with hold 2.
+        let steps: &[Step] = &[
+            (&[1, 2, 3, 4, 5, 6], &[], &[]),
+            (&[], &[2], &[]),
+            (&[], &[1], &[(2, true)]),
+            (&[], &[4, 5], &[]),
+            // A third settled delivery behind the gap at 3: over the hold, acked one by one.
+            (&[], &[6], &[(4, false), (5, false), (6, false)]),
+            (&[7], &[3], &[(3, true)]),
+            (&[], &[7], &[(7, true)]),
+        ];
+        let mut window = AckWindow::new(2);
+        for (i, (received, settled, want)) in steps.iter().enumerate() {
+            for tag in *received {
+                window.received(*tag);
+            }
+            assert_eq!(window.settle(settled.iter().copied()), *want, "step {i}");
+        }
+        assert!(window.outstanding.is_empty());
+    }
+}

@@ -1,0 +1,295 @@
+//! RabbitMQ's declarations for a plan: the `x-` arguments of each queue (dead-lettering,
+//! delivery limit, overflow, single active consumer), the shared delay cascade that carries
+//! retries, and where a delayed copy is published. `sluice plan` renders these.
+//!
+//! Pure: it declares nothing itself.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::config::QueueKind;
+use crate::topology::{self, Plan};
+
+/// Retry delays are whole multiples of this unit (rounded up).
+pub const DELAY_UNIT: Duration = Duration::from_millis(100);
+
+/// Delay levels: level L holds messages for 2^L units, so 25 levels cover 2^25 - 1 units
+/// (about 38.8 days), beyond the 30 days `validate` allows.
+pub const DELAY_LEVELS: u32 = 25;
+
+/// Where delayed copies leave the cascade, bound to every work queue.
+pub const DELIVERY_EXCHANGE: &str = "sluice.delay.delivery";
+
+/// How often a quorum queue redelivers a message (crash loops, lost channels) before the broker
+/// dead-letters it. Explicit because RabbitMQ 4 defaults to 20 and, without a dead-letter
+/// route, drops.
+pub const DELIVERY_LIMIT: i64 = 20;
+
+/// Everything to declare on RabbitMQ.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Declarations {
+    pub exchanges: Vec<Exchange>,
+    pub queues: Vec<Queue>,
+    pub bindings: Vec<Binding>,
+}
+
+/// An exchange to declare (durable).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Exchange {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// What a queue is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Consumed by a handler.
+    Work,
+    /// Holds the failures of a work queue.
+    DeadLetter,
+    /// One level of the delay cascade.
+    Delay,
+}
+
+/// A queue to declare (durable) with its arguments.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Queue {
+    pub name: String,
+    pub role: Role,
+    pub arguments: BTreeMap<String, Value>,
+}
+
+/// The destination of a binding: a queue, or (for the cascade) another exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DestinationKind {
+    Queue,
+    Exchange,
+}
+
+/// A binding to declare.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Binding {
+    pub source: String,
+    pub destination: String,
+    pub destination_kind: DestinationKind,
+    pub routing_key: String,
+    pub arguments: BTreeMap<String, Value>,
+}
+
+impl Declarations {
+    /// The declaration of a queue by name.
+    pub fn queue(&self, name: &str) -> Option<&Queue> {
+        self.queues.iter().find(|q| q.name == name)
+    }
+}
+
+/// What RabbitMQ needs for a plan, the delay cascade included.
+pub fn declarations(plan: &Plan) -> Declarations {
+    let mut d = Declarations::default();
+    for e in &plan.exchanges {
+        d.exchanges.push(Exchange { name: e.name.clone(), kind: e.kind.as_str().into() });
+    }
+    for q in &plan.queues {
+        let kind = match q.kind {
+            QueueKind::Quorum => "quorum",
+            QueueKind::Classic => "classic",
+        };
+        let mut args = BTreeMap::from([("x-queue-type".to_string(), json!(kind))]);
+        let role = match q.role {
+            topology::Role::Work => Role::Work,
+            topology::Role::DeadLetter => Role::DeadLetter,
+        };
+        if let Some(dlq) = &q.dead_letter {
+            args.insert("x-dead-letter-exchange".into(), json!(""));
+            args.insert("x-dead-letter-routing-key".into(), json!(dlq));
+        }
+        if role == Role::Work {
+            args.insert("x-overflow".into(), json!("reject-publish"));
+            if q.kind == QueueKind::Quorum {
+                args.insert("x-delivery-limit".into(), json!(DELIVERY_LIMIT));
+                args.insert("x-dead-letter-strategy".into(), json!("at-least-once"));
+            }
+        }
+        if let Some(n) = q.max_length {
+            args.insert("x-max-length".into(), json!(n));
+        }
+        if q.single_active_consumer {
+            args.insert("x-single-active-consumer".into(), json!(true));
+        }
+        d.queues.push(Queue { name: q.name.clone(), role, arguments: args });
+    }
+    for b in &plan.bindings {
+        d.bindings.push(Binding {
+            source: b.exchange.clone(),
+            destination: b.queue.clone(),
+            destination_kind: DestinationKind::Queue,
+            routing_key: b.routing_key.clone(),
+            arguments: b.arguments.clone(),
+        });
+    }
+    let work: Vec<String> = d.queues.iter().filter(|q| q.role == Role::Work).map(|q| q.name.clone()).collect();
+    for queue in &work {
+        d.bindings.push(Binding {
+            source: DELIVERY_EXCHANGE.into(),
+            destination: queue.clone(),
+            destination_kind: DestinationKind::Queue,
+            routing_key: format!("{}{}", "*.".repeat(DELAY_LEVELS as usize), queue),
+            arguments: BTreeMap::new(),
+        });
+    }
+    if !work.is_empty() {
+        add_cascade(&mut d);
+    }
+    d
+}
+
+pub(super) fn level_name(level: u32) -> String {
+    format!("sluice.delay.{level:02}")
+}
+
+/// The routing-key pattern that matches bit `level` being `bit`.
+fn bit_pattern(level: u32, bit: char) -> String {
+    format!("{}{bit}.#", "*.".repeat((DELAY_LEVELS - 1 - level) as usize))
+}
+
+/// NServiceBus-style cascade: level L's exchange routes messages whose bit L is set into its
+/// queue (TTL 2^L units) and the rest on to level L-1; an expired message dead-letters into
+/// level L-1's exchange with its routing key unchanged; level 0 leads to the delivery exchange.
+fn add_cascade(plan: &mut Declarations) {
+    plan.exchanges.push(Exchange { name: DELIVERY_EXCHANGE.into(), kind: "topic".into() });
+    for level in (0..DELAY_LEVELS).rev() {
+        let name = level_name(level);
+        let next = if level == 0 { DELIVERY_EXCHANGE.to_string() } else { level_name(level - 1) };
+        let ttl = DELAY_UNIT.as_millis() as u64 * (1u64 << level);
+        plan.exchanges.push(Exchange { name: name.clone(), kind: "topic".into() });
+        plan.queues.push(Queue {
+            name: name.clone(),
+            role: Role::Delay,
+            arguments: BTreeMap::from([
+                ("x-queue-type".to_string(), json!("quorum")),
+                ("x-message-ttl".to_string(), json!(ttl)),
+                ("x-dead-letter-exchange".to_string(), json!(next)),
+                ("x-dead-letter-strategy".to_string(), json!("at-least-once")),
+                ("x-overflow".to_string(), json!("reject-publish")),
+            ]),
+        });
+        plan.bindings.push(Binding {
+            source: name.clone(),
+            destination: name.clone(),
+            destination_kind: DestinationKind::Queue,
+            routing_key: bit_pattern(level, '1'),
+            arguments: BTreeMap::new(),
+        });
+        plan.bindings.push(Binding {
+            source: name,
+            destination: next,
+            destination_kind: DestinationKind::Exchange,
+            routing_key: bit_pattern(level, '0'),
+            arguments: BTreeMap::new(),
+        });
+    }
+}
+
+/// Where to publish a copy of a message so that it reaches `queue` after `delay`:
+/// the exchange and the routing key (the delay's bits, most significant first, then the queue).
+pub fn delay_route(queue: &str, delay: Duration) -> (String, String) {
+    let max_units = (1u64 << DELAY_LEVELS) - 1;
+    let units = delay.as_nanos().div_ceil(DELAY_UNIT.as_nanos()).min(u128::from(max_units)) as u64;
+    let mut key = String::with_capacity(DELAY_LEVELS as usize * 2 + queue.len());
+    for level in (0..DELAY_LEVELS).rev() {
+        key.push(if units >> level & 1 == 1 { '1' } else { '0' });
+        key.push('.');
+    }
+    key.push_str(queue);
+    let exchange = match units {
+        0 => DELIVERY_EXCHANGE.to_string(),
+        n => level_name(63 - n.leading_zeros()),
+    };
+    (exchange, key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// AMQP topic matching, enough for the cascade's patterns (`*` one word, `#` zero or more).
+    fn topic_match(pattern: &str, key: &str) -> bool {
+        fn go(p: &[&str], k: &[&str]) -> bool {
+            match (p.first(), k.first()) {
+                (None, None) => true,
+                (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
+                (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
+                (Some(a), Some(b)) if a == b => go(&p[1..], &k[1..]),
+                _ => false,
+            }
+        }
+        let p: Vec<&str> = pattern.split('.').collect();
+        let k: Vec<&str> = key.split('.').collect();
+        go(&p, &k)
+    }
+
+    /// Follows a copy through the planned cascade the way the broker would, summing the TTLs.
+    fn simulate(plan: &Declarations, exchange: &str, key: &str) -> (String, Duration) {
+        let mut at = exchange.to_string();
+        let mut waited = Duration::ZERO;
+        for _ in 0..200 {
+            let hits: Vec<&Binding> =
+                plan.bindings.iter().filter(|b| b.source == at && topic_match(&b.routing_key, key)).collect();
+            assert_eq!(hits.len(), 1, "exactly one route from {at} for {key}: {hits:?}");
+            let b = hits[0];
+            match b.destination_kind {
+                DestinationKind::Exchange => at = b.destination.clone(),
+                DestinationKind::Queue => {
+                    let q = plan.queue(&b.destination).expect("declared");
+                    if q.role != Role::Delay {
+                        return (q.name.clone(), waited);
+                    }
+                    waited += Duration::from_millis(q.arguments["x-message-ttl"].as_u64().expect("ttl"));
+                    at = q.arguments["x-dead-letter-exchange"].as_str().expect("dlx").to_string();
+                }
+            }
+        }
+        panic!("no destination reached");
+    }
+
+    fn two_queues() -> Declarations {
+        let text = "version: 1\nqueues:\n  work:\n    handler: {command: {program: /bin/true}}\n  acc.work:\n    handler: {command: {program: /bin/true}}\n";
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("p.yaml"), text).unwrap();
+        let loaded = crate::config::load(&[dir.path().to_path_buf()]);
+        declarations(&topology::plan(loaded.config.as_ref().expect("valid")))
+    }
+
+    #[test]
+    fn every_delay_arrives_exactly_at_its_queue() {
+        let plan = two_queues();
+        let delays = [0, 1, 99, 100, 101, 250, 1_000, 60_000, 3_600_000, 86_400_000 * 30];
+        for ms in delays {
+            for queue in ["work", "acc.work"] {
+                let (exchange, key) = delay_route(queue, Duration::from_millis(ms));
+                let (reached, waited) = simulate(&plan, &exchange, &key);
+                assert_eq!(reached, queue, "{ms}ms");
+                let want = Duration::from_millis(ms.div_ceil(100) * 100);
+                assert_eq!(waited, want, "{ms}ms to {queue}");
+            }
+        }
+    }
+
+    #[test]
+    fn work_queue_arguments() {
+        let plan = two_queues();
+        let q = plan.queue("work").unwrap();
+        assert_eq!(q.arguments["x-queue-type"], "quorum");
+        assert_eq!(q.arguments["x-dead-letter-routing-key"], "work.dlq");
+        assert_eq!(q.arguments["x-delivery-limit"], DELIVERY_LIMIT);
+        assert_eq!(q.arguments["x-dead-letter-strategy"], "at-least-once");
+        assert_eq!(plan.queue("work.dlq").unwrap().role, Role::DeadLetter);
+        assert_eq!(plan.queues.iter().filter(|q| q.role == Role::Delay).count(), DELAY_LEVELS as usize);
+    }
+}

@@ -1,0 +1,375 @@
+//! An in-memory broker for the runtime's unit tests: queues, bindings (direct, fanout, topic),
+//! consumers with prefetch, acks, delayed copies on tokio's clock (so tests run on paused time,
+//! with no sleeps), dead-lettering, and a consumer's unsettled deliveries handed back when it
+//! closes. A declaration that differs from what exists is refused, as RabbitMQ refuses one.
+//!
+//! Test-only: it implements the same trait as RabbitMQ, so the runtime's rules are tested
+//! in-process; the RabbitMQ suite then proves the mapping.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::Stream;
+use tokio::sync::mpsc;
+
+use super::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers, Outgoing};
+use crate::config::ExchangeKind;
+use crate::topology::{BindingDecl, Plan, QueueDecl};
+
+/// A message as the broker keeps it.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub body: Bytes,
+    pub headers: Headers,
+    pub message_id: Option<String>,
+    pub timestamp: Option<u64>,
+}
+
+impl Message {
+    /// A header as text, for assertions.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers.get(name).map(HeaderValue::to_text)
+    }
+}
+
+#[derive(Default)]
+struct State {
+    exchanges: BTreeMap<String, ExchangeKind>,
+    queues: BTreeMap<String, (QueueDecl, VecDeque<Message>)>,
+    bindings: Vec<BindingDecl>,
+    consumers: BTreeMap<u64, ConsumerState>,
+    next_id: u64,
+    /// Delayed copies not yet due.
+    delayed: u32,
+    /// When set, the next declare fails with this.
+    refuse_next_declare: Option<BrokerError>,
+}
+
+struct ConsumerState {
+    queue: String,
+    prefetch: usize,
+    unacked: BTreeMap<u64, Message>,
+    /// `None` once cancelled: the stream ends after what it was already sent.
+    sender: Option<mpsc::UnboundedSender<MemoryDelivery>>,
+    live: Arc<AtomicBool>,
+}
+
+/// The broker. Cheap to clone; clones share it.
+#[derive(Clone, Default)]
+pub struct Memory {
+    state: Arc<Mutex<State>>,
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Memory {
+    pub fn new() -> Memory {
+        Memory::default()
+    }
+
+    /// Messages ready in `queue` (not delivered), oldest first.
+    pub fn messages(&self, queue: &str) -> Vec<Message> {
+        lock(&self.state).queues.get(queue).map(|(_, m)| m.iter().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Deliveries handed to consumers of `queue` and not yet acked.
+    pub fn unacked(&self, queue: &str) -> usize {
+        lock(&self.state).consumers.values().filter(|c| c.queue == queue).map(|c| c.unacked.len()).sum()
+    }
+
+    /// Open consumers of `queue`.
+    pub fn consumers(&self, queue: &str) -> usize {
+        lock(&self.state).consumers.values().filter(|c| c.queue == queue).count()
+    }
+
+    /// Whether `queue` was declared.
+    pub fn has_queue(&self, queue: &str) -> bool {
+        lock(&self.state).queues.contains_key(queue)
+    }
+
+    /// The next declare fails with `error`.
+    pub fn refuse_next_declare(&self, error: BrokerError) {
+        lock(&self.state).refuse_next_declare = Some(error);
+    }
+
+    fn push(&self, queue: &str, message: Message) -> Result<(), BrokerError> {
+        let mut state = lock(&self.state);
+        let (_, ready) =
+            state.queues.get_mut(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        ready.push_back(message);
+        dispatch(&mut state);
+        Ok(())
+    }
+
+    fn copy(original: &MemoryDelivery, headers: Headers) -> Message {
+        let mut message = original.message.clone();
+        message.headers.extend(headers);
+        message
+    }
+}
+
+/// Hands ready messages to consumers with room, in consumer order.
+fn dispatch(state: &mut State) {
+    let State { queues, consumers, next_id, .. } = state;
+    for consumer in consumers.values_mut() {
+        let Some(sender) = &consumer.sender else { continue };
+        let Some((_, ready)) = queues.get_mut(&consumer.queue) else { continue };
+        while consumer.unacked.len() < consumer.prefetch {
+            let Some(message) = ready.pop_front() else { break };
+            *next_id += 1;
+            let tag = *next_id;
+            consumer.unacked.insert(tag, message.clone());
+            let _ = sender.send(MemoryDelivery { tag, message, live: consumer.live.clone() });
+        }
+    }
+}
+
+fn topic_match(pattern: &str, key: &str) -> bool {
+    fn go(p: &[&str], k: &[&str]) -> bool {
+        match (p.first(), k.first()) {
+            (None, None) => true,
+            (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
+            (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
+            (Some(a), Some(b)) if a == b => go(&p[1..], &k[1..]),
+            _ => false,
+        }
+    }
+    let p: Vec<&str> = pattern.split('.').collect();
+    let k: Vec<&str> = key.split('.').collect();
+    go(&p, &k)
+}
+
+/// A delivery from the in-memory broker.
+pub struct MemoryDelivery {
+    tag: u64,
+    message: Message,
+    live: Arc<AtomicBool>,
+}
+
+impl Delivery for MemoryDelivery {
+    fn body(&self) -> &Bytes {
+        &self.message.body
+    }
+
+    fn header(&self, name: &str) -> Option<HeaderValue> {
+        self.message.headers.get(name).cloned()
+    }
+
+    fn timestamp(&self) -> Option<u64> {
+        self.message.timestamp
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.message.message_id.as_deref()
+    }
+
+    fn is_live(&self) -> bool {
+        self.live.load(Ordering::SeqCst)
+    }
+}
+
+/// The deliveries of one consumer.
+pub struct MemoryDeliveries(mpsc::UnboundedReceiver<MemoryDelivery>);
+
+impl Stream for MemoryDeliveries {
+    type Item = Result<MemoryDelivery, BrokerError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|d| d.map(Ok))
+    }
+}
+
+/// A consumer of the in-memory broker.
+#[derive(Clone)]
+pub struct MemoryConsumer {
+    broker: Memory,
+    id: u64,
+}
+
+impl Consumer for MemoryConsumer {
+    type Delivery = MemoryDelivery;
+
+    async fn ack(&self, settled: Vec<MemoryDelivery>) -> Result<(), BrokerError> {
+        let mut state = lock(&self.broker.state);
+        let consumer = state.consumers.get_mut(&self.id).ok_or_else(|| BrokerError::Lost("consumer closed".into()))?;
+        for d in settled {
+            consumer.unacked.remove(&d.tag);
+        }
+        dispatch(&mut state);
+        Ok(())
+    }
+
+    async fn cancel(&self) -> Result<(), BrokerError> {
+        if let Some(c) = lock(&self.broker.state).consumers.get_mut(&self.id) {
+            c.sender = None;
+        }
+        Ok(())
+    }
+
+    async fn close(&self) {
+        let mut state = lock(&self.broker.state);
+        let Some(consumer) = state.consumers.remove(&self.id) else { return };
+        consumer.live.store(false, Ordering::SeqCst);
+        if let Some((_, ready)) = state.queues.get_mut(&consumer.queue) {
+            for message in consumer.unacked.into_values().rev() {
+                ready.push_front(message);
+            }
+        }
+        dispatch(&mut state);
+    }
+}
+
+impl Broker for Memory {
+    type Delivery = MemoryDelivery;
+    type Deliveries = MemoryDeliveries;
+    type Consumer = MemoryConsumer;
+
+    async fn declare(&self, plan: &Plan) -> Result<(), BrokerError> {
+        let mut state = lock(&self.state);
+        if let Some(e) = state.refuse_next_declare.take() {
+            return Err(e);
+        }
+        // Check everything before changing anything: a refused plan leaves no trace.
+        for e in &plan.exchanges {
+            if let Some(kind) = state.exchanges.get(&e.name).filter(|k| **k != e.kind) {
+                return Err(BrokerError::Conflict(format!(
+                    "exchange \"{}\" exists as {} and is declared as {}",
+                    e.name,
+                    kind.as_str(),
+                    e.kind.as_str()
+                )));
+            }
+        }
+        for q in &plan.queues {
+            if let Some((existing, _)) = state.queues.get(&q.name).filter(|(d, _)| d != q) {
+                return Err(BrokerError::Conflict(format!(
+                    "queue \"{}\" exists as {existing:?} and is declared as {q:?}",
+                    q.name
+                )));
+            }
+        }
+        for e in &plan.exchanges {
+            state.exchanges.insert(e.name.clone(), e.kind);
+        }
+        for q in &plan.queues {
+            state.queues.entry(q.name.clone()).or_insert_with(|| (q.clone(), VecDeque::new()));
+        }
+        for b in &plan.bindings {
+            if !state.bindings.contains(b) {
+                state.bindings.push(b.clone());
+            }
+        }
+        Ok(())
+    }
+
+    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        let targets: Vec<String> = {
+            let state = lock(&self.state);
+            if exchange.is_empty() {
+                vec![routing_key.to_string()]
+            } else {
+                let kind = *state
+                    .exchanges
+                    .get(exchange)
+                    .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
+                state
+                    .bindings
+                    .iter()
+                    .filter(|b| b.exchange == exchange)
+                    .filter(|b| match kind {
+                        ExchangeKind::Fanout | ExchangeKind::Headers => true,
+                        ExchangeKind::Direct => b.routing_key == routing_key,
+                        ExchangeKind::Topic => topic_match(&b.routing_key, routing_key),
+                    })
+                    .map(|b| b.queue.clone())
+                    .collect()
+            }
+        };
+        if targets.is_empty() {
+            return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
+        }
+        let m = Message {
+            body: message.body.into(),
+            headers: message.headers,
+            message_id: message.message_id,
+            timestamp: message.timestamp,
+        };
+        for queue in targets {
+            self.push(&queue, m.clone())?;
+        }
+        Ok(())
+    }
+
+    async fn publish_delayed(
+        &self,
+        queue: &str,
+        delay: Duration,
+        original: &MemoryDelivery,
+        headers: Headers,
+    ) -> Result<(), BrokerError> {
+        let copy = Memory::copy(original, headers);
+        lock(&self.state).delayed += 1;
+        let (broker, queue) = (self.clone(), queue.to_string());
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            lock(&broker.state).delayed -= 1;
+            let _ = broker.push(&queue, copy);
+        });
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        dead_letter: &str,
+        original: &MemoryDelivery,
+        headers: Headers,
+    ) -> Result<(), BrokerError> {
+        self.push(dead_letter, Memory::copy(original, headers))
+    }
+
+    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
+        let mut state = lock(&self.state);
+        if !state.queues.contains_key(queue) {
+            return Err(BrokerError::NotFound(format!("queue \"{queue}\"")));
+        }
+        let (sender, receiver) = mpsc::unbounded_channel();
+        state.next_id += 1;
+        let id = state.next_id;
+        let live = Arc::new(AtomicBool::new(true));
+        state.consumers.insert(
+            id,
+            ConsumerState {
+                queue: queue.into(),
+                prefetch: usize::from(prefetch),
+                unacked: BTreeMap::new(),
+                sender: Some(sender),
+                live,
+            },
+        );
+        dispatch(&mut state);
+        Ok((MemoryDeliveries(receiver), MemoryConsumer { broker: self.clone(), id }))
+    }
+
+    async fn depth(&self, queue: &str) -> Result<u32, BrokerError> {
+        let state = lock(&self.state);
+        let (_, ready) = state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        Ok(u32::try_from(ready.len()).unwrap_or(u32::MAX))
+    }
+
+    async fn delayed(&self) -> Result<u32, BrokerError> {
+        Ok(lock(&self.state).delayed)
+    }
+
+    fn is_connected(&self) -> bool {
+        true
+    }
+
+    async fn close(&self) {}
+}

@@ -9,6 +9,7 @@
 //! This module only *asks* for a reload. It never reads, parses, validates, diffs or applies
 //! configuration: that happens in one place in the runtime, whatever asked.
 
+pub mod loader;
 mod watcher;
 
 use std::collections::BTreeSet;

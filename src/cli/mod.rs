@@ -251,7 +251,7 @@ fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) ->
 
 fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
     let validation = config::load(paths);
-    let text = config::diagnostic::render(&validation.diagnostics, format, &|p| std::fs::read_to_string(p).ok());
+    let text = validation.render(format);
     if format == Format::Json || !text.is_empty() {
         print!("{text}");
     }
@@ -269,7 +269,6 @@ fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
 /// Loads the config for commands that need a valid one; problems go to stderr.
 fn load_or_report(paths: &[PathBuf]) -> Option<config::Config> {
     let validation = config::load(paths);
-    let text = config::diagnostic::render(&validation.diagnostics, Format::Human, &|p| std::fs::read_to_string(p).ok());
-    eprint!("{text}");
+    eprint!("{}", validation.render(Format::Human));
     validation.config
 }

@@ -15,30 +15,34 @@ use super::{
 };
 use crate::handler::template::{Escape, Template};
 
+/// The most a payload schema file may hold: generated schemas can be large, but a file
+/// without end (a link to a device) must not be read to the end.
+const MAX_SCHEMA_BYTES: u64 = 8 << 20;
+
 /// Exchanges every RabbitMQ broker has; queues may bind to them without declaring them.
 const BUILTIN_EXCHANGES: &[&str] = &["amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
 
 pub(super) fn load(paths: &[PathBuf]) -> Validation {
-    let mut diags = Vec::new();
-    let files = match source::discover(paths) {
-        Ok(files) if files.is_empty() => {
-            let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
-            diags.push(source::file_diag(
-                paths.first().map(PathBuf::as_path).unwrap_or(Path::new(".")),
-                format!("no pipeline files (*.yaml, *.yml) under {}", shown.join(", ")),
-            ));
-            Vec::new()
-        }
-        Ok(files) => files,
-        Err(d) => {
-            diags.push(d);
-            Vec::new()
-        }
-    };
+    let discovery = source::discover(paths);
+    let mut diags = discovery.diagnostics;
+    let mut complete = !diags.iter().any(|d| d.severity == Severity::Error);
+    if discovery.files.is_empty() && complete {
+        let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        diags.push(source::file_diag(
+            paths.first().map(PathBuf::as_path).unwrap_or(Path::new(".")),
+            format!("no pipeline files (*.yaml, *.yml) under {}", shown.join(", ")),
+        ));
+        complete = false;
+    }
     let mut parsed = Vec::new();
-    let mut complete = diags.is_empty();
-    for path in &files {
-        match source::load(path) {
+    let mut sources = BTreeMap::new();
+    for path in &discovery.files {
+        let loaded = source::read(path).and_then(|text| {
+            // Kept for the snippets of diagnostics: printing them never reads a file again.
+            sources.insert(path.clone(), text.clone());
+            source::parse(path, text)
+        });
+        match loaded {
             Ok(file) => {
                 let schema_errors = super::schema::check(&file);
                 if schema_errors.is_empty() {
@@ -63,7 +67,7 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
     let config = Compiler { diags: &mut diags, complete }.compile(parsed);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
-    Validation { config: (!has_errors).then_some(config), diagnostics: diags }
+    Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources }
 }
 
 fn deserialize(file: &SourceFile) -> Result<raw::File, Diagnostic> {
@@ -305,7 +309,7 @@ impl Compiler<'_> {
 
     fn payload_schema(&mut self, file: &SourceFile, pointer: &str, relative: &str) -> Option<PayloadSchema> {
         let path = file.dir().join(relative);
-        let text = match std::fs::read_to_string(&path) {
+        let text = match source::read_regular(&path, MAX_SCHEMA_BYTES) {
             Ok(t) => t,
             Err(e) => {
                 self.error(file, pointer, format!("cannot read payload schema {}: {e}", path.display()));

@@ -246,9 +246,16 @@ pub struct Idempotency {
 pub struct Validation {
     pub config: Option<Config>,
     pub diagnostics: Vec<Diagnostic>,
+    /// The text of every file that could be read, by path, for the snippets of diagnostics.
+    pub sources: BTreeMap<PathBuf, String>,
 }
 
 impl Validation {
+    /// Every diagnostic in `format`, with snippets from the files as they were loaded.
+    pub fn render(&self, format: Format) -> String {
+        diagnostic::render(&self.diagnostics, format, &|path| self.sources.get(path).cloned())
+    }
+
     /// Whether any diagnostic is an error.
     pub fn has_errors(&self) -> bool {
         self.diagnostics.iter().any(|d| d.severity == Severity::Error)

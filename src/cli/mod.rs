@@ -1,6 +1,7 @@
 //! The command line: clap subcommands, each a thin call into the modules that do the work.
 //! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own).
 
+mod output;
 mod publish;
 
 use std::future::Future;
@@ -119,13 +120,9 @@ pub fn main() -> ExitCode {
             let Some(config) = load_or_report(&paths) else {
                 return ExitCode::FAILURE;
             };
-            print!("{}", topology::render(&topology::plan(&config), format));
-            ExitCode::SUCCESS
+            exit(output::stdout(&topology::render(&topology::plan(&config), format)).map_err(Into::into))
         }
-        Command::Schema => {
-            print!("{}", config::schema::TEXT);
-            ExitCode::SUCCESS
-        }
+        Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, threads } => {
             let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
@@ -134,7 +131,7 @@ pub fn main() -> ExitCode {
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
             let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
-            exit(render(&config, &queue, &message, attempt))
+            exit(render(&config, &queue, &message, attempt).and_then(|text| Ok(output::stdout(&text)?)))
         }
     }
 }
@@ -166,7 +163,7 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            output::stderr(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }
@@ -218,49 +215,55 @@ async fn run(
     Ok(())
 }
 
-fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<()> {
+/// What `sluice render` prints: the request or the command a message would produce.
+fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
     let q = config.queues.get(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
     let body = std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?;
     let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
     let renderer = call::Renderer::new(q, &envelope, attempt, true);
+    let mut out = String::new();
     match renderer.call(&body, &renderer.key()?, None)? {
         Call::Webhook { request, timeout } => {
-            println!("{} {}", request.method, request.url);
+            writeln!(out, "{} {}", request.method, request.url)?;
             for (name, value) in &request.headers {
-                println!("{name}: {value}");
+                writeln!(out, "{name}: {value}")?;
             }
-            println!("(timeout {})\n", humantime::format_duration(timeout));
-            println!("{}", String::from_utf8_lossy(&request.body));
+            writeln!(out, "(timeout {})\n", humantime::format_duration(timeout))?;
+            writeln!(out, "{}", String::from_utf8_lossy(&request.body))?;
         }
         Call::Command(inv) => {
             let argv: Vec<String> =
                 std::iter::once(inv.program.display().to_string()).chain(inv.args.iter().cloned()).collect();
-            println!("argv: {}", serde_json::to_string(&argv)?);
+            writeln!(out, "argv: {}", serde_json::to_string(&argv)?)?;
             for (name, value) in &inv.env {
-                println!("env: {name}={value}");
+                writeln!(out, "env: {name}={value}")?;
             }
-            println!("timeout: {}", humantime::format_duration(inv.timeout));
+            writeln!(out, "timeout: {}", humantime::format_duration(inv.timeout))?;
             match &inv.stdin {
-                Stdin::Null => println!("stdin: (none)"),
-                Stdin::Bytes(b) => println!("stdin: {}", String::from_utf8_lossy(b)),
+                Stdin::Null => writeln!(out, "stdin: (none)")?,
+                Stdin::Bytes(b) => writeln!(out, "stdin: {}", String::from_utf8_lossy(b))?,
             }
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
     let validation = config::load(paths);
     let text = validation.render(format);
-    if format == Format::Json || !text.is_empty() {
-        print!("{text}");
+    if (format == Format::Json || !text.is_empty())
+        && let Err(e) = output::stdout(&text)
+    {
+        output::stderr(&format!("error: cannot write the diagnostics: {e}\n"));
+        return ExitCode::FAILURE;
     }
     if validation.has_errors() {
         ExitCode::FAILURE
     } else {
         if format == Format::Human {
             let queues = validation.config.as_ref().map_or(0, |c| c.queues.len());
-            eprintln!("ok: {queues} queue(s) valid");
+            output::stderr(&format!("ok: {queues} queue(s) valid\n"));
         }
         ExitCode::SUCCESS
     }
@@ -269,6 +272,6 @@ fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
 /// Loads the config for commands that need a valid one; problems go to stderr.
 fn load_or_report(paths: &[PathBuf]) -> Option<config::Config> {
     let validation = config::load(paths);
-    eprint!("{}", validation.render(Format::Human));
+    output::stderr(&validation.render(Format::Human));
     validation.config
 }

@@ -124,14 +124,21 @@ pub fn main() -> ExitCode {
         }
         Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, threads } => {
-            let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            let Some(mut config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            // Before any connection: a missing secret would otherwise dead-letter every message.
+            if let Err(errors) = config.prepare_run() {
+                for e in errors {
+                    output::stderr(&format!("error: {e}\n"));
+                }
+                return ExitCode::FAILURE;
+            }
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
             exit(block_on(threads, run(config, broker.url, Location::parse(&dedup), admin, options)))
         }
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
-            let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
-            exit(render(&config, &queue, &message, attempt).and_then(|text| Ok(output::stdout(&text)?)))
+            let Some(mut config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            exit(render(&mut config, &queue, &message, attempt).and_then(|text| Ok(output::stdout(&text)?)))
         }
     }
 }
@@ -216,16 +223,22 @@ async fn run(
 }
 
 /// What `sluice render` prints: the request or the command a message would produce.
-fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<String> {
+fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<String> {
     use std::fmt::Write as _;
-    let q = config.queues.get(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
+    let q = config.queues.get_mut(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
+    q.resolve_webhook_url()?;
     let body = std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?;
     let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
     let renderer = call::Renderer::new(q, &envelope, attempt, true);
     let mut out = String::new();
     match renderer.call(&body, &renderer.key()?, None)? {
         Call::Webhook { request, timeout } => {
-            writeln!(out, "{} {}", request.method, request.url)?;
+            let mut url = request.url;
+            // Environment values are shown as ***; one may hold the URL's credentials.
+            if url.password().is_some() {
+                let _ = url.set_password(Some("***"));
+            }
+            writeln!(out, "{} {url}", request.method)?;
             for (name, value) in &request.headers {
                 writeln!(out, "{name}: {value}")?;
             }

@@ -244,3 +244,85 @@ fn paths_default_to_pipelines() {
     assert!(!explicit.is_empty());
     sluice().arg("plan").assert().success().stdout(explicit);
 }
+
+/// A pipeline whose plan is longer than a pipe's buffer (64 KiB): 500 queues.
+fn long_pipeline() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut yaml = String::from("version: 1\nexchanges:\n  ev: {type: topic}\nqueues:\n");
+    for i in 0..500 {
+        yaml.push_str(&format!(
+            "  q{i}:\n    bind: [{{exchange: ev, routing_key: k{i}}}]\n    handler: {{command: {{program: /bin/true, args: [\"{{{{payload.n}}}}\"]}}}}\n"
+        ));
+    }
+    std::fs::write(dir.path().join("p.yaml"), yaml).unwrap();
+    std::fs::write(
+        dir.path().join("message.json"),
+        format!(
+            r#"{{"id": "1", "type": "t", "version": 1, "occurred_at": "2026-01-01T00:00:00Z", "idempotency_key": "k", "payload": {{"n": "{}"}}}}"#,
+            "x".repeat(200_000)
+        ),
+    )
+    .unwrap();
+    dir
+}
+
+/// Runs `sluice ARGS` with stdout a pipe whose reader reads `lines` lines, then goes away (as
+/// `head` does); the exit code and stderr.
+fn with_closed_stdout(args: &[&str], lines: usize) -> (Option<i32>, String) {
+    use std::io::{BufRead, Read};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..lines {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+    }
+    drop(stdout);
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("sluice {args:?} did not end after its stdout closed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status.code(), stderr)
+}
+
+// Issue 9: `sluice plan ... | head` panicked on the closed pipe (exit 101).
+#[test]
+fn a_closed_stdout_ends_every_command_quietly() {
+    let dir = long_pipeline();
+    let path = dir.path().to_str().unwrap();
+    let message = dir.path().join("message.json");
+    let message = message.to_str().unwrap();
+    let cases: &[(&[&str], i32)] = &[
+        (&["plan", path], 0),
+        (&["plan", path, "--format", "json"], 0),
+        (&["plan", path, "--format", "dot"], 0),
+        (&["schema"], 0),
+        (&["render", path, "--queue", "q7", "--message", message], 0),
+        (&["validate", util::INVALID, "--format", "json"], 1),
+        (&["validate", util::INVALID], 1),
+    ];
+    for (args, code) in cases {
+        for lines in [0, 1] {
+            let (got, stderr) = with_closed_stdout(args, lines);
+            assert_eq!(got, Some(*code), "{args:?} after {lines} line(s): {stderr}");
+            assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! The command line: clap subcommands, each a thin call into the modules that do the work.
 //! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own).
 
+mod output;
 mod publish;
 
 use std::future::Future;
@@ -125,13 +126,10 @@ pub fn main() -> ExitCode {
             let Some(config) = load_or_report(&paths) else {
                 return ExitCode::FAILURE;
             };
-            print!("{}", amqp::render(&amqp::declarations(&topology::plan(&config)), format));
-            ExitCode::SUCCESS
+            let plan = amqp::render(&amqp::declarations(&topology::plan(&config)), format);
+            exit(output::stdout(&plan).map_err(Into::into))
         }
-        Command::Schema => {
-            print!("{}", config::schema::TEXT);
-            ExitCode::SUCCESS
-        }
+        Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads } => {
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
             let watch = !no_watch;
@@ -139,8 +137,8 @@ pub fn main() -> ExitCode {
         }
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
-            let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
-            exit(render(&config, &queue, &message, attempt))
+            let Some(mut config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            exit(render(&mut config, &queue, &message, attempt).and_then(|text| Ok(output::stdout(&text)?)))
         }
     }
 }
@@ -174,7 +172,7 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            output::stderr(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }
@@ -190,9 +188,14 @@ async fn run(
 ) -> anyhow::Result<()> {
     // Watching starts before the first load, so that no edit in between goes unseen.
     let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
-    let Some(config) = load_or_report(&paths) else {
+    let Some(mut config) = load_or_report(&paths) else {
         anyhow::bail!("invalid pipeline files");
     };
+    // Before any connection: a missing secret would otherwise dead-letter every message.
+    if let Err(errors) = config.prepare_run() {
+        let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        anyhow::bail!("{}", lines.join("\nerror: "));
+    }
     // Commands and future reloads may name queues idempotency is off for today.
     let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
         Some(Store::open(&dedup).await.context("cannot open the idempotency store")?)
@@ -237,50 +240,62 @@ async fn run(
     Ok(())
 }
 
-fn render(config: &config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<()> {
-    let q = config.queues.get(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
+/// What `sluice render` prints: the request or the command a message would produce.
+fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let q = config.queues.get_mut(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
+    q.resolve_webhook_url()?;
     let body =
         bytes::Bytes::from(std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?);
     let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
     let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
+    let mut out = String::new();
     match renderer.call(&body, &crate::dedup::effective_key(renderer.key()?), None)? {
         Call::Webhook { request, timeout } => {
-            println!("{} {}", request.method, request.url);
-            for (name, value) in &request.headers {
-                println!("{name}: {value}");
+            let mut url = request.url;
+            // Environment values are shown as ***; one may hold the URL's credentials.
+            if url.password().is_some() {
+                let _ = url.set_password(Some("***"));
             }
-            println!("(timeout {})\n", humantime::format_duration(timeout));
-            println!("{}", String::from_utf8_lossy(&request.body));
+            writeln!(out, "{} {url}", request.method)?;
+            for (name, value) in &request.headers {
+                writeln!(out, "{name}: {value}")?;
+            }
+            writeln!(out, "(timeout {})\n", humantime::format_duration(timeout))?;
+            writeln!(out, "{}", String::from_utf8_lossy(&request.body))?;
         }
         Call::Command(inv) => {
             let argv: Vec<String> =
                 std::iter::once(inv.program.display().to_string()).chain(inv.args.iter().cloned()).collect();
-            println!("argv: {}", serde_json::to_string(&argv)?);
+            writeln!(out, "argv: {}", serde_json::to_string(&argv)?)?;
             for (name, value) in &inv.env {
-                println!("env: {name}={value}");
+                writeln!(out, "env: {name}={value}")?;
             }
-            println!("timeout: {}", humantime::format_duration(inv.timeout));
+            writeln!(out, "timeout: {}", humantime::format_duration(inv.timeout))?;
             match &inv.stdin {
-                Stdin::Null => println!("stdin: (none)"),
-                Stdin::Bytes(b) => println!("stdin: {}", String::from_utf8_lossy(b)),
+                Stdin::Null => writeln!(out, "stdin: (none)")?,
+                Stdin::Bytes(b) => writeln!(out, "stdin: {}", String::from_utf8_lossy(b))?,
             }
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
     let validation = config::load(paths);
-    let text = config::diagnostic::render(&validation.diagnostics, format, &|p| std::fs::read_to_string(p).ok());
-    if format == Format::Json || !text.is_empty() {
-        print!("{text}");
+    let text = validation.render(format);
+    if (format == Format::Json || !text.is_empty())
+        && let Err(e) = output::stdout(&text)
+    {
+        output::stderr(&format!("error: cannot write the diagnostics: {e}\n"));
+        return ExitCode::FAILURE;
     }
     if validation.has_errors() {
         ExitCode::FAILURE
     } else {
         if format == Format::Human {
             let queues = validation.config.as_ref().map_or(0, |c| c.queues.len());
-            eprintln!("ok: {queues} queue(s) valid");
+            output::stderr(&format!("ok: {queues} queue(s) valid\n"));
         }
         ExitCode::SUCCESS
     }
@@ -289,7 +304,6 @@ fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
 /// Loads the config for commands that need a valid one; problems go to stderr.
 fn load_or_report(paths: &[PathBuf]) -> Option<config::Config> {
     let validation = config::load(paths);
-    let text = config::diagnostic::render(&validation.diagnostics, Format::Human, &|p| std::fs::read_to_string(p).ok());
-    eprint!("{text}");
+    output::stderr(&validation.render(Format::Human));
     validation.config
 }

@@ -96,6 +96,6 @@ pub async fn publish(args: Args) -> anyhow::Result<()> {
     progress.finish_and_clear();
     broker.close().await;
     result?;
-    eprintln!("published {total} message(s) to exchange \"{}\"", args.exchange);
+    super::output::stderr(&format!("published {total} message(s) to exchange \"{}\"\n", args.exchange));
     Ok(())
 }

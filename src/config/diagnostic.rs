@@ -39,7 +39,9 @@ pub struct Diagnostic {
 impl Diagnostic {
     /// `file:line:col: error: /pointer: message`, the first line of the human format.
     pub fn headline(&self) -> String {
-        format!("{}:{}:{}: {}: {}", self.file.display(), self.line, self.column, self.severity.as_str(), self.text())
+        let file = self.file.display().to_string();
+        let (file, text) = (visible(&file), visible(&self.text()));
+        format!("{file}:{}:{}: {}: {text}", self.line, self.column, self.severity.as_str())
     }
 
     /// `/pointer: message`, or the message alone for a problem with the file as a whole.
@@ -71,10 +73,10 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
                     out,
                     "::{} file={},line={},col={}::{}",
                     d.severity.as_str(),
-                    d.file.display(),
+                    github_property(&d.file.display().to_string()),
                     d.line,
                     d.column,
-                    github_escape(&d.text())
+                    github_data(&d.text())
                 );
             }
         }
@@ -90,19 +92,44 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
     out
 }
 
-/// The offending line with its number and a caret under the column.
+/// The offending line with its number and a caret under the column. A line holding control
+/// characters is not shown: it is not pipeline text (a link to `/proc/self/environ` holds NULs),
+/// and escape sequences would reach the terminal.
 fn snippet(text: &str, line: usize, column: usize) -> String {
     let Some(src) = super::source::lines(text).nth(line.saturating_sub(1)) else {
         return String::new();
     };
+    if src.chars().any(|c| (c.is_control() && c != '\t') || is_bidi_control(c)) {
+        return String::new();
+    }
     let gutter = line.to_string().len();
     let pad: String = src.chars().take(column.saturating_sub(1)).map(|c| if c == '\t' { '\t' } else { ' ' }).collect();
     format!("{:gutter$} |\n{line} | {src}\n{:gutter$} | {pad}^\n", "", "")
 }
 
-/// GitHub workflow commands end a message at a newline and treat `%` specially.
-fn github_escape(s: &str) -> String {
+/// Bidirectional overrides and isolates reorder what a terminal shows ("Trojan Source").
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `s` with control characters escaped (`\n`, `\u{1b}`): a file name or a key with a line
+/// break cannot fake a second diagnostic, nor an escape sequence restyle the terminal.
+fn visible(s: &str) -> String {
+    if !s.chars().any(char::is_control) {
+        return s.to_string();
+    }
+    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+/// A workflow command's message ends at a line break, and `%` starts an escape
+/// (<https://github.com/actions/toolkit/blob/main/packages/core/src/command.ts>).
+fn github_data(s: &str) -> String {
     s.replace('%', "%25").replace('\r', "%0D").replace('\n', "%0A")
+}
+
+/// A property value also ends at `,` (the next property) and `::` (the message).
+fn github_property(s: &str) -> String {
+    github_data(s).replace(':', "%3A").replace(',', "%2C")
 }
 
 #[cfg(test)]
@@ -151,6 +178,54 @@ mod tests {
         let d = Diagnostic { pointer: String::new(), message: "YAML syntax error: x".into(), ..diag() };
         let out = render(&[d], Format::Github, &|_| None);
         assert_eq!(out, "::error file=pipelines/orders.yaml,line=2,col=5::YAML syntax error: x\n");
+    }
+
+    // Issue 9: a file name is a pull request's to choose; it must not end the annotation early
+    // or start another one.
+    #[test]
+    fn github_annotation_escapes_properties_and_message() {
+        let cases = [
+            ("a,b:c.yaml", "m", "::error file=a%2Cb%3Ac.yaml,line=2,col=5::m\n"),
+            ("100%.yaml", "50% done", "::error file=100%25.yaml,line=2,col=5::50%25 done\n"),
+            (
+                "x.yaml\n::error file=evil.yaml,line=1,col=1::pwned",
+                "one\r\ntwo: a,b",
+                "::error file=x.yaml%0A%3A%3Aerror file=evil.yaml%2Cline=1%2Ccol=1%3A%3Apwned,line=2,col=5::one%0D%0Atwo: a,b\n",
+            ),
+        ];
+        for (file, message, want) in cases {
+            let d = Diagnostic { file: PathBuf::from(file), pointer: String::new(), message: message.into(), ..diag() };
+            assert_eq!(render(&[d], Format::Github, &|_| None), want, "{file:?}");
+        }
+    }
+
+    // Issue 9: a link to /proc/self/environ printed the environment in the snippet.
+    #[test]
+    fn a_line_with_control_characters_has_no_snippet() {
+        let cases = [
+            ("version: 1\nfoo: bar\n", true),
+            ("version: 1\n\tfoo: bar\n", true),
+            ("version: 1\nSECRET=x\0PATH=/bin\n", false),
+            ("version: 1\nfoo: \x1b[2Jbar\n", false),
+            ("version: 1\nfoo: \u{202E}rab\n", false),
+            ("version: 1\u{7f}\nfoo: bar\n", true),
+        ];
+        for (text, shown) in cases {
+            let out = render(&[diag()], Format::Human, &|_| Some(text.to_string()));
+            assert_eq!(out.contains(" | "), shown, "{text:?}: {out}");
+            assert!(out.starts_with("pipelines/orders.yaml:2:5: error: "), "{out}");
+        }
+    }
+
+    #[test]
+    fn headline_escapes_control_characters() {
+        let d = Diagnostic {
+            file: PathBuf::from("a\nb.yaml"),
+            pointer: "/queues/\u{1b}[31m".into(),
+            message: "m".into(),
+            ..diag()
+        };
+        assert_eq!(d.headline(), "a\\nb.yaml:2:5: error: /queues/\\u{1b}[31m: m");
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod diagnostic;
 pub mod raw;
 pub mod schema;
 pub mod source;
+mod url;
 
 use std::collections::BTreeMap;
 use std::num::{NonZeroU16, NonZeroU32};
@@ -251,14 +252,147 @@ pub struct Idempotency {
     pub ttl: Duration,
 }
 
+impl Queue {
+    /// Every template of the queue, named as render errors name them (`url`, `header X`,
+    /// `args[0]`, ...).
+    pub fn templates(&self) -> Vec<(String, &Template)> {
+        let mut out = Vec::new();
+        match &self.handler {
+            Handler::Webhook(w) => {
+                out.push(("url".to_string(), &w.url));
+                out.extend(w.headers.iter().map(|(name, t)| (format!("header {name}"), t)));
+                out.extend(w.body.iter().map(|t| ("body".to_string(), t)));
+            }
+            Handler::Command(c) => {
+                out.extend(c.args.iter().enumerate().map(|(i, t)| (format!("args[{i}]"), t)));
+                out.extend(c.env.iter().map(|(name, t)| (format!("env {name}"), t)));
+            }
+        }
+        out.extend(self.idempotency.as_ref().and_then(|i| i.key.as_ref()).map(|t| ("idempotency key".to_string(), t)));
+        out
+    }
+
+    /// Puts the environment's values into the scheme and host of the webhook URL
+    /// (`{{env.HOOK_BASE}}/x`), once, so that no message renders them; a URL left without an
+    /// expression is parsed here too, like a literal one at load.
+    pub fn resolve_webhook_url(&mut self) -> Result<(), StartError> {
+        self.resolve_webhook_url_in(|name| std::env::var(name).ok())
+    }
+
+    fn resolve_webhook_url_in(&mut self, lookup: impl Fn(&str) -> Option<String>) -> Result<(), StartError> {
+        let Handler::Webhook(w) = &mut self.handler else { return Ok(()) };
+        let problem = |reason: String| StartError::WebhookUrl {
+            queue: self.name.clone(),
+            url: w.url.source().to_string(),
+            reason,
+        };
+        let resolved = match url::resolve(w.url.source(), lookup) {
+            Ok(Some(resolved)) => resolved,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(problem(e.to_string())),
+        };
+        let template = Template::compile(&resolved, crate::handler::template::Escape::Url)
+            .map_err(|e| problem(format!("after substituting the environment: {e}")))?;
+        let fixed_url = match template.literal() {
+            Some(text) => Some(reqwest::Url::parse(text).map_err(|e| problem(format!("not a valid URL: {e}")))?),
+            None => None,
+        };
+        w.url = template;
+        w.fixed_url = fixed_url;
+        Ok(())
+    }
+}
+
+/// An environment variable the pipeline reads that is not set, and every place reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingEnv {
+    pub name: String,
+    /// `queue orders.charge, header Authorization`, one per place.
+    pub places: Vec<String>,
+    /// Set, but not UTF-8: no template can use it either.
+    pub not_unicode: bool,
+}
+
+impl std::fmt::Display for MissingEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let unicode = if self.not_unicode { "; set, but not UTF-8" } else { "" };
+        write!(f, "{} ({}{unicode})", self.name, self.places.join("; "))
+    }
+}
+
+/// Why `run` refuses to start with this config in this environment.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("environment variables not set: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
+    MissingEnv(Vec<MissingEnv>),
+    #[error("queue \"{queue}\": webhook URL \"{url}\": {reason}")]
+    WebhookUrl { queue: String, url: String, reason: String },
+}
+
+impl Config {
+    /// The environment variables that templates (`{{env.X}}`) and signing secrets read but
+    /// that are not set here, by name. `validate` only warns about them (CI has no secrets);
+    /// `run` refuses to start, rather than dead-letter every message.
+    pub fn missing_env(&self) -> Vec<MissingEnv> {
+        self.missing_env_in(|name| std::env::var(name))
+    }
+
+    fn missing_env_in(&self, lookup: impl Fn(&str) -> Result<String, std::env::VarError>) -> Vec<MissingEnv> {
+        let mut missing: BTreeMap<String, MissingEnv> = BTreeMap::new();
+        let mut note = |name: &str, place: String| {
+            let not_unicode = match lookup(name) {
+                Ok(_) => return,
+                Err(std::env::VarError::NotPresent) => false,
+                Err(std::env::VarError::NotUnicode(_)) => true,
+            };
+            let entry = missing.entry(name.to_string()).or_insert_with(|| MissingEnv {
+                name: name.to_string(),
+                places: Vec::new(),
+                not_unicode,
+            });
+            entry.places.push(place);
+        };
+        for queue in self.queues.values() {
+            for (field, template) in queue.templates() {
+                for name in template.env_vars() {
+                    note(name, format!("queue {}, {field}", queue.name));
+                }
+            }
+            if let Handler::Webhook(Webhook { signing_secret_env: Some(name), .. }) = &queue.handler {
+                note(name, format!("queue {}, signing secret", queue.name));
+            }
+        }
+        missing.into_values().collect()
+    }
+
+    /// Readies the config for `run` in this environment: every variable it reads is set, and
+    /// webhook URLs whose scheme and host come from the environment are resolved and checked.
+    pub fn prepare_run(&mut self) -> Result<(), Vec<StartError>> {
+        let missing = self.missing_env();
+        if !missing.is_empty() {
+            return Err(vec![StartError::MissingEnv(missing)]);
+        }
+        let errors: Vec<StartError> =
+            self.queues.values_mut().filter_map(|queue| queue.resolve_webhook_url().err()).collect();
+        if errors.is_empty() { Ok(()) } else { Err(errors) }
+    }
+}
+
 /// What loading the pipeline files found: a config when there were no errors, and every problem.
 #[derive(Debug)]
 pub struct Validation {
     pub config: Option<Config>,
     pub diagnostics: Vec<Diagnostic>,
+    /// The text of every file that could be read, by path, for the snippets of diagnostics.
+    pub sources: BTreeMap<PathBuf, String>,
 }
 
 impl Validation {
+    /// Every diagnostic in `format`, with snippets from the files as they were loaded.
+    pub fn render(&self, format: Format) -> String {
+        diagnostic::render(&self.diagnostics, format, &|path| self.sources.get(path).cloned())
+    }
+
     /// Whether any diagnostic is an error.
     pub fn has_errors(&self) -> bool {
         self.diagnostics.iter().any(|d| d.severity == Severity::Error)
@@ -361,6 +495,103 @@ mod tests {
         assert_eq!(p.window(Duration::from_secs(10)), Duration::from_secs(12 + 50));
         let fixed = RetryPolicy { backoff: Backoff::Fixed, initial: Duration::from_secs(3), ..p };
         assert_eq!(fixed.ceiling(4), Duration::from_secs(3));
+    }
+
+    /// A config from one pipeline file.
+    fn config(yaml: &str) -> Config {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let validation = load(&[dir.path().to_path_buf()]);
+        validation.config.unwrap_or_else(|| panic!("invalid: {:?}", validation.diagnostics))
+    }
+
+    // Issue 9: an unset variable let `run` start and dead-letter every message.
+    #[test]
+    fn missing_env_names_every_variable_and_where_it_is_read() {
+        let config = config(
+            r#"version: 1
+queues:
+  a:
+    handler:
+      webhook:
+        url: "https://h.example/{{env.PATH_PART}}"
+        headers: {Authorization: "Bearer {{env.TOKEN}}"}
+        body: "{{env.SET}}"
+        signing: {secret_env: SECRET}
+  b:
+    handler:
+      command: {program: /bin/true, args: ["{{env.TOKEN}}"], env: {X: "{{env.SET}}"}}
+    idempotency: {key: "{{env.KEY}}"}
+"#,
+        );
+        let lookup = |name: &str| match name {
+            "SET" => Ok("x".to_string()),
+            "KEY" => Err(std::env::VarError::NotUnicode("\u{fffd}".into())),
+            _ => Err(std::env::VarError::NotPresent),
+        };
+        let missing = config.missing_env_in(lookup);
+        let got: Vec<String> = missing.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            got,
+            [
+                "KEY (queue b, idempotency key; set, but not UTF-8)",
+                "PATH_PART (queue a, url)",
+                "SECRET (queue a, signing secret)",
+                "TOKEN (queue a, header Authorization; queue b, args[0])",
+            ]
+        );
+        let error = StartError::MissingEnv(missing[1..3].to_vec()).to_string();
+        assert_eq!(error, "environment variables not set: PATH_PART (queue a, url), SECRET (queue a, signing secret)");
+        assert!(config.missing_env_in(|_| Ok(String::new())).is_empty());
+    }
+
+    #[test]
+    fn webhook_hosts_from_the_environment_resolve_once() {
+        let mut config = config(
+            r#"version: 1
+queues:
+  fixed: {handler: {webhook: {url: "{{env.BASE}}/x?k={{env.KEY}}"}}}
+  templated: {handler: {webhook: {url: "https://{{env.HOST}}/x/{{payload.id}}"}}}
+  literal: {handler: {webhook: {url: "https://h.example/x"}}}
+  ftp: {handler: {webhook: {url: "{{env.FTP}}/x"}}}
+"#,
+        );
+        let lookup = |name: &str| {
+            Some(match name {
+                "BASE" => "http://127.0.0.1:8080".to_string(),
+                "HOST" => "h.example".to_string(),
+                "FTP" => "ftp://h.example".to_string(),
+                _ => return None,
+            })
+        };
+        let mut results = BTreeMap::new();
+        for (name, queue) in &mut config.queues {
+            results.insert(name.as_str(), queue.resolve_webhook_url_in(lookup).map_err(|e| e.to_string()));
+        }
+        assert_eq!(results["fixed"], Ok(()));
+        assert_eq!(results["templated"], Ok(()));
+        assert_eq!(results["literal"], Ok(()));
+        assert_eq!(
+            results["ftp"],
+            Err("queue \"ftp\": webhook URL \"{{env.FTP}}/x\": with FTP as set, the scheme and host are not usable: webhook URLs are http or https, not \"ftp\"".to_string())
+        );
+        let webhook = |name: &str| match &config.queues[name].handler {
+            Handler::Webhook(w) => (w.url.source().to_string(), w.fixed_url.as_ref().map(ToString::to_string)),
+            Handler::Command(_) => panic!("a webhook"),
+        };
+        // The path's variable stays a template: only the scheme and host are resolved here.
+        assert_eq!(webhook("fixed"), ("http://127.0.0.1:8080/x?k={{env.KEY}}".to_string(), None));
+        assert_eq!(webhook("templated"), ("https://h.example/x/{{payload.id}}".to_string(), None));
+        assert_eq!(webhook("literal"), ("https://h.example/x".to_string(), Some("https://h.example/x".to_string())));
+    }
+
+    #[test]
+    fn an_env_host_with_a_literal_rest_becomes_a_fixed_url() {
+        let mut config = config("version: 1\nqueues:\n  q: {handler: {webhook: {url: \"{{env.BASE}}/hook\"}}}\n");
+        let queue = config.queues.get_mut("q").expect("queue q");
+        queue.resolve_webhook_url_in(|_| Some("http://127.0.0.1:8080".to_string())).expect("resolves");
+        let Handler::Webhook(w) = &queue.handler else { panic!("a webhook") };
+        assert_eq!(w.fixed_url.as_ref().map(ToString::to_string).as_deref(), Some("http://127.0.0.1:8080/hook"));
     }
 
     #[test]

@@ -2,9 +2,14 @@
 //! YAML parsing into JSON values with anchors and merge keys applied, and the span map that
 //! gives every node's line and column by JSON pointer.
 //!
+//! A pull request can put anything in a pipeline directory, and CI validates it: discovery
+//! follows links only inside the given paths and enters each directory once, only regular
+//! files of at most [`MAX_FILE_BYTES`] are read, and a document whose aliases would expand past
+//! [`MAX_NODES`] is refused before the YAML loader builds it.
+//!
 //! This module knows YAML, not the pipeline format: it never interprets keys.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use saphyr_parser::{Event, Parser, Span};
@@ -65,33 +70,156 @@ impl SourceFile {
     }
 }
 
-/// Expands the given paths into the sorted list of pipeline files.
-pub fn discover(paths: &[PathBuf]) -> Result<Vec<PathBuf>, Diagnostic> {
-    let mut files = Vec::new();
-    for path in paths {
-        if path.is_dir() {
-            walk(path, &mut files).map_err(|e| io_diag(path, &e))?;
-        } else if path.is_file() {
-            files.push(path.clone());
-        } else {
-            return Err(file_diag(path, "no such file or directory"));
-        }
-    }
-    files.sort();
-    files.dedup();
-    Ok(files)
+/// The most a pipeline file may hold. Real ones are a few KiB; a bigger "file" is a mistake or
+/// an attack (a link to `/dev/zero`), and is refused before it is read to the end.
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// What discovery found: the pipeline files to load, and what it skipped or could not use.
+#[derive(Debug, Default)]
+pub struct Discovery {
+    /// Sorted, each file once (however many names lead to it).
+    pub files: Vec<PathBuf>,
+    pub diagnostics: Vec<Diagnostic>,
 }
 
-fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            walk(&path, files)?;
-        } else if matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")) {
-            files.push(path);
+/// Expands the given paths into the sorted list of pipeline files.
+///
+/// A pull request can add anything to a pipeline directory, so the walk is defensive: a
+/// symbolic link is followed only when it resolves inside the given paths (else it is skipped
+/// with a warning), a directory is entered at most once, and no file is opened here. Paths
+/// named on the command line are the user's own choice and are used as given.
+pub fn discover(paths: &[PathBuf]) -> Discovery {
+    let mut walk = Walk {
+        roots: paths.iter().filter_map(|p| p.canonicalize().ok()).collect(),
+        visited: HashSet::new(),
+        found: Vec::new(),
+        diagnostics: Vec::new(),
+    };
+    for path in paths {
+        match std::fs::metadata(path) {
+            Ok(meta) if meta.is_dir() => walk.directory(path, &meta),
+            // Whatever else it is, loading says why it cannot be read.
+            Ok(meta) => walk.found.push(Found { path: path.clone(), link: false, id: Some(file_id(&meta)) }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                walk.diagnostics.push(file_diag(path, "no such file or directory"));
+            }
+            Err(e) => walk.diagnostics.push(io_diag(path, &e)),
         }
     }
-    Ok(())
+    Discovery { files: walk.files(), diagnostics: walk.diagnostics }
+}
+
+/// A device and inode: what makes two paths the same file or directory.
+type FileId = (u64, u64);
+
+fn file_id(meta: &std::fs::Metadata) -> FileId {
+    use std::os::unix::fs::MetadataExt as _;
+    (meta.dev(), meta.ino())
+}
+
+/// A candidate pipeline file.
+struct Found {
+    path: PathBuf,
+    /// Found through a symbolic link (a real name for the same file is preferred).
+    link: bool,
+    /// `None` when it cannot be examined (loading reports why).
+    id: Option<FileId>,
+}
+
+struct Walk {
+    /// The given paths, resolved: links may point anywhere under them and nowhere else.
+    roots: Vec<PathBuf>,
+    /// Directories entered so far: a bind mount or a hard-linked directory cannot loop.
+    visited: HashSet<FileId>,
+    found: Vec<Found>,
+    diagnostics: Vec<Diagnostic>,
+}
+
+impl Walk {
+    /// Walks a directory tree depth first with an explicit stack (no recursion to overflow),
+    /// each directory's entries in name order so the result never depends on the filesystem.
+    fn directory(&mut self, dir: &Path, meta: &std::fs::Metadata) {
+        if !self.visited.insert(file_id(meta)) {
+            return;
+        }
+        let mut pending = vec![dir.to_path_buf()];
+        while let Some(dir) = pending.pop() {
+            let entries = match std::fs::read_dir(&dir).and_then(|d| d.collect::<std::io::Result<Vec<_>>>()) {
+                Ok(entries) => entries,
+                Err(e) => {
+                    self.diagnostics.push(io_diag(&dir, &e));
+                    continue;
+                }
+            };
+            let mut entries: Vec<(PathBuf, std::io::Result<std::fs::Metadata>)> =
+                entries.into_iter().map(|e| (e.path(), e.metadata())).collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            for (path, meta) in entries {
+                // DirEntry::metadata does not follow a symbolic link: this is the entry itself.
+                let meta = match meta {
+                    Ok(meta) => meta,
+                    Err(e) => {
+                        self.diagnostics.push(io_diag(&path, &e));
+                        continue;
+                    }
+                };
+                if meta.file_type().is_symlink() {
+                    self.link(path);
+                } else if meta.is_dir() {
+                    if self.visited.insert(file_id(&meta)) {
+                        pending.push(path);
+                    }
+                } else if is_pipeline_name(&path) {
+                    self.found.push(Found { path, link: false, id: Some(file_id(&meta)) });
+                }
+            }
+        }
+    }
+
+    /// A symbolic link met in a directory.
+    fn link(&mut self, path: PathBuf) {
+        let named = is_pipeline_name(&path);
+        let (target, meta) = match path.canonicalize().and_then(|t| std::fs::metadata(&t).map(|m| (t, m))) {
+            Ok(resolved) => resolved,
+            // A dangling link or a loop of links: only worth a word when it names a pipeline file.
+            Err(e) => {
+                if named {
+                    self.diagnostics.push(file_diag(&path, format!("cannot follow symbolic link: {e}")));
+                }
+                return;
+            }
+        };
+        if !meta.is_dir() && !named {
+            return;
+        }
+        if !self.roots.iter().any(|root| target.starts_with(root)) {
+            let message =
+                format!("symbolic link to {} leads outside the paths being loaded; skipped", target.display());
+            self.diagnostics.push(Diagnostic { severity: Severity::Warning, ..file_diag(&path, message) });
+        } else if !meta.is_dir() {
+            self.found.push(Found { path, link: true, id: Some(file_id(&meta)) });
+        }
+        // A directory inside the roots is walked where it really is: every component of its
+        // resolved path is a real directory under a root. Following the link too would only
+        // find its files a second time, under another name.
+    }
+
+    /// The files found, sorted, each once: a file reached by several names (links, hard links,
+    /// overlapping paths) is loaded under its real name, else the first in order.
+    fn files(&mut self) -> Vec<PathBuf> {
+        let mut found = std::mem::take(&mut self.found);
+        found.sort_by(|a, b| (a.link, &a.path).cmp(&(b.link, &b.path)));
+        let mut seen = HashSet::new();
+        let mut files: Vec<PathBuf> =
+            found.into_iter().filter(|f| f.id.is_none_or(|id| seen.insert(id))).map(|f| f.path).collect();
+        files.sort();
+        files.dedup();
+        files
+    }
+}
+
+fn is_pipeline_name(path: &Path) -> bool {
+    matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
 }
 
 /// A problem with a file as a whole, reported at its first line.
@@ -110,10 +238,83 @@ fn io_diag(path: &Path, error: &std::io::Error) -> Diagnostic {
     file_diag(path, format!("cannot read: {error}"))
 }
 
+/// Why a file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("not a regular file ({0})")]
+    NotRegular(&'static str),
+    #[error("larger than {}, the most sluice reads", size(*.0))]
+    TooLarge(u64),
+    #[error("not UTF-8 text")]
+    NotUtf8,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Reads a regular file of at most `limit` bytes as UTF-8 text.
+///
+/// A FIFO would block the open and the read forever and a device may never end, so the file
+/// is opened without blocking and checked through the opened handle (the path could be
+/// swapped in between), then read no further than `limit`: `/proc` files say they are empty.
+pub fn read_regular(path: &Path, limit: u64) -> Result<String, ReadError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+
+    // Refuse before opening when we can: opening some devices has side effects.
+    kind_check(&std::fs::metadata(path)?)?;
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+    let meta = file.metadata()?;
+    kind_check(&meta)?;
+    if meta.len() > limit {
+        return Err(ReadError::TooLarge(limit));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(ReadError::TooLarge(limit));
+    }
+    String::from_utf8(bytes).map_err(|_| ReadError::NotUtf8)
+}
+
+/// `1 MiB`, `64 KiB` or `100 bytes`: a limit as people write it.
+fn size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
+    }
+}
+
+fn kind_check(meta: &std::fs::Metadata) -> Result<(), ReadError> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let kind = meta.file_type();
+    let what = if kind.is_file() {
+        return Ok(());
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        "an unknown kind"
+    };
+    Err(ReadError::NotRegular(what))
+}
+
+/// Reads one pipeline file's text (see [`read_regular`]).
+pub fn read(path: &Path) -> Result<String, Diagnostic> {
+    read_regular(path, MAX_FILE_BYTES).map_err(|e| match e {
+        ReadError::Io(e) => io_diag(path, &e),
+        other => file_diag(path, format!("cannot read: {other}")),
+    })
+}
+
 /// Reads and parses one file; a syntax error comes back as a diagnostic at its position.
 pub fn load(path: &Path) -> Result<SourceFile, Diagnostic> {
-    let text = std::fs::read_to_string(path).map_err(|e| io_diag(path, &e))?;
-    parse(path, text)
+    parse(path, read(path)?)
 }
 
 /// Parses YAML text that came from `path`.
@@ -129,7 +330,7 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
             message,
         }
     };
-    let spans = SpanMap::build(&text).map_err(|(pos, msg)| at(pos, format!("YAML syntax error: {msg}")))?;
+    let spans = SpanMap::build(&text).map_err(|(pos, msg)| at(pos, msg))?;
     let mut yaml: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| {
         let pos =
             e.location().map(|l| Pos { line: l.line(), column: l.column() }).unwrap_or(Pos { line: 1, column: 1 });
@@ -176,9 +377,66 @@ pub fn escape_token(token: &str) -> String {
 }
 
 /// How many positions aliases and merges may copy in one file. Beyond it, nodes reached only
-/// through an alias report the alias's own position: an alias bomb ("billion laughs") must
-/// not expand here (the YAML loader rejects it afterwards).
+/// through an alias report the alias's own position: a document within [`MAX_NODES`] can
+/// still copy a quarter of a million pointers, each a string.
 const MAX_ALIAS_COPIES: usize = 100_000;
+
+/// How many nodes a document may have once every alias is expanded. The YAML loader copies an
+/// alias's whole subtree, so 5,000 aliases of a 5,000-element anchor (25 KB of text) would be
+/// 25 million nodes; real pipelines have a few thousand. Past this a file is refused before
+/// the loader sees it.
+pub const MAX_NODES: usize = 250_000;
+
+/// Counts the nodes a document expands to, from the parser's events, without building it.
+#[derive(Default)]
+struct Expansion {
+    /// Per open collection: its expanded size so far (itself included) and its anchor (0: none).
+    open: Vec<(usize, usize)>,
+    /// The expanded size of every complete anchored node.
+    anchors: HashMap<usize, usize>,
+    total: usize,
+}
+
+impl Expansion {
+    /// Accounts for one event; false once the document is past [`MAX_NODES`].
+    fn event(&mut self, event: &Event) -> bool {
+        match *event {
+            Event::Scalar(_, _, anchor, _) => {
+                if anchor > 0 {
+                    self.anchors.insert(anchor, 1);
+                }
+                self.add(1)
+            }
+            Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
+                self.open.push((0, anchor));
+                self.add(1)
+            }
+            Event::MappingEnd | Event::SequenceEnd => {
+                if let Some((size, anchor)) = self.open.pop() {
+                    if anchor > 0 {
+                        self.anchors.insert(anchor, size);
+                    }
+                    // Already in the total: each node was counted as it came.
+                    if let Some(parent) = self.open.last_mut() {
+                        parent.0 = parent.0.saturating_add(size);
+                    }
+                }
+                true
+            }
+            // An alias to an anchor still open (a cycle) is the parser's to reject.
+            Event::Alias(id) => self.add(self.anchors.get(&id).copied().unwrap_or(1)),
+            _ => true,
+        }
+    }
+
+    fn add(&mut self, nodes: usize) -> bool {
+        if let Some(innermost) = self.open.last_mut() {
+            innermost.0 = innermost.0.saturating_add(nodes);
+        }
+        self.total = self.total.saturating_add(nodes);
+        self.total <= MAX_NODES
+    }
+}
 
 /// JSON pointer → position of the value, and of the key for object members. Ordered, so that
 /// the nodes under an anchor are one range.
@@ -226,12 +484,23 @@ impl SpanMap {
         let mut stack: Vec<Frame> = Vec::new();
         let mut anchors: HashMap<usize, String> = HashMap::new();
         let mut documents = 0;
+        let mut expansion = Expansion::default();
         for event in Parser::new_from_str(text) {
             let (event, span) = event.map_err(|e| {
                 let m = e.marker();
-                (Pos { line: m.line(), column: m.col() + 1 }, e.info().to_string())
+                (Pos { line: m.line(), column: m.col() + 1 }, format!("YAML syntax error: {}", e.info()))
             })?;
             let pos = pos_of(span);
+            if !expansion.event(&event) {
+                let message = if matches!(event, Event::Alias(_)) {
+                    format!(
+                        "this alias expands the document past {MAX_NODES} nodes (an alias bomb?); write the values out"
+                    )
+                } else {
+                    format!("the document has more than {MAX_NODES} nodes; split it into files")
+                };
+                return Err((pos, message));
+            }
             if let Some(Frame::Skip { depth }) = stack.last_mut() {
                 match event {
                     Event::MappingStart(..) | Event::SequenceStart(..) => *depth += 1,
@@ -257,7 +526,7 @@ impl SpanMap {
                     if let Some(Frame::Map { path, key: key @ None, seen }) = stack.last_mut() {
                         if let Some(first) = seen.insert(value.to_string(), pos) {
                             let message = format!(
-                                "key \"{value}\" is defined twice in one mapping: here and at line {}, column {}",
+                                "YAML syntax error: key \"{value}\" is defined twice in one mapping: here and at line {}, column {}",
                                 first.line, first.column
                             );
                             return Err((pos, message));
@@ -427,8 +696,9 @@ mod tests {
 
     #[test]
     fn alias_expansion_is_bounded() {
+        // Within MAX_NODES (about 123,000 nodes), beyond MAX_ALIAS_COPIES.
         let mut text = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
-        for level in 1..10 {
+        for level in 1..5 {
             let prev = (b'a' + level - 1) as char;
             let aliases = vec![format!("*{prev}"); 10].join(", ");
             text.push_str(&format!("{}: &{} [{aliases}]\n", (b'a' + level) as char, (b'a' + level) as char));
@@ -436,6 +706,130 @@ mod tests {
         let spans = SpanMap::build(&text).expect("well-formed YAML");
         assert!(spans.values.len() <= MAX_ALIAS_COPIES + 200, "{}", spans.values.len());
         assert_eq!(spans.value_pos("/b/3/9"), Pos { line: 1, column: 35 });
+    }
+
+    // Issue 9: 5,000 aliases of a 5,000-element anchor (25 KB) made the loader allocate 25
+    // million nodes and abort.
+    #[test]
+    fn alias_expansion_is_counted_and_refused_at_the_alias() {
+        let list = |n: usize, item: &str| vec![item; n].join(",");
+        let cases: Vec<(String, Option<(usize, usize)>)> = vec![
+            // 5,005 nodes, then 5,001 per alias: the 49th is one too many.
+            (format!("a: &a [{}]\nb: [{}]\n", list(5000, "1"), list(5000, "*a")), Some((2, 5 + 3 * 48))),
+            (format!("a: &a [{}]\nb: [{}]\n", list(100, "1"), list(100, "*a")), None),
+            // Anchors inside anchors: each level doubles.
+            (
+                (1..20).fold("l0: &l0 [1, 2]\n".to_string(), |text, i| {
+                    format!("{text}l{i}: &l{i} [*l{}, *l{}]\n", i - 1, i - 1)
+                }),
+                // 131,069 nodes before line 16, whose anchor is 65,535 nodes: its second alias.
+                Some((16, 18)),
+            ),
+            (
+                format!("x: &x {{k: [{}]}}\ny: {{<<: [{}]}}\n", list(1000, "1"), list(300, "*x")),
+                Some((2, 10 + 3 * 248)),
+            ),
+            // Many nodes without any alias are refused too (a MiB of `0,`).
+            (format!("[{}]\n", list(MAX_NODES, "0")), Some((1, 2 * MAX_NODES))),
+        ];
+        for (text, refused_at) in cases {
+            let got = SpanMap::build(&text).err().map(|(pos, message)| {
+                assert!(message.contains(&MAX_NODES.to_string()), "{message}");
+                (pos.line, pos.column)
+            });
+            assert_eq!(got, refused_at, "{}", &text[..text.len().min(80)]);
+        }
+    }
+
+    // Issue 9: a FIFO blocked, /dev/zero never ended, /proc files say they are empty.
+    #[test]
+    fn only_regular_files_are_read_and_never_past_the_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = |name: &str| dir.path().join(name);
+        std::fs::write(path("small.yaml"), "version: 1\n").expect("write");
+        std::fs::write(path("big.yaml"), vec![b'#'; 2048]).expect("write");
+        std::fs::write(path("latin1.yaml"), b"caf\xe9\n").expect("write");
+        let fifo = std::ffi::CString::new(path("fifo.yaml").into_os_string().into_encoded_bytes()).expect("path");
+        // SAFETY: mkfifo with a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0, "mkfifo");
+        let cases: Vec<(PathBuf, &str)> = vec![
+            (path("small.yaml"), "ok"),
+            (path("big.yaml"), "larger than 1 KiB, the most sluice reads"),
+            (path("latin1.yaml"), "not UTF-8 text"),
+            (path("fifo.yaml"), "not a regular file (a FIFO)"),
+            (dir.path().to_path_buf(), "not a regular file (a directory)"),
+            (PathBuf::from("/dev/zero"), "not a regular file (a device)"),
+            (PathBuf::from("/proc/self/status"), "larger than 1 KiB, the most sluice reads"),
+            (path("missing.yaml"), "No such file or directory"),
+        ];
+        for (path, want) in cases {
+            let got = match read_regular(&path, 1024) {
+                Ok(_) => "ok".to_string(),
+                Err(e) => e.to_string(),
+            };
+            assert!(got.contains(want), "{}: {got}", path.display());
+        }
+    }
+
+    // Issue 9: a link loop hung discovery; links out of the tree read anything.
+    #[test]
+    fn discovery_stays_inside_the_given_paths_and_ends() {
+        use std::os::unix::fs::symlink;
+        let top = tempfile::tempdir().expect("tempdir");
+        let root = top.path().join("root");
+        let outside = top.path().join("outside");
+        for d in [root.join("v2/sub"), outside.clone()] {
+            std::fs::create_dir_all(d).expect("mkdir");
+        }
+        for f in [root.join("a.yaml"), root.join("v2/b.yml"), root.join("v2/sub/c.yaml"), outside.join("o.yaml")] {
+            std::fs::write(f, "version: 1\n").expect("write");
+        }
+        std::fs::write(root.join("notes.txt"), "").expect("write");
+        let links = [
+            ("loop1", "."),
+            ("loop2", ".."),
+            ("v2/sub/up", "../.."),
+            ("current", "v2"),
+            ("alias.yaml", "a.yaml"),
+            ("notes.yaml", "notes.txt"),
+            ("out", "../outside"),
+            ("out.yaml", "../outside/o.yaml"),
+            ("zero.yaml", "/dev/zero"),
+            ("self.yaml", "self.yaml"),
+            ("dangling.yaml", "missing.yaml"),
+            ("dangling", "missing"),
+            ("out.txt", "../outside/o.yaml"),
+        ];
+        for (name, target) in links {
+            symlink(target, root.join(name)).expect("symlink");
+        }
+        let found = discover(std::slice::from_ref(&root));
+        let files: Vec<String> =
+            found.files.iter().map(|f| f.strip_prefix(&root).expect("under root").display().to_string()).collect();
+        assert_eq!(files, ["a.yaml", "notes.yaml", "v2/b.yml", "v2/sub/c.yaml"]);
+        let diagnostics: Vec<(String, Severity, bool)> = found
+            .diagnostics
+            .iter()
+            .map(|d| {
+                let name = d.file.strip_prefix(&root).expect("under root").display().to_string();
+                (name, d.severity, d.message.contains("leads outside the paths being loaded; skipped"))
+            })
+            .collect();
+        assert_eq!(
+            diagnostics,
+            [
+                ("dangling.yaml".to_string(), Severity::Error, false),
+                // `..` of the root is outside it.
+                ("loop2".to_string(), Severity::Warning, true),
+                ("out".to_string(), Severity::Warning, true),
+                ("out.yaml".to_string(), Severity::Warning, true),
+                ("self.yaml".to_string(), Severity::Error, false),
+                ("zero.yaml".to_string(), Severity::Warning, true),
+            ]
+        );
+        // Named on the command line, a link is the user's choice: followed.
+        let named = discover(&[root.join("out.yaml"), root.clone(), root.join("v2")]);
+        assert_eq!(named.files.len(), 5, "{:?}", named.files);
     }
 
     #[test]

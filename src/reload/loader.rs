@@ -82,10 +82,17 @@ fn load(paths: &[PathBuf]) -> Option<Config> {
     for d in validation.diagnostics.iter().filter(|d| d.severity == Severity::Error) {
         error!("{}", d.headline());
     }
-    let Some(config) = validation.config else {
+    let Some(mut config) = validation.config else {
         error!("invalid pipeline files; the running config stays");
         return None;
     };
+    if let Err(errors) = config.prepare_run() {
+        for e in errors {
+            error!("{e}");
+        }
+        error!("the running config stays");
+        return None;
+    }
     Some(config)
 }
 

@@ -157,16 +157,34 @@ async fn a_program_that_ignores_stdin_still_completes() {
     assert_eq!(output.stdout, b"ignored\n");
 }
 
+/// Issue 9: a handler must not inherit the runner's environment (`SLUICE_BROKER` with its
+/// password, tokens): the child gets the invocation's variables and nothing else.
 #[tokio::test]
-async fn env_vars_are_added_to_the_inherited_environment() {
-    let mut invocation = sh("printf '%s|%s|%s' \"$SLUICE_MESSAGE_ID\" \"$SLUICE_ATTEMPT\" \"$PATH\"", &[]);
-    invocation.env =
-        vec![("SLUICE_MESSAGE_ID".to_owned(), "0193 abc".to_owned()), ("SLUICE_ATTEMPT".to_owned(), "2".to_owned())];
+async fn the_environment_is_exactly_the_invocations() {
+    // `env` itself, not a shell, which would add PWD.
+    let given = [("PATH", "/usr/bin:/bin"), ("SLUICE_MESSAGE_ID", "0193 abc"), ("SLUICE_ATTEMPT", "2"), ("EMPTY", "")];
+    let invocation = Invocation {
+        program: PathBuf::from("/usr/bin/env"),
+        args: vec!["-0".to_owned()],
+        env: given.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())).collect(),
+        ..sh("", &[])
+    };
+    // Inheriting shows only if this process has a variable the invocation does not set.
+    let set_here = std::env::vars_os().filter(|(name, _)| given.iter().all(|(given, _)| name != given)).count();
+    assert!(set_here > 0, "the test needs an environment of its own to prove anything");
 
     let output = run_ok(&invocation).await;
 
-    let path = std::env::var("PATH").unwrap_or_default();
-    assert_eq!(String::from_utf8_lossy(&output.stdout), format!("0193 abc|2|{path}"));
+    let mut seen: Vec<String> = output
+        .stdout
+        .split(|b| *b == 0)
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| String::from_utf8_lossy(entry).into_owned())
+        .collect();
+    seen.sort();
+    let mut expected: Vec<String> = given.iter().map(|(name, value)| format!("{name}={value}")).collect();
+    expected.sort();
+    assert_eq!(seen, expected);
 }
 
 #[tokio::test]

@@ -405,7 +405,15 @@ impl Compiler<'_> {
             _ => StdinMode::Envelope,
         };
         let timeout = self.handler_timeout(file, base, c.timeout.as_deref(), Duration::from_secs(60));
-        Some(Command { program: program?, args, env, stdin, timeout, permanent_exit_codes: c.permanent_exit_codes })
+        Some(Command {
+            program: program?,
+            args,
+            env,
+            pass_env: c.pass_env,
+            stdin,
+            timeout,
+            permanent_exit_codes: c.permanent_exit_codes,
+        })
     }
 
     fn retry(&mut self, file: &SourceFile, base: &str, r: &raw::Retry) -> RetryPolicy {

@@ -2,9 +2,10 @@
 //! process group, feeds it stdin, keeps bounded tails of its output, and classifies how it
 //! exited.
 //!
-//! It must never go through a shell (arguments are argv, verbatim), never buffer
-//! unbounded output, and never leave the process group behind: a timeout or a cancelled
-//! run kills the whole group, grandchildren included.
+//! It must never go through a shell (arguments are argv, verbatim), never let the program
+//! inherit the runner's environment (it gets [`Invocation::env`] and nothing else), never
+//! buffer unbounded output, and never leave the process group behind: a timeout or a
+//! cancelled run kills the whole group, grandchildren included.
 
 use std::io;
 use std::path::PathBuf;
@@ -31,11 +32,11 @@ pub enum Stdin {
 /// A fully rendered program invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Invocation {
-    /// The program to execute; a bare name is looked up in `PATH`.
+    /// The program to execute; a bare name is looked up in the `PATH` of `env`.
     pub program: PathBuf,
     /// Arguments, passed as argv without any shell interpretation.
     pub args: Vec<String>,
-    /// Variables added to the inherited environment (overriding on conflict).
+    /// The program's whole environment: nothing is inherited from the runner.
     pub env: Vec<(String, String)>,
     /// What the program reads on standard input.
     pub stdin: Stdin,
@@ -62,6 +63,8 @@ pub async fn run(invocation: &Invocation) -> Result<Output, HandlerError> {
     let mut command = Command::new(&invocation.program);
     command
         .args(&invocation.args)
+        // The runner's environment holds its broker URL and tokens: nothing is inherited.
+        .env_clear()
         .envs(invocation.env.iter().map(|(name, value)| (name, value)))
         .stdin(match invocation.stdin {
             Stdin::Null => Stdio::null(),

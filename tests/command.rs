@@ -187,6 +187,40 @@ async fn the_environment_is_exactly_the_invocations() {
     assert_eq!(seen, expected);
 }
 
+/// Issue 9: whatever a run ends in, nothing it started outlives it, and a background child
+/// that keeps stdout open does not turn a successful exit into a timeout (which ran the script
+/// again and dead-lettered it): success is the exit status, not the end of the output.
+#[tokio::test]
+async fn background_children_die_when_the_run_ends_and_do_not_delay_it() {
+    let cases = [
+        // Holds stdout and stderr open.
+        ("sleep 1000 & echo $! > \"$1\"; echo done; exit 0", Ok("done\n")),
+        // Lets go of the pipes: the run ends at once, but the child used to live on.
+        ("sleep 1000 >/dev/null 2>&1 & echo $! > \"$1\"; echo done; exit 0", Ok("done\n")),
+        ("sleep 1000 & echo $! > \"$1\"; echo 'db down' >&2; exit 3", Err(HandlerError::transient("exit 3: db down"))),
+        ("sleep 1000 & echo $! > \"$1\"; exit 65", Err(HandlerError::permanent("exit 65"))),
+    ];
+    for (script, expected) in cases {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let pidfile = dir.path().join("background.pid");
+        let mut invocation = sh(script, &["sh", pidfile.to_str().expect("utf-8 path")]);
+        invocation.timeout = Duration::from_secs(20);
+
+        let started = Instant::now();
+        let result = command::run(&invocation).await;
+
+        let elapsed = started.elapsed();
+        assert!(elapsed < Duration::from_secs(5), "{script:?}: the run took {elapsed:?}");
+        match (&result, &expected) {
+            (Ok(output), Ok(stdout)) => assert_eq!(String::from_utf8_lossy(&output.stdout), *stdout, "{script:?}"),
+            (Err(error), Err(want)) => assert_eq!(error, want, "{script:?}"),
+            _ => panic!("{script:?}: expected {expected:?}, got {result:?}"),
+        }
+        let pid = read_pid(&pidfile).expect("the script wrote the background child's pid");
+        wait_until(Duration::from_secs(5), "the background child is gone", || !is_running(pid)).await;
+    }
+}
+
 #[tokio::test]
 async fn args_arrive_verbatim() {
     let args = ["two words", "it's \"quoted\"", "$(touch /tmp/sluice-pwned)", "`id`", "$HOME; rm -rf /", "*", ""];

@@ -1,15 +1,17 @@
 //! Hostile messages and handlers under the real `sluice run` and RabbitMQ (issue 9): a command
-//! handler that could read the runner's secrets. Each test keeps a ledger of what was published
-//! and where it ended.
+//! handler that could read the runner's secrets, and one that leaves a child behind holding its
+//! stdout. Each test keeps a ledger of what was published and where it ended.
 
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{Sluice, Vhost, declare, drain_queue, publish, script, work_pipeline};
+use support::{
+    Sluice, Vhost, declare, drain_queue, is_running, lines, publish, read_pid, script, wait_until, work_pipeline,
+};
 
 /// The variables a command's environment is built from, besides the `env:` entries: the
 /// runner's allowlist (`LC_*` checked by prefix), the `pass_env` list, sluice's own, and `PWD`,
@@ -110,5 +112,59 @@ async fn a_command_sees_only_the_allowlist_pass_env_env_and_sluice_variables() {
         assert_eq!(get("OUT_DIR"), Some(out.path().to_str().expect("utf-8")), "env:");
         assert!(get("PATH").is_some_and(|p| !p.is_empty()), "PATH is passed");
         assert_eq!(get("SLUICE_TEST_UNSET_VARIABLE"), None);
+    }
+}
+
+/// Issue 9: a background child that kept stdout open turned a successful exit into a timeout,
+/// so the script ran again and the message was dead-lettered; and children that outlived a
+/// successful run survived it. Now the run ends when the script exits, its exit status decides,
+/// and the whole process group is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_child_holding_stdout_neither_delays_nor_outlives_a_successful_run() {
+    let vhost = Vhost::new();
+    let out = tempfile::tempdir().expect("tempdir");
+    let timeout = Duration::from_secs(20);
+    let dir = work_pipeline(&format!(
+        r#"    handler:
+      command:
+        program: ./leave-child.sh
+        env: {{OUT_DIR: "{}"}}
+        timeout: 20s
+    retry: {{max_attempts: 3, initial: 100ms, max: 200ms}}
+"#,
+        out.path().display()
+    ));
+    script(
+        dir.path(),
+        "leave-child.sh",
+        r#"echo run >> "$OUT_DIR/$SLUICE_IDEMPOTENCY_KEY.runs"
+sleep 1000 &
+echo $! > "$OUT_DIR/$SLUICE_IDEMPOTENCY_KEY.pid"
+echo "started $!"
+exit 0"#,
+    );
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let published = ["bg-1", "bg-2", "bg-3"];
+    for key in published {
+        publish(&broker, "ev", "x", key, json!({"key": key})).await;
+    }
+
+    let started = Instant::now();
+    let mut sluice = Sluice::run(dir.path(), &vhost.url(), &["--exit-when-idle"]);
+    assert_eq!(sluice.wait(Duration::from_secs(90)), Some(0), "log:\n{}", sluice.log());
+    let elapsed = started.elapsed();
+
+    // Ledger: every message ran exactly once and was acked; none was retried or dead-lettered.
+    for key in published {
+        assert_eq!(lines(&out.path().join(format!("{key}.runs"))), ["run"], "{key} ran more than once");
+    }
+    assert!(drain_queue(&vhost.url(), "work").await.is_empty(), "work is not empty");
+    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "something was dead-lettered");
+    assert!(elapsed < timeout, "the run took {elapsed:?}, as long as the handler timeout");
+    for key in published {
+        let pid = read_pid(&out.path().join(format!("{key}.pid"))).expect("the script wrote its child's pid");
+        wait_until(Duration::from_secs(5), &format!("{key}'s background child is gone"), || async { !is_running(pid) })
+            .await;
     }
 }

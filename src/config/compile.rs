@@ -392,6 +392,10 @@ impl Compiler<'_> {
         for (i, a) in c.args.iter().enumerate() {
             args.extend(self.template(file, &format!("{base}/args/{i}"), a, Escape::Plain));
         }
+        if let Some(i) = crate::handler::command::templated_shell_script(&c.program, &c.args) {
+            let message = crate::handler::command::templated_shell_script_warning(&c.program);
+            self.diags.push(file.diag(Severity::Warning, &format!("{base}/args/{i}"), message));
+        }
         let mut env = Vec::new();
         for (name, value) in &c.env {
             let pointer = format!("{base}/env/{}", escape_token(name));

@@ -10,13 +10,14 @@
 //! for those.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::process::{ChildStdin, Command};
 
+use super::template::{Escape, Template};
 use super::{HandlerError, tail_excerpt, with_excerpt};
 
 /// How much of stdout and of stderr is kept, each; older bytes are dropped.
@@ -209,6 +210,55 @@ fn has_exited(pid: libc::pid_t) -> io::Result<bool> {
     }
 }
 
+/// Shells, by file name, that run the argument after `-c` as a script.
+const SHELLS: &[&str] = &["sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "yash", "fish", "csh", "tcsh"];
+
+/// The index of the script argument when `program` is a shell given `-c` and its script is a
+/// template with expressions: a value the template substitutes would become shell code.
+pub fn templated_shell_script(program: &str, args: &[String]) -> Option<usize> {
+    let name = Path::new(program).file_name()?.to_str()?;
+    if !SHELLS.contains(&name) {
+        return None;
+    }
+    let mut command_string = false;
+    let mut args = args.iter().enumerate();
+    while let Some((i, arg)) = args.next() {
+        match arg.as_bytes() {
+            // Options end; the next argument is the first operand.
+            b"--" => {
+                let (i, arg) = args.next()?;
+                return (command_string && is_templated(arg)).then_some(i);
+            }
+            // Long options (`--norc`) take no argument here.
+            [b'-', b'-', ..] => {}
+            [sign @ (b'-' | b'+'), letters @ ..] if !letters.is_empty() => {
+                command_string |= *sign == b'-' && letters.contains(&b'c');
+                // `-o pipefail`, `-O extglob`: the option's argument is no operand.
+                if matches!(letters.last(), Some(b'o' | b'O')) {
+                    args.next();
+                }
+            }
+            // The first operand: the script, when `-c` came before it.
+            _ => return (command_string && is_templated(arg)).then_some(i),
+        }
+    }
+    None
+}
+
+/// Whether `arg` is a valid template that substitutes something.
+fn is_templated(arg: &str) -> bool {
+    Template::compile(arg, Escape::Plain).is_ok_and(|t| t.literal().is_none())
+}
+
+/// The warning for [`templated_shell_script`], showing the safe form.
+pub fn templated_shell_script_warning(program: &str) -> String {
+    let shell = Path::new(program).file_name().map_or(program.into(), |name| name.to_string_lossy());
+    format!(
+        "\"{shell} -c\" runs this template as a shell script, so a value it substitutes becomes shell code; \
+         pass values as positional arguments instead, e.g. args: [\"-c\", \"resize \\\"$1\\\"\", \"{shell}\", \"{{{{payload.image_id}}}}\"]"
+    )
+}
+
 /// Classifies a program that could not even be started.
 fn spawn_error(program: &std::path::Path, error: &io::Error) -> HandlerError {
     let text = format!("cannot run \"{}\": {error}", program.display());
@@ -377,6 +427,37 @@ mod tests {
         for (status, stderr, expected) in cases {
             assert_eq!(classify(status, stderr, &permanent), expected, "{status}");
         }
+    }
+
+    /// Issue 9: `sh -c "resize {{payload.image_id}}"` runs a payload value as shell code.
+    #[test]
+    fn a_shell_running_a_templated_script_is_found() {
+        let cases: &[(&str, &[&str], Option<usize>)] = &[
+            ("/bin/sh", &["-c", "resize {{payload.image_id}}"], Some(1)),
+            ("bash", &["-euo", "pipefail", "-c", "resize {{payload.id}}"], Some(3)),
+            ("/usr/bin/zsh", &["-ec", "echo {{env.X}}"], Some(1)),
+            ("dash", &["-c", "--", "x {{id}}"], Some(2)),
+            ("ksh", &["--norc", "-c", "x {{id}}", "ksh"], Some(2)),
+            ("bash", &["-O", "extglob", "-c", "x {{id}}"], Some(3)),
+            // The safe form: the script is literal, values are positional arguments.
+            ("/bin/sh", &["-c", "resize \"$1\"", "sh", "{{payload.image_id}}"], None),
+            // A script file, not -c: its arguments are data.
+            ("bash", &["./resize.sh", "{{payload.image_id}}"], None),
+            ("bash", &["-e", "./resize.sh", "-c", "{{payload.image_id}}"], None),
+            // Not a shell, or not a template.
+            ("./resize.sh", &["-c", "{{payload.image_id}}"], None),
+            ("python3", &["-c", "print({{payload.n}})"], None),
+            ("sh", &["-c", "echo {{! a comment }} done"], None),
+            ("sh", &["-c"], None),
+        ];
+        for (program, args, expected) in cases {
+            let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+            assert_eq!(templated_shell_script(program, &args), *expected, "{program} {args:?}");
+        }
+        assert!(
+            templated_shell_script_warning("/bin/sh")
+                .ends_with(r#"e.g. args: ["-c", "resize \"$1\"", "sh", "{{payload.image_id}}"]"#)
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Hostile messages and handlers under the real `sluice run` and RabbitMQ (issue 9): a command
-//! handler that could read the runner's secrets, and one that leaves a child behind holding its
-//! stdout. Each test keeps a ledger of what was published and where it ended.
+//! handler that could read the runner's secrets, one that leaves a child behind holding its
+//! stdout, and a payload value that would walk up a webhook's path. Each test keeps a ledger of
+//! what was published and where it ended.
 
 mod support;
 
@@ -10,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::{
-    Sluice, Vhost, declare, drain_queue, is_running, lines, publish, read_pid, script, wait_until, work_pipeline,
+    Receiver, Sluice, Vhost, declare, drain_queue, header_str, is_running, lines, publish, read_pid, script,
+    wait_until, work_pipeline,
 };
 
 /// The variables a command's environment is built from, besides the `env:` entries: the
@@ -167,4 +169,52 @@ exit 0"#,
         wait_until(Duration::from_secs(5), &format!("{key}'s background child is gone"), || async { !is_running(pid) })
             .await;
     }
+}
+
+/// Issue 9: `.` or `..` as a value in a webhook's path walked up the path after rendering
+/// (`/api/users/{{payload.user}}/charge` with `..` called `/api/charge`). Such a message is
+/// dead-lettered as a template error and never sent; other values, dots included, go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dot_segment_value_never_changes_the_webhook_path() {
+    let vhost = Vhost::new();
+    let receiver = Receiver::ok().await;
+    let dir = work_pipeline(&format!(
+        "    handler:\n      webhook: {{url: \"{}/api/users/{{{{payload.user}}}}/charge\"}}\n    retry: {{max_attempts: 1}}\n",
+        receiver.uri()
+    ));
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let published = [("up", ".."), ("here", "."), ("user", "u7"), ("dots", "..."), ("inner", "a..b")];
+    for (key, user) in published {
+        publish(&broker, "ev", "x", key, json!({"user": user})).await;
+    }
+    let mut sluice = Sluice::run(dir.path(), &vhost.url(), &["--exit-when-idle"]);
+    assert_eq!(sluice.wait(Duration::from_secs(60)), Some(0), "log:\n{}", sluice.log());
+
+    // Ledger: three calls, each on its own path; two messages in the DLQ, nothing left in work.
+    let targets: BTreeMap<String, String> =
+        receiver.hits().iter().map(|h| (h.key().to_string(), h.target.clone())).collect();
+    let expected: BTreeMap<String, String> =
+        [("user", "/api/users/u7/charge"), ("dots", "/api/users/.../charge"), ("inner", "/api/users/a..b/charge")]
+            .iter()
+            .map(|(k, t)| (k.to_string(), t.to_string()))
+            .collect();
+    assert_eq!(targets, expected);
+    assert_eq!(receiver.hits().len(), 3, "{:?}", receiver.hits());
+    let dead = drain_queue(&vhost.url(), "work.dlq").await;
+    let mut reasons: Vec<(String, String)> = dead
+        .iter()
+        .map(|(body, headers)| {
+            let envelope = sluice::envelope::Envelope::decode(body).expect("an envelope");
+            let reason = header_str(headers, "x-sluice-reason").unwrap_or_default().to_string();
+            (envelope.idempotency_key().to_string(), reason)
+        })
+        .collect();
+    reasons.sort();
+    assert_eq!(reasons, [("here".to_string(), "template".to_string()), ("up".to_string(), "template".to_string())]);
+    for (_, headers) in &dead {
+        let error = header_str(headers, "x-sluice-error").unwrap_or_default();
+        assert!(error.contains("path segment"), "{error}");
+    }
+    assert!(drain_queue(&vhost.url(), "work").await.is_empty(), "work is not empty");
 }

@@ -215,11 +215,18 @@ queues:
         program: /bin/echo
         args: ["{{{{payload.image_id}}}}", "--size", "{{{{payload.size}}}}"]
         env: {{BUCKET: "{{{{env.SLUICE_RENDER_BUCKET}}}}", TOKEN: "t-{{{{env.SLUICE_RENDER_TOKEN}}}}"}}
+        pass_env: [SLUICE_RENDER_PASSED, SLUICE_RENDER_UNSET]
         stdin: {stdin}
 "#
         )
     };
-    let env = [("SLUICE_RENDER_BUCKET", "my-bucket"), ("SLUICE_RENDER_TOKEN", "s3cr3t-value")];
+    let env = [
+        ("SLUICE_RENDER_BUCKET", "my-bucket"),
+        ("SLUICE_RENDER_TOKEN", "s3cr3t-value"),
+        ("SLUICE_RENDER_PASSED", "p4ssed-value"),
+        ("SLUICE_RENDER_NOT_PASSED", "n0t-passed"),
+        ("TZ", "Europe/Paris"),
+    ];
     let run = render(&yaml("payload"), &message, &env);
     assert_eq!(run.code, Some(0), "{run:?}");
     let out = &run.stdout;
@@ -231,11 +238,17 @@ queues:
         "env: SLUICE_ATTEMPT=1",
         "env: BUCKET=***",
         "env: TOKEN=t-***",
+        // Issue 9: the whole environment the program gets, secrets masked: the allowlist from
+        // the runner, pass_env (an unset one left out), sluice's own, env.
+        "env: SLUICE_RENDER_PASSED=***",
+        "env: TZ=Europe/Paris",
         r#"stdin: {"image_id":"img 7","size":640}"#,
     ] {
         assert!(lines.contains(&line), "no line {line:?} in:\n{out}");
     }
     assert!(!out.contains("s3cr3t") && !out.contains("my-bucket"), "an env value was printed:\n{out}");
+    assert!(!out.contains("p4ssed") && !out.contains("SLUICE_RENDER_UNSET"), "{out}");
+    assert!(!out.contains("SLUICE_RENDER_NOT_PASSED") && !out.contains("SLUICE_RENDER_TOKEN="), "{out}");
 
     let none = render(&yaml("none"), &message, &env);
     assert!(none.stdout.lines().any(|l| l == "stdin: (none)"), "{}", none.stdout);

@@ -110,7 +110,7 @@ async fn stdin_bytes_reach_the_program() {
     let file = dir.path().join("stdin");
     let input = b"{\"id\": \"0193\"}\n\x00binary\xff".to_vec();
     let mut invocation = sh("cat > \"$1\"", &["sh", file.to_str().expect("utf-8 path")]);
-    invocation.stdin = Stdin::Bytes(input.clone());
+    invocation.stdin = Stdin::Bytes(input.clone().into());
 
     run_ok(&invocation).await;
 
@@ -139,7 +139,7 @@ async fn a_program_that_writes_before_reading_stdin_does_not_deadlock() {
     let file = dir.path().join("stdin");
     // More output than a pipe buffer holds, before the program reads any input.
     let mut invocation = sh("head -c 1000000 /dev/zero; cat > \"$1\"", &["sh", file.to_str().expect("utf-8 path")]);
-    invocation.stdin = Stdin::Bytes(vec![b'x'; 1_000_000]);
+    invocation.stdin = Stdin::Bytes(vec![b'x'; 1_000_000].into());
 
     let output = run_ok(&invocation).await;
 
@@ -150,23 +150,75 @@ async fn a_program_that_writes_before_reading_stdin_does_not_deadlock() {
 #[tokio::test]
 async fn a_program_that_ignores_stdin_still_completes() {
     let mut invocation = sh("echo ignored", &[]);
-    invocation.stdin = Stdin::Bytes(vec![b'x'; 1_000_000]);
+    invocation.stdin = Stdin::Bytes(vec![b'x'; 1_000_000].into());
 
     let output = run_ok(&invocation).await;
 
     assert_eq!(output.stdout, b"ignored\n");
 }
 
+/// Issue 9: a handler must not inherit the runner's environment (`SLUICE_BROKER` with its
+/// password, tokens): the child gets the invocation's variables and nothing else.
 #[tokio::test]
-async fn env_vars_are_added_to_the_inherited_environment() {
-    let mut invocation = sh("printf '%s|%s|%s' \"$SLUICE_MESSAGE_ID\" \"$SLUICE_ATTEMPT\" \"$PATH\"", &[]);
-    invocation.env =
-        vec![("SLUICE_MESSAGE_ID".to_owned(), "0193 abc".to_owned()), ("SLUICE_ATTEMPT".to_owned(), "2".to_owned())];
+async fn the_environment_is_exactly_the_invocations() {
+    // `env` itself, not a shell, which would add PWD.
+    let given = [("PATH", "/usr/bin:/bin"), ("SLUICE_MESSAGE_ID", "0193 abc"), ("SLUICE_ATTEMPT", "2"), ("EMPTY", "")];
+    let invocation = Invocation {
+        program: PathBuf::from("/usr/bin/env"),
+        args: vec!["-0".to_owned()],
+        env: given.iter().map(|(name, value)| ((*name).to_owned(), (*value).to_owned())).collect(),
+        ..sh("", &[])
+    };
+    // Inheriting shows only if this process has a variable the invocation does not set.
+    let set_here = std::env::vars_os().filter(|(name, _)| given.iter().all(|(given, _)| name != given)).count();
+    assert!(set_here > 0, "the test needs an environment of its own to prove anything");
 
     let output = run_ok(&invocation).await;
 
-    let path = std::env::var("PATH").unwrap_or_default();
-    assert_eq!(String::from_utf8_lossy(&output.stdout), format!("0193 abc|2|{path}"));
+    let mut seen: Vec<String> = output
+        .stdout
+        .split(|b| *b == 0)
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| String::from_utf8_lossy(entry).into_owned())
+        .collect();
+    seen.sort();
+    let mut expected: Vec<String> = given.iter().map(|(name, value)| format!("{name}={value}")).collect();
+    expected.sort();
+    assert_eq!(seen, expected);
+}
+
+/// Issue 9: whatever a run ends in, nothing it started outlives it, and a background child
+/// that keeps stdout open does not turn a successful exit into a timeout (which ran the script
+/// again and dead-lettered it): success is the exit status, not the end of the output.
+#[tokio::test]
+async fn background_children_die_when_the_run_ends_and_do_not_delay_it() {
+    let cases = [
+        // Holds stdout and stderr open.
+        ("sleep 1000 & echo $! > \"$1\"; echo done; exit 0", Ok("done\n")),
+        // Lets go of the pipes: the run ends at once, but the child used to live on.
+        ("sleep 1000 >/dev/null 2>&1 & echo $! > \"$1\"; echo done; exit 0", Ok("done\n")),
+        ("sleep 1000 & echo $! > \"$1\"; echo 'db down' >&2; exit 3", Err(HandlerError::transient("exit 3: db down"))),
+        ("sleep 1000 & echo $! > \"$1\"; exit 65", Err(HandlerError::permanent("exit 65"))),
+    ];
+    for (script, expected) in cases {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let pidfile = dir.path().join("background.pid");
+        let mut invocation = sh(script, &["sh", pidfile.to_str().expect("utf-8 path")]);
+        invocation.timeout = Duration::from_secs(20);
+
+        let started = Instant::now();
+        let result = command::run(&invocation).await;
+
+        let elapsed = started.elapsed();
+        assert!(elapsed < Duration::from_secs(5), "{script:?}: the run took {elapsed:?}");
+        match (&result, &expected) {
+            (Ok(output), Ok(stdout)) => assert_eq!(String::from_utf8_lossy(&output.stdout), *stdout, "{script:?}"),
+            (Err(error), Err(want)) => assert_eq!(error, want, "{script:?}"),
+            _ => panic!("{script:?}: expected {expected:?}, got {result:?}"),
+        }
+        let pid = read_pid(&pidfile).expect("the script wrote the background child's pid");
+        wait_until(Duration::from_secs(5), "the background child is gone", || !is_running(pid)).await;
+    }
 }
 
 #[tokio::test]

@@ -197,6 +197,7 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!(args, ["{{payload.image_id}}", "--size", "{{payload.size}}"]);
     let env: Vec<&str> = cmd.env.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(env, ["BUCKET", "MESSAGE_TYPE"]);
+    assert_eq!(cmd.pass_env, ["AWS_REGION", "AWS_PROFILE"]);
     assert_eq!((cmd.stdin, cmd.timeout), (StdinMode::Envelope, Duration::from_secs(120)));
     assert_eq!(cmd.permanent_exit_codes, [64, 65]);
     assert_eq!((resize.retry.max_attempts.get(), resize.retry.max), (10, Duration::from_secs(600)));
@@ -206,6 +207,7 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!((cat.stdin, cat.timeout), (StdinMode::Payload, Duration::from_secs(60)));
     let Handler::Command(archive) = &config.queues["media.archive"].handler else { panic!("a command") };
     assert_eq!(archive.stdin, StdinMode::None);
+    assert!(archive.pass_env.is_empty());
 }
 
 /// Every property (by its place in the schema) and every enum value (`place=value`).

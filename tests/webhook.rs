@@ -270,3 +270,53 @@ async fn a_huge_error_body_is_not_read_whole() {
     let Err(error) = result else { unreachable!() };
     assert!(error.to_string().len() < 300, "{error}");
 }
+
+/// Issue 9: `.` or `..` as a value in a webhook's path walked up the path after rendering
+/// (the URL parser removes dot segments, and treats `%2E` as a dot too, so escaping cannot
+/// help): `/api/users/{{payload.user}}/charge` with `..` called `/api/charge`. Rendering refuses
+/// such a value, so nothing is sent; dots that form no dot segment arrive as written.
+#[tokio::test]
+async fn a_dot_segment_value_is_refused_before_the_call() {
+    let server = MockServer::start().await;
+    Mock::given(any()).respond_with(ResponseTemplate::new(200)).mount(&server).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let yaml = format!(
+        "version: 1\nqueues:\n  q:\n    handler:\n      webhook: {{url: \"{}/api/users/{{{{payload.user}}}}/charge\"}}\n",
+        server.uri()
+    );
+    std::fs::write(dir.path().join("pipeline.yaml"), yaml).expect("write pipeline");
+    let validation = sluice::config::load(&[dir.path().to_path_buf()]);
+    let config = validation.config.unwrap_or_else(|| panic!("{:?}", validation.diagnostics));
+    let queue = &config.queues["q"];
+    let client = webhook::client().expect("client builds");
+    let cases = [
+        ("..", None),
+        (".", None),
+        ("u7", Some("/api/users/u7/charge")),
+        ("...", Some("/api/users/.../charge")),
+        ("a..b", Some("/api/users/a..b/charge")),
+        ("../admin", Some("/api/users/..%2Fadmin/charge")),
+        ("%2E%2E", Some("/api/users/%252E%252E/charge")),
+    ];
+    for (user, expected) in cases {
+        let envelope = sluice::envelope::Envelope::new("t", &serde_json::json!({"user": user}), None);
+        let body = bytes::Bytes::from(envelope.encode());
+        let renderer = sluice::handler::call::Renderer::new(queue, &envelope, 1, false).expect("payload parses");
+        let key = renderer.key().expect("key");
+        let call = renderer.call(&body, &key, None);
+        match (call, expected) {
+            (Ok(call), Some(_)) => {
+                assert_eq!(sluice::handler::call::execute(call, &client).await, Ok(()), "{user:?}");
+            }
+            (Err(error), None) => {
+                let text = error.to_string();
+                assert!(text.starts_with("template url: ") && text.contains("path segment"), "{user:?}: {text}");
+            }
+            (call, expected) => panic!("{user:?}: expected {expected:?}, got {call:?}"),
+        }
+    }
+    let received = server.received_requests().await.expect("recording is on");
+    let paths: Vec<String> = received.iter().map(|r| r.url.path().to_string()).collect();
+    let expected: Vec<&str> = cases.iter().filter_map(|(_, path)| *path).collect();
+    assert_eq!(paths, expected);
+}

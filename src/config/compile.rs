@@ -425,6 +425,10 @@ impl Compiler<'_> {
         for (i, a) in c.args.iter().enumerate() {
             args.extend(self.template(file, &format!("{base}/args/{i}"), a, Escape::Plain));
         }
+        if let Some(i) = crate::handler::command::templated_shell_script(&c.program, &c.args) {
+            let message = crate::handler::command::templated_shell_script_warning(&c.program);
+            self.diags.push(file.diag(Severity::Warning, &format!("{base}/args/{i}"), message));
+        }
         let mut env = Vec::new();
         for (name, value) in &c.env {
             let pointer = format!("{base}/env/{}", escape_token(name));
@@ -438,7 +442,15 @@ impl Compiler<'_> {
             _ => StdinMode::Envelope,
         };
         let timeout = self.handler_timeout(file, base, c.timeout.as_deref(), Duration::from_secs(60));
-        Some(Command { program: program?, args, env, stdin, timeout, permanent_exit_codes: c.permanent_exit_codes })
+        Some(Command {
+            program: program?,
+            args,
+            env,
+            pass_env: c.pass_env,
+            stdin,
+            timeout,
+            permanent_exit_codes: c.permanent_exit_codes,
+        })
     }
 
     fn retry(&mut self, file: &SourceFile, base: &str, r: &raw::Retry) -> RetryPolicy {

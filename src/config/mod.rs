@@ -166,6 +166,8 @@ pub struct Command {
     pub program: PathBuf,
     pub args: Vec<Template>,
     pub env: Vec<(String, Template)>,
+    /// Variables passed through from the runner's environment, when set there.
+    pub pass_env: Vec<String>,
     pub stdin: StdinMode,
     pub timeout: Duration,
     pub permanent_exit_codes: Vec<i32>,

@@ -92,6 +92,8 @@ pub struct Command {
     pub args: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub pass_env: Vec<String>,
     pub stdin: Option<String>,
     pub timeout: Option<String>,
     #[serde(default)]

@@ -1,6 +1,7 @@
 //! From a message to a ready call: renders the handler's templates against the envelope, adds
-//! the headers (or env vars) every handler receives, and signs webhooks. `sluice render`
-//! prints what this produces; the runtime executes it.
+//! the headers (or env vars) every handler receives, and signs webhooks. A command's
+//! environment is built whole here, from an allowlist of the runner's variables and what the
+//! pipeline names. `sluice render` prints what this produces; the runtime executes it.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -95,8 +96,29 @@ fn templates(handler: &Handler) -> Vec<&Template> {
     }
 }
 
-/// Renders the call a message makes.
-fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Call, PrepareError> {
+/// The runner's variables every command gets when they are set: where programs are and how
+/// to format text, nothing that usually holds a secret. Plus every `LC_*`.
+const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "TZ", "TMPDIR"];
+
+/// Sets `name` in an environment being built, replacing an earlier value.
+fn set_env(env: &mut Vec<(String, String)>, name: &str, value: String) {
+    env.retain(|(n, _)| n != name);
+    env.push((name.to_string(), value));
+}
+
+/// The allowlisted variables of the runner's environment, by name. A value that is not UTF-8
+/// is left out, as the invocation carries text.
+fn inherited_env() -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+        .filter(|(name, _)| INHERITED_ENV.contains(&name.as_str()) || name.starts_with("LC_"))
+        .collect();
+    env.sort();
+    env
+}
+
+/// Renders the call a message makes; with `redact`, passed-through variables read `***`.
+fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool) -> Result<Call, PrepareError> {
     let attempt = message.attempt.to_string();
     match handler {
         Handler::Webhook(w) => {
@@ -152,20 +174,26 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context) -> Result<Ca
                 .enumerate()
                 .map(|(i, t)| render(t, &format!("args[{i}]"), ctx))
                 .collect::<Result<_, _>>()?;
-            let mut env = vec![
-                ("SLUICE_IDEMPOTENCY_KEY".to_string(), message.idempotency_key.to_string()),
-                ("SLUICE_MESSAGE_ID".to_string(), message.envelope.id.clone()),
-                ("SLUICE_ATTEMPT".to_string(), attempt),
-            ];
+            // The whole environment, in layers, later ones winning: the allowlist, `pass_env`
+            // (a variable the runner lacks is left out), sluice's own, then `env:`.
+            let mut env = inherited_env();
+            for name in &c.pass_env {
+                if let Ok(value) = std::env::var(name) {
+                    set_env(&mut env, name, if redact { "***".to_string() } else { value });
+                }
+            }
+            set_env(&mut env, "SLUICE_IDEMPOTENCY_KEY", message.idempotency_key.to_string());
+            set_env(&mut env, "SLUICE_MESSAGE_ID", message.envelope.id.clone());
+            set_env(&mut env, "SLUICE_ATTEMPT", attempt);
             if let Some(tp) = message.traceparent {
-                env.push(("TRACEPARENT".to_string(), tp.to_string()));
+                set_env(&mut env, "TRACEPARENT", tp.to_string());
             }
             for (name, t) in &c.env {
-                env.push((name.clone(), render(t, &format!("env {name}"), ctx)?));
+                set_env(&mut env, name, render(t, &format!("env {name}"), ctx)?);
             }
             let stdin = match c.stdin {
-                StdinMode::Envelope => Stdin::Bytes(message.body.to_vec()),
-                StdinMode::Payload => Stdin::Bytes(message.envelope.payload.get().as_bytes().to_vec()),
+                StdinMode::Envelope => Stdin::Bytes(message.body.clone()),
+                StdinMode::Payload => Stdin::Bytes(within(message.body, message.envelope.payload.get().as_bytes())),
                 StdinMode::None => Stdin::Null,
             };
             Ok(Call::Command(Invocation {
@@ -187,6 +215,7 @@ pub struct Renderer<'a> {
     envelope: &'a Envelope<'a>,
     attempt: u32,
     ctx: Context,
+    redact: bool,
 }
 
 impl<'a> Renderer<'a> {
@@ -205,7 +234,7 @@ impl<'a> Renderer<'a> {
         } else {
             context(envelope, attempt, &queue.name, &used, redact)?
         };
-        Ok(Renderer { queue, envelope, attempt, ctx })
+        Ok(Renderer { queue, envelope, attempt, ctx, redact })
     }
 
     /// The idempotency key: the queue's template, else the envelope's key.
@@ -226,7 +255,18 @@ impl<'a> Renderer<'a> {
             idempotency_key: key,
             traceparent,
         };
-        prepare(&self.queue.handler, &message, &self.ctx)
+        prepare(&self.queue.handler, &message, &self.ctx, self.redact)
+    }
+}
+
+/// `part` as a slice of `whole` when it lies inside it (a decoded payload borrows the body),
+/// else a copy.
+fn within(whole: &Bytes, part: &[u8]) -> Bytes {
+    let start = (part.as_ptr() as usize).wrapping_sub(whole.as_ptr() as usize);
+    if start <= whole.len() && part.len() <= whole.len() - start {
+        whole.slice(start..start + part.len())
+    } else {
+        Bytes::copy_from_slice(part)
     }
 }
 
@@ -235,5 +275,24 @@ pub async fn execute(call: Call, client: &reqwest::Client) -> Result<(), Handler
     match call {
         Call::Webhook { request, timeout } => webhook::call(client, request, timeout).await,
         Call::Command(invocation) => command::run(&invocation).await.map(|_| ()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 9: a payload handed to stdin shares the delivery's bytes instead of copying them.
+    #[test]
+    fn a_payload_inside_the_body_is_shared_not_copied() {
+        let body = Bytes::from_static(br#"{"id":"1","type":"t","payload":{"a":[1,2]}}"#);
+        let envelope = Envelope::decode(&body).expect("envelope");
+        let payload = within(&body, envelope.payload.get().as_bytes());
+        assert_eq!(&payload[..], br#"{"a":[1,2]}"#);
+        assert_eq!(payload.as_ptr(), envelope.payload.get().as_ptr());
+        let elsewhere = b"{}".to_vec();
+        let copied = within(&body, &elsewhere);
+        assert_eq!(&copied[..], b"{}");
+        assert_ne!(copied.as_ptr(), elsewhere.as_ptr());
     }
 }

@@ -1,8 +1,11 @@
 //! Handlebars templates in pipeline files: compiled and checked at validate time, rendered per
 //! message with escaping that follows where the text goes (URL, JSON body, plain text).
 //!
-//! Strict: an unknown variable is a render error, never an empty string. No HTML escaping.
+//! Strict: an unknown variable is a render error, never an empty string. No HTML escaping. A
+//! rendered URL whose path has a `.` or `..` segment is a render error too: parsing it would
+//! walk up the path.
 
+use std::borrow::Cow;
 use std::sync::LazyLock;
 
 use handlebars::template::{Parameter, TemplateElement};
@@ -124,8 +127,44 @@ impl Template {
         let mut out = StringOutput::new();
         let mut rc = RenderContext::new(None);
         self.compiled.render(registry, context, &mut rc, &mut out)?;
-        out.into_string().map_err(|e| RenderErrorReason::Other(e.to_string()).into())
+        let text = out.into_string().map_err(|e| RenderErrorReason::Other(e.to_string()))?;
+        if self.escape == Escape::Url
+            && let Some(segment) = dot_segment(&text)
+        {
+            return Err(RenderErrorReason::Other(format!(
+                "the path segment \"{segment}\" would be removed by URL parsing, taking the segment before it along; a value may not make a \".\" or \"..\" segment"
+            ))
+            .into());
+        }
+        Ok(text)
     }
+}
+
+/// The first `.` or `..` segment in the path of absolute URL `url`, in any form the URL
+/// standard treats as one (`%2E`, `.%2e`, ...).
+///
+/// URL parsing removes such segments, and the segment before a `..`, so a value rendered into
+/// the path could walk up it (`/users/{{id}}/charge` with id `..` is `/charge`). Escaping cannot
+/// prevent that, since `%2E%2E` counts as `..` too: such a URL is refused instead.
+fn dot_segment(url: &str) -> Option<String> {
+    // The parser drops tabs and line breaks before it looks at segments (values cannot
+    // contain them, they are percent-encoded, but the template's own text could).
+    let url: Cow<'_, str> = if url.contains(['\t', '\n', '\r']) {
+        Cow::Owned(url.chars().filter(|c| !matches!(c, '\t' | '\n' | '\r')).collect())
+    } else {
+        Cow::Borrowed(url)
+    };
+    let (_, after_scheme) = url.split_once("://")?;
+    let path_start = after_scheme.find(['/', '\\', '?', '#'])?;
+    let path = &after_scheme[path_start..];
+    let path = &path[..path.find(['?', '#']).unwrap_or(path.len())];
+    // Special schemes (http, https) treat a backslash as a slash.
+    path.split(['/', '\\'])
+        .find(|segment| {
+            segment.len() <= "%2e%2e".len()
+                && matches!(segment.to_ascii_lowercase().replace("%2e", ".").as_str(), "." | "..")
+        })
+        .map(str::to_string)
 }
 
 /// One line, as diagnostics are: handlebars' own Display spans several lines with a snippet.
@@ -304,6 +343,42 @@ mod tests {
         ];
         for (source, escape, want) in cases {
             assert_eq!(render(source, escape, ctx.clone()), want, "{source} {escape:?}");
+        }
+    }
+
+    /// Issue 9: `/users/{{payload.id}}/charge` with the id `..` called `/charge`. The URL parser
+    /// removes dot segments, `%2E` forms included, so no escaping keeps them: a rendered path
+    /// with one is an error. Dots elsewhere, and in the query, are fine.
+    #[test]
+    fn a_url_path_never_gets_a_dot_segment() {
+        let cases = [
+            ("https://h/u/{{payload.x}}/charge", "..", Err("\"..\"")),
+            ("https://h/u/{{payload.x}}/charge", ".", Err("\".\"")),
+            ("https://h/u/{{payload.x}}", "..", Err("\"..\"")),
+            ("https://h/u/{{payload.x}}?q=1", ".", Err("\".\"")),
+            ("https://h/u/.{{payload.x}}/charge", ".", Err("\"..\"")),
+            ("https://h/u/{{payload.x}}./charge", "", Err("\".\"")),
+            ("https://h/u/%2e{{payload.x}}/charge", ".", Err("\"%2e.\"")),
+            ("https://h/u/{{payload.x}}/charge", "...", Ok("https://h/u/.../charge")),
+            ("https://h/u/{{payload.x}}/charge", "a..b", Ok("https://h/u/a..b/charge")),
+            ("https://h/u/{{payload.x}}/charge", "%2E%2E", Ok("https://h/u/%252E%252E/charge")),
+            ("https://h/u/{{payload.x}}/charge", "../admin", Ok("https://h/u/..%2Fadmin/charge")),
+            ("https://h/u/{{payload.x}}/charge", ".\\..", Ok("https://h/u/.%5C../charge")),
+            ("https://h/u?next={{payload.x}}", "..", Ok("https://h/u?next=..")),
+            ("https://h/u#{{payload.x}}", "..", Ok("https://h/u#..")),
+            ("https://h/u/{{payload.x}}/charge", "u7", Ok("https://h/u/u7/charge")),
+        ];
+        for (source, x, want) in cases {
+            let t = Template::compile(source, Escape::Url).expect("compiles");
+            let got = t.render(&Context::wraps(json!({"payload": {"x": x}})).expect("context"));
+            match (got, want) {
+                (Ok(text), Ok(want)) => assert_eq!(text, want, "{source} with {x:?}"),
+                (Err(e), Err(segment)) => {
+                    let reason = e.reason().to_string();
+                    assert!(reason.contains(&format!("path segment {segment}")), "{source} with {x:?}: {reason}");
+                }
+                (got, want) => panic!("{source} with {x:?}: expected {want:?}, got {got:?}"),
+            }
         }
     }
 

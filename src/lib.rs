@@ -10,5 +10,6 @@ pub mod config;
 pub mod dedup;
 pub mod envelope;
 pub mod handler;
+pub mod reload;
 pub mod runtime;
 pub mod topology;

@@ -319,8 +319,13 @@ impl Broker for Memory {
         let (broker, queue) = (self.clone(), queue.to_string());
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            lock(&broker.state).delayed -= 1;
-            let _ = broker.push(&queue, copy);
+            // One step under the lock: the copy is never seen as neither delayed nor ready.
+            let mut state = lock(&broker.state);
+            state.delayed -= 1;
+            if let Some((_, ready)) = state.queues.get_mut(&queue) {
+                ready.push_back(copy);
+                dispatch(&mut state);
+            }
         });
         Ok(())
     }

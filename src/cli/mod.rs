@@ -21,8 +21,8 @@ use crate::dedup::{Location, Store};
 use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
-use crate::runtime;
 use crate::topology;
+use crate::{reload, runtime};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -72,6 +72,9 @@ enum Command {
         /// Idempotency store: redis://host:port (shared by many runners) or the embedded store's directory.
         #[arg(long, env = "SLUICE_DEDUP", default_value = ".sluice/dedup", hide_env_values = true)]
         dedup: String,
+        /// Do not watch the pipeline files for changes (SIGHUP still reloads them).
+        #[arg(long)]
+        no_watch: bool,
         /// Threads running handlers and I/O. One is the fastest beside a local broker (see
         /// BENCHMARKS.md); more pay off on a many-core machine whose broker is elsewhere.
         #[arg(long, env = "SLUICE_THREADS", default_value = "1")]
@@ -129,10 +132,10 @@ pub fn main() -> ExitCode {
             print!("{}", config::schema::TEXT);
             ExitCode::SUCCESS
         }
-        Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, threads } => {
-            let Some(config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+        Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads } => {
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
-            exit(block_on(threads, run(config, broker, Location::parse(&dedup), admin, options)))
+            let watch = !no_watch;
+            exit(block_on(threads, run(paths, watch, broker, Location::parse(&dedup), admin, options)))
         }
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
@@ -178,12 +181,19 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
 }
 
 async fn run(
-    config: config::Config,
+    paths: Vec<PathBuf>,
+    watch: bool,
     broker: BrokerArg,
     dedup: Location,
     admin: Option<std::net::SocketAddr>,
     options: runtime::Options,
 ) -> anyhow::Result<()> {
+    // Watching starts before the first load, so that no edit in between goes unseen.
+    let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
+    let Some(config) = load_or_report(&paths) else {
+        anyhow::bail!("invalid pipeline files");
+    };
+    // Commands and future reloads may name queues idempotency is off for today.
     let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
         Some(Store::open(&dedup).await.context("cannot open the idempotency store")?)
     } else {
@@ -219,7 +229,10 @@ async fn run(
         });
     }
     let connect = || Amqp::connect(&broker.url, broker.connect_timeout);
-    let (_reload, reloads) = tokio::sync::mpsc::unbounded_channel();
+    let (reload, reloads) = tokio::sync::mpsc::unbounded_channel();
+    let mut requests = requests;
+    requests.set_paths(reload::loader::watched(&paths, &config));
+    tokio::spawn(reload::loader::serve(paths, requests, reload, shutdown.clone()));
     runtime::run(Arc::new(config), connect, store, options, reloads, shutdown).await?;
     Ok(())
 }

@@ -331,3 +331,6 @@ async fn watch_idle<B: Broker>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,566 @@
+//! The file half of reload requests: notify watches, the filter that decides which events are
+//! worth a reload, and the debounce that turns a burst of them into one request.
+//!
+//! Editors save by writing a temporary file and renaming it over the original, and deploy
+//! tools replace whole directories, so a watch on the file or directory itself would die with
+//! the inode it was on. Instead the *parent* of each named file is watched and its events are
+//! filtered by name, and each watched directory's parent is watched too so that a directory
+//! that comes back is watched again. Symlinks are not followed (no loops, no watching `/`
+//! through a stray link): a change behind a symlinked directory needs SIGHUP.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
+use std::path::{Component, Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use notify::event::{AccessKind, AccessMode, CreateKind, MetadataKind, ModifyKind, RemoveKind, RenameMode};
+use notify::{ErrorKind, EventKind, RecommendedWatcher, RecursiveMode};
+use notify_debouncer_full::{DebounceEventResult, DebouncedEvent, Debouncer, NoCache, new_debouncer_opt};
+use tracing::{debug, warn};
+
+use super::{Source, Trigger};
+
+/// How long notify-debouncer-full holds an event back to merge it with its duplicates and the
+/// other half of a rename; short, because the burst debounce below does the real waiting.
+const EVENT_DELAY: Duration = Duration::from_millis(100);
+const EVENT_TICK: Duration = Duration::from_millis(25);
+/// A burst of changes becomes one request once no relevant change has come for this long:
+/// longer than the gap between an editor's writes, or between the saves of a save-all.
+const QUIET: Duration = Duration::from_millis(250);
+/// ...or this long after the burst began, so that files that never stop changing still reload.
+const MAX_DELAY: Duration = Duration::from_secs(1);
+
+/// The running file watcher, shared by `Reloads::set_paths` and the thread that reads events.
+pub(super) struct Handle {
+    watching: Arc<Mutex<Watching>>,
+    events: mpsc::Sender<Message>,
+}
+
+enum Message {
+    Events(DebounceEventResult),
+    Stop,
+}
+
+/// Watches `paths` and posts what changed to `source` from a thread of its own (notify's calls
+/// block, and a recursive watch walks the directory tree).
+pub(super) fn start(paths: Vec<PathBuf>, source: Source) -> notify::Result<Handle> {
+    let (events, inbox) = mpsc::channel();
+    let forward = events.clone();
+    let debouncer = new_debouncer_opt(
+        EVENT_DELAY,
+        Some(EVENT_TICK),
+        move |result| {
+            // Fails only once the reading thread has stopped, and then nobody is listening.
+            let _ = forward.send(Message::Events(result));
+        },
+        // The file-id cache only stitches renames on platforms without rename cookies, and it
+        // walks every watched tree following symlinks: we need neither.
+        NoCache,
+        notify::Config::default().with_follow_symlinks(false),
+    )?;
+    let mut watching = Watching { debouncer, plan: Plan::default(), armed: BTreeSet::new() };
+    watching.set_paths(paths);
+    let watching = Arc::new(Mutex::new(watching));
+    let shared = watching.clone();
+    std::thread::Builder::new()
+        .name("sluice-reload-watch".into())
+        .spawn(move || read_events(&shared, &inbox, &source))
+        .map_err(notify::Error::io)?;
+    Ok(Handle { watching, events })
+}
+
+impl Handle {
+    pub(super) fn set_paths(&self, paths: Vec<PathBuf>) {
+        lock(&self.watching).set_paths(paths);
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let _ = self.events.send(Message::Stop);
+    }
+}
+
+fn lock(watching: &Mutex<Watching>) -> MutexGuard<'_, Watching> {
+    // A panic while (un)watching leaves at worst a watch too many or too few: still usable.
+    watching.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Changes seen since the last request, waiting for the files to go quiet.
+struct Burst {
+    files: BTreeSet<PathBuf>,
+    first: Instant,
+    last: Instant,
+}
+
+impl Burst {
+    fn due(&self) -> Instant {
+        (self.last + QUIET).min(self.first + MAX_DELAY)
+    }
+}
+
+fn read_events(watching: &Mutex<Watching>, inbox: &mpsc::Receiver<Message>, source: &Source) {
+    let mut burst: Option<Burst> = None;
+    loop {
+        let message = match burst.as_ref().map(Burst::due) {
+            None => inbox.recv().ok(),
+            // Checked before receiving, so that a steady stream of events cannot hold it back.
+            Some(due) if due <= Instant::now() => {
+                let files = burst.take().map(|b| b.files).unwrap_or_default();
+                debug!(files = files.len(), "pipeline files changed; asking for a reload");
+                source.post(Trigger::Files(files.into_iter().collect()));
+                continue;
+            }
+            Some(due) => match inbox.recv_timeout(due - Instant::now()) {
+                Ok(message) => Some(message),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => None,
+            },
+        };
+        match message {
+            None | Some(Message::Stop) => return,
+            Some(Message::Events(Ok(events))) => {
+                let changed = lock(watching).changed(&events);
+                if !changed.is_empty() {
+                    let now = Instant::now();
+                    let burst = burst.get_or_insert_with(|| Burst { files: BTreeSet::new(), first: now, last: now });
+                    burst.files.extend(changed);
+                    burst.last = now;
+                }
+            }
+            Some(Message::Events(Err(errors))) => errors.iter().for_each(log_error),
+        }
+    }
+}
+
+fn log_error(error: &notify::Error) {
+    if matches!(error.kind, ErrorKind::MaxFilesWatch) {
+        warn!(
+            %error,
+            paths = ?error.paths,
+            "the file watch limit is reached (raise fs.inotify.max_user_watches); reload with SIGHUP"
+        );
+    } else {
+        warn!(%error, paths = ?error.paths, "file watcher error; if a change is missed, reload with SIGHUP");
+    }
+}
+
+struct Watching {
+    debouncer: Debouncer<RecommendedWatcher, NoCache>,
+    plan: Plan,
+    /// The planned watches notify accepted (a missing directory is planned, not armed).
+    armed: BTreeSet<PathBuf>,
+}
+
+impl Watching {
+    fn set_paths(&mut self, paths: Vec<PathBuf>) {
+        let plan = Plan::new(&paths, |path| path.is_dir());
+        let old = std::mem::replace(&mut self.plan, plan);
+        // Unwatch first: a recursive watch going away takes every watch below it along.
+        for (path, mode) in &old.watches {
+            if self.plan.watches.get(path) != Some(mode) {
+                self.unwatch(path);
+            }
+        }
+        // Kept watches stay as they are; one still missing gets another try.
+        for (path, mode) in self.plan.watches.clone() {
+            if !self.armed.contains(&path) {
+                self.watch(&path, mode);
+            }
+        }
+        debug!(named = paths.len(), watches = self.plan.watches.len(), "watching pipeline files");
+    }
+
+    fn watch(&mut self, path: &Path, mode: RecursiveMode) {
+        // Missing now, it is watched when the watch on its parent sees it appear.
+        if !path.is_dir() {
+            debug!(path = %path.display(), "not watching a missing directory yet");
+            return;
+        }
+        match self.debouncer.watch(path, mode) {
+            Ok(()) => {
+                self.armed.insert(path.to_path_buf());
+            }
+            Err(error) => log_error(&error),
+        }
+    }
+
+    fn unwatch(&mut self, path: &Path) {
+        // Fails when notify already dropped the watch with its directory: fine.
+        let _ = self.debouncer.unwatch(path);
+        self.armed.remove(path);
+    }
+
+    /// Watches `path` afresh: after it was removed, re-created or replaced by a rename, the
+    /// old watch (if any) is on a dead inode.
+    fn rewatch(&mut self, path: &Path) {
+        if let Some(&mode) = self.plan.watches.get(path) {
+            self.unwatch(path);
+            self.watch(path, mode);
+        }
+    }
+
+    /// The named paths these events touch, re-arming the watches they invalidated.
+    fn changed(&mut self, events: &[DebouncedEvent]) -> BTreeSet<PathBuf> {
+        let mut changed = BTreeSet::new();
+        let mut stale = BTreeSet::new();
+        for event in events {
+            if event.need_rescan() {
+                // The kernel dropped events: anything may have changed, any watch may be stale.
+                stale.extend(self.plan.watches.keys().cloned());
+                changed.extend(self.plan.named().cloned());
+                continue;
+            }
+            for (path, change) in changes(&event.kind, &event.paths) {
+                if matches!(change.what, What::Appeared | What::Disappeared) && self.plan.watches.contains_key(path) {
+                    stale.insert(path.to_path_buf());
+                }
+                if self.plan.is_relevant(path, change, |path| path.is_dir()) {
+                    changed.insert(path.to_path_buf());
+                }
+            }
+        }
+        for path in stale {
+            self.rewatch(&path);
+            // Whatever was created inside before the new watch was in place went unseen: count
+            // everything named inside as changed.
+            changed.extend(self.plan.named().filter(|named| named.starts_with(&path)).cloned());
+        }
+        changed
+    }
+}
+
+/// What to watch for a set of named paths, and what counts as a change to them.
+#[derive(Debug, Default, PartialEq)]
+struct Plan {
+    /// Named directories: every `*.yaml`/`*.yml` below them counts (pipeline directories).
+    dirs: BTreeSet<PathBuf>,
+    /// Named files (or missing paths): only that exact path counts.
+    files: BTreeSet<PathBuf>,
+    /// The named directories recursively, the parents of named files and the parents of those
+    /// (to see them come back), none inside a recursive one.
+    watches: BTreeMap<PathBuf, RecursiveMode>,
+}
+
+impl Plan {
+    fn new(paths: &[PathBuf], is_dir: impl Fn(&Path) -> bool) -> Plan {
+        let mut plan = Plan::default();
+        let mut watches = BTreeMap::new();
+        let mut want = |path: &Path, mode| {
+            let entry = watches.entry(path.to_path_buf()).or_insert(mode);
+            if mode == RecursiveMode::Recursive {
+                *entry = mode;
+            }
+        };
+        for path in paths.iter().map(|path| normalize(path)) {
+            let watched = if is_dir(&path) {
+                want(&path, RecursiveMode::Recursive);
+                plan.dirs.insert(path.clone());
+                path
+            } else {
+                let Some(parent) = path.parent().map(Path::to_path_buf) else { continue };
+                want(&parent, RecursiveMode::NonRecursive);
+                plan.files.insert(path);
+                parent
+            };
+            if let Some(above) = watched.parent() {
+                want(above, RecursiveMode::NonRecursive);
+            }
+        }
+        let recursive: Vec<PathBuf> = watches
+            .iter()
+            .filter(|(_, mode)| **mode == RecursiveMode::Recursive)
+            .map(|(path, _)| path.clone())
+            .collect();
+        // inotify keeps one watch per directory: a second one inside a recursive watch would
+        // replace it, and lose the recursion.
+        watches.retain(|path, _| !recursive.iter().any(|root| path != root && path.starts_with(root)));
+        plan.watches = watches;
+        plan
+    }
+
+    fn named(&self) -> impl Iterator<Item = &PathBuf> {
+        self.dirs.iter().chain(&self.files)
+    }
+
+    /// Whether this change to `path` is worth a reload. `is_dir` asks the file system.
+    fn is_relevant(&self, path: &Path, change: Change, is_dir: impl Fn(&Path) -> bool) -> bool {
+        if self.files.contains(path) || self.dirs.contains(path) {
+            return true;
+        }
+        if !self.dirs.iter().any(|dir| path.starts_with(dir)) {
+            // A sibling of a named file, or of a named directory.
+            return false;
+        }
+        let Some(name) = path.file_name() else { return false };
+        if is_scratch(name) {
+            return false;
+        }
+        if is_pipeline_file(path) {
+            return true;
+        }
+        // A directory that comes or goes carries pipeline files with it, and a rename brings
+        // no event for its contents.
+        match change.what {
+            What::Appeared => change.folder == Some(true) || is_dir(path),
+            // Gone, so only its name is left to guess from: a spurious reload is cheap, a
+            // missed one is not.
+            What::Disappeared => change.folder.unwrap_or_else(|| Path::new(name).extension().is_none()),
+            What::Modified => false,
+        }
+    }
+}
+
+/// What happened to one path of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Change {
+    what: What,
+    /// Whether the path is a directory, when the event says.
+    folder: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum What {
+    Appeared,
+    Disappeared,
+    Modified,
+}
+
+/// Each path of an event with what happened to it; reads and metadata-only events yield none.
+fn changes<'a>(kind: &EventKind, paths: &'a [PathBuf]) -> Vec<(&'a Path, Change)> {
+    let each = |what, folder| paths.iter().map(|path| (path.as_path(), Change { what, folder })).collect();
+    match kind {
+        EventKind::Create(CreateKind::Folder) => each(What::Appeared, Some(true)),
+        EventKind::Create(CreateKind::File) => each(What::Appeared, Some(false)),
+        EventKind::Create(_) => each(What::Appeared, None),
+        EventKind::Remove(RemoveKind::Folder) => each(What::Disappeared, Some(true)),
+        EventKind::Remove(RemoveKind::File) => each(What::Disappeared, Some(false)),
+        EventKind::Remove(_) => each(What::Disappeared, None),
+        EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => paths
+            .iter()
+            .enumerate()
+            .map(|(i, path)| {
+                let what = if i == 0 { What::Disappeared } else { What::Appeared };
+                (path.as_path(), Change { what, folder: None })
+            })
+            .collect(),
+        EventKind::Modify(ModifyKind::Name(RenameMode::From)) => each(What::Disappeared, None),
+        EventKind::Modify(ModifyKind::Name(RenameMode::To)) => each(What::Appeared, None),
+        EventKind::Modify(ModifyKind::Name(_)) => paths
+            .iter()
+            .map(|path| {
+                let what = if path.exists() { What::Appeared } else { What::Disappeared };
+                (path.as_path(), Change { what, folder: None })
+            })
+            .collect(),
+        EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)) => Vec::new(),
+        EventKind::Modify(_) | EventKind::Any => each(What::Modified, None),
+        // A writer closing the file is the end of a save; every other access is a read.
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => each(What::Modified, None),
+        EventKind::Access(_) | EventKind::Other => Vec::new(),
+    }
+}
+
+/// What discovery in `config` loads from a directory.
+fn is_pipeline_file(path: &Path) -> bool {
+    matches!(path.extension().and_then(OsStr::to_str), Some("yaml" | "yml"))
+}
+
+/// Editor swap, backup, lock and probe files: never a reason to reload by themselves (a named
+/// path is checked before this, so naming one explicitly still works).
+fn is_scratch(name: &OsStr) -> bool {
+    let name = name.to_string_lossy();
+    let extension = Path::new(&*name).extension().and_then(OsStr::to_str);
+    name.ends_with('~')
+        || name.starts_with(".#")
+        || (name.len() > 1 && name.starts_with('#') && name.ends_with('#'))
+        || name == "4913"
+        || matches!(extension, Some("swp" | "swo" | "swn" | "swx"))
+}
+
+/// Absolute, with `.` and `..` resolved by name: inotify has one watch per directory, so one
+/// directory must have one spelling, whatever the pipeline files wrote.
+fn normalize(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut normal = PathBuf::new();
+    for component in absolute.components() {
+        match component {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                normal.pop();
+            }
+            other => normal.push(other),
+        }
+    }
+    normal
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use RecursiveMode::{NonRecursive as Flat, Recursive as Deep};
+
+    fn paths(list: &[&str]) -> Vec<PathBuf> {
+        list.iter().map(PathBuf::from).collect()
+    }
+
+    /// What notify should be told to watch.
+    type Watches = &'static [(&'static str, RecursiveMode)];
+
+    #[test]
+    fn plans_watches_for_directories_files_and_their_parents() {
+        // Directories are the paths ending in `/` (without the slash).
+        let cases: &[(&str, &[&str], Watches)] = &[
+            (
+                "a pipeline directory, and its parent to see it come back",
+                &["/p/pipes/"],
+                &[("/p", Flat), ("/p/pipes", Deep)],
+            ),
+            (
+                "a file: its directory, and that one's parent",
+                &["/p/schemas/order.json"],
+                &[("/p", Flat), ("/p/schemas", Flat)],
+            ),
+            (
+                "files side by side share their watches",
+                &["/p/schemas/a.json", "/p/schemas/b.json"],
+                &[("/p", Flat), ("/p/schemas", Flat)],
+            ),
+            (
+                "a file inside a pipeline directory needs no watch of its own",
+                &["/p/pipes/", "/p/pipes/scripts/resize.sh"],
+                &[("/p", Flat), ("/p/pipes", Deep)],
+            ),
+            (
+                "a recursive watch wins over a flat one on the same directory",
+                &["/p/x.yaml", "/p/"],
+                &[("/", Flat), ("/p", Deep)],
+            ),
+            (
+                "nested pipeline directories: the outer one covers the inner",
+                &["/p/pipes/", "/p/pipes/more/"],
+                &[("/p", Flat), ("/p/pipes", Deep)],
+            ),
+            (
+                "one spelling per directory",
+                &["/p/pipes/../schemas/./a.json", "/p/schemas/b.json"],
+                &[("/p", Flat), ("/p/schemas", Flat)],
+            ),
+            ("a file at the root has no grandparent", &["/x.yaml"], &[("/", Flat)]),
+        ];
+        for (name, named, watches) in cases {
+            let dirs: Vec<&str> = named.iter().filter_map(|p| p.strip_suffix('/')).collect();
+            let named: Vec<PathBuf> = named.iter().map(|p| PathBuf::from(p.trim_end_matches('/'))).collect();
+            let plan = Plan::new(&named, |p| dirs.iter().any(|d| Path::new(d) == p));
+            let expected: BTreeMap<PathBuf, RecursiveMode> =
+                watches.iter().map(|(p, mode)| (PathBuf::from(p), *mode)).collect();
+            assert_eq!(plan.watches, expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn relative_paths_become_absolute() {
+        let plan = Plan::new(&paths(&["pipelines"]), |_| true);
+        let cwd = std::env::current_dir().expect("cwd");
+        assert_eq!(plan.dirs, BTreeSet::from([cwd.join("pipelines")]));
+    }
+
+    #[test]
+    fn decides_which_changes_are_worth_a_reload() {
+        let plan = Plan::new(&paths(&["/p/pipes", "/p/schemas/order.json", "/p/pipes/.#named.yaml"]), |p| {
+            p == Path::new("/p/pipes")
+        });
+        let appeared = Change { what: What::Appeared, folder: None };
+        let created_dir = Change { what: What::Appeared, folder: Some(true) };
+        let created_file = Change { what: What::Appeared, folder: Some(false) };
+        let gone = Change { what: What::Disappeared, folder: None };
+        let removed_file = Change { what: What::Disappeared, folder: Some(false) };
+        let modified = Change { what: What::Modified, folder: None };
+        // Only `/p/pipes/sub` and `/p/pipes/link` are directories on this pretend disk.
+        let is_dir = |p: &Path| p.ends_with("sub") || p.ends_with("link");
+        let cases: &[(&str, Change, bool)] = &[
+            ("/p/pipes/orders.yaml", modified, true),
+            ("/p/pipes/deep/er/orders.yml", created_file, true),
+            ("/p/pipes/orders.yaml", removed_file, true),
+            ("/p/pipes/notes.txt", modified, false),
+            ("/p/pipes/orders.json", created_file, false),
+            ("/p/pipes/orders.yaml.tmp", created_file, false),
+            ("/p/pipes/orders.yaml~", modified, false),
+            ("/p/pipes/.orders.yaml.swp", modified, false),
+            ("/p/pipes/.#orders.yaml", created_file, false),
+            ("/p/pipes/#orders.yaml#", modified, false),
+            ("/p/pipes/4913", created_file, false),
+            ("/p/pipes/4913", gone, false),
+            // Named explicitly, even a name that looks like scratch counts.
+            ("/p/pipes/.#named.yaml", modified, true),
+            // The named directory itself comes and goes.
+            ("/p/pipes", gone, true),
+            ("/p/pipes", created_dir, true),
+            // Directories inside: created, renamed in (no kind said), renamed out, removed.
+            ("/p/pipes/sub", created_dir, true),
+            ("/p/pipes/link", appeared, true),
+            ("/p/pipes/moved-out", gone, true),
+            ("/p/pipes/sub", Change { what: What::Disappeared, folder: Some(true) }, true),
+            ("/p/pipes/sub", modified, false),
+            ("/p/pipes/README", removed_file, false),
+            ("/p/pipes/file.txt", appeared, false),
+            // Named files and their siblings.
+            ("/p/schemas/order.json", modified, true),
+            ("/p/schemas/order.json", appeared, true),
+            ("/p/schemas/other.json", modified, false),
+            ("/p/schemas/order.json.tmp", gone, false),
+            ("/p/schemas", created_dir, false),
+            // Siblings of the named directory, seen through the watch on its parent.
+            ("/p/other.yaml", modified, false),
+            ("/p/pipes.old", gone, false),
+        ];
+        for (path, change, relevant) in cases {
+            assert_eq!(plan.is_relevant(Path::new(path), *change, is_dir), *relevant, "{path} {change:?}");
+        }
+    }
+
+    #[test]
+    fn reads_each_path_of_an_event() {
+        let one = &[PathBuf::from("/p/a")][..];
+        let both = &[PathBuf::from("/p/a"), PathBuf::from("/p/b")][..];
+        let change = |what, folder| Change { what, folder };
+        // The expected change to each path, in order.
+        let cases: &[(EventKind, &[PathBuf], &[Change])] = &[
+            (EventKind::Create(CreateKind::Folder), one, &[change(What::Appeared, Some(true))]),
+            (EventKind::Create(CreateKind::File), one, &[change(What::Appeared, Some(false))]),
+            (EventKind::Remove(RemoveKind::Folder), one, &[change(What::Disappeared, Some(true))]),
+            (EventKind::Remove(RemoveKind::Any), one, &[change(What::Disappeared, None)]),
+            (
+                EventKind::Modify(ModifyKind::Name(RenameMode::Both)),
+                both,
+                &[change(What::Disappeared, None), change(What::Appeared, None)],
+            ),
+            (EventKind::Modify(ModifyKind::Name(RenameMode::From)), one, &[change(What::Disappeared, None)]),
+            (EventKind::Modify(ModifyKind::Name(RenameMode::To)), one, &[change(What::Appeared, None)]),
+            (EventKind::Modify(ModifyKind::Data(notify::event::DataChange::Any)), one, &[change(What::Modified, None)]),
+            (EventKind::Modify(ModifyKind::Metadata(MetadataKind::Any)), one, &[change(What::Modified, None)]),
+            (EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)), one, &[]),
+            (EventKind::Access(AccessKind::Close(AccessMode::Write)), one, &[change(What::Modified, None)]),
+            (EventKind::Access(AccessKind::Close(AccessMode::Read)), one, &[]),
+            (EventKind::Access(AccessKind::Open(AccessMode::Any)), one, &[]),
+            (EventKind::Access(AccessKind::Read), one, &[]),
+            (EventKind::Other, one, &[]),
+        ];
+        for (kind, paths, expected) in cases {
+            let expected: Vec<(&Path, Change)> =
+                paths.iter().map(PathBuf::as_path).zip(expected.iter().copied()).collect();
+            assert_eq!(changes(kind, paths), expected, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn normalizes_by_name() {
+        let cases = [("/p/./a/../b", "/p/b"), ("/p/a/", "/p/a"), ("/../x", "/x"), ("/p//a", "/p/a")];
+        for (given, expected) in cases {
+            assert_eq!(normalize(Path::new(given)), PathBuf::from(expected), "{given}");
+        }
+    }
+}

@@ -1,0 +1,507 @@
+//! The runtime's rules, in-process against the in-memory broker (issue 10): every disposition
+//! and what it leaves behind, the ack window, a reload that adds, changes and removes queues,
+//! a refused reload that changes nothing, drain before replace, and shutdown.
+//!
+//! Real time with tiny retry delays; every wait is on a condition with a deadline, and an
+//! absence is asserted only once a positive condition shows the system has settled.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt as _;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Options, Reload, RunError, run};
+use crate::admin::Readiness;
+use crate::broker::memory::Memory;
+use crate::broker::{Broker as _, BrokerError, Outgoing};
+use crate::config::Config;
+use crate::dedup::{Location, Store};
+use crate::envelope::{self, Envelope};
+use crate::topology::Diff;
+
+/// How long a condition may take before the test fails; only a failing test waits this long.
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// The shutdown grace unless a test is about the grace.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// Waits until `condition` holds, polling every few milliseconds, failing after [`DEADLINE`].
+async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A pipeline directory, rewritten for each config, beside the files handlers write.
+struct Pipeline {
+    dir: tempfile::TempDir,
+}
+
+impl Pipeline {
+    fn new() -> Pipeline {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join("pipelines")).expect("pipelines dir");
+        Pipeline { dir }
+    }
+
+    /// A path beside the pipelines, as handlers receive it.
+    fn file(&self, name: &str) -> String {
+        self.dir.path().join(name).to_str().expect("utf-8 tempdir").to_string()
+    }
+
+    /// Writes a file into the pipeline directory (a payload schema).
+    fn write(&self, name: &str, text: &str) {
+        std::fs::write(self.dir.path().join("pipelines").join(name), text).expect("write");
+    }
+
+    /// Loads `queues` (name, YAML body indented by four spaces) as the pipeline.
+    fn config(&self, queues: &[(&str, String)]) -> Arc<Config> {
+        let mut text = String::from("version: 1\nqueues:\n");
+        for (name, body) in queues {
+            text.push_str(&format!("  {name}:\n{body}"));
+        }
+        let dir = self.dir.path().join("pipelines");
+        std::fs::write(dir.join("p.yaml"), &text).expect("write");
+        let loaded = crate::config::load(&[dir]);
+        Arc::new(loaded.config.unwrap_or_else(|| panic!("invalid: {:?}\n{text}", loaded.diagnostics)))
+    }
+
+    /// The lines a handler appended to `name` (none if it never ran).
+    fn lines(&self, name: &str) -> Vec<String> {
+        std::fs::read_to_string(self.file(name)).map(|t| t.lines().map(String::from).collect()).unwrap_or_default()
+    }
+
+    async fn store(&self) -> Store {
+        Store::open(&Location::File(self.dir.path().join("dedup"))).await.expect("embedded store")
+    }
+}
+
+/// A queue body whose handler is `/bin/sh -c script sh args..`, and `extra` YAML (each line
+/// indented by four spaces).
+fn command(script: &str, args: &[&str], extra: &str) -> String {
+    let argv: Vec<String> = ["-c", script, "sh"].iter().chain(args).map(|a| json!(a).to_string()).collect();
+    format!(
+        "{extra}    retry: {{max_attempts: 3, initial: 1ms, max: 5ms}}\n    handler:\n      command:\n        program: /bin/sh\n        args: [{}]\n        stdin: none\n        permanent_exit_codes: [65]\n",
+        argv.join(", ")
+    )
+}
+
+/// Appends "<idempotency key> <attempt>" to the file in `$1`.
+const RECORD: &str = r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
+
+/// An envelope with idempotency key `key`.
+fn message(key: &str, payload: &Value) -> Vec<u8> {
+    Envelope::new("test", payload, Some(key.into())).encode()
+}
+
+/// `run` over an in-memory broker, with the handles a test drives it by.
+struct Runner {
+    memory: Memory,
+    reloads: mpsc::UnboundedSender<Reload>,
+    shutdown: CancellationToken,
+    readiness: Readiness,
+    task: JoinHandle<Result<(), RunError>>,
+}
+
+impl Runner {
+    /// Starts `config` and waits until each of its queues has its consumer.
+    async fn start(config: Arc<Config>, store: Option<Store>, grace: Duration) -> Runner {
+        let memory = Memory::new();
+        let queues: Vec<String> = config.queues.keys().cloned().collect();
+        let (reloads, received) = mpsc::unbounded_channel();
+        let shutdown = CancellationToken::new();
+        let readiness = Readiness::default();
+        let options = Options { shutdown_grace: grace, exit_when_idle: false, readiness: readiness.clone() };
+        let session = memory.clone();
+        let connect = move || {
+            let session = session.clone();
+            async move { Ok::<_, BrokerError>(session) }
+        };
+        let task = tokio::spawn(run(config, connect, store, options, received, shutdown.clone()));
+        wait_until("every queue has a consumer", || queues.iter().all(|q| memory.consumers(q) == 1)).await;
+        Runner { memory, reloads, shutdown, readiness, task }
+    }
+
+    async fn publish(&self, queue: &str, body: Vec<u8>) {
+        self.memory.publish("", queue, Outgoing { body, ..Outgoing::default() }).await.expect("publish");
+    }
+
+    async fn reload(&self, config: Arc<Config>) -> Result<Diff, BrokerError> {
+        let (applied, outcome) = oneshot::channel();
+        self.reloads.send(Reload { config, applied }).unwrap_or_else(|_| panic!("run has ended"));
+        outcome.await.expect("run answers every reload")
+    }
+
+    /// Nothing ready or unacked in `queue`, and no delayed copy on its way back.
+    fn settled(&self, queue: &str) -> bool {
+        let delayed = self.memory.delayed().now_or_never().expect("in-memory").expect("delayed");
+        self.memory.unacked(queue) == 0 && self.memory.messages(queue).is_empty() && delayed == 0
+    }
+
+    fn depth(&self, queue: &str) -> usize {
+        self.memory.messages(queue).len()
+    }
+
+    /// Cancels the token and returns how `run` ended and how long that took.
+    async fn stop(self, within: Duration) -> (Result<(), RunError>, Duration, Memory, Readiness) {
+        let started = Instant::now();
+        self.shutdown.cancel();
+        let ended = tokio::time::timeout(within, self.task).await.expect("run returns in time").expect("no panic");
+        (ended, started.elapsed(), self.memory, self.readiness)
+    }
+}
+
+fn names(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// What a disposition test publishes.
+enum Body {
+    /// An envelope with the row's key and this payload.
+    Payload(Value),
+    /// These bytes, verbatim.
+    Raw(&'static str),
+}
+
+/// One disposition: the queue's YAML, what is published (how many times), the attempts the
+/// handler runs (one line each), and the dead-letter copy if any (`x-sluice-reason`,
+/// `x-sluice-attempts`).
+struct Row {
+    name: &'static str,
+    script: &'static str,
+    /// Arguments after the side-effect file.
+    args: &'static [&'static str],
+    extra: &'static str,
+    body: Body,
+    copies: usize,
+    runs: &'static [&'static str],
+    dead: Option<(&'static str, &'static str)>,
+}
+
+/// Issue 10: each disposition, end to end through `run`: the handler runs as many times as it
+/// should, the delivery is acked (nothing ready, nothing unacked, no delayed copy), and the
+/// dead-letter queue holds exactly the copy the disposition calls for, with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_disposition_ends_acked_with_its_effects() {
+    let rows = [
+        Row {
+            name: "success",
+            script: RECORD,
+            args: &[],
+            extra: "",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 1,
+            runs: &["1"],
+            dead: None,
+        },
+        Row {
+            name: "permanent exit code",
+            script: r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; exit 65"#,
+            args: &[],
+            extra: "",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 1,
+            runs: &["1"],
+            dead: Some(("permanent", "1")),
+        },
+        Row {
+            name: "transient until exhausted",
+            script: r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; exit 1"#,
+            args: &[],
+            extra: "",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 1,
+            runs: &["1", "2", "3"],
+            dead: Some(("exhausted", "3")),
+        },
+        Row {
+            name: "not json",
+            script: RECORD,
+            args: &[],
+            extra: "",
+            body: Body::Raw("not json"),
+            copies: 1,
+            runs: &[],
+            dead: Some(("malformed", "1")),
+        },
+        Row {
+            name: "number out of range",
+            script: RECORD,
+            args: &[],
+            extra: "",
+            body: Body::Raw(r#"{"id":"m-1","type":"test","idempotency_key":"k","payload":{"n":1e400}}"#),
+            copies: 1,
+            runs: &[],
+            dead: Some(("malformed", "1")),
+        },
+        Row {
+            name: "template error",
+            script: RECORD,
+            args: &["{{payload.missing}}"],
+            extra: "",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 1,
+            runs: &[],
+            dead: Some(("template", "1")),
+        },
+        Row {
+            name: "payload fails its schema",
+            script: RECORD,
+            args: &[],
+            extra: "    payload_schema: s.json\n",
+            body: Body::Payload(json!({"m": 1})),
+            copies: 1,
+            runs: &[],
+            dead: Some(("schema", "1")),
+        },
+        Row {
+            name: "too large",
+            script: RECORD,
+            args: &[],
+            extra: "    max_message_bytes: 10\n",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 1,
+            runs: &[],
+            dead: Some(("too_large", "1")),
+        },
+        // One at a time: the second arrives once the first is recorded done.
+        Row {
+            name: "duplicate",
+            script: RECORD,
+            args: &[],
+            extra: "    concurrency: 1\n",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 2,
+            runs: &["1"],
+            dead: None,
+        },
+        // Side by side: the second finds the key busy, waits (a delayed copy, same attempt),
+        // then finds it done.
+        Row {
+            name: "duplicate while the first runs",
+            script: r#"sleep 0.2; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#,
+            args: &[],
+            extra: "    concurrency: 2\n",
+            body: Body::Payload(json!({"n": 1})),
+            copies: 2,
+            runs: &["1"],
+            dead: None,
+        },
+    ];
+    // One store for every row (opening one takes a while); each row has its own key.
+    let stores = Pipeline::new();
+    let store = stores.store().await;
+    for (i, row) in rows.into_iter().enumerate() {
+        let key = format!("k{i}");
+        let pipeline = Pipeline::new();
+        pipeline.write("s.json", r#"{"type": "object", "required": ["n"]}"#);
+        let runs = pipeline.file("runs");
+        let args: Vec<&str> = [runs.as_str()].into_iter().chain(row.args.iter().copied()).collect();
+        let config = pipeline.config(&[("work", command(row.script, &args, row.extra))]);
+        let runner = Runner::start(config, Some(store.clone()), GRACE).await;
+        let body = match &row.body {
+            Body::Payload(payload) => message(&key, payload),
+            Body::Raw(text) => text.as_bytes().to_vec(),
+        };
+        for _ in 0..row.copies {
+            runner.publish("work", body.clone()).await;
+        }
+        let dead_copies = usize::from(row.dead.is_some());
+        wait_until(row.name, || {
+            runner.settled("work")
+                && pipeline.lines("runs").len() == row.runs.len()
+                && runner.depth("work.dlq") == dead_copies
+        })
+        .await;
+        let runs: Vec<String> = row.runs.iter().map(|attempt| format!("{key} {attempt}")).collect();
+        assert_eq!(pipeline.lines("runs"), runs, "{}: handler runs", row.name);
+        let dlq = runner.memory.messages("work.dlq");
+        let found: Vec<_> =
+            dlq.iter().map(|m| (m.header(envelope::REASON_HEADER), m.header(envelope::ATTEMPTS_HEADER))).collect();
+        let expected: Vec<_> = row.dead.iter().map(|(r, a)| (Some(r.to_string()), Some(a.to_string()))).collect();
+        assert_eq!(found, expected, "{}: dead-letter copies", row.name);
+        for copy in &dlq {
+            assert_eq!(copy.body.as_ref(), body.as_slice(), "{}: the original body", row.name);
+            assert_eq!(copy.header(envelope::SOURCE_QUEUE_HEADER).as_deref(), Some("work"), "{}", row.name);
+        }
+        let (ended, ..) = runner.stop(GRACE).await;
+        assert!(ended.is_ok(), "{}: {ended:?}", row.name);
+    }
+}
+
+/// Issue 10: acks of deliveries finishing out of order, at most `concurrency` at once, leave
+/// nothing unacked and nothing handled twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ack_window_settles_every_delivery_once() {
+    let pipeline = Pipeline::new();
+    let runs = pipeline.file("runs");
+    let script = r#"sleep "$2"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
+    let config = pipeline.config(&[("work", command(script, &[&runs, "{{payload.sleep}}"], "    concurrency: 8\n"))]);
+    let runner = Runner::start(config, Some(pipeline.store().await), GRACE).await;
+    let speeds = ["0", "0.03", "0.01", "0.02", "0", "0.005"];
+    for i in 0..50 {
+        runner.publish("work", message(&format!("k{i:02}"), &json!({"sleep": speeds[i % speeds.len()]}))).await;
+    }
+    let mut most_unacked = 0;
+    wait_until("50 messages handled and acked", || {
+        most_unacked = most_unacked.max(runner.memory.unacked("work"));
+        runner.settled("work") && pipeline.lines("runs").len() == 50
+    })
+    .await;
+    assert!(most_unacked <= 8, "{most_unacked} unacked deliveries with a prefetch of 8");
+    let mut lines = pipeline.lines("runs");
+    lines.sort();
+    let expected: Vec<String> = (0..50).map(|i| format!("k{i:02} 1")).collect();
+    assert_eq!(lines, expected);
+    assert_eq!(runner.depth("work.dlq"), 0);
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 10: a reload starts the added queue, replaces the changed one (one consumer, with the
+/// new concurrency) and stops the removed one, whose queue and messages stay on the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_adds_changes_and_removes_queues() {
+    let pipeline = Pipeline::new();
+    let (gate, runs_a, runs_b, runs_c) =
+        (pipeline.file("gate"), pipeline.file("a"), pipeline.file("b"), pipeline.file("c"));
+    // `a` holds each delivery until the gate file exists, to show how many it is given.
+    let gated = r#"while [ ! -e "$2" ]; do sleep 0.005; done; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
+    let a = |concurrency: u16| command(gated, &[&runs_a, &gate], &format!("    concurrency: {concurrency}\n"));
+    let before = pipeline.config(&[("a", a(2)), ("b", command(RECORD, &[&runs_b], ""))]);
+    let runner = Runner::start(before, Some(pipeline.store().await), GRACE).await;
+
+    let after = pipeline.config(&[("a", a(3)), ("c", command(RECORD, &[&runs_c], ""))]);
+    let diff = runner.reload(after).await.expect("reload applied");
+    assert_eq!(diff, Diff { added: names(&["c"]), changed: names(&["a"]), removed: names(&["b"]) });
+    assert_eq!(runner.memory.consumers("b"), 0, "b's worker drained before the reload returns");
+    assert!(runner.memory.has_queue("b"), "a removed queue stays on the broker");
+
+    for i in 1..=4 {
+        runner.publish("a", message(&format!("a{i}"), &json!({}))).await;
+    }
+    runner.publish("b", message("b1", &json!({}))).await;
+    runner.publish("c", message("c1", &json!({}))).await;
+    wait_until("a holds 3 (its new concurrency) and c is handled", || {
+        runner.memory.unacked("a") == 3
+            && runner.depth("a") == 1
+            && runner.settled("c")
+            && pipeline.lines("c").len() == 1
+    })
+    .await;
+    assert_eq!(
+        (runner.memory.consumers("a"), runner.memory.consumers("b"), runner.memory.consumers("c")),
+        (1, 0, 1),
+        "consumers of a, b, c"
+    );
+    assert_eq!(pipeline.lines("c"), ["c1 1"]);
+
+    std::fs::write(&gate, "").expect("open the gate");
+    wait_until("a handles all four", || runner.settled("a") && pipeline.lines("a").len() == 4).await;
+    let mut lines = pipeline.lines("a");
+    lines.sort();
+    assert_eq!(lines, ["a1 1", "a2 1", "a3 1", "a4 1"]);
+    assert_eq!(runner.depth("b"), 1, "b's message waits in b");
+    assert_eq!(runner.memory.unacked("b"), 0);
+    assert!(pipeline.lines("b").is_empty(), "nothing consumes b");
+    assert_eq!(runner.memory.consumers("a"), 1, "replaced, not doubled");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 10: a reload the broker refuses changes nothing: the old worker keeps consuming with
+/// the old handler, and the next reload is still diffed against the old config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_reload_keeps_the_old_config_running() {
+    let pipeline = Pipeline::new();
+    let runs = pipeline.file("runs");
+    let marked = |marker: &str| {
+        command(r#"echo "$2 $SLUICE_IDEMPOTENCY_KEY" >> "$1""#, &[&runs, marker], "    concurrency: 2\n")
+    };
+    let old = pipeline.config(&[("a", marked("old"))]);
+    let runner = Runner::start(old, Some(pipeline.store().await), GRACE).await;
+
+    runner.memory.refuse_next_declare(BrokerError::Conflict("queue \"a\" exists as something else".into()));
+    let new = pipeline.config(&[("a", marked("new"))]);
+    let refused = runner.reload(new.clone()).await;
+    assert!(matches!(refused, Err(BrokerError::Conflict(_))), "{refused:?}");
+    assert_eq!(runner.memory.consumers("a"), 1);
+
+    runner.publish("a", message("k1", &json!({}))).await;
+    wait_until("k1 handled", || runner.settled("a") && pipeline.lines("runs").len() == 1).await;
+    assert_eq!(pipeline.lines("runs"), ["old k1"]);
+    assert_eq!(runner.memory.consumers("a"), 1);
+
+    let diff = runner.reload(new).await.expect("applied once the broker accepts it");
+    assert_eq!(diff, Diff { changed: names(&["a"]), ..Diff::default() });
+    runner.publish("a", message("k2", &json!({}))).await;
+    wait_until("k2 handled", || runner.settled("a") && pipeline.lines("runs").len() == 2).await;
+    assert_eq!(pipeline.lines("runs"), ["old k1", "new k2"]);
+    assert_eq!(runner.memory.consumers("a"), 1);
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 10: a reload that changes a queue lets the in-flight delivery finish and acks it
+/// before the new worker starts: handled once, never handed back and run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_drains_in_flight_deliveries_before_replacing() {
+    let pipeline = Pipeline::new();
+    let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
+    let slow = r#"echo started >> "$2"; sleep 0.3; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
+    let queue = |concurrency: u16| command(slow, &[&runs, &started], &format!("    concurrency: {concurrency}\n"));
+    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), Some(pipeline.store().await), GRACE).await;
+    runner.publish("work", message("k1", &json!({}))).await;
+    wait_until("k1 in flight", || pipeline.lines("started").len() == 1).await;
+
+    let diff = runner.reload(pipeline.config(&[("work", queue(3))])).await.expect("reload applied");
+    assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
+    // The reload returned: k1 was finished and acked by then, not handed back.
+    assert_eq!(pipeline.lines("runs"), ["k1 1"]);
+    assert_eq!((runner.memory.unacked("work"), runner.depth("work")), (0, 0));
+
+    runner.publish("work", message("k2", &json!({}))).await;
+    wait_until("k2 handled by the new worker", || runner.settled("work") && pipeline.lines("runs").len() == 2).await;
+    assert_eq!(pipeline.lines("runs"), ["k1 1", "k2 1"]);
+    assert_eq!(pipeline.lines("started").len(), 2, "k1 ran once");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 10: shutdown finishes and acks the in-flight delivery within the grace; past the
+/// grace the unfinished delivery goes back to the broker (not acked, not dead-lettered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_in_flight_deliveries_within_the_grace() {
+    // What, the grace, how long the handler takes, then: lines written, left in the queue.
+    let rows: [(&str, Duration, &str, usize, usize); 2] =
+        [("finished within the grace", GRACE, "0.3", 1, 0), ("grace expired", Duration::from_millis(100), "3", 0, 1)];
+    for (what, grace, sleep, lines, left) in rows {
+        let pipeline = Pipeline::new();
+        let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
+        let script = r#"echo started >> "$2"; sleep "$3"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
+        let config = pipeline.config(&[("work", command(script, &[&runs, &started, sleep], ""))]);
+        let runner = Runner::start(config, Some(pipeline.store().await), grace).await;
+        wait_until("ready", || runner.readiness.get()).await;
+        runner.publish("work", message("k1", &json!({}))).await;
+        wait_until("k1 in flight", || pipeline.lines("started").len() == 1).await;
+
+        let (ended, took, memory, readiness) = runner.stop(grace + Duration::from_secs(1)).await;
+        assert!(ended.is_ok(), "{what}: {ended:?}");
+        assert!(!readiness.get(), "{what}: not ready once stopped");
+        assert_eq!(pipeline.lines("runs").len(), lines, "{what}: handler finished");
+        assert_eq!(
+            (memory.messages("work").len(), memory.unacked("work"), memory.consumers("work")),
+            (left, 0, 0),
+            "{what}: ready, unacked, consumers after run returned (took {took:?})"
+        );
+        assert!(memory.messages("work.dlq").is_empty(), "{what}: nothing dead-lettered");
+    }
+}

@@ -9,11 +9,13 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use sluice::broker::amqp::Amqp;
+use sluice::broker::{Broker, BrokerError, Headers, Outgoing};
+use sluice::envelope::Envelope;
 use support::*;
 
 /// How long any one condition may take before the test fails (nothing here hangs).
@@ -86,16 +88,62 @@ where
     }
 }
 
-/// Starts `sluice run DIR --admin ADDR [extra]` and waits until it is consuming.
-async fn start(dir: &Path, vhost: &Vhost, admin: &Admin, extra: &[&str]) -> Sluice {
-    let mut args = vec!["--admin", admin.addr.as_str()];
-    args.extend_from_slice(extra);
-    let mut sluice = Sluice::run(dir, &vhost.url(), &args);
+/// A pipeline directory of its own (`pipelines/`) beside the runner's state (its log and
+/// idempotency store), as deployments lay it out: the watch on the directory then sees only
+/// the edits a test makes.
+struct Files {
+    root: tempfile::TempDir,
+}
+
+impl Files {
+    fn new(files: &[(&str, &str)]) -> Files {
+        let root = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(root.path().join("pipelines")).expect("pipelines dir");
+        let this = Files { root };
+        for (name, text) in files {
+            this.save(name, text);
+        }
+        this
+    }
+
+    fn dir(&self) -> PathBuf {
+        self.root.path().join("pipelines")
+    }
+
+    /// A plain overwrite (or a new file), as `echo ... > file` does.
+    fn save(&self, name: &str, text: &str) {
+        std::fs::write(self.dir().join(name), text).unwrap_or_else(|e| panic!("write {name}: {e}"));
+    }
+}
+
+/// Starts `sluice run PIPELINES --admin ADDR [extra]` with its log and idempotency store in
+/// `state`, and waits until it is consuming.
+async fn start_in(pipelines: &Path, state: &Path, vhost: &Vhost, admin: &Admin, extra: &[&str]) -> Sluice {
+    let log = state.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
+    let file = std::fs::File::create(&log).expect("log file");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .arg("run")
+        .arg(pipelines)
+        .args(["--broker", &vhost.url(), "--admin", &admin.addr])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .env("SLUICE_DEDUP", state.join("dedup"))
+        .stdout(std::process::Stdio::null())
+        .stderr(file)
+        .spawn()
+        .expect("spawn sluice");
+    let mut sluice = Sluice { child, log };
     wait_for(&mut sluice, DEADLINE, "/readyz to answer 200", || async {
         matches!(admin.get("/readyz").await, Some((200, _)))
     })
     .await;
     sluice
+}
+
+/// [`start_in`] for a [`Files`] layout.
+async fn start(files: &Files, vhost: &Vhost, admin: &Admin, extra: &[&str]) -> Sluice {
+    start_in(&files.dir(), files.root.path(), vhost, admin, extra).await
 }
 
 /// Waits until the counter of reloads with `result` reaches `n`.
@@ -117,11 +165,6 @@ fn work_yaml(receiver: &Receiver, extra: &str) -> String {
         "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}",
         receiver.uri()
     )
-}
-
-/// A plain overwrite, as `echo ... > file` does.
-fn save(dir: &Path, name: &str, text: &str) {
-    std::fs::write(dir.join(name), text).unwrap_or_else(|e| panic!("write {name}: {e}"));
 }
 
 /// Publishes `{prefix}-N` to `ev` every `every` until `total` has passed; each key with the
@@ -172,9 +215,24 @@ fn assert_each_handled_once(published: &BTreeSet<String>, receivers: &[&Receiver
     }
 }
 
-/// Stops the runner (SIGTERM) and requires a clean exit.
-fn stop(sluice: &mut Sluice) {
+/// Stops the runner (SIGTERM) and requires a clean exit; the tail of its log, for the
+/// assertions that follow.
+fn stop(sluice: &mut Sluice) -> String {
     assert_eq!(sluice.stop(Duration::from_secs(30)), Some(0), "clean exit; log tail:\n{}", tail(&sluice.log()));
+    tail(&sluice.log())
+}
+
+/// Publishes `key` to `ev` with `routing_key`; false if no queue is bound to take it yet (the
+/// broker returns an unroutable mandatory message: nothing was enqueued).
+async fn publish_if_routable(broker: &Amqp, routing_key: &str, key: &str) -> bool {
+    let envelope = Envelope::new("test.event", &json!({}), Some(key.to_string()));
+    let message =
+        Outgoing { body: envelope.encode(), message_id: None, kind: None, timestamp: None, headers: Headers::new() };
+    match broker.publish("ev", routing_key, message).await {
+        Ok(()) => true,
+        Err(BrokerError::Unroutable { .. }) => false,
+        Err(e) => panic!("publish {key:?}: {e}"),
+    }
 }
 
 /// Messages ready in `queue` and its consumers, or None if the queue does not exist (a passive
@@ -199,15 +257,15 @@ async fn queue_state(url: &str, queue: &str) -> Option<(u32, u32)> {
 async fn reload_under_load_loses_and_repeats_nothing() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let dir = pipeline(&work_yaml(&a, "    concurrency: 4\n"));
+    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    concurrency: 4\n"))]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &[]).await;
+    let mut sluice = start(&files, &vhost, &admin, &[]).await;
 
     let publisher = spawn_publisher(broker.clone(), "load", Duration::from_millis(20), Duration::from_secs(8));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    save(dir.path(), "pipeline.yaml", &work_yaml(&b, "    concurrency: 8\n"));
+    files.save("pipeline.yaml", &work_yaml(&b, "    concurrency: 8\n"));
     let saved = Instant::now();
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
 
@@ -216,7 +274,7 @@ async fn reload_under_load_loses_and_repeats_nothing() {
     assert_eq!(published.len(), sent.len());
     wait_all_handled(&mut sluice, &published, &[&a, &b]).await;
     let rejected = admin.rejected().await;
-    stop(&mut sluice);
+    let log = stop(&mut sluice);
 
     assert_each_handled_once(&published, &[&a, &b]);
     let late: Vec<(String, Duration)> = a
@@ -227,7 +285,7 @@ async fn reload_under_load_loses_and_repeats_nothing() {
         .collect();
     assert!(late.is_empty(), "receiver A was called more than 3 s after the save: {late:?}");
     assert!(!a.hits().is_empty() && !b.hits().is_empty(), "both receivers had their share");
-    assert_eq!(rejected, 0, "a valid save is never rejected (a half-written file read?)");
+    assert_eq!(rejected, 0, "a valid save is never rejected (a half-written file read?); log tail:\n{log}");
     assert_eq!(vhost.depth("work").await, 0, "nothing left in the queue");
     assert_eq!(vhost.depth("work.dlq").await, 0, "nothing dead-lettered");
 }
@@ -238,19 +296,19 @@ async fn reload_under_load_loses_and_repeats_nothing() {
 async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let dir = pipeline(&work_yaml(&a, "    concurrency: 4\n"));
+    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    concurrency: 4\n"))]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &[]).await;
+    let mut sluice = start(&files, &vhost, &admin, &[]).await;
 
     let publisher = spawn_publisher(broker.clone(), "load", Duration::from_millis(20), Duration::from_secs(8));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // Pointed at B, but invalid: none of it may be applied.
-    save(dir.path(), "pipeline.yaml", &work_yaml(&b, "    concurrency: 0\n"));
+    files.save("pipeline.yaml", &work_yaml(&b, "    concurrency: 0\n"));
     wait_reloads(&mut sluice, &admin, "rejected", 1).await;
     let rejected_at = Instant::now();
-    assert_eq!(admin.applied().await, 0, "the invalid edit was not applied");
+    assert_eq!(admin.applied().await, 0, "the invalid edit was not applied; log tail:\n{}", tail(&sluice.log()));
     // Messages keep flowing to A: keys handled there that were published after the rejection.
     wait_for(&mut sluice, DEADLINE, "5 calls at A after the rejection", || async {
         a.hits().iter().filter(|h| h.at > rejected_at).count() >= 5
@@ -258,7 +316,7 @@ async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     .await;
     assert!(b.hits().is_empty(), "the rejected config (pointing at B) never ran: {:?}", b.succeeded_keys());
 
-    save(dir.path(), "pipeline.yaml", &work_yaml(&b, "    concurrency: 8\n"));
+    files.save("pipeline.yaml", &work_yaml(&b, "    concurrency: 8\n"));
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
     let applied_at = Instant::now();
 
@@ -266,7 +324,7 @@ async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     let published: BTreeSet<String> = sent.iter().map(|(k, _)| k.clone()).collect();
     wait_all_handled(&mut sluice, &published, &[&a, &b]).await;
     let (applied, rejected) = (admin.applied().await, admin.rejected().await);
-    stop(&mut sluice);
+    let log = stop(&mut sluice);
 
     assert_each_handled_once(&published, &[&a, &b]);
     let after: Vec<&String> =
@@ -275,7 +333,7 @@ async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     let b_keys = b.succeeded_keys();
     let not_at_b: Vec<&&String> = after.iter().filter(|k| !b_keys.contains(**k)).collect();
     assert!(not_at_b.is_empty(), "published a second after the valid edit, yet not handled by B: {not_at_b:?}");
-    assert_eq!((applied, rejected), (1, 1), "(applied, rejected): one of each edit");
+    assert_eq!((applied, rejected), (1, 1), "(applied, rejected): one of each edit; log tail:\n{log}");
     assert_eq!(vhost.depth("work.dlq").await, 0, "nothing dead-lettered");
 }
 
@@ -291,13 +349,14 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
             receiver.uri()
         )
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    save(dir.path(), "a.yaml", &format!("{}exchanges:\n  ev: {{type: topic}}\n", queue("qa", "a")));
-    save(dir.path(), "b.yaml", &queue("qb", "b"));
+    let files = Files::new(&[
+        ("a.yaml", &format!("{}exchanges:\n  ev: {{type: topic}}\n", queue("qa", "a"))),
+        ("b.yaml", &queue("qb", "b")),
+    ]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &[]).await;
+    let mut sluice = start(&files, &vhost, &admin, &[]).await;
     let at = |path: &'static str| {
         let receiver = &receiver;
         move || receiver.hits().iter().filter(|h| h.target == path).map(|h| h.key().to_string()).collect::<Vec<_>>()
@@ -308,12 +367,12 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
     wait_handled(&mut sluice, &receiver, "a-1", "qa").await;
     wait_handled(&mut sluice, &receiver, "b-1", "qb").await;
 
-    std::fs::remove_file(dir.path().join("b.yaml")).expect("delete b.yaml");
-    save(dir.path(), "c.yaml", &queue("qc", "c"));
+    std::fs::remove_file(files.dir().join("b.yaml")).expect("delete b.yaml");
+    files.save("c.yaml", &queue("qc", "c"));
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
     let url = vhost.url();
-    wait_for(&mut sluice, DEADLINE, "queue qc declared", || async { queue_state(&url, "qc").await.is_some() }).await;
-    publish(&broker, "ev", "c", "c-1", json!({})).await;
+    // Should the two edits come as two reloads, qc is bound by the second.
+    wait_for(&mut sluice, DEADLINE, "a message to key c routed", || publish_if_routable(&broker, "c", "c-1")).await;
     wait_handled(&mut sluice, &receiver, "c-1", "qc").await;
 
     wait_for(&mut sluice, DEADLINE, "qb without consumers", || async {
@@ -332,13 +391,13 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
     wait_handled(&mut sluice, &receiver, "a-2", "qa").await;
     wait_handled(&mut sluice, &receiver, "c-2", "qc").await;
     let rejected = admin.rejected().await;
-    stop(&mut sluice);
+    let log = stop(&mut sluice);
 
     assert_eq!(at("/qa")(), ["a-1", "a-2"]);
     assert_eq!(at("/qb")(), ["b-1"], "the removed queue's messages never reached the receiver");
     assert_eq!(at("/qc")(), ["c-1", "c-2"]);
     assert_eq!(queue_state(&url, "qb").await, Some((2, 0)), "qb and its messages stay on the broker");
-    assert_eq!(rejected, 0, "no edit was rejected");
+    assert_eq!(rejected, 0, "no edit was rejected; log tail:\n{log}");
 }
 
 /// Issue 10: a reload the broker refuses (a classic queue redeclared as quorum) is rejected,
@@ -347,23 +406,23 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
 async fn reload_refused_by_the_broker_keeps_the_running_config() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let dir = pipeline(&work_yaml(&a, "    type: classic\n"));
+    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    type: classic\n"))]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &[]).await;
+    let mut sluice = start(&files, &vhost, &admin, &[]).await;
     publish(&broker, "ev", "x", "before", json!({})).await;
     wait_handled(&mut sluice, &a, "before", "A").await;
 
     // Valid on disk, refused by RabbitMQ (PRECONDITION_FAILED on x-queue-type).
-    save(dir.path(), "pipeline.yaml", &work_yaml(&b, "    type: quorum\n"));
+    files.save("pipeline.yaml", &work_yaml(&b, "    type: quorum\n"));
     wait_reloads(&mut sluice, &admin, "rejected", 1).await;
     publish(&broker, "ev", "x", "after", json!({})).await;
     wait_handled(&mut sluice, &a, "after", "A").await;
     let applied = admin.applied().await;
-    stop(&mut sluice);
+    let log = stop(&mut sluice);
 
-    assert_eq!(applied, 0, "the refused config was not counted as applied");
+    assert_eq!(applied, 0, "the refused config was not counted as applied; log tail:\n{log}");
     assert!(b.hits().is_empty(), "the refused config (pointing at B) never ran: {:?}", b.succeeded_keys());
     let published = BTreeSet::from(["before".to_string(), "after".to_string()]);
     assert_each_handled_once(&published, &[&a, &b]);
@@ -377,29 +436,29 @@ async fn reload_refused_by_the_broker_keeps_the_running_config() {
 async fn sighup_reloads_when_the_watcher_is_off() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let dir = pipeline(&work_yaml(&a, ""));
+    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, ""))]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &["--no-watch"]).await;
+    let mut sluice = start(&files, &vhost, &admin, &["--no-watch"]).await;
     publish(&broker, "ev", "x", "k-1", json!({})).await;
     wait_handled(&mut sluice, &a, "k-1", "A").await;
 
-    save(dir.path(), "pipeline.yaml", &work_yaml(&b, ""));
+    files.save("pipeline.yaml", &work_yaml(&b, ""));
     // Proving that nothing happens takes a window: eight times the watcher's debounce.
     tokio::time::sleep(Duration::from_secs(2)).await;
     publish(&broker, "ev", "x", "k-2", json!({})).await;
     wait_handled(&mut sluice, &a, "k-2", "A").await;
-    assert_eq!(admin.applied().await, 0, "no reload without the watcher");
+    assert_eq!(admin.applied().await, 0, "no reload without the watcher; log tail:\n{}", tail(&sluice.log()));
 
     sluice.signal(libc::SIGHUP);
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
     publish(&broker, "ev", "x", "k-3", json!({})).await;
     wait_handled(&mut sluice, &b, "k-3", "B").await;
     let (applied, rejected) = (admin.applied().await, admin.rejected().await);
-    stop(&mut sluice);
+    let log = stop(&mut sluice);
 
-    assert_eq!((applied, rejected), (1, 0), "(applied, rejected): the one SIGHUP");
+    assert_eq!((applied, rejected), (1, 0), "(applied, rejected): the one SIGHUP; log tail:\n{log}");
     assert_eq!(a.succeeded_keys(), BTreeSet::from(["k-1".to_string(), "k-2".to_string()]));
     assert_eq!(b.succeeded_keys(), BTreeSet::from(["k-3".to_string()]));
     let published = ["k-1", "k-2", "k-3"].map(String::from).into();
@@ -411,18 +470,18 @@ async fn sighup_reloads_when_the_watcher_is_off() {
 async fn a_burst_of_saves_is_debounced() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let dir = pipeline(&work_yaml(&a, "    concurrency: 4\n"));
+    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    concurrency: 4\n"))]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &[]).await;
+    let mut sluice = start(&files, &vhost, &admin, &[]).await;
     publish(&broker, "ev", "x", "k-1", json!({})).await;
     wait_handled(&mut sluice, &a, "k-1", "A").await;
 
     // Ten saves in under a second, 100 ms apart; only the last points at B.
     for concurrency in 1..=10 {
         let receiver = if concurrency == 10 { &b } else { &a };
-        save(dir.path(), "pipeline.yaml", &work_yaml(receiver, &format!("    concurrency: {concurrency}\n")));
+        files.save("pipeline.yaml", &work_yaml(receiver, &format!("    concurrency: {concurrency}\n")));
         if concurrency < 10 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -432,8 +491,12 @@ async fn a_burst_of_saves_is_debounced() {
     // Proving that no more reloads follow takes a window.
     tokio::time::sleep((last_save + Duration::from_secs(3)).saturating_duration_since(Instant::now())).await;
     let (applied, rejected) = (admin.applied().await, admin.rejected().await);
-    assert!((1..=2).contains(&applied), "10 saves in a second applied {applied} times; expected 1 (2 at most)");
-    assert_eq!(rejected, 0, "no save was rejected");
+    let log = tail(&sluice.log());
+    assert!(
+        (1..=2).contains(&applied),
+        "10 saves in a second applied {applied} times, not 1 (2 at most); log tail:\n{log}"
+    );
+    assert_eq!(rejected, 0, "no save was rejected; log tail:\n{log}");
 
     publish(&broker, "ev", "x", "k-2", json!({})).await;
     wait_handled(&mut sluice, &b, "k-2", "B").await;
@@ -449,36 +512,66 @@ async fn a_burst_of_saves_is_debounced() {
 async fn editor_style_rename_over_the_file_is_reloaded() {
     let vhost = Vhost::new();
     let (a, b, c) = (Receiver::ok().await, Receiver::ok().await, Receiver::ok().await);
-    let dir = pipeline(&work_yaml(&a, ""));
+    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, ""))]);
     let broker = vhost.connect().await;
-    declare(dir.path(), &broker).await;
+    declare(&files.dir(), &broker).await;
     let admin = Admin::new();
-    let mut sluice = start(dir.path(), &vhost, &admin, &[]).await;
+    let mut sluice = start(&files, &vhost, &admin, &[]).await;
     publish(&broker, "ev", "x", "k-1", json!({})).await;
     wait_handled(&mut sluice, &a, "k-1", "A").await;
 
     let replace = |receiver: &Receiver| {
-        let tmp = dir.path().join("pipeline.yaml.tmp");
+        let tmp = files.dir().join("pipeline.yaml.tmp");
         std::fs::write(&tmp, work_yaml(receiver, "")).expect("write the temporary file");
-        std::fs::rename(&tmp, dir.path().join("pipeline.yaml")).expect("rename over pipeline.yaml");
+        std::fs::rename(&tmp, files.dir().join("pipeline.yaml")).expect("rename over pipeline.yaml");
     };
     replace(&b);
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
     publish(&broker, "ev", "x", "k-2", json!({})).await;
     wait_handled(&mut sluice, &b, "k-2", "B").await;
-    assert_eq!(admin.applied().await, 1, "one save, one reload");
+    assert_eq!(admin.applied().await, 1, "one save, one reload; log tail:\n{}", tail(&sluice.log()));
 
     replace(&c);
     wait_reloads(&mut sluice, &admin, "applied", 2).await;
     publish(&broker, "ev", "x", "k-3", json!({})).await;
     wait_handled(&mut sluice, &c, "k-3", "C").await;
     let (applied, rejected) = (admin.applied().await, admin.rejected().await);
-    stop(&mut sluice);
+    let log = stop(&mut sluice);
 
-    assert_eq!((applied, rejected), (2, 0), "(applied, rejected): two saves");
+    assert_eq!((applied, rejected), (2, 0), "(applied, rejected): two saves; log tail:\n{log}");
     assert_eq!(a.succeeded_keys(), BTreeSet::from(["k-1".to_string()]));
     assert_eq!(b.succeeded_keys(), BTreeSet::from(["k-2".to_string()]));
     assert_eq!(c.succeeded_keys(), BTreeSet::from(["k-3".to_string()]));
     let published = ["k-1", "k-2", "k-3"].map(String::from).into();
     assert_each_handled_once(&published, &[&a, &b, &c]);
+}
+
+/// Issue 10: what the runner itself writes inside the watched directory is no pipeline file
+/// and triggers no reload: `sluice run .` keeps its idempotency store in `./.sluice/dedup`
+/// (the default), so the store's directories appear below the pipeline directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runners_own_files_in_the_pipeline_directory_trigger_no_reload() {
+    let vhost = Vhost::new();
+    let receiver = Receiver::ok().await;
+    let dir = pipeline(&work_yaml(&receiver, ""));
+    let broker = vhost.connect().await;
+    declare(dir.path(), &broker).await;
+    let admin = Admin::new();
+    let state = dir.path().join(".sluice");
+    std::fs::create_dir(&state).expect("create .sluice");
+    let mut sluice = start_in(dir.path(), &state, &vhost, &admin, &[]).await;
+    let mut published = BTreeSet::new();
+    for i in 0..50 {
+        let key = format!("k-{i}");
+        publish(&broker, "ev", "x", &key, json!({})).await;
+        published.insert(key);
+    }
+    wait_all_handled(&mut sluice, &published, &[&receiver]).await;
+    // Proving that no reload follows takes a window: eight times the watcher's debounce.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (applied, rejected) = (admin.applied().await, admin.rejected().await);
+    let log = stop(&mut sluice);
+
+    assert_eq!((applied, rejected), (0, 0), "(applied, rejected): nothing was edited; log tail:\n{log}");
+    assert_each_handled_once(&published, &[&receiver]);
 }

@@ -155,6 +155,10 @@ impl Walk {
                 entries.into_iter().map(|e| (e.path(), e.metadata())).collect();
             entries.sort_by(|a, b| a.0.cmp(&b.0));
             for (path, meta) in entries {
+                // Hidden entries are the tools' (`.git/`, the runner's own `.sluice/`), not pipelines.
+                if is_hidden(&path) {
+                    continue;
+                }
                 // DirEntry::metadata does not follow a symbolic link: this is the entry itself.
                 let meta = match meta {
                     Ok(meta) => meta,
@@ -216,6 +220,11 @@ impl Walk {
         files.dedup();
         files
     }
+}
+
+/// Whether a directory entry's name starts with a dot.
+fn is_hidden(path: &Path) -> bool {
+    path.file_name().is_some_and(|name| name.as_encoded_bytes().starts_with(b"."))
 }
 
 fn is_pipeline_name(path: &Path) -> bool {
@@ -778,10 +787,14 @@ mod tests {
         let top = tempfile::tempdir().expect("tempdir");
         let root = top.path().join("root");
         let outside = top.path().join("outside");
-        for d in [root.join("v2/sub"), outside.clone()] {
+        for d in [root.join("v2/sub"), root.join(".sluice/dedup"), outside.clone()] {
             std::fs::create_dir_all(d).expect("mkdir");
         }
-        for f in [root.join("a.yaml"), root.join("v2/b.yml"), root.join("v2/sub/c.yaml"), outside.join("o.yaml")] {
+        let hidden = [root.join(".sluice/dedup/h.yaml"), root.join(".hidden.yaml")];
+        for f in [root.join("a.yaml"), root.join("v2/b.yml"), root.join("v2/sub/c.yaml"), outside.join("o.yaml")]
+            .into_iter()
+            .chain(hidden)
+        {
             std::fs::write(f, "version: 1\n").expect("write");
         }
         std::fs::write(root.join("notes.txt"), "").expect("write");

@@ -290,8 +290,14 @@ impl Plan {
         if self.files.contains(path) || self.dirs.contains(path) {
             return true;
         }
-        if !self.dirs.iter().any(|dir| path.starts_with(dir)) {
+        let Some(dir) = self.dirs.iter().find(|dir| path.starts_with(dir)) else {
             // A sibling of a named file, or of a named directory.
+            return false;
+        };
+        // Hidden entries below a pipeline directory are not loaded (`.git/`, the runner's own
+        // `.sluice/` store), so their changes are no reason to reload.
+        let below = path.strip_prefix(dir).unwrap_or(path);
+        if below.components().any(|c| c.as_os_str().as_encoded_bytes().starts_with(b".")) {
             return false;
         }
         let Some(name) = path.file_name() else { return false };
@@ -491,6 +497,8 @@ mod tests {
             ("/p/pipes/orders.yaml~", modified, false),
             ("/p/pipes/.orders.yaml.swp", modified, false),
             ("/p/pipes/.#orders.yaml", created_file, false),
+            ("/p/pipes/.sluice/dedup/keyspaces", created_dir, false),
+            ("/p/pipes/.git/x.yaml", modified, false),
             ("/p/pipes/#orders.yaml#", modified, false),
             ("/p/pipes/4913", created_file, false),
             ("/p/pipes/4913", gone, false),

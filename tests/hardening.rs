@@ -75,7 +75,7 @@ async fn dead_letters(vhost: &Vhost, queue: &str) -> Vec<Drained> {
 async fn delayed(vhost: &Vhost) -> u32 {
     let broker = vhost.connect().await;
     let mut total = 0;
-    for level in 0..sluice::topology::DELAY_LEVELS {
+    for level in 0..sluice::broker::amqp::DELAY_LEVELS {
         total += broker.depth(&format!("sluice.delay.{level:02}")).await.expect("delay level declared");
     }
     broker.close().await;

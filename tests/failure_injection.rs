@@ -74,7 +74,7 @@ async fn deliver_a_duplicate(
     // Both deliveries settled, the duplicate too: none ready, none waiting in the delay cascade
     // (where a copy goes while the other holds the key); one in flight is finished by the stop.
     wait_until(DEADLINE, "the work queue and the delay cascade empty", || async {
-        vhost.depth("work").await == 0 && delayed(vhost).await == 0
+        vhost.depth("work").await == 0 && vhost.delayed().await == 0
     })
     .await;
     stop_and_assert_drained(&mut sluice, vhost).await;
@@ -461,7 +461,7 @@ async fn a_long_delay_does_not_hold_back_a_short_one() {
     publish(&broker, "ev", "work", "a", serde_json::json!({"n": 1})).await;
     wait_until(DEADLINE, "A's first attempt", || async { !receiver.hits_for("a").is_empty() }).await;
     // B fails only once A's copy is waiting in the cascade, ahead of it.
-    wait_until(DEADLINE, "A's copy waiting in the delay cascade", || async { delayed(&vhost).await >= 1 }).await;
+    wait_until(DEADLINE, "A's copy waiting in the delay cascade", || async { vhost.delayed().await >= 1 }).await;
     publish(&broker, "ev", "work", "b", serde_json::json!({"n": 2})).await;
 
     wait_until(Duration::from_secs(10), "B's retry, about 1s after its first attempt", || async {
@@ -472,7 +472,7 @@ async fn a_long_delay_does_not_hold_back_a_short_one() {
     let gap = b[1].at - b[0].at;
     assert!(gap >= Duration::from_millis(900) && gap < Duration::from_secs(10), "B's retry after {gap:?}");
     assert_eq!(receiver.hits_for("a").len(), 1, "A (Retry-After: 60) is not retried yet");
-    assert!(delayed(&vhost).await >= 1, "A is still waiting in the cascade");
+    assert!(vhost.delayed().await >= 1, "A is still waiting in the cascade");
 }
 
 // Regression: retry copies kept the broker's `x-death` history. Every retry below takes the
@@ -499,15 +499,4 @@ async fn retries_that_take_the_same_path_through_the_delay_cascade_all_arrive() 
     let statuses: Vec<u16> = receiver.hits_for("again").iter().map(|h| h.status).collect();
     assert_eq!(statuses, [503, 503, 503, 200]);
     stop_and_assert_drained(&mut sluice, &vhost).await;
-}
-
-/// Messages waiting anywhere in the delay cascade.
-async fn delayed(vhost: &Vhost) -> u32 {
-    let broker = vhost.connect().await;
-    let mut total = 0;
-    for level in 0..sluice::broker::amqp::DELAY_LEVELS {
-        total += broker.depth(&format!("sluice.delay.{level:02}")).await.expect("delay level declared");
-    }
-    broker.close().await;
-    total
 }

@@ -71,17 +71,6 @@ async fn dead_letters(vhost: &Vhost, queue: &str) -> Vec<Drained> {
         .unwrap_or_else(|_| panic!("reading {dlq} took over 20s: a message there the client cannot read?"))
 }
 
-/// Messages waiting anywhere in the delay cascade.
-async fn delayed(vhost: &Vhost) -> u32 {
-    let broker = vhost.connect().await;
-    let mut total = 0;
-    for level in 0..sluice::broker::amqp::DELAY_LEVELS {
-        total += broker.depth(&format!("sluice.delay.{level:02}")).await.expect("delay level declared");
-    }
-    broker.close().await;
-    total
-}
-
 /// `sluice run DIR --broker URL EXTRA...` ([`Sluice::run`]) without backtraces in its log, so
 /// that the end of the log, printed when a test fails, shows what happened.
 fn run_sluice(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
@@ -100,7 +89,7 @@ fn stop_cleanly(sluice: &mut Sluice) {
 async fn assert_ledger(vhost: &Vhost, queue: &str, published: usize, handled: usize, duplicates: usize) {
     let dead = dead_letters(vhost, queue).await.len();
     let queued = vhost.depth(queue).await as usize;
-    let delayed = delayed(vhost).await as usize;
+    let delayed = vhost.delayed().await as usize;
     assert_eq!(
         published,
         handled + duplicates + dead + queued + delayed,
@@ -298,7 +287,7 @@ async fn huge_idempotency_key(vhost: &Vhost, dedup: &[&str]) {
     })
     .await;
     wait_while_running(&mut sluice, SETTLE, "the work queue and the delay cascade empty", || async {
-        vhost.depth("work").await == 0 && delayed(vhost).await == 0
+        vhost.depth("work").await == 0 && vhost.delayed().await == 0
     })
     .await;
     stop_cleanly(&mut sluice);
@@ -858,7 +847,7 @@ async fn a_rate_limited_queue_handles_a_duplicate_once_even_when_the_wait_outlas
     assert_eq!((success, duplicate), (BURST as u64 + 1, 1), "every message acked: handled, or K's duplicate");
     assert_eq!(messages_total(&metrics, "dead_lettered"), 0, "nothing dead-lettered");
     wait_while_running(&mut sluice, SETTLE, "the work queue and the delay cascade empty", || async {
-        vhost.depth("work").await == 0 && delayed(&vhost).await == 0
+        vhost.depth("work").await == 0 && vhost.delayed().await == 0
     })
     .await;
     stop_cleanly(&mut sluice);

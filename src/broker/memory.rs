@@ -131,7 +131,8 @@ fn dispatch(state: &mut State) {
     }
 }
 
-fn topic_match(pattern: &str, key: &str) -> bool {
+/// AMQP topic matching: `*` is one word, `#` zero or more.
+pub fn topic_match(pattern: &str, key: &str) -> bool {
     fn go(p: &[&str], k: &[&str]) -> bool {
         match (p.first(), k.first()) {
             (None, None) => true,

@@ -63,6 +63,14 @@ impl Vhost {
         depth
     }
 
+    /// Delayed copies waiting anywhere in the delay cascade.
+    pub async fn delayed(&self) -> u32 {
+        let broker = self.connect().await;
+        let delayed = broker.delayed().await.unwrap_or_else(|e| panic!("delay queues: {e}"));
+        broker.close().await;
+        delayed
+    }
+
     /// Has the broker close every connection of this vhost (ours and the runner's); how many.
     pub fn close_all_connections(&self) -> usize {
         let out = Command::new("rabbitmqctl")

@@ -217,22 +217,7 @@ pub fn delay_route(queue: &str, delay: Duration) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// AMQP topic matching, enough for the cascade's patterns (`*` one word, `#` zero or more).
-    fn topic_match(pattern: &str, key: &str) -> bool {
-        fn go(p: &[&str], k: &[&str]) -> bool {
-            match (p.first(), k.first()) {
-                (None, None) => true,
-                (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
-                (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
-                (Some(a), Some(b)) if a == b => go(&p[1..], &k[1..]),
-                _ => false,
-            }
-        }
-        let p: Vec<&str> = pattern.split('.').collect();
-        let k: Vec<&str> = key.split('.').collect();
-        go(&p, &k)
-    }
+    use crate::broker::memory::topic_match;
 
     /// Follows a copy through the planned cascade the way the broker would, summing the TTLs.
     fn simulate(plan: &Declarations, exchange: &str, key: &str) -> (String, Duration) {

@@ -715,39 +715,9 @@ async fn run_against_a_broker_that_never_answers_keeps_retrying_with_a_timeout()
 /// after 15 s), with an idempotency store in `dir` and the log filter sluice chooses by default
 /// (`RUST_LOG` removed, whatever the test's environment holds).
 fn run_to_exit(dir: &Path, url: &str) -> Finished {
-    use std::io::{Read as _, Seek as _};
-    let deadline = Duration::from_secs(15);
     let dedup = format!("file:{}", dir.join(".sluice/dedup").display());
-    let (out, err) = (tempfile::tempfile().expect("stdout file"), tempfile::tempfile().expect("stderr file"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .arg("run")
-        .arg(dir)
-        .args(["--broker", url, "--dedup", &dedup])
-        .env_remove("RUST_LOG")
-        .stdin(std::process::Stdio::null())
-        .stdout(out.try_clone().expect("dup"))
-        .stderr(err.try_clone().expect("dup"))
-        .spawn()
-        .expect("spawn sluice");
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
-        }
-        if started.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("sluice run against {} did not exit within {deadline:?}", short(url));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let read = |mut file: std::fs::File| {
-        let mut text = String::new();
-        file.rewind().expect("rewind");
-        file.read_to_string(&mut text).expect("utf-8 output");
-        text
-    };
-    Finished { code: status.code(), stdout: read(out), stderr: read(err) }
+    let dir = dir.to_str().expect("a UTF-8 temporary directory");
+    sluice_cli(&["run", dir, "--broker", url, "--dedup", &dedup], &[], Duration::from_secs(15))
 }
 
 // Issue 9: refused credentials at start-up were retried forever, one warning at a time; they

@@ -250,7 +250,7 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
     let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
     let mut out = String::new();
-    match renderer.call(&body, &crate::dedup::effective_key(renderer.key()?), None)? {
+    match renderer.call(&body, &renderer.key()?, None)? {
         Call::Webhook { request, timeout } => {
             let mut url = request.url;
             // Environment values are shown as ***; one may hold the URL's credentials.

@@ -237,12 +237,14 @@ impl<'a> Renderer<'a> {
         Ok(Renderer { queue, envelope, attempt, ctx, redact })
     }
 
-    /// The idempotency key: the queue's template, else the envelope's key.
+    /// The idempotency key as stored and sent downstream: the queue's template, else the
+    /// envelope's key; a long one by its digest ([`crate::dedup::effective_key`]).
     pub fn key(&self) -> Result<String, PrepareError> {
-        match self.queue.idempotency.as_ref().and_then(|i| i.key.as_ref()) {
-            Some(key) => render(key, "idempotency key", &self.ctx),
-            None => Ok(self.envelope.idempotency_key().to_string()),
-        }
+        let key = match self.queue.idempotency.as_ref().and_then(|i| i.key.as_ref()) {
+            Some(key) => render(key, "idempotency key", &self.ctx)?,
+            None => self.envelope.idempotency_key().to_string(),
+        };
+        Ok(crate::dedup::effective_key(key))
     }
 
     /// The handler's request or invocation; `body` is the delivery's body as received.

@@ -25,7 +25,7 @@ use super::backoff;
 use super::events::QueueEvents;
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
-use crate::dedup::{self, Claim, Store};
+use crate::dedup::{Claim, Store};
 use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
 use crate::handler::call::{self, Call, Renderer};
@@ -265,7 +265,7 @@ impl Worker {
             Err(e) => return dead(Reason::Malformed, e.to_string()),
         };
         let key = match renderer.key() {
-            Ok(k) => dedup::effective_key(k),
+            Ok(k) => k,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
         let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());

@@ -297,8 +297,10 @@ pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Fi
     // Files rather than pipes: nothing to drain while we poll for the exit.
     let out = tempfile::tempfile().expect("stdout file");
     let err = tempfile::tempfile().expect("stderr file");
+    // The log filter is sluice's own default unless the test sets one in `env`.
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(args)
+        .env_remove("RUST_LOG")
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(out.try_clone().expect("dup"))

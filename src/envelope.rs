@@ -22,6 +22,9 @@ pub const ERROR_HEADER: &str = "x-sluice-error";
 pub const ATTEMPTS_HEADER: &str = "x-sluice-attempts";
 pub const FAILED_AT_HEADER: &str = "x-sluice-failed-at";
 pub const SOURCE_QUEUE_HEADER: &str = "x-sluice-source-queue";
+/// What a dead-letter copy adds, and a redrive takes away.
+pub const FAILURE_HEADERS: [&str; 5] =
+    [REASON_HEADER, ERROR_HEADER, ATTEMPTS_HEADER, FAILED_AT_HEADER, SOURCE_QUEUE_HEADER];
 
 /// A message body: decoded, it borrows the payload from the delivery's bytes, so an in-flight
 /// message is held once.

@@ -10,6 +10,7 @@ pub mod config;
 pub mod dedup;
 pub mod envelope;
 pub mod handler;
+pub mod ops;
 pub mod reload;
 pub mod runtime;
 pub mod topology;

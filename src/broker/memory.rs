@@ -17,8 +17,9 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers, Outgoing};
+use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
 use crate::config::ExchangeKind;
+use crate::envelope;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
 
 /// A message as the broker keeps it.
@@ -169,6 +170,14 @@ impl Delivery for MemoryDelivery {
 
     fn message_id(&self) -> Option<&str> {
         self.message.message_id.as_deref()
+    }
+
+    fn headers(&self) -> BTreeMap<String, serde_json::Value> {
+        let json = |v: &HeaderValue| match v {
+            HeaderValue::Str(s) => serde_json::Value::from(s.as_str()),
+            HeaderValue::Int(i) => serde_json::Value::from(*i),
+        };
+        self.message.headers.iter().map(|(k, v)| (k.clone(), json(v))).collect()
     }
 
     fn is_live(&self) -> bool {
@@ -363,10 +372,62 @@ impl Broker for Memory {
         Ok((MemoryDeliveries(receiver), MemoryConsumer { broker: self.clone(), id }))
     }
 
-    async fn depth(&self, queue: &str) -> Result<u32, BrokerError> {
+    async fn browse(&self, queue: &str, window: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
+        self.consume(queue, window).await
+    }
+
+    async fn redrive(&self, queue: &str, original: &MemoryDelivery) -> Result<(), BrokerError> {
+        let mut message = original.message.clone();
+        for name in envelope::FAILURE_HEADERS {
+            message.headers.remove(name);
+        }
+        message.headers.insert(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1));
+        self.push(queue, message)
+    }
+
+    async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
         let state = lock(&self.state);
         let (_, ready) = state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
-        Ok(u32::try_from(ready.len()).unwrap_or(u32::MAX))
+        let consumers = state.consumers.values().filter(|c| c.queue == queue).count();
+        Ok(QueueStats {
+            ready: u32::try_from(ready.len()).unwrap_or(u32::MAX),
+            consumers: u32::try_from(consumers).unwrap_or(u32::MAX),
+        })
+    }
+
+    async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
+        let state = lock(&self.state);
+        let mut drift = Vec::new();
+        for e in &plan.exchanges {
+            match state.exchanges.get(&e.name) {
+                None => drift.push(Drift::MissingExchange { name: e.name.clone() }),
+                Some(kind) if *kind != e.kind => drift.push(Drift::Conflict {
+                    what: "exchange".into(),
+                    name: e.name.clone(),
+                    detail: format!("type: declared {} but current is {}", e.kind.as_str(), kind.as_str()),
+                }),
+                Some(_) => {}
+            }
+        }
+        for q in &plan.queues {
+            match state.queues.get(&q.name) {
+                None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
+                Some((existing, _)) if existing != q => drift.push(Drift::Conflict {
+                    what: "queue".into(),
+                    name: q.name.clone(),
+                    detail: format!("declared {q:?} but current is {existing:?}"),
+                }),
+                Some(_) => {}
+            }
+        }
+        for b in plan.bindings.iter().filter(|b| !state.bindings.contains(b)) {
+            drift.push(Drift::MissingBinding {
+                exchange: b.exchange.clone(),
+                queue: b.queue.clone(),
+                routing_key: b.routing_key.clone(),
+            });
+        }
+        Ok(drift)
     }
 
     async fn delayed(&self) -> Result<u32, BrokerError> {

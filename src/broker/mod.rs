@@ -1,7 +1,8 @@
-//! The broker seen by the runtime: declare a plan, publish with confirm, consume with
-//! prefetch through a consumer handle (ack a batch, cancel, close), delayed publish to one
-//! queue, dead-lettering, queue depth. One trait, so the embedded broker and RabbitMQ share
-//! every rule in the runtime.
+//! The broker seen by the runtime and the operator's commands: declare a plan, publish with
+//! confirm, consume with prefetch through a consumer handle (ack a batch, cancel, close),
+//! delayed publish to one queue, dead-lettering, queue statistics; and for operators, browsing
+//! a queue in order, redriving a dead-lettered copy, and how the broker differs from a plan.
+//! One trait, so the embedded broker and RabbitMQ share every rule in the runtime.
 //!
 //! The trait carries no broker's notions (delivery tags, `multiple` acks, `x-` arguments,
 //! delay queues): each implementation maps them its own way. Implementations do transport
@@ -17,6 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::Stream;
+use serde::Serialize;
 
 use crate::topology::Plan;
 
@@ -49,6 +51,57 @@ pub struct Outgoing {
     /// Seconds since the epoch.
     pub timestamp: Option<u64>,
     pub headers: Headers,
+}
+
+/// What the broker says of a queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct QueueStats {
+    /// Messages ready for delivery (not those delivered and unacknowledged).
+    pub ready: u32,
+    /// Consumers attached.
+    pub consumers: u32,
+}
+
+/// One way the broker differs from a plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Drift {
+    MissingExchange {
+        name: String,
+    },
+    MissingQueue {
+        name: String,
+    },
+    MissingBinding {
+        exchange: String,
+        queue: String,
+        routing_key: String,
+    },
+    /// Exists with other settings; `detail` names the setting and both values.
+    Conflict {
+        what: String,
+        name: String,
+        detail: String,
+    },
+    /// The broker cannot say whether the bindings exist (RabbitMQ tells only through its
+    /// management plugin).
+    BindingsUnchecked {
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for Drift {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Drift::MissingExchange { name } => write!(f, "missing exchange \"{name}\""),
+            Drift::MissingQueue { name } => write!(f, "missing queue \"{name}\""),
+            Drift::MissingBinding { exchange, queue, routing_key } => {
+                write!(f, "missing binding {exchange} -> {queue} (routing key \"{routing_key}\")")
+            }
+            Drift::Conflict { what, name, detail } => write!(f, "conflict: {what} \"{name}\": {detail}"),
+            Drift::BindingsUnchecked { reason } => write!(f, "bindings not checked: {reason}"),
+        }
+    }
 }
 
 /// What can go wrong talking to a broker.
@@ -89,6 +142,8 @@ pub trait Delivery: Send + Sync + 'static {
     /// The `timestamp` property, seconds since the epoch.
     fn timestamp(&self) -> Option<u64>;
     fn message_id(&self) -> Option<&str>;
+    /// Every header, as JSON (tables and arrays included), for showing a message to a person.
+    fn headers(&self) -> BTreeMap<String, serde_json::Value>;
     /// Whether this delivery can still be acked (its consumer is open).
     fn is_live(&self) -> bool;
 }
@@ -152,8 +207,29 @@ pub trait Broker: Clone + Send + Sync + 'static {
         prefetch: u16,
     ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
 
+    /// Opens a browsing consumer of `queue`: its messages in queue order, at most `window`
+    /// unsettled; each one acked is removed at once, and closing the consumer hands back the
+    /// rest in their order. For reading a dead-letter queue without losing anything.
+    fn browse(
+        &self,
+        queue: &str,
+        window: u16,
+    ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
+
+    /// Publishes a copy of a dead-lettered delivery into `queue` as if new: the failure
+    /// headers and the broker's dead-letter history dropped, attempt 1; waits for the confirm.
+    fn redrive(&self, queue: &str, original: &Self::Delivery) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Ready messages and consumers of `queue`.
+    fn stats(&self, queue: &str) -> impl Future<Output = Result<QueueStats, BrokerError>> + Send;
+
     /// Messages ready in `queue`.
-    fn depth(&self, queue: &str) -> impl Future<Output = Result<u32, BrokerError>> + Send;
+    fn depth(&self, queue: &str) -> impl Future<Output = Result<u32, BrokerError>> + Send {
+        async move { Ok(self.stats(queue).await?.ready) }
+    }
+
+    /// How what exists on the broker differs from `plan`, changing nothing.
+    fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
 
     /// Delayed copies not yet due back, whoever published them.
     fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;

@@ -1,6 +1,7 @@
 //! The command line: clap subcommands, each a thin call into the modules that do the work.
 //! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own).
 
+mod dlq;
 mod output;
 mod publish;
 
@@ -46,13 +47,32 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
     },
-    /// Print the broker topology the files declare, without connecting to a broker.
+    /// Print the broker topology the files declare; with --broker, also how the live broker
+    /// differs from it (exit 1 on a conflict that would stop `run`).
     Plan {
         #[arg(default_value = "pipelines")]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
+        /// Compare with this broker (amqp://...): missing exchanges and queues, and
+        /// declarations that conflict with what exists. Nothing is created.
+        #[arg(long = "broker")]
+        broker: Option<String>,
+        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        connect_timeout: Duration,
     },
+    /// Every queue at a glance: ready, consumers, dead-lettered, oldest dead letter.
+    Status {
+        #[arg(default_value = "pipelines")]
+        paths: Vec<PathBuf>,
+        #[command(flatten)]
+        broker: BrokerArg,
+        #[arg(long, value_enum, default_value_t = dlq::Format::Text)]
+        format: dlq::Format,
+    },
+    /// Read, redrive or purge a queue's dead-lettered messages.
+    #[command(subcommand)]
+    Dlq(dlq::Command),
     /// Print the JSON Schema of pipeline files.
     Schema,
     /// Declare the topology and consume: call the handlers, retry, dead-letter.
@@ -122,13 +142,20 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Validate { paths, format } => validate(&paths, format),
-        Command::Plan { paths, format } => {
+        Command::Plan { paths, format, broker, connect_timeout } => {
             let Some(config) = load_or_report(&paths) else {
                 return ExitCode::FAILURE;
             };
-            let plan = amqp::render(&amqp::declarations(&topology::plan(&config)), format);
-            exit(output::stdout(&plan).map_err(Into::into))
+            let plan = topology::plan(&config);
+            match broker {
+                Some(url) => exit(block_on(NonZeroUsize::MIN, drift(plan, url, connect_timeout, format))),
+                None => exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into)),
+            }
         }
+        Command::Status { paths, broker, format } => {
+            exit(block_on(NonZeroUsize::MIN, dlq::status(&paths, broker, format)))
+        }
+        Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, dlq::dlq(command))),
         Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads } => {
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
@@ -237,6 +264,41 @@ async fn run(
     requests.set_paths(reload::loader::watched(&paths, &config));
     tokio::spawn(reload::loader::serve(paths, requests, reload, shutdown.clone()));
     runtime::run(Arc::new(config), connect, store, options, reloads, shutdown).await?;
+    Ok(())
+}
+
+/// `sluice plan --broker`: the plan, then how the live broker differs from it (with JSON, one
+/// object `{"plan", "drift"}`; with the graph formats, the differences on stderr). A conflict
+/// fails: `run` would refuse to start.
+async fn drift(plan: topology::Plan, url: String, timeout: Duration, format: PlanFormat) -> anyhow::Result<()> {
+    use crate::broker::{Broker as _, Drift};
+    let broker = Amqp::connect(&url, timeout).await?;
+    let drift = broker.drift(&plan).await;
+    broker.close().await;
+    let drift = drift?;
+    let declarations = amqp::declarations(&plan);
+    if format != PlanFormat::Json {
+        output::stdout(&amqp::render(&declarations, format))?;
+    }
+    let conflicts = drift.iter().filter(|d| matches!(d, Drift::Conflict { .. })).count();
+    let mut text = format!("\nbroker {} differs from the files:\n", amqp::redact(&url));
+    if drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. })) {
+        text = format!("\nbroker {} matches the files\n", amqp::redact(&url));
+    }
+    for d in &drift {
+        text.push_str(&format!("  {d}\n"));
+    }
+    match format {
+        PlanFormat::Json => {
+            let both = serde_json::json!({ "plan": declarations, "drift": drift });
+            output::stdout(&format!("{}\n", serde_json::to_string_pretty(&both)?))?;
+        }
+        PlanFormat::Text => output::stdout(&text)?,
+        _ => output::stderr(&text),
+    }
+    if conflicts > 0 {
+        anyhow::bail!("{conflicts} declaration(s) conflict with the broker; `sluice run` would refuse to start");
+    }
     Ok(())
 }
 

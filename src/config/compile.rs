@@ -260,18 +260,13 @@ impl Compiler<'_> {
         };
 
         let rate_limit = q.rate_limit.as_deref().and_then(|text| {
-            let (n, unit) = text.split_once('/')?;
-            let per = match unit {
-                "s" => Duration::from_secs(1),
-                "m" => Duration::from_secs(60),
-                _ => Duration::from_secs(3600),
-            };
-            let Ok(count) = n.parse() else {
+            // The schema has checked the shape: what fails here is a count past u32::MAX.
+            let rate = RateLimit::parse(text);
+            if rate.is_none() {
                 let message = format!("rate limit \"{text}\": the count can be at most {}", u32::MAX);
                 self.error(file, &format!("{base}/rate_limit"), message);
-                return None;
-            };
-            Some(RateLimit { count, per })
+            }
+            rate
         });
 
         let max_message_bytes = self.max_message_bytes(file, &format!("{base}/max_message_bytes"), q.max_message_bytes);

@@ -127,6 +127,21 @@ pub struct RateLimit {
     pub per: Duration,
 }
 
+impl RateLimit {
+    /// A rate such as `20/s`, `100/m` or `5000/h`; `None` for anything else, a count of 0
+    /// included.
+    pub fn parse(text: &str) -> Option<RateLimit> {
+        let (n, unit) = text.split_once('/')?;
+        let per = match unit {
+            "s" => Duration::from_secs(1),
+            "m" => Duration::from_secs(60),
+            "h" => Duration::from_secs(3600),
+            _ => return None,
+        };
+        Some(RateLimit { count: n.parse().ok()?, per })
+    }
+}
+
 /// What runs for each message.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant, reason = "one per queue, built once")]

@@ -114,3 +114,8 @@ pub fn depths(queue: &str, depth: u32, dlq: &str, dlq_depth: u32) {
         warn!(queue, dead_letter_queue = dlq, messages = dlq_depth, "dead-letter queue is not empty");
     }
 }
+
+/// Consumers attached to a queue (all runners'), from a poll: 0 with messages waiting is an alert.
+pub fn consumers(queue: &str, consumers: u32) {
+    gauge!("sluice_queue_consumers", "queue" => queue.to_string()).set(f64::from(consumers));
+}

@@ -280,14 +280,16 @@ const DELAY_SLACK: Duration = Duration::from_secs(2);
 /// How often queue and dead-letter depths are read for the metrics.
 const DEPTH_POLL: Duration = Duration::from_secs(5);
 
-/// Reads every queue's depth and its dead-letter queue's (no management plugin needed) into
+/// Reads every queue's depth and consumers and its dead-letter queue's depth (no management
+/// plugin needed) into
 /// the metrics until `stop`, for the config running at each poll.
 async fn poll_depths<B: Broker>(broker: &B, config: watch::Receiver<Arc<Config>>, stop: &CancellationToken) {
     loop {
         let current = config.borrow().clone();
         for q in current.queues.values() {
-            if let (Ok(depth), Ok(dlq)) = (broker.depth(&q.name).await, broker.depth(&q.dead_letter).await) {
-                events::depths(&q.name, depth, &q.dead_letter, dlq);
+            if let (Ok(stats), Ok(dlq)) = (broker.stats(&q.name).await, broker.depth(&q.dead_letter).await) {
+                events::depths(&q.name, stats.ready, &q.dead_letter, dlq);
+                events::consumers(&q.name, stats.consumers);
             }
         }
         if sleep_or_shutdown(DEPTH_POLL, stop).await {

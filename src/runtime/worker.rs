@@ -463,6 +463,9 @@ mod tests {
         fn message_id(&self) -> Option<&str> {
             Some("m-1")
         }
+        fn headers(&self) -> BTreeMap<String, serde_json::Value> {
+            BTreeMap::new()
+        }
         fn is_live(&self) -> bool {
             true
         }

@@ -11,6 +11,7 @@ mod ack;
 mod declare;
 mod render;
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
@@ -32,8 +33,8 @@ use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, declarations, delay_route};
 pub use self::render::{PlanFormat, render};
-use super::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers, Outgoing};
-use crate::envelope::ERROR_HEADER;
+use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
+use crate::envelope::{self, ERROR_HEADER};
 use crate::topology::Plan;
 
 /// How long a publish may wait for the broker's confirm before it counts as failed.
@@ -98,6 +99,25 @@ impl Amqp {
             *channel = self.inner.connection.create_channel().await.map_err(lost)?;
         }
         Ok(channel.clone())
+    }
+
+    /// A consumer on a channel of its own; settled deliveries beyond an unsettled one are
+    /// acked one by one once more than `hold` wait.
+    async fn open_consumer(
+        &self,
+        queue: &str,
+        prefetch: u16,
+        hold: usize,
+    ) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
+        let channel = self.inner.connection.create_channel().await.map_err(lost)?;
+        channel.basic_qos(prefetch, BasicQosOptions::default()).await.map_err(lost)?;
+        let tag: ShortString = format!("sluice-{}", uuid::Uuid::now_v7()).into();
+        let inner = channel
+            .basic_consume(queue.into(), tag.clone(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .map_err(|err| conflict("queue", queue, err))?;
+        let window = Arc::new(Mutex::new(AckWindow::new(hold)));
+        Ok((AmqpDeliveries { inner, window: window.clone() }, AmqpConsumer { channel, tag, window }))
     }
 
     async fn publish_raw(
@@ -204,10 +224,16 @@ const MAX_NOTE: usize = 2000;
 /// message whose `x-death` already names the queue it is dead-lettered into for a cycle, and
 /// strands it (at-least-once) or drops it. Each trip through the cascade starts afresh.
 fn without_death_history(headers: Option<&FieldTable>) -> FieldTable {
+    without(headers, |name| {
+        name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
+    })
+}
+
+/// The headers but those `drop` names.
+fn without(headers: Option<&FieldTable>, drop: impl Fn(&str) -> bool) -> FieldTable {
     let mut t = FieldTable::default();
     for (k, v) in headers.map(|h| h.inner().iter()).into_iter().flatten() {
-        let name = k.as_str();
-        if !(name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")) {
+        if !drop(k.as_str()) {
             t.insert(k.clone(), v.clone());
         }
     }
@@ -247,6 +273,13 @@ impl Delivery for AmqpDelivery {
 
     fn message_id(&self) -> Option<&str> {
         self.delivery.properties.message_id().as_ref().map(|s| s.as_str())
+    }
+
+    fn headers(&self) -> BTreeMap<String, Value> {
+        let table = self.delivery.properties.headers().as_ref();
+        table
+            .map(|t| t.inner().iter().map(|(k, v)| (k.as_str().to_string(), json_value(v))).collect())
+            .unwrap_or_default()
     }
 
     fn is_live(&self) -> bool {
@@ -317,27 +350,12 @@ impl Broker for Amqp {
     async fn declare(&self, plan: &Plan) -> Result<(), BrokerError> {
         let plan = declarations(plan);
         for e in &plan.exchanges {
-            let channel = self.control().await?;
-            let kind = match e.kind.as_str() {
-                "direct" => ExchangeKind::Direct,
-                "fanout" => ExchangeKind::Fanout,
-                "headers" => ExchangeKind::Headers,
-                "topic" => ExchangeKind::Topic,
-                other => ExchangeKind::Custom(other.to_string()),
-            };
-            let options = ExchangeDeclareOptions { durable: true, ..Default::default() };
-            channel
-                .exchange_declare(e.name.as_str().into(), kind, options, FieldTable::default())
+            declare_exchange(&self.control().await?, e, false)
                 .await
                 .map_err(|err| conflict("exchange", &e.name, err))?;
         }
         for q in &plan.queues {
-            let channel = self.control().await?;
-            let options = QueueDeclareOptions { durable: true, ..Default::default() };
-            channel
-                .queue_declare(q.name.as_str().into(), options, table(q.arguments.iter()))
-                .await
-                .map_err(|err| conflict("queue", &q.name, err))?;
+            declare_queue(&self.control().await?, q, false).await.map_err(|err| conflict("queue", &q.name, err))?;
         }
         for b in &plan.bindings {
             let channel = self.control().await?;
@@ -398,26 +416,30 @@ impl Broker for Amqp {
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
-        let channel = self.inner.connection.create_channel().await.map_err(lost)?;
-        channel.basic_qos(prefetch, BasicQosOptions::default()).await.map_err(lost)?;
-        let tag: ShortString = format!("sluice-{}", uuid::Uuid::now_v7()).into();
-        let inner = channel
-            .basic_consume(queue.into(), tag.clone(), BasicConsumeOptions::default(), FieldTable::default())
-            .await
-            .map_err(|err| conflict("queue", queue, err))?;
         // One slow handler may hold up the acks of at most half the window behind it.
-        let window = Arc::new(Mutex::new(AckWindow::new(usize::from(prefetch) / 2)));
-        Ok((AmqpDeliveries { inner, window: window.clone() }, AmqpConsumer { channel, tag, window }))
+        self.open_consumer(queue, prefetch, usize::from(prefetch) / 2).await
     }
 
-    async fn depth(&self, queue: &str) -> Result<u32, BrokerError> {
+    async fn browse(&self, queue: &str, window: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
+        // Held messages are never settled: each settled one is acked at once, not behind them.
+        self.open_consumer(queue, window, 0).await
+    }
+
+    async fn redrive(&self, queue: &str, original: &AmqpDelivery) -> Result<(), BrokerError> {
+        let history = without_death_history(original.delivery.properties.headers().as_ref());
+        let base = without(Some(&history), |name| envelope::FAILURE_HEADERS.contains(&name));
+        let attempt = Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(1))]);
+        self.copy("", queue, original, base, &attempt).await
+    }
+
+    async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
         let channel = self.control().await?;
         let options = QueueDeclareOptions { passive: true, ..Default::default() };
         let q = channel
             .queue_declare(queue.into(), options, FieldTable::default())
             .await
             .map_err(|err| conflict("queue", queue, err))?;
-        Ok(q.message_count())
+        Ok(QueueStats { ready: q.message_count(), consumers: q.consumer_count() })
     }
 
     async fn delayed(&self) -> Result<u32, BrokerError> {
@@ -428,6 +450,38 @@ impl Broker for Amqp {
         Ok(total)
     }
 
+    async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
+        // A passive declaration says whether it exists; then the same declaration as `run`
+        // makes it, which changes nothing where it matches and otherwise fails with the
+        // broker's words naming the setting and both values. Nothing is created.
+        let plan = declarations(plan);
+        let mut drift = Vec::new();
+        for e in &plan.exchanges {
+            if let Err(err) = declare_exchange(&self.control().await?, e, true).await {
+                match is_soft(&err, AMQPSoftError::NOTFOUND) {
+                    true => drift.push(Drift::MissingExchange { name: e.name.clone() }),
+                    false => return Err(lost(err)),
+                }
+            } else if let Err(err) = declare_exchange(&self.control().await?, e, false).await {
+                drift.push(conflict_drift("exchange", &e.name, err)?);
+            }
+        }
+        for q in &plan.queues {
+            if let Err(err) = declare_queue(&self.control().await?, q, true).await {
+                match is_soft(&err, AMQPSoftError::NOTFOUND) {
+                    true => drift.push(Drift::MissingQueue { name: q.name.clone() }),
+                    false => return Err(lost(err)),
+                }
+            } else if let Err(err) = declare_queue(&self.control().await?, q, false).await {
+                drift.push(conflict_drift("queue", &q.name, err)?);
+            }
+        }
+        drift.push(Drift::BindingsUnchecked {
+            reason: "RabbitMQ lists bindings only through its management plugin; `sluice run` declares them".into(),
+        });
+        Ok(drift)
+    }
+
     fn is_connected(&self) -> bool {
         self.inner.connection.status().connected() && self.inner.publisher.status().connected()
     }
@@ -435,6 +489,26 @@ impl Broker for Amqp {
     async fn close(&self) {
         let _ = self.inner.connection.close(200, "sluice shutting down".into()).await;
     }
+}
+
+/// Declares an exchange durable, or with `passive` only checks that it exists.
+async fn declare_exchange(channel: &Channel, e: &declare::Exchange, passive: bool) -> Result<(), lapin::Error> {
+    let kind = match e.kind.as_str() {
+        "direct" => ExchangeKind::Direct,
+        "fanout" => ExchangeKind::Fanout,
+        "headers" => ExchangeKind::Headers,
+        "topic" => ExchangeKind::Topic,
+        other => ExchangeKind::Custom(other.to_string()),
+    };
+    let options = ExchangeDeclareOptions { durable: true, passive, ..Default::default() };
+    channel.exchange_declare(e.name.as_str().into(), kind, options, FieldTable::default()).await
+}
+
+/// Declares a queue durable with its arguments, or with `passive` only checks that it exists.
+async fn declare_queue(channel: &Channel, q: &declare::Queue, passive: bool) -> Result<(), lapin::Error> {
+    let options = QueueDeclareOptions { durable: true, passive, ..Default::default() };
+    let args = if passive { FieldTable::default() } else { table(q.arguments.iter()) };
+    channel.queue_declare(q.name.as_str().into(), options, args).await.map(|_| ())
 }
 
 /// The AMQP reply code of a protocol error (the broker's own words are in its message).
@@ -483,6 +557,42 @@ fn conflict(what: &str, name: &str, e: lapin::Error) -> BrokerError {
         BrokerError::NotFound(format!("{what} \"{name}\": {e}"))
     } else {
         BrokerError::Lost(format!("declaring {what} \"{name}\": {e}"))
+    }
+}
+
+/// A declaration `run` would make that the broker refuses: a conflict in the broker's words.
+fn conflict_drift(what: &str, name: &str, e: lapin::Error) -> Result<Drift, BrokerError> {
+    match amqp_error(&e) {
+        Some(a) if *a.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) => {
+            Ok(Drift::Conflict { what: what.into(), name: name.into(), detail: a.get_message().to_string() })
+        }
+        _ => Err(lost(e)),
+    }
+}
+
+/// A header value as JSON: tables and arrays (the broker's `x-death`) whole.
+fn json_value(v: &AMQPValue) -> Value {
+    match v {
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::ShortShortInt(i) => Value::from(*i),
+        AMQPValue::ShortShortUInt(i) => Value::from(*i),
+        AMQPValue::ShortInt(i) => Value::from(*i),
+        AMQPValue::ShortUInt(i) => Value::from(*i),
+        AMQPValue::LongInt(i) => Value::from(*i),
+        AMQPValue::LongUInt(i) => Value::from(*i),
+        AMQPValue::LongLongInt(i) => Value::from(*i),
+        AMQPValue::Timestamp(t) => Value::from(*t),
+        AMQPValue::Float(f) => Value::from(f64::from(*f)),
+        AMQPValue::Double(f) => Value::from(*f),
+        AMQPValue::ShortString(s) => Value::from(s.as_str()),
+        AMQPValue::LongString(s) => Value::from(String::from_utf8_lossy(s.as_bytes())),
+        AMQPValue::ByteArray(b) => Value::from(String::from_utf8_lossy(b.as_slice())),
+        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(json_value).collect()),
+        AMQPValue::FieldTable(t) => {
+            Value::Object(t.inner().iter().map(|(k, v)| (k.as_str().to_string(), json_value(v))).collect())
+        }
+        AMQPValue::DecimalValue(d) => Value::from(format!("{d:?}")),
+        AMQPValue::Void => Value::Null,
     }
 }
 

@@ -1,0 +1,339 @@
+//! `sluice dlq list|show|redrive|purge QUEUE` and `sluice status`: the operator's commands,
+//! printed as tables or JSON. The work is `ops`'s; this resolves the queue's dead-letter queue
+//! from the pipeline files, connects, and prints.
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use indicatif::ProgressBar;
+
+use super::{BrokerArg, output, parse_duration};
+use crate::broker::Broker as _;
+use crate::broker::amqp::Amqp;
+use crate::config::{self, Config, RateLimit};
+use crate::ops::dlq::{self, Action, Entry, Filter};
+use crate::ops::status::{self, Status};
+
+/// Table or JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// The dead-lettered messages of QUEUE: id, type, reason, error, attempts, when, key, age.
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// One dead-lettered message of QUEUE, headers and body.
+    Show {
+        #[command(flatten)]
+        target: Target,
+        /// The message id.
+        id: String,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// Send dead-lettered messages back to QUEUE as first attempts; each leaves the
+    /// dead-letter queue once its copy is confirmed.
+    Redrive {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Only say which messages would go.
+        #[arg(long)]
+        dry_run: bool,
+        /// At most this many messages a second, e.g. 100/s.
+        #[arg(long, value_parser = parse_rate)]
+        rate: Option<NonZeroU32>,
+    },
+    /// Delete dead-lettered messages of QUEUE.
+    Purge {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Delete for real (without it, nothing is deleted).
+        #[arg(long)]
+        yes: bool,
+        /// Only say which messages would go.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// Which queue, on which broker.
+#[derive(Debug, clap::Args)]
+pub struct Target {
+    /// The pipeline queue (`orders.charge`), not its dead-letter queue.
+    queue: String,
+    /// The pipeline files that name the queue's dead-letter queue (default `<QUEUE>.dlq` when
+    /// the path does not exist).
+    #[arg(long, default_value = "pipelines")]
+    pipelines: Vec<PathBuf>,
+    #[command(flatten)]
+    broker: BrokerArg,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FilterArgs {
+    /// Only messages dead-lettered for this reason (permanent, exhausted, malformed, schema,
+    /// template, too_large, internal, or the broker's: delivery_limit, maxlen, ...).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Only messages that failed within this long, e.g. 1h.
+    #[arg(long, value_parser = parse_duration)]
+    since: Option<Duration>,
+    /// Only these message ids (repeatable).
+    #[arg(long = "id")]
+    ids: Vec<String>,
+    /// At most this many messages.
+    #[arg(long)]
+    limit: Option<usize>,
+}
+
+impl From<FilterArgs> for Filter {
+    fn from(a: FilterArgs) -> Filter {
+        Filter { reason: a.reason, since: a.since, ids: a.ids, limit: a.limit }
+    }
+}
+
+fn parse_rate(text: &str) -> Result<NonZeroU32, String> {
+    match RateLimit::parse(text) {
+        Some(r) if r.per == Duration::from_secs(1) => Ok(r.count),
+        _ => Err(format!("\"{text}\" is not a rate such as 500/s")),
+    }
+}
+
+impl Target {
+    /// The queue's dead-letter queue, as the pipeline files name it.
+    fn dead_letter_queue(&self) -> anyhow::Result<String> {
+        if !self.pipelines.iter().any(|p| p.exists()) {
+            return Ok(format!("{}.dlq", self.queue));
+        }
+        let config = load(&self.pipelines)?;
+        match config.queues.get(&self.queue) {
+            Some(q) => Ok(q.dead_letter.clone()),
+            None => bail!(
+                "no queue \"{}\" in {} (name the pipeline queue, not its dead-letter queue; --pipelines DIR says where the files are)",
+                self.queue,
+                paths(&self.pipelines)
+            ),
+        }
+    }
+}
+
+fn paths(paths: &[PathBuf]) -> String {
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+}
+
+fn load(paths: &[PathBuf]) -> anyhow::Result<Config> {
+    let validation = config::load(paths);
+    output::stderr(&validation.render(config::Format::Human));
+    validation.config.with_context(|| format!("invalid pipeline files in {}", self::paths(paths)))
+}
+
+/// Runs `sluice dlq ...`.
+pub async fn dlq(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::List { target, filter, format } => {
+            let dlq = target.dead_letter_queue()?;
+            let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
+            let listed = dlq::list(&broker, &dlq, &filter.into()).await;
+            broker.close().await;
+            let (entries, tally) = listed?;
+            match format {
+                Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&entries)?))?,
+                Format::Text => output::stdout(&table(&entries))?,
+            }
+            if tally.unread > 0 {
+                output::stderr(&format!(
+                    "note: {} message(s) of {dlq} not read (held by another client, or more than {} passed over)\n",
+                    tally.unread,
+                    dlq::MAX_HELD
+                ));
+            }
+            Ok(())
+        }
+        Command::Show { target, id, format } => {
+            let dlq = target.dead_letter_queue()?;
+            let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
+            let shown = dlq::show(&broker, &dlq, &id).await;
+            broker.close().await;
+            let shown = shown?.with_context(|| format!("no message with id \"{id}\" in {dlq}"))?;
+            let text = match format {
+                Format::Json => format!("{}\n", serde_json::to_string_pretty(&shown)?),
+                Format::Text => {
+                    let mut text = table(std::slice::from_ref(&shown.entry));
+                    text.push_str("\nheaders:\n");
+                    for (name, value) in &shown.headers {
+                        text.push_str(&format!("  {name}: {value}\n"));
+                    }
+                    text.push_str(&format!("\nbody:\n{}\n", serde_json::to_string_pretty(&shown.body)?));
+                    text
+                }
+            };
+            output::stdout(&text)?;
+            Ok(())
+        }
+        Command::Redrive { target, filter, dry_run, rate } => {
+            apply(target, Action::Redrive, filter.into(), dry_run, rate).await
+        }
+        Command::Purge { target, filter, yes, dry_run } => {
+            if !yes && !dry_run {
+                bail!("purge deletes messages for good: add --yes (or see them first with --dry-run)");
+            }
+            apply(target, Action::Purge, filter.into(), dry_run, None).await
+        }
+    }
+}
+
+async fn apply(
+    target: Target,
+    action: Action,
+    filter: Filter,
+    dry_run: bool,
+    rate: Option<NonZeroU32>,
+) -> anyhow::Result<()> {
+    let dlq = target.dead_letter_queue()?;
+    let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
+    // A bar only on a terminal (indicatif draws nothing otherwise); its length is a guess:
+    // the filter decides how many go.
+    let bar = ProgressBar::new(u64::from(broker.depth(&dlq).await.unwrap_or(0)));
+    let progress = |t: &dlq::Tally| bar.set_position(t.done as u64);
+    let result = dlq::apply(&broker, &target.queue, &dlq, action, &filter, dry_run, rate, &progress).await;
+    bar.finish_and_clear();
+    broker.close().await;
+    let tally = result.with_context(|| format!("stopped; the messages not yet moved are still in {dlq}"))?;
+    let verb = match (action, dry_run) {
+        (Action::Redrive, false) => format!("redriven to {}", target.queue),
+        (Action::Purge, false) => "purged".to_string(),
+        (Action::Redrive, true) => format!("would be redriven to {} (dry run)", target.queue),
+        (Action::Purge, true) => "would be purged (dry run)".to_string(),
+    };
+    let count = if dry_run { tally.selected } else { tally.done };
+    output::stdout(&format!("{count} message(s) {verb}; {} read from {dlq}\n", tally.read))?;
+    if tally.unread > 0 {
+        output::stderr(&format!("note: {} message(s) of {dlq} not read; run again to reach them\n", tally.unread));
+    }
+    Ok(())
+}
+
+/// Entries as an aligned table.
+fn table(entries: &[Entry]) -> String {
+    let header = ["ID", "TYPE", "REASON", "ATTEMPTS", "FAILED-AT", "AGE", "IDEMPOTENCY-KEY", "ERROR"];
+    let rows: Vec<[String; 8]> = entries
+        .iter()
+        .map(|e| {
+            let or_dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+            [
+                or_dash(&e.id),
+                or_dash(&e.kind),
+                or_dash(&e.reason),
+                e.attempts.map_or("-".into(), |a| a.to_string()),
+                or_dash(&e.failed_at),
+                e.age_seconds.map_or("-".into(), age),
+                or_dash(&e.idempotency_key),
+                or_dash(&e.error).replace('\n', " "),
+            ]
+        })
+        .collect();
+    aligned(&header, &rows)
+}
+
+/// An age in its two largest units, one word: `45s`, `1m30s`, `2d3h`.
+fn age(seconds: u64) -> String {
+    let units = [(86_400, "d"), (3_600, "h"), (60, "m"), (1, "s")];
+    let first = units.iter().position(|(n, _)| seconds >= *n).unwrap_or(units.len() - 1);
+    let mut text = String::new();
+    let mut rest = seconds;
+    for (n, unit) in &units[first..(first + 2).min(units.len())] {
+        if rest / n > 0 || text.is_empty() {
+            text.push_str(&format!("{}{unit}", rest / n));
+        }
+        rest %= n;
+    }
+    text
+}
+
+/// Rows under a header, columns padded to their widest cell (the last one not padded).
+fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            if i + 1 == N {
+                out.push_str(cell);
+            } else {
+                out.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.trim_end().to_string() + "\n"
+    };
+    let mut text = line(header.to_vec());
+    for row in rows {
+        text.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    text
+}
+
+/// Runs `sluice status`.
+pub async fn status(paths: &[PathBuf], broker: BrokerArg, format: Format) -> anyhow::Result<()> {
+    let config = load(paths)?;
+    let amqp = Amqp::connect(&broker.url, broker.connect_timeout).await?;
+    let read = status::read(&amqp, &config).await;
+    amqp.close().await;
+    let status = read?;
+    match format {
+        Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&status)?))?,
+        Format::Text => output::stdout(&status_table(&status))?,
+    }
+    Ok(())
+}
+
+fn status_table(status: &Status) -> String {
+    let header = ["QUEUE", "READY", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"];
+    let rows: Vec<[String; 5]> = status
+        .queues
+        .iter()
+        .map(|r| {
+            [
+                r.queue.clone(),
+                r.ready.to_string(),
+                r.consumers.to_string(),
+                r.dead_lettered.to_string(),
+                r.oldest_dead_letter_age_seconds.map_or("-".into(), age),
+            ]
+        })
+        .collect();
+    let mut text = aligned(&header, &rows);
+    text.push_str(&format!("\nretries waiting (all queues): {}\n", status.retries_waiting));
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ages_are_one_word_in_their_two_largest_units() {
+        let cases =
+            [(0, "0s"), (45, "45s"), (90, "1m30s"), (120, "2m"), (3_600, "1h"), (3_660, "1h1m"), (180_000, "2d2h")];
+        for (seconds, text) in cases {
+            assert_eq!(super::age(seconds), text, "{seconds}");
+        }
+    }
+}

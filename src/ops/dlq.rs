@@ -1,0 +1,294 @@
+//! `sluice dlq`: read, redrive and purge the copies in a queue's dead-letter queue.
+//!
+//! Reading never loses a message or its place: the dead-letter queue is browsed (a consumer
+//! that holds what it reads without acknowledging it; closing it hands the rest back in their
+//! order). A message leaves the dead-letter queue only once its redriven copy is confirmed, so
+//! a crash mid-redrive loses nothing: at worst a message is both redriven and still there, and
+//! its idempotency key absorbs the second run. A redriven copy is a new first attempt; its key
+//! was released when it was dead-lettered, so it runs.
+//!
+//! Generic over the broker; printing is the CLI's.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use governor::{DefaultDirectRateLimiter, Quota};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::broker::{Broker, BrokerError, Consumer as _, Delivery};
+use crate::envelope::{self, Envelope};
+
+/// The most messages held (read, not removed) at once. A filter that passes over more than
+/// this stops there and says so.
+pub const MAX_HELD: u16 = u16::MAX;
+
+/// How long a browse waits for the next message before taking the queue as read: messages
+/// another client holds are not delivered until it lets them go.
+const QUIET: Duration = Duration::from_secs(3);
+
+/// Redrive copies awaiting their confirms at once.
+const IN_FLIGHT: usize = 256;
+
+/// One dead-lettered message, as `sluice dlq list` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Entry {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub reason: Option<String>,
+    pub error: Option<String>,
+    pub attempts: Option<i64>,
+    /// RFC 3339, seconds.
+    pub failed_at: Option<String>,
+    pub idempotency_key: Option<String>,
+    /// Seconds since it failed.
+    pub age_seconds: Option<u64>,
+    #[serde(skip)]
+    failed_epoch: Option<u64>,
+}
+
+/// One message whole, as `sluice dlq show` prints it.
+#[derive(Debug, Serialize)]
+pub struct Shown {
+    #[serde(flatten)]
+    pub entry: Entry,
+    pub headers: BTreeMap<String, Value>,
+    /// The body as JSON when it is JSON, else as text.
+    pub body: Value,
+}
+
+/// Which dead-lettered messages an operation takes.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// The reason (`permanent`, `exhausted`, ..., or the broker's own, e.g. `delivery_limit`).
+    pub reason: Option<String>,
+    /// Failed no longer ago than this.
+    pub since: Option<Duration>,
+    /// These message ids only (any, when empty).
+    pub ids: Vec<String>,
+    /// At most this many.
+    pub limit: Option<usize>,
+}
+
+impl Filter {
+    fn selects(&self, entry: &Entry, now: u64) -> bool {
+        self.reason.as_ref().is_none_or(|r| entry.reason.as_ref() == Some(r))
+            && self
+                .since
+                .is_none_or(|since| entry.failed_epoch.is_some_and(|t| now.saturating_sub(t) <= since.as_secs()))
+            && (self.ids.is_empty() || entry.id.as_ref().is_some_and(|id| self.ids.contains(id)))
+    }
+
+    fn is_full(&self, taken: usize) -> bool {
+        self.limit.is_some_and(|limit| taken >= limit)
+    }
+}
+
+/// What a pass over a dead-letter queue did.
+#[derive(Debug, Default, Serialize)]
+pub struct Tally {
+    /// Messages read.
+    pub read: usize,
+    /// Messages the filter selected (redriven or purged unless a dry run).
+    pub selected: usize,
+    /// Messages that were moved or removed.
+    pub done: usize,
+    /// Messages left unread: more than [`MAX_HELD`] passed over, or held by another client.
+    pub unread: u32,
+}
+
+/// Seconds since the epoch.
+pub(super) fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn text(headers: &BTreeMap<String, Value>, name: &str) -> Option<String> {
+    match headers.get(name)? {
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    }
+}
+
+/// What a delivery says of its failure: sluice's headers, else the broker's `x-death` (a quorum
+/// queue's delivery limit, a full queue).
+pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
+    let headers = delivery.headers();
+    let death = headers.get("x-death").and_then(|d| d.get(0));
+    let envelope = Envelope::decode(delivery.body()).ok();
+    let failed_epoch = text(&headers, envelope::FAILED_AT_HEADER)
+        .and_then(|t| humantime::parse_rfc3339(&t).ok())
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map(|d| d.as_secs())
+        .or_else(|| death.and_then(|d| d.get("time")).and_then(Value::as_u64));
+    Entry {
+        id: delivery.message_id().map(str::to_string).or_else(|| envelope.as_ref().map(|e| e.id.clone())),
+        kind: envelope.as_ref().map(|e| e.kind.clone()),
+        reason: text(&headers, envelope::REASON_HEADER)
+            .or_else(|| death.and_then(|d| d.get("reason")).and_then(Value::as_str).map(str::to_string)),
+        error: text(&headers, envelope::ERROR_HEADER),
+        attempts: headers
+            .get(envelope::ATTEMPTS_HEADER)
+            .and_then(Value::as_i64)
+            .or_else(|| death.and_then(|d| d.get("count")).and_then(Value::as_i64)),
+        failed_at: failed_epoch
+            .map(|t| humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(t)).to_string()),
+        idempotency_key: envelope.as_ref().map(|e| e.idempotency_key.clone().unwrap_or_else(|| e.id.clone())),
+        age_seconds: failed_epoch.map(|t| now.saturating_sub(t)),
+        failed_epoch,
+    }
+}
+
+/// A browse of a dead-letter queue: each message once, in order, up to the depth it had when
+/// the browse began (later arrivals wait for the next run).
+struct Browse<B: Broker> {
+    deliveries: B::Deliveries,
+    consumer: B::Consumer,
+    remaining: u32,
+}
+
+impl<B: Broker> Browse<B> {
+    async fn open(broker: &B, dlq: &str) -> Result<Browse<B>, BrokerError> {
+        let remaining = broker.depth(dlq).await?;
+        let (deliveries, consumer) = broker.browse(dlq, MAX_HELD).await?;
+        Ok(Browse { deliveries, consumer, remaining })
+    }
+
+    async fn next(&mut self) -> Result<Option<B::Delivery>, BrokerError> {
+        if self.remaining == 0 {
+            return Ok(None);
+        }
+        match tokio::time::timeout(QUIET, self.deliveries.next()).await {
+            Ok(Some(delivery)) => {
+                self.remaining -= 1;
+                delivery.map(Some)
+            }
+            Ok(None) | Err(_) => Ok(None),
+        }
+    }
+
+    /// Hands back every message not taken, in order; how many were never read.
+    async fn close(self) -> u32 {
+        self.consumer.close().await;
+        self.remaining
+    }
+}
+
+/// The dead-lettered messages `filter` selects, in queue order.
+pub async fn list<B: Broker>(broker: &B, dlq: &str, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
+    let mut browse = Browse::open(broker, dlq).await?;
+    let (mut entries, mut tally, now) = (Vec::new(), Tally::default(), now());
+    let result = async {
+        while !filter.is_full(entries.len()) {
+            let Some(delivery) = browse.next().await? else { break };
+            tally.read += 1;
+            let entry = describe(&delivery, now);
+            if filter.selects(&entry, now) {
+                entries.push(entry);
+            }
+        }
+        Ok(())
+    }
+    .await;
+    tally.selected = entries.len();
+    tally.unread = browse.close().await;
+    result.map(|()| (entries, tally))
+}
+
+/// One dead-lettered message by id, headers and body.
+pub async fn show<B: Broker>(broker: &B, dlq: &str, id: &str) -> Result<Option<Shown>, BrokerError> {
+    let mut browse = Browse::open(broker, dlq).await?;
+    let now = now();
+    let found = async {
+        while let Some(delivery) = browse.next().await? {
+            let entry = describe(&delivery, now);
+            if entry.id.as_deref() == Some(id) {
+                let body = serde_json::from_slice(delivery.body())
+                    .unwrap_or_else(|_| Value::from(String::from_utf8_lossy(delivery.body())));
+                return Ok(Some(Shown { entry, headers: delivery.headers(), body }));
+            }
+        }
+        Ok(None)
+    }
+    .await;
+    browse.close().await;
+    found
+}
+
+/// What to do with the selected messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Copy each back to its queue as a first attempt, then remove it.
+    Redrive,
+    /// Remove each.
+    Purge,
+}
+
+/// Redrives or purges the messages `filter` selects. `dry_run` only counts them; `rate`
+/// bounds messages per second; `progress` hears of each message done.
+pub async fn apply<B: Broker>(
+    broker: &B,
+    queue: &str,
+    dlq: &str,
+    action: Action,
+    filter: &Filter,
+    dry_run: bool,
+    rate: Option<NonZeroU32>,
+    progress: &(dyn Fn(&Tally) + Sync),
+) -> Result<Tally, BrokerError> {
+    let limiter = rate.map(|r| DefaultDirectRateLimiter::direct(Quota::per_second(r)));
+    let mut browse = Browse::open(broker, dlq).await?;
+    let mut tally = Tally::default();
+    let now = now();
+    let mut pending = FuturesUnordered::new();
+    let result = async {
+        loop {
+            // Room for one more copy in flight, and a selected message to put there.
+            while pending.len() >= IN_FLIGHT {
+                if let Some(done) = pending.next().await {
+                    done?;
+                    tally.done += 1;
+                    progress(&tally);
+                }
+            }
+            if filter.is_full(tally.selected) {
+                break;
+            }
+            let Some(delivery) = browse.next().await? else { break };
+            tally.read += 1;
+            if !filter.selects(&describe(&delivery, now), now) {
+                continue;
+            }
+            tally.selected += 1;
+            if dry_run {
+                continue;
+            }
+            if let Some(limiter) = &limiter {
+                limiter.until_ready().await;
+            }
+            let consumer = browse.consumer.clone();
+            pending.push(async move {
+                if action == Action::Redrive {
+                    broker.redrive(queue, &delivery).await?;
+                }
+                consumer.ack(vec![delivery]).await
+            });
+        }
+        while let Some(done) = pending.next().await {
+            done?;
+            tally.done += 1;
+            progress(&tally);
+        }
+        Ok(())
+    }
+    .await;
+    // A copy that failed leaves its message unacked: closing hands it back with the rest.
+    drop(pending);
+    tally.unread = browse.close().await;
+    result.map(|()| tally)
+}
+
+#[cfg(test)]
+mod tests;

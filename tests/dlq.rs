@@ -1,0 +1,312 @@
+//! `sluice dlq`, `sluice status` and `sluice plan --broker` against the real RabbitMQ: what
+//! a redrive does downstream (each redriven message handled once, despite idempotency), what
+//! the filters select, a `kill -9` in the middle of a redrive, and the tables and JSON the
+//! commands print for a known state.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
+
+use serde_json::{Value, json};
+use sluice::broker::amqp::Amqp;
+use sluice::broker::{Broker as _, HeaderValue, Headers};
+use sluice::envelope::{self, Envelope};
+use support::{Finished, Receiver, Reply, Sluice, Vhost};
+
+/// Runs `sluice ARGS --broker URL` off the async runtime (the receiver keeps serving).
+async fn cli(args: &[&str], url: &str) -> Finished {
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--broker".to_string(), url.to_string()]);
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        support::sluice_cli(&args, &[], Duration::from_secs(120))
+    })
+    .await
+    .expect("cli task")
+}
+
+fn ok(finished: &Finished) -> &str {
+    assert_eq!(finished.code, Some(0), "stdout: {}\nstderr: {}", finished.stdout, finished.stderr);
+    &finished.stdout
+}
+
+/// A dead-letter copy as the runner writes it, published straight into `work.dlq`.
+async fn plant(broker: &Amqp, key: &str, reason: &str, failed: Duration) -> String {
+    let envelope = Envelope::new("test.event", &json!({"n": key}), Some(key.to_string()));
+    let failed_at = humantime::format_rfc3339_seconds(SystemTime::now() - failed).to_string();
+    let headers = Headers::from([
+        (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.into())),
+        (envelope::ERROR_HEADER.to_string(), HeaderValue::Str("HTTP 503: down".into())),
+        (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(3)),
+        (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
+        (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str("work".into())),
+        (envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(3)),
+    ]);
+    let message = sluice::broker::Outgoing {
+        body: envelope.encode(),
+        message_id: Some(envelope.id.clone()),
+        kind: Some(envelope.kind.clone()),
+        timestamp: None,
+        headers,
+    };
+    broker.publish("", "work.dlq", message).await.expect("plant");
+    envelope.id.clone()
+}
+
+fn json_ids(stdout: &str) -> Vec<String> {
+    let listed: Vec<Value> = serde_json::from_str(stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    listed.iter().map(|e| e["id"].as_str().expect("id").to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_a_redrive() {
+    let vhost = Vhost::new();
+    let down = Arc::new(AtomicBool::new(true));
+    let flag = down.clone();
+    let receiver =
+        Receiver::start(move |_, _| if flag.load(Ordering::SeqCst) { Reply::status(503) } else { Reply::ok() }).await;
+    let dir = support::webhook_pipeline(&receiver, "    retry: {max_attempts: 2, initial: 100ms, max: 200ms}\n");
+    let broker = vhost.connect().await;
+    support::declare(dir.path(), &broker).await;
+    let keys: Vec<String> = (0..20).map(|n| format!("down-{n}")).collect();
+    for key in &keys {
+        support::publish(&broker, "ev", "x", key, json!({"key": key})).await;
+    }
+    let mut runner = Sluice::run(dir.path(), &vhost.url(), &[]);
+    support::wait_until(Duration::from_secs(60), "every message dead-lettered", || async {
+        vhost.depth("work.dlq").await == 20
+    })
+    .await;
+    assert!(receiver.succeeded_keys().is_empty());
+
+    // The receiver recovers; the operator redrives. Each key was claimed, failed and released:
+    // the idempotency store must not take the redriven copies for duplicates.
+    down.store(false, Ordering::SeqCst);
+    let dir_arg = dir.path().to_str().expect("utf-8 path");
+    let redriven = cli(&["dlq", "redrive", "work", "--pipelines", dir_arg], &vhost.url()).await;
+    assert!(ok(&redriven).starts_with("20 message(s) redriven to work"), "{}", redriven.stdout);
+    support::wait_until(Duration::from_secs(60), "every redriven message handled", || async {
+        receiver.succeeded_keys().len() == 20
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let successes = support::counts(receiver.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()));
+    assert_eq!(successes, keys.iter().map(|k| (k.clone(), 1)).collect::<BTreeMap<_, _>>(), "each once");
+    for hit in receiver.hits().iter().filter(|h| h.succeeded()) {
+        assert_eq!(hit.header("x-sluice-attempt"), Some("1"), "a redriven copy is a first attempt");
+    }
+    assert_eq!(vhost.depth("work.dlq").await, 0);
+    runner.stop(Duration::from_secs(30));
+    broker.close().await;
+}
+
+#[tokio::test]
+async fn filters_and_dry_run_select_exactly_the_messages_they_name() {
+    let vhost = Vhost::new();
+    let dir = support::work_pipeline("    handler:\n      webhook: {url: \"http://127.0.0.1:9/hook\"}\n");
+    let broker = vhost.connect().await;
+    support::declare(dir.path(), &broker).await;
+    let hour = Duration::from_secs(3600);
+    let mut ids = Vec::new();
+    for (n, (reason, age)) in [("exhausted", 2 * hour), ("permanent", 2 * hour), ("exhausted", hour / 60)]
+        .into_iter()
+        .cycle()
+        .take(9)
+        .enumerate()
+    {
+        ids.push(plant(&broker, &format!("k{n}"), reason, age).await);
+    }
+    broker.close().await;
+    let url = vhost.url();
+    let d = dir.path().to_str().expect("utf-8 path");
+    let list = |extra: &'static [&'static str]| {
+        let url = url.clone();
+        async move {
+            let mut args = vec!["dlq", "list", "work", "--pipelines", d, "--format", "json"];
+            args.extend_from_slice(extra);
+            json_ids(ok(&cli(&args, &url).await))
+        }
+    };
+    let pick = |f: &dyn Fn(usize) -> bool| -> Vec<String> {
+        ids.iter().enumerate().filter(|(n, _)| f(*n)).map(|(_, id)| id.clone()).collect()
+    };
+    assert_eq!(list(&[]).await, ids, "all, in queue order");
+    assert_eq!(list(&["--reason", "exhausted"]).await, pick(&|n| n % 3 != 1));
+    assert_eq!(list(&["--since", "30m"]).await, pick(&|n| n % 3 == 2));
+    assert_eq!(list(&["--reason", "exhausted", "--limit", "2"]).await, vec![ids[0].clone(), ids[2].clone()]);
+
+    let dry = cli(&["dlq", "redrive", "work", "--pipelines", d, "--reason", "permanent", "--dry-run"], &url).await;
+    assert!(ok(&dry).starts_with("3 message(s) would be redriven to work (dry run)"), "{}", dry.stdout);
+    assert_eq!((vhost.depth("work.dlq").await, vhost.depth("work").await), (9, 0), "a dry run moves nothing");
+
+    let moved = cli(&["dlq", "redrive", "work", "--pipelines", d, "--since", "30m", "--limit", "2"], &url).await;
+    assert!(ok(&moved).starts_with("2 message(s) redriven to work"), "{}", moved.stdout);
+    let in_work: Vec<String> = support::drain_messages(&url, "work")
+        .await
+        .iter()
+        .map(|m| m.properties.message_id().as_ref().expect("message id").to_string())
+        .collect();
+    assert_eq!(in_work, vec![ids[2].clone(), ids[5].clone()]);
+    let left = list(&[]).await;
+    assert_eq!(left, pick(&|n| n != 2 && n != 5));
+
+    let refused = cli(&["dlq", "purge", "work", "--pipelines", d, "--reason", "permanent"], &url).await;
+    assert_eq!(refused.code, Some(1), "purge without --yes deletes nothing");
+    let purged = cli(&["dlq", "purge", "work", "--pipelines", d, "--reason", "permanent", "--yes"], &url).await;
+    assert!(ok(&purged).starts_with("3 message(s) purged"), "{}", purged.stdout);
+    assert_eq!(vhost.depth("work.dlq").await, 4);
+}
+
+#[tokio::test]
+async fn list_show_and_status_print_a_known_state_as_tables_and_json() {
+    let vhost = Vhost::new();
+    let dir = support::work_pipeline("    handler:\n      webhook: {url: \"http://127.0.0.1:9/hook\"}\n");
+    let broker = vhost.connect().await;
+    support::declare(dir.path(), &broker).await;
+    support::publish(&broker, "ev", "x", "ready-1", json!({})).await;
+    support::publish(&broker, "ev", "x", "ready-2", json!({})).await;
+    let id = plant(&broker, "key-1", "exhausted", Duration::from_secs(90)).await;
+    broker.close().await;
+    let (url, d) = (vhost.url(), dir.path().to_str().expect("utf-8 path"));
+
+    let text = cli(&["dlq", "list", "work", "--pipelines", d], &url).await;
+    let lines: Vec<&str> = ok(&text).lines().collect();
+    assert_eq!(lines.len(), 2, "{}", text.stdout);
+    let header: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(header, ["ID", "TYPE", "REASON", "ATTEMPTS", "FAILED-AT", "AGE", "IDEMPOTENCY-KEY", "ERROR"]);
+    let row: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(&row[..4], [id.as_str(), "test.event", "exhausted", "3"]);
+    assert!(row[5].starts_with("1m"), "age about 90 s: {}", lines[1]);
+    assert_eq!(&row[6..], ["key-1", "HTTP", "503:", "down"]);
+
+    let json = cli(&["dlq", "list", "work", "--pipelines", d, "--format", "json"], &url).await;
+    let listed: Value = serde_json::from_str(ok(&json)).expect("json");
+    let entry = &listed[0];
+    assert_eq!(entry["id"], id.as_str());
+    assert_eq!(entry["type"], "test.event");
+    assert_eq!(entry["reason"], "exhausted");
+    assert_eq!(entry["error"], "HTTP 503: down");
+    assert_eq!(entry["attempts"], 3);
+    assert_eq!(entry["idempotency_key"], "key-1");
+    assert!(entry["age_seconds"].as_u64().is_some_and(|a| (89..120).contains(&a)), "{entry}");
+
+    let shown = cli(&["dlq", "show", "work", &id, "--pipelines", d, "--format", "json"], &url).await;
+    let shown: Value = serde_json::from_str(ok(&shown)).expect("json");
+    assert_eq!(shown["headers"]["x-sluice-source-queue"], "work");
+    assert_eq!(shown["body"]["idempotency_key"], "key-1");
+    let missing = cli(&["dlq", "show", "work", "no-such-id", "--pipelines", d], &url).await;
+    assert_eq!(missing.code, Some(1));
+    assert!(missing.stderr.contains("no message with id \"no-such-id\" in work.dlq"), "{}", missing.stderr);
+
+    let status = cli(&["status", d, "--format", "json"], &url).await;
+    let status: Value = serde_json::from_str(ok(&status)).expect("json");
+    let row = &status["queues"][0];
+    assert_eq!(row["queue"], "work");
+    assert_eq!(row["ready"], 2);
+    assert_eq!(row["consumers"], 0);
+    assert_eq!(row["dead_lettered"], 1);
+    assert!(row["oldest_dead_letter_age_seconds"].as_u64().is_some_and(|a| (89..120).contains(&a)), "{row}");
+    assert_eq!(status["retries_waiting"], 0);
+    let table = cli(&["status", d], &url).await;
+    let lines: Vec<&str> = ok(&table).lines().collect();
+    assert_eq!(
+        lines[0].split_whitespace().collect::<Vec<_>>(),
+        ["QUEUE", "READY", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"]
+    );
+    assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..4], ["work", "2", "0", "1"]);
+    assert!(table.stdout.contains("retries waiting (all queues): 0"), "{}", table.stdout);
+    // Reading changed nothing.
+    assert_eq!((vhost.depth("work").await, vhost.depth("work.dlq").await), (2, 1));
+}
+
+#[tokio::test]
+async fn plan_against_the_broker_names_missing_objects_and_conflicts_with_both_values() {
+    let vhost = Vhost::new();
+    let dir = support::work_pipeline(
+        "    type: quorum\n    max_length: 100\n    handler:\n      webhook: {url: \"http://127.0.0.1:9/hook\"}\n",
+    );
+    let (url, d) = (vhost.url(), dir.path().to_str().expect("utf-8 path"));
+    let fresh = cli(&["plan", d], &url).await;
+    let fresh_text = ok(&fresh).to_string();
+    assert!(fresh_text.contains("missing exchange \"ev\""), "{fresh_text}");
+    assert!(fresh_text.contains("missing queue \"work\""), "{fresh_text}");
+    let broker = vhost.connect().await;
+    assert!(broker.depth("work").await.is_err(), "plan created work");
+    broker.close().await;
+
+    // The running deploy declared `work` with another length limit.
+    let running = support::work_pipeline(
+        "    type: quorum\n    max_length: 50\n    handler:\n      webhook: {url: \"http://127.0.0.1:9/hook\"}\n",
+    );
+    let broker = vhost.connect().await;
+    support::declare(running.path(), &broker).await;
+    broker.close().await;
+    let matching = cli(&["plan", running.path().to_str().expect("utf-8 path")], &url).await;
+    assert!(ok(&matching).contains("matches the files"), "{}", matching.stdout);
+
+    let conflict = cli(&["plan", d, "--format", "json"], &url).await;
+    assert_eq!(conflict.code, Some(1), "a conflict fails the plan: {}", conflict.stderr);
+    let both: Value = serde_json::from_str(&conflict.stdout).expect("json");
+    let drift = both["drift"].as_array().expect("drift");
+    let found = drift.iter().find(|d| d["kind"] == "conflict").expect("a conflict");
+    assert_eq!(found["name"], "work");
+    let detail = found["detail"].as_str().expect("detail");
+    assert!(detail.contains("'x-max-length'") && detail.contains("100") && detail.contains("50"), "{detail}");
+    assert!(conflict.stderr.contains("conflict with the broker"), "{}", conflict.stderr);
+    assert!(both["plan"]["queues"].is_array());
+    // Nothing was changed by looking.
+    let running = running.path().to_str().expect("utf-8 path");
+    assert!(ok(&cli(&["plan", running], &url).await).contains("matches the files"), "the queue is as it was");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_in_the_middle_of_a_redrive_of_1000_loses_nothing() {
+    let vhost = Vhost::new();
+    let receiver = Receiver::ok().await;
+    let dir = support::webhook_pipeline(&receiver, "");
+    let broker = vhost.connect().await;
+    support::declare(dir.path(), &broker).await;
+    let mut keys = BTreeSet::new();
+    for n in 0..1000 {
+        let key = format!("r-{n}");
+        plant(&broker, &key, "exhausted", Duration::from_secs(10)).await;
+        keys.insert(key);
+    }
+    broker.close().await;
+    let d = dir.path().to_str().expect("utf-8 path").to_string();
+    let mut redrive = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["dlq", "redrive", "work", "--pipelines", &d, "--rate", "400/s", "--broker", &vhost.url()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn redrive");
+    support::wait_until(Duration::from_secs(30), "the redrive under way", || async {
+        vhost.depth("work").await >= 100
+    })
+    .await;
+    redrive.kill().expect("kill -9");
+    let _ = redrive.wait();
+    let moved = vhost.depth("work").await;
+    assert!(moved < 1000, "the kill came mid-redrive ({moved} moved)");
+
+    // Whatever is in the work queue now runs; the rest is still dead-lettered.
+    let mut runner = Sluice::run(dir.path(), &vhost.url(), &["--exit-when-idle"]);
+    assert_eq!(runner.wait(Duration::from_secs(120)), Some(0), "{}", runner.log());
+    let handled = receiver.succeeded_keys();
+    let left: BTreeSet<String> = support::drain_messages(&vhost.url(), "work.dlq")
+        .await
+        .iter()
+        .map(|m| Envelope::decode(&m.body).expect("envelope").idempotency_key.expect("key"))
+        .collect();
+    let each_once = support::counts(receiver.hits().iter().map(|h| h.key().to_string()));
+    assert!(each_once.values().all(|n| *n == 1), "a side effect twice: {each_once:?}");
+    // A message whose copy was confirmed but whose removal the kill cut short is in both
+    // places; its key stops a second run. None is in neither.
+    let both = handled.intersection(&left).count();
+    assert!(both <= 256, "at most the copies in flight at the kill: {both}");
+    assert_eq!(handled.len() + left.len() - both, 1000, "handled + still dead-lettered covers every message");
+    assert_eq!(handled.union(&left).cloned().collect::<BTreeSet<_>>(), keys);
+}

@@ -1,7 +1,8 @@
 //! The admin HTTP endpoint: `/metrics` (Prometheus text format), `/healthz` (the process is
 //! alive), `/readyz` (connected to the broker and consuming).
 //!
-//! It only reports; metrics are recorded where the events happen (`runtime::events`).
+//! It only reports and describes the metrics (their `# HELP` lines); they are recorded where
+//! the events happen (`runtime::events`, `reload::loader`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
+use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
@@ -26,14 +28,37 @@ impl Readiness {
     }
 }
 
-/// Installs the global Prometheus recorder.
+/// Installs the global Prometheus recorder and describes every metric sluice records (the
+/// `# HELP` lines).
 pub fn install_recorder() -> Result<PrometheusHandle, String> {
     let buckets = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
-    PrometheusBuilder::new()
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(metrics_exporter_prometheus::Matcher::Suffix("duration_seconds".into()), &buckets)
         .map_err(|e| e.to_string())?
         .install_recorder()
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    describe_metrics();
+    Ok(handle)
+}
+
+/// One line of help per metric, in one place; the metrics themselves are recorded where their
+/// events happen.
+fn describe_metrics() {
+    describe_counter!(
+        "sluice_messages_total",
+        "Messages settled, by queue and outcome (success, retry, dead_lettered, duplicate)."
+    );
+    describe_histogram!("sluice_handler_duration_seconds", "How long handler calls took, by queue.");
+    describe_gauge!(
+        "sluice_consumer_lag_seconds",
+        "Now minus the timestamp of the newest message delivered, by queue."
+    );
+    describe_gauge!("sluice_queue_depth", "Messages ready in the queue, as last polled.");
+    describe_gauge!("sluice_dlq_depth", "Messages in the queue's dead-letter queue, as last polled.");
+    describe_gauge!("sluice_queue_consumers", "Consumers attached to the queue (every runner's), as last polled.");
+    describe_gauge!("sluice_in_flight", "Deliveries being handled, by queue.");
+    describe_counter!("sluice_retries_total", "Retry copies scheduled, by queue.");
+    describe_counter!("sluice_config_reloads_total", "Reloads of the pipeline files, by result (applied, rejected).");
 }
 
 /// Serves the admin endpoints on `listener` until `shutdown`.

@@ -40,6 +40,8 @@ fn usage_errors_exit_2() {
         &["validate", "--bogus"],
         &["validate", "--format", "xml", util::VALID],
         &["plan", "--format", "png", util::VALID],
+        &["run", "--admin", "9464", util::VALID],
+        &["run", "--log-format", "xml", util::VALID],
         &["frobnicate"],
         &[],
     ];

@@ -1,6 +1,6 @@
 //! Command handler: runs one rendered program invocation as a subprocess in its own
 //! process group, feeds it stdin, keeps bounded tails of its output, and classifies how it
-//! exited.
+//! exited. The tails' ends are logged at debug.
 //!
 //! It must never go through a shell (arguments are argv, verbatim), never let the program
 //! inherit the runner's environment (it gets [`Invocation::env`] and nothing else), never
@@ -158,6 +158,12 @@ pub async fn run(invocation: &Invocation) -> Result<Output, HandlerError> {
     stdout_read.map_err(|error| io_error("reading stdout", &error))?;
     stderr_read.map_err(|error| io_error("reading stderr", &error))?;
     let output = Output { stdout: stdout_tail.into_bytes(), stderr: stderr_tail.into_bytes() };
+    tracing::debug!(
+        %status,
+        stdout = %tail_excerpt(&output.stdout),
+        stderr = %tail_excerpt(&output.stderr),
+        "command exited"
+    );
     classify(status, &output.stderr, &invocation.permanent_exit_codes)?;
     fed.map_err(|error| io_error("writing stdin", &error))?;
     Ok(output)

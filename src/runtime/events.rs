@@ -1,17 +1,64 @@
 //! One event, one place: every log line about a delivery's fate and its metric are emitted
-//! together here, with bounded labels (queue, outcome; never message ids).
+//! together here, with bounded labels (queue, outcome; never message ids). Which message a
+//! line is about travels in the delivery's span ([`message_span`]), not in the metrics.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
-use tracing::{debug, error, info, warn};
+use tracing::field::Empty;
+use tracing::{Span, debug, error, info, warn};
 
-use super::worker::Disposition;
+use super::worker::{Activity, Disposition};
+use crate::envelope::Envelope;
+
+/// The span a delivery is handled in: every line logged while handling it carries its
+/// `message_id`, and once the envelope is decoded ([`decoded`]) its `idempotency_key` and
+/// `type`. At WARN, so that the retry and dead-letter warnings carry them at the levels a runner
+/// usually logs at; with everything below ERROR filtered out it is never built.
+pub fn message_span(message_id: Option<&str>) -> Span {
+    tracing::warn_span!("message", message_id, idempotency_key = Empty, r#type = Empty)
+}
+
+/// Records what the envelope says about the delivery in the current [`message_span`]; the
+/// envelope's id stands in for a missing `message_id` property.
+pub fn decoded(envelope: &Envelope<'_>, has_message_id: bool) {
+    let span = Span::current();
+    if !has_message_id {
+        span.record("message_id", envelope.id.as_str());
+    }
+    span.record("idempotency_key", envelope.idempotency_key());
+    span.record("type", envelope.kind.as_str());
+}
+
+/// Messages settled since the runner started, by outcome, for the line that ends the run.
+#[derive(Debug, Default)]
+pub struct Totals {
+    handled: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+}
+
+/// The run ended (shutdown or `--exit-when-idle`).
+pub fn stopped(totals: &Totals) {
+    let count = |n: &AtomicU64| n.load(Ordering::Relaxed);
+    info!(
+        handled = count(&totals.handled),
+        duplicates = count(&totals.duplicates),
+        retried = count(&totals.retried),
+        dead_lettered = count(&totals.dead_lettered),
+        "stopped"
+    );
+}
 
 /// A queue's delivery events. The metric handles are registered once, not per message: the
 /// label strings would otherwise be built on every delivery.
 pub struct QueueEvents {
     queue: String,
+    activity: Arc<Activity>,
     in_flight: Gauge,
     lag: Gauge,
     duration: Histogram,
@@ -23,10 +70,11 @@ pub struct QueueEvents {
 }
 
 impl QueueEvents {
-    pub fn new(queue: &str) -> QueueEvents {
+    pub fn new(queue: &str, activity: Arc<Activity>) -> QueueEvents {
         let outcome = |o: &'static str| counter!("sluice_messages_total", "queue" => queue.to_string(), "outcome" => o);
         QueueEvents {
             queue: queue.to_string(),
+            activity,
             in_flight: gauge!("sluice_in_flight", "queue" => queue.to_string()),
             lag: gauge!("sluice_consumer_lag_seconds", "queue" => queue.to_string()),
             duration: histogram!("sluice_handler_duration_seconds", "queue" => queue.to_string()),
@@ -60,19 +108,23 @@ impl QueueEvents {
     /// A delivery's disposition is durable (its copy confirmed) and it is about to be acked.
     pub fn outcome(&self, disposition: &Disposition) {
         let queue = self.queue.as_str();
+        let totals = &self.activity.totals;
         match disposition {
             Disposition::Ack | Disposition::Completed { .. } => {
                 debug!(queue, "handled");
                 self.success.increment(1);
+                totals.handled.fetch_add(1, Ordering::Relaxed);
             }
             Disposition::Duplicate => {
                 info!(queue, "duplicate of a message already handled; acked without running the handler");
                 self.duplicate.increment(1);
+                totals.duplicates.fetch_add(1, Ordering::Relaxed);
             }
             Disposition::Retry { next, after, error } => {
                 warn!(queue, attempt = next - 1, retry_in = ?after, error, "handler failed; retrying");
                 self.retry.increment(1);
                 self.retries.increment(1);
+                totals.retried.fetch_add(1, Ordering::Relaxed);
             }
             Disposition::Wait { attempt, after, why } => {
                 warn!(queue, attempt, retry_in = ?after, why, "not handled yet; will try again without spending an attempt");
@@ -80,6 +132,7 @@ impl QueueEvents {
             Disposition::DeadLetter { reason, error, attempts } => {
                 warn!(queue, reason = reason.as_str(), attempts, error, "dead-lettered");
                 self.dead_lettered.increment(1);
+                totals.dead_lettered.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -106,12 +159,87 @@ impl QueueEvents {
     }
 }
 
-/// Depth of a queue and of its dead-letter queue, from a poll.
-pub fn depths(queue: &str, depth: u32, dlq: &str, dlq_depth: u32) {
-    gauge!("sluice_queue_depth", "queue" => queue.to_string()).set(f64::from(depth));
-    gauge!("sluice_dlq_depth", "queue" => queue.to_string()).set(f64::from(dlq_depth));
-    if dlq_depth > 0 {
-        warn!(queue, dead_letter_queue = dlq, messages = dlq_depth, "dead-letter queue is not empty");
+/// How often a dead-letter queue that keeps changing is warned about at most.
+pub const DLQ_WARN_INTERVAL: Duration = Duration::from_secs(5 * 60);
+
+/// Depth polls of queues and their dead-letter queues: the gauges, and a warning when a
+/// dead-letter queue's depth changed, at most once per interval while it stays non-empty (a
+/// poll every few seconds must not repeat the same warning forever).
+pub struct DepthEvents {
+    interval: Duration,
+    /// Per queue, the dead-letter depth last warned about and when.
+    warned: HashMap<String, (u32, Instant)>,
+}
+
+impl DepthEvents {
+    /// Warns about a changed dead-letter queue at most every `interval`.
+    pub fn new(interval: Duration) -> DepthEvents {
+        DepthEvents { interval, warned: HashMap::new() }
+    }
+
+    /// Depth of `queue` and of its dead-letter queue `dlq`, polled at `now`.
+    pub fn depths(&mut self, queue: &str, depth: u32, dlq: &str, dlq_depth: u32, now: Instant) {
+        gauge!("sluice_queue_depth", "queue" => queue.to_string()).set(f64::from(depth));
+        gauge!("sluice_dlq_depth", "queue" => queue.to_string()).set(f64::from(dlq_depth));
+        if self.should_warn(queue, dlq_depth, now) {
+            warn!(
+                queue,
+                dead_letter_queue = dlq,
+                messages = dlq_depth,
+                command = %format_args!("sluice dlq list {queue}"),
+                "dead-letter queue holds messages"
+            );
+        }
+    }
+
+    /// A non-empty dead-letter queue is warned about at once when it was empty (or unseen),
+    /// and then only when its depth differs from the last warning's, `interval` after it.
+    fn should_warn(&mut self, queue: &str, dlq_depth: u32, now: Instant) -> bool {
+        if dlq_depth == 0 {
+            self.warned.remove(queue);
+            return false;
+        }
+        let due = match self.warned.get(queue) {
+            None => true,
+            Some(&(depth, at)) => depth != dlq_depth && now.saturating_duration_since(at) >= self.interval,
+        };
+        if due {
+            self.warned.insert(queue.to_string(), (dlq_depth, now));
+        }
+        due
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 11: a dead-letter queue is warned about when its depth changes, at most every
+    /// interval while it stays non-empty, and never again for the same depth.
+    #[test]
+    fn dead_letter_warnings_follow_changes_at_most_once_per_interval() {
+        let interval = Duration::from_secs(300);
+        let start = Instant::now();
+        let at = |secs| start + Duration::from_secs(secs);
+        // (seconds since start, DLQ depth, warned)
+        let polls = [
+            (0, 0, false),
+            (5, 2, true),     // was empty: at once
+            (10, 2, false),   // unchanged
+            (15, 3, false),   // changed, but within the interval of the last warning
+            (300, 3, false),  // 295 s after it
+            (305, 3, true),   // the interval is over and 3 was never warned about
+            (900, 3, false),  // unchanged ever since
+            (905, 0, false),  // drained
+            (910, 1, true),   // non-empty again: at once
+            (1210, 1, false), // the same depth, however long
+        ];
+        let mut events = DepthEvents::new(interval);
+        for (secs, depth, warned) in polls {
+            assert_eq!(events.should_warn("work", depth, at(secs)), warned, "poll at {secs}s, depth {depth}");
+        }
+        // Each queue on its own.
+        assert!(events.should_warn("other", 4, at(1215)));
     }
 }
 

@@ -151,6 +151,8 @@ where
     let activity = Arc::new(Activity::default());
     let shared = Arc::new(Shared { client, activity: activity.clone(), store, grace: options.shutdown_grace });
     let (current, _) = watch::channel(config);
+    // Across sessions, so that a reconnect does not repeat the warning about a dead-letter queue.
+    let depth_events = Arc::new(std::sync::Mutex::new(events::DepthEvents::new(events::DLQ_WARN_INTERVAL)));
     // Sessions that fail in a row; reset only by a session that lived STABLE_SESSION, so a
     // broker that accepts and then drops every session is not hammered.
     let mut failures = 0u32;
@@ -160,11 +162,15 @@ where
             let delay = backoff::reconnect_delay(failures, RECONNECT_CAP, &mut rand::rng());
             info!(retry_in = ?delay, failures, "reconnecting to the broker after a pause");
             if sleep_or_shutdown(delay, &shutdown).await {
+                events::stopped(&activity.totals);
                 return Ok(());
             }
         }
         let session = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = shutdown.cancelled() => {
+                events::stopped(&activity.totals);
+                return Ok(());
+            }
             s = connect() => s,
         };
         let broker = match session {
@@ -205,8 +211,9 @@ where
         let session_started = Instant::now();
         let stop = CancellationToken::new();
         let pollers = {
-            let (broker, watched, stop) = (broker.clone(), current.subscribe(), stop.clone());
-            tokio::spawn(async move { poll_depths(&broker, watched, &stop).await })
+            let (broker, watched, stop, events) =
+                (broker.clone(), current.subscribe(), stop.clone(), depth_events.clone());
+            tokio::spawn(async move { poll_depths(&broker, watched, &events, &stop).await })
         };
         let idle = CancellationToken::new();
         if options.exit_when_idle {
@@ -267,6 +274,7 @@ where
                     warn!(in_flight = unfinished, "shutdown grace expired; unfinished messages go back to the broker");
                 }
                 broker.close().await;
+                events::stopped(&activity.totals);
                 return Ok(());
             }
         }
@@ -281,15 +289,22 @@ const DELAY_SLACK: Duration = Duration::from_secs(2);
 const DEPTH_POLL: Duration = Duration::from_secs(5);
 
 /// Reads every queue's depth and consumers and its dead-letter queue's depth (no management
-/// plugin needed) into
-/// the metrics until `stop`, for the config running at each poll.
-async fn poll_depths<B: Broker>(broker: &B, config: watch::Receiver<Arc<Config>>, stop: &CancellationToken) {
+/// plugin needed) into `events` and the metrics until `stop`, for the config running at each poll.
+async fn poll_depths<B: Broker>(
+    broker: &B,
+    config: watch::Receiver<Arc<Config>>,
+    events: &std::sync::Mutex<events::DepthEvents>,
+    stop: &CancellationToken,
+) {
     loop {
         let current = config.borrow().clone();
         for q in current.queues.values() {
             if let (Ok(stats), Ok(dlq)) = (broker.stats(&q.name).await, broker.depth(&q.dead_letter).await) {
-                events::depths(&q.name, stats.ready, &q.dead_letter, dlq);
                 events::consumers(&q.name, stats.consumers);
+                // Only this task locks it, and never across an await.
+                if let Ok(mut events) = events.lock() {
+                    events.depths(&q.name, stats.ready, &q.dead_letter, dlq, std::time::Instant::now());
+                }
             }
         }
         if sleep_or_shutdown(DEPTH_POLL, stop).await {

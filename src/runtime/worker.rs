@@ -19,10 +19,10 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, error, info, warn};
 
 use super::backoff;
-use super::events::QueueEvents;
+use super::events::{self, QueueEvents, Totals};
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
 use crate::dedup::{Claim, Store};
@@ -30,7 +30,7 @@ use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
 use crate::handler::call::{self, Call, Renderer};
 
-/// What a runner has under way, for telling when it is idle.
+/// What a runner has under way, for telling when it is idle, and what it has done.
 #[derive(Debug, Default)]
 pub struct Activity {
     /// Deliveries received and not yet settled.
@@ -38,6 +38,8 @@ pub struct Activity {
     /// When the last delayed copy this runner published is due back (ms since the epoch).
     /// Queue depths alone miss copies the broker has expired but not yet dead-lettered on.
     pub delayed_due_ms: AtomicU64,
+    /// Messages settled so far, by outcome.
+    pub totals: Totals,
 }
 
 impl Activity {
@@ -146,7 +148,8 @@ impl Worker {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
-        Worker { config, name: name.to_string(), limiter, client, activity, store, events: QueueEvents::new(name) }
+        let events = QueueEvents::new(name, activity.clone());
+        Worker { config, name: name.to_string(), limiter, client, activity, store, events }
     }
 
     fn queue(&self) -> &Queue {
@@ -183,6 +186,7 @@ impl Worker {
                         self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
                         self.events.received(delivery.timestamp());
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
+                        let span = events::message_span(delivery.message_id());
                         tracker.spawn(async move {
                             let disposition = worker.decide(&delivery).await;
                             if worker.settle(&broker, &delivery, &disposition).await {
@@ -195,7 +199,7 @@ impl Worker {
                             }
                             worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
-                        });
+                        }.instrument(span));
                     }
                     Some(Err(e)) => break Err(e),
                     None if deadline.is_some() => break Ok(()),
@@ -251,6 +255,7 @@ impl Worker {
             Ok(e) => e,
             Err(e) => return dead(Reason::Malformed, e.to_string()),
         };
+        events::decoded(&envelope, delivery.message_id().is_some());
         if let Some(schema) = &q.payload_schema {
             let payload = match envelope.payload_value() {
                 Ok(p) => p,

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Redrive rate of `sluice dlq redrive` (issue 11): MESSAGES dead-lettered messages sent back to
+# their queue, each removed from the dead-letter queue only after its copy is confirmed. The
+# method and the latest figures are in BENCHMARKS.md ("Redrive").
+#
+#   scripts/bench-redrive.sh SLUICE_BINARY
+#   RUNS=5 MESSAGES=10000 scripts/bench-redrive.sh target/release/sluice
+#
+# Each run has a vhost of its own, deleted when the run ends (also on failure or Ctrl-C), and a
+# pipeline with one queue `work` of type classic or quorum (both are measured, alternating).
+# The binary declares the topology (`run --exit-when-idle` on the empty queue), fills
+# `work.dlq` with `sluice publish --jsonl` (1 KB payloads, through the default exchange), then
+# `sluice dlq redrive work` is timed as a whole process; the run checks that `work` then holds
+# every message and `work.dlq` none. Prints each run and the median rate per queue type.
+#
+# Knobs (environment): RUNS=5 MESSAGES=10000. Needs RabbitMQ at 127.0.0.1:5672 (guest/guest)
+# and rabbitmqctl.
+set -euo pipefail
+
+if [ $# -ne 1 ] || [ ! -x "$1" ]; then
+  echo "usage: $0 SLUICE_BINARY" >&2
+  exit 2
+fi
+sluice=$(realpath "$1")
+runs=${RUNS:-5} messages=${MESSAGES:-10000}
+
+tmp=$(mktemp -d)
+vhost=""
+cleanup() {
+  if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+pad=$(head -c 1000 /dev/zero | tr '\0' x)
+for i in $(seq "$messages"); do printf '{"n": %d, "pad": "%s"}\n' "$i" "$pad"; done >"$tmp/payloads.jsonl"
+
+depth() { # QUEUE: ready messages, from `sluice status --format json`
+  "$sluice" status "$tmp/p" --broker "$url" --format json |
+    python3 -c "import json,sys; s=json.load(sys.stdin)['queues'][0]; print(s['$1'])"
+}
+
+declare -A rates
+for run in $(seq "$runs"); do
+  for kind in classic quorum; do
+    vhost="sluice-bench-redrive-$$-$run-$kind"
+    rabbitmqctl -q add_vhost "$vhost" >/dev/null
+    rabbitmqctl -q set_permissions -p "$vhost" guest '.*' '.*' '.*' >/dev/null
+    url="amqp://guest:guest@127.0.0.1:5672/$vhost"
+    rm -rf "$tmp/p" && mkdir -p "$tmp/p"
+    cat >"$tmp/p/pipeline.yaml" <<YAML
+version: 1
+exchanges:
+  ev: {type: topic}
+queues:
+  work:
+    type: $kind
+    bind: [{exchange: ev, routing_key: "#"}]
+    handler:
+      webhook: {url: "http://127.0.0.1:9/never-called"}
+YAML
+    "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle --dedup "$tmp/dedup" 2>/dev/null
+    "$sluice" publish --exchange "" --routing-key work.dlq --type bench.event \
+      --jsonl "$tmp/payloads.jsonl" --broker "$url" 2>/dev/null
+    [ "$(depth dead_lettered)" = "$messages" ] || { echo "work.dlq not filled" >&2; exit 1; }
+    start=$(date +%s.%N)
+    "$sluice" dlq redrive work --pipelines "$tmp/p" --broker "$url" >/dev/null
+    end=$(date +%s.%N)
+    [ "$(depth ready)" = "$messages" ] && [ "$(depth dead_lettered)" = 0 ] ||
+      { echo "run $run $kind: not every message moved" >&2; exit 1; }
+    rate=$(python3 -c "print(round($messages / ($end - $start)))")
+    echo "run $run $kind: $messages messages in $(python3 -c "print(round($end - $start, 3))") s = $rate msg/s"
+    rates[$kind]+="$rate "
+    rabbitmqctl -q delete_vhost "$vhost" >/dev/null
+    vhost=""
+  done
+done
+for kind in classic quorum; do
+  python3 -c "import statistics,sys; r=sorted(map(int,sys.argv[2:])); print(f'{sys.argv[1]}: median {statistics.median(r):.0f} msg/s (min {r[0]}, max {r[-1]})')" \
+    "$kind" ${rates[$kind]}
+done

@@ -143,21 +143,37 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr; `RUST_LOG` filters them (default info).
-fn init_logging() {
+/// Logs go to stderr; `RUST_LOG` filters them (default info). With an OTLP endpoint set, the
+/// delivery spans are exported too, until the returned exporter is dropped.
+fn init_logging() -> Option<crate::trace::Exporter> {
+    use tracing_subscriber::filter::{FilterExt as _, filter_fn};
+    use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
     // lapin logs, per failed connection attempt, three ERROR lines for what sluice reports in
     // one (every error lapin returns reaches sluice), and a returned (unroutable) message
     // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off,lsm_tree=warn,fjall=warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(filter.and(filter_fn(crate::trace::not_a_delivery_span)));
+    let (otlp, failed) = match crate::trace::otlp() {
+        Ok(otlp) => (otlp, None),
+        Err(e) => (None, Some(e)),
+    };
+    let (otlp, exporter) = otlp.unzip();
+    tracing_subscriber::registry().with(fmt).with(otlp).init();
+    if let Some(e) = failed {
+        tracing::error!(error = %e, "running without trace export");
+    }
+    exporter
 }
 
 /// Runs `future` on `threads` threads. One thread gets a current-thread runtime: no work
 /// stealing and no cross-thread wake-ups, which on two cores shared with the broker is worth
 /// 1.1-1.2x the throughput at 0.7x the CPU per message of tokio's multi-threaded runtime.
 fn block_on<F: Future<Output = anyhow::Result<()>>>(threads: NonZeroUsize, future: F) -> anyhow::Result<()> {
-    init_logging();
+    // Dropped after the runtime (a tail expression's temporaries go first): flushes the spans.
+    let _exporter = init_logging();
     let mut builder = if threads.get() == 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {

@@ -19,7 +19,7 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, error, info, warn};
 
 use super::backoff;
 use super::events::QueueEvents;
@@ -29,6 +29,7 @@ use crate::dedup::{Claim, Store};
 use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
 use crate::handler::call::{self, Call, Renderer};
+use crate::trace;
 
 /// What a runner has under way, for telling when it is idle.
 #[derive(Debug, Default)]
@@ -183,9 +184,12 @@ impl Worker {
                         self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
                         self.events.received(delivery.timestamp());
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
+                        let span = trace::receive_span(&queue.name, &delivery);
+                        let receive = span.clone();
                         tracker.spawn(async move {
-                            let disposition = worker.decide(&delivery).await;
-                            if worker.settle(&broker, &delivery, &disposition).await {
+                            let disposition = worker.decide(&delivery).instrument(trace::handle_span(&receive)).await;
+                            let settle = trace::settle_span(&receive);
+                            if worker.settle(&broker, &delivery, &disposition).instrument(settle).await {
                                 worker.events.outcome(&disposition);
                                 let key = match disposition {
                                     Disposition::Completed { key } => Some(key),
@@ -195,7 +199,7 @@ impl Worker {
                             }
                             worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
-                        });
+                        }.instrument(span));
                     }
                     Some(Err(e)) => break Err(e),
                     None if deadline.is_some() => break Ok(()),
@@ -268,8 +272,8 @@ impl Worker {
             Ok(k) => k,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
-        let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());
-        let call = match renderer.call(body, &key, traceparent.as_deref()) {
+        let traceparent = trace::outgoing(trace::incoming(delivery)).to_string();
+        let call = match renderer.call(body, &key, Some(&traceparent)) {
             Ok(c) => c,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };

@@ -1,7 +1,8 @@
 //! sluice: declarative message pipelines. YAML files in, RabbitMQ topology and workers out.
 //!
 //! Data flows left to right through the modules: `config` → `topology` → `broker` →
-//! `runtime` → `handler`, with `cli` a thin layer on top.
+//! `runtime` → `handler`, with `cli` a thin layer on top; `trace` carries trace context across
+//! them.
 
 pub mod admin;
 pub mod broker;
@@ -14,3 +15,4 @@ pub mod ops;
 pub mod reload;
 pub mod runtime;
 pub mod topology;
+pub mod trace;

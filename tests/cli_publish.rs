@@ -137,6 +137,28 @@ async fn publish_jsonl_publishes_one_message_per_line() {
     assert_eq!(seen, (0..100).collect::<Vec<_>>());
 }
 
+/// Issue 11: every message `sluice publish` sends starts a trace of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_starts_a_new_trace_per_message() {
+    let vhost = publish_vhost().await;
+    let file = tempfile::NamedTempFile::new().expect("tempfile");
+    std::fs::write(file.path(), "{}\n{}\n{}\n").expect("write jsonl");
+    let path = file.path().to_str().expect("utf-8 path");
+    let run = publish(&vhost, &["--exchange", "ev", "--routing-key", "order.bulk", "--type", "t", "--jsonl", path]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    let mut traces: Vec<[u8; 16]> = drain_messages(&vhost.url(), "inbox")
+        .await
+        .iter()
+        .map(|m| {
+            let text = header_str(&m.headers, "traceparent").expect("a traceparent header");
+            sluice::trace::TraceContext::parse(text).unwrap_or_else(|| panic!("invalid traceparent {text:?}")).trace_id
+        })
+        .collect();
+    traces.sort();
+    traces.dedup();
+    assert_eq!(traces.len(), 3);
+}
+
 #[test]
 fn publish_rejects_a_payload_that_is_not_json() {
     // The payload is checked before connecting: no broker needed.

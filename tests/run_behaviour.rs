@@ -59,7 +59,8 @@ queues:
     for hit in &hits {
         *per_path.entry(hit.target.as_str()).or_default() += 1;
         assert_eq!(hit.header("x-sluice-message-id"), Some(sent.id.as_str()));
-        assert_eq!(hit.header("traceparent"), None, "the message carried no trace context");
+        let traceparent = hit.header("traceparent").expect("a traceparent, though the message carried none");
+        assert!(sluice::trace::TraceContext::parse(traceparent).is_some(), "{traceparent}");
     }
     assert_eq!(per_path, BTreeMap::from([("/exact", 1), ("/hash", 1), ("/star", 1)]), "no call to /invoices");
 }
@@ -186,7 +187,7 @@ queues:
         assert_eq!(hit.header("idempotency-key"), Some("order:7"));
         assert_eq!(hit.header("x-sluice-message-id"), Some(envelope.id.as_str()));
         assert_eq!(hit.header("x-sluice-attempt"), Some(attempt.to_string().as_str()));
-        assert_eq!(hit.header("traceparent"), Some(traceparent));
+        assert_eq!(hit.header("traceparent").map(|t| &t[..36]), Some(&traceparent[..36]), "the message's trace");
         assert_eq!(hit.header("authorization"), Some("Bearer t0ken"));
         assert_eq!(hit.header("x-name"), Some(name));
         assert_eq!(hit.header("content-type"), Some("application/json"));
@@ -289,7 +290,7 @@ async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
         assert_eq!(env("SLUICE_IDEMPOTENCY_KEY"), Some("img:1"), "{context}");
         assert_eq!(env("SLUICE_MESSAGE_ID"), Some(envelope.id.as_str()), "{context}");
         assert_eq!(env("SLUICE_ATTEMPT"), Some(attempt.to_string().as_str()), "{context}");
-        assert_eq!(env("TRACEPARENT"), Some(traceparent), "{context}");
+        assert_eq!(env("TRACEPARENT").map(|t| &t[..36]), Some(&traceparent[..36]), "{context}: the message's trace");
         assert_eq!(env("BUCKET"), Some("bkt/1 MB"), "{context}");
         match mode {
             "envelope" => assert_eq!(seen.stdin, body, "{context}: the body as published"),

@@ -168,14 +168,16 @@ pub fn main() -> ExitCode {
             };
             let plan = topology::plan(&config);
             match broker {
-                Some(url) => exit(block_on(NonZeroUsize::MIN, drift(plan, url, connect_timeout, format))),
+                Some(url) => {
+                    exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, url, connect_timeout, format)))
+                }
                 None => exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into)),
             }
         }
         Command::Status { paths, broker, format } => {
-            exit(block_on(NonZeroUsize::MIN, dlq::status(&paths, broker, format)))
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, format)))
         }
-        Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, dlq::dlq(command))),
+        Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::dlq(command))),
         Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads, log_format } => {
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
@@ -192,23 +194,34 @@ pub fn main() -> ExitCode {
 }
 
 /// Logs go to stderr in `format`, in colour only on a terminal; `RUST_LOG` filters them
-/// (default info).
-fn init_logging(format: LogFormat) {
+/// (default info). With an OTLP endpoint set, the delivery spans are exported too, until the
+/// returned exporter is dropped.
+fn init_logging(format: LogFormat) -> Option<crate::trace::Exporter> {
+    use tracing_subscriber::filter::{FilterExt as _, filter_fn};
+    use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
     // lapin logs, per failed connection attempt, three ERROR lines for what sluice reports in
     // one (every error lapin returns reaches sluice), and a returned (unroutable) message
     // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off,lsm_tree=warn,fjall=warn"));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    match format {
-        LogFormat::Text => logs.init(),
+    let filter = filter.and(filter_fn(crate::trace::not_a_delivery_span));
+    let text = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
+    let logs = match format {
+        LogFormat::Text => text.with_filter(filter).boxed(),
         // The whole span list, not only the innermost span: a span opened inside a delivery's
         // must not hide which message a line is about.
-        LogFormat::Json => logs.json().with_current_span(false).with_span_list(true).init(),
+        LogFormat::Json => text.json().with_current_span(false).with_span_list(true).with_filter(filter).boxed(),
+    };
+    let (otlp, failed) = match crate::trace::otlp() {
+        Ok(otlp) => (otlp, None),
+        Err(e) => (None, Some(e)),
+    };
+    let (otlp, exporter) = otlp.unzip();
+    tracing_subscriber::registry().with(logs).with(otlp).init();
+    if let Some(e) = failed {
+        tracing::error!(error = %e, "running without trace export");
     }
+    exporter
 }
 
 /// Runs `future` on `threads` threads. One thread gets a current-thread runtime: no work
@@ -219,7 +232,8 @@ fn block_on<F: Future<Output = anyhow::Result<()>>>(
     log_format: LogFormat,
     future: F,
 ) -> anyhow::Result<()> {
-    init_logging(log_format);
+    // Dropped after the runtime (a tail expression's temporaries go first): flushes the spans.
+    let _exporter = init_logging(log_format);
     let mut builder = if threads.get() == 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {

@@ -1,5 +1,6 @@
 //! `sluice publish`: builds envelopes from flags (or one per JSONL line), publishes each with
 //! confirm and `mandatory`, and fails on the first nack, unroutable message or missing exchange.
+//! Each message starts a new trace (its `traceparent` header).
 
 use std::io::BufRead;
 use std::path::PathBuf;
@@ -11,8 +12,9 @@ use indicatif::ProgressBar;
 
 use super::BrokerArg;
 use crate::broker::amqp::Amqp;
-use crate::broker::{Broker, Outgoing};
-use crate::envelope::Envelope;
+use crate::broker::{Broker, HeaderValue, Headers, Outgoing};
+use crate::envelope::{Envelope, TRACEPARENT_HEADER};
+use crate::trace::TraceContext;
 
 /// Confirms awaited at once in bulk mode: enough to keep the channel busy.
 const IN_FLIGHT: usize = 256;
@@ -50,7 +52,10 @@ fn outgoing(envelope: &Envelope) -> Outgoing {
         message_id: Some(envelope.id.clone()),
         kind: Some(envelope.kind.clone()),
         timestamp,
-        headers: Default::default(),
+        headers: Headers::from([(
+            TRACEPARENT_HEADER.to_string(),
+            HeaderValue::Str(TraceContext::new_root().to_string()),
+        )]),
     }
 }
 

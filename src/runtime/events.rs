@@ -22,10 +22,9 @@ pub fn message_span(message_id: Option<&str>) -> Span {
     tracing::warn_span!("message", message_id, idempotency_key = Empty, r#type = Empty)
 }
 
-/// Records what the envelope says about the delivery in the current [`message_span`]; the
-/// envelope's id stands in for a missing `message_id` property.
-pub fn decoded(envelope: &Envelope<'_>, has_message_id: bool) {
-    let span = Span::current();
+/// Records what the envelope says about the delivery in its [`message_span`]; the envelope's
+/// id stands in for a missing `message_id` property.
+pub fn decoded(span: &Span, envelope: &Envelope<'_>, has_message_id: bool) {
     if !has_message_id {
         span.record("message_id", envelope.id.as_str());
     }

@@ -29,6 +29,7 @@ use crate::dedup::{Claim, Store};
 use crate::envelope::{self, Envelope};
 use crate::handler::HandlerError;
 use crate::handler::call::{self, Call, Renderer};
+use crate::trace;
 
 /// What a runner has under way, for telling when it is idle, and what it has done.
 #[derive(Debug, Default)]
@@ -186,10 +187,15 @@ impl Worker {
                         self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
                         self.events.received(delivery.timestamp());
                         let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
-                        let span = events::message_span(delivery.message_id());
+                        let message = events::message_span(delivery.message_id());
+                        let receive = trace::receive_span(&queue.name, &delivery, &message);
+                        // Log lines see the message span; exported spans start at receive.
+                        let (exported, logged) = (receive.clone(), message.clone());
                         tracker.spawn(async move {
-                            let disposition = worker.decide(&delivery).await;
-                            if worker.settle(&broker, &delivery, &disposition).await {
+                            let handle = trace::handle_span(&receive);
+                            let disposition = worker.decide(&delivery, &message).instrument(handle).await;
+                            let settle = trace::settle_span(&receive);
+                            if worker.settle(&broker, &delivery, &disposition).instrument(settle).await {
                                 worker.events.outcome(&disposition);
                                 let key = match disposition {
                                     Disposition::Completed { key } => Some(key),
@@ -199,7 +205,7 @@ impl Worker {
                             }
                             worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
-                        }.instrument(span));
+                        }.instrument(exported).instrument(logged));
                     }
                     Some(Err(e)) => break Err(e),
                     None if deadline.is_some() => break Ok(()),
@@ -224,9 +230,9 @@ impl Worker {
 
     /// Decides what happens to a delivery. Whatever goes wrong in here, a panic included, ends
     /// as a disposition of this delivery alone: a panic is dead-lettered as `internal`.
-    pub async fn decide<D: Delivery>(&self, delivery: &D) -> Disposition {
+    pub async fn decide<D: Delivery>(&self, delivery: &D, message: &tracing::Span) -> Disposition {
         let attempt = attempt_of(delivery);
-        match AssertUnwindSafe(self.decide_unguarded(delivery, attempt)).catch_unwind().await {
+        match AssertUnwindSafe(self.decide_unguarded(delivery, attempt, message)).catch_unwind().await {
             Ok(disposition) => disposition,
             Err(panic) => {
                 let error = panic_text(panic.as_ref());
@@ -242,7 +248,7 @@ impl Worker {
 
     /// Bad messages are dead-lettered, duplicates acked, the rest run the handler under an
     /// idempotency claim taken only once the rate limiter lets the handler run.
-    async fn decide_unguarded<D: Delivery>(&self, delivery: &D, attempt: u32) -> Disposition {
+    async fn decide_unguarded<D: Delivery>(&self, delivery: &D, attempt: u32, message: &tracing::Span) -> Disposition {
         let q = self.queue();
         let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
         let body = delivery.body();
@@ -255,7 +261,7 @@ impl Worker {
             Ok(e) => e,
             Err(e) => return dead(Reason::Malformed, e.to_string()),
         };
-        events::decoded(&envelope, delivery.message_id().is_some());
+        events::decoded(message, &envelope, delivery.message_id().is_some());
         if let Some(schema) = &q.payload_schema {
             let payload = match envelope.payload_value() {
                 Ok(p) => p,
@@ -273,8 +279,8 @@ impl Worker {
             Ok(k) => k,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
-        let traceparent = delivery.header(envelope::TRACEPARENT_HEADER).map(|v| v.to_text());
-        let call = match renderer.call(body, &key, traceparent.as_deref()) {
+        let traceparent = trace::outgoing(trace::incoming(delivery)).to_string();
+        let call = match renderer.call(body, &key, Some(&traceparent)) {
             Ok(c) => c,
             Err(e) => return dead(Reason::Template, e.to_string()),
         };
@@ -485,7 +491,7 @@ mod tests {
         let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
         let client = crate::handler::webhook::client().expect("client");
         let worker = Worker::new(Arc::new(config), "work", client, Arc::default(), None);
-        let disposition = worker.decide(&Panicking).await;
+        let disposition = worker.decide(&Panicking, &tracing::Span::none()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {
             panic!("not dead-lettered: {disposition:?}");
         };

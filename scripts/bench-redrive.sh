@@ -11,7 +11,9 @@
 # The binary declares the topology (`run --exit-when-idle` on the empty queue), fills
 # `work.dlq` with `sluice publish --jsonl` (1 KB payloads, through the default exchange), then
 # `sluice dlq redrive work` is timed as a whole process; the run checks that `work` then holds
-# every message and `work.dlq` none. Prints each run and the median rate per queue type.
+# every message and `work.dlq` none. The fill is timed too, as the baseline: publishing the
+# same messages with confirms is what the broker can take, and a redrive both reads and
+# publishes them. Prints each run and the medians per queue type.
 #
 # Knobs (environment): RUNS=5 MESSAGES=10000. Needs RabbitMQ at 127.0.0.1:5672 (guest/guest)
 # and rabbitmqctl.
@@ -41,7 +43,7 @@ depth() { # QUEUE: ready messages, from `sluice status --format json`
     python3 -c "import json,sys; s=json.load(sys.stdin)['queues'][0]; print(s['$1'])"
 }
 
-declare -A rates
+declare -A rates fills
 for run in $(seq "$runs"); do
   for kind in classic quorum; do
     vhost="sluice-bench-redrive-$$-$run-$kind"
@@ -61,8 +63,10 @@ queues:
       webhook: {url: "http://127.0.0.1:9/never-called"}
 YAML
     "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle --dedup "$tmp/dedup" 2>/dev/null
+    fill_start=$(date +%s.%N)
     "$sluice" publish --exchange "" --routing-key work.dlq --type bench.event \
       --jsonl "$tmp/payloads.jsonl" --broker "$url" 2>/dev/null
+    fill_end=$(date +%s.%N)
     [ "$(depth dead_lettered)" = "$messages" ] || { echo "work.dlq not filled" >&2; exit 1; }
     start=$(date +%s.%N)
     "$sluice" dlq redrive work --pipelines "$tmp/p" --broker "$url" >/dev/null
@@ -70,13 +74,20 @@ YAML
     [ "$(depth ready)" = "$messages" ] && [ "$(depth dead_lettered)" = 0 ] ||
       { echo "run $run $kind: not every message moved" >&2; exit 1; }
     rate=$(python3 -c "print(round($messages / ($end - $start)))")
-    echo "run $run $kind: $messages messages in $(python3 -c "print(round($end - $start, 3))") s = $rate msg/s"
+    fill=$(python3 -c "print(round($messages / ($fill_end - $fill_start)))")
+    echo "run $run $kind: redrive $messages in $(python3 -c "print(round($end - $start, 3))") s = $rate msg/s; publish $fill msg/s"
     rates[$kind]+="$rate "
+    fills[$kind]+="$fill "
     rabbitmqctl -q delete_vhost "$vhost" >/dev/null
     vhost=""
   done
 done
 for kind in classic quorum; do
-  python3 -c "import statistics,sys; r=sorted(map(int,sys.argv[2:])); print(f'{sys.argv[1]}: median {statistics.median(r):.0f} msg/s (min {r[0]}, max {r[-1]})')" \
-    "$kind" ${rates[$kind]}
+  python3 - "$kind" "${rates[$kind]}" "${fills[$kind]}" <<'PY'
+import statistics, sys
+kind, redrive, publish = sys.argv[1], sorted(map(int, sys.argv[2].split())), sorted(map(int, sys.argv[3].split()))
+r, p = statistics.median(redrive), statistics.median(publish)
+print(f"{kind}: redrive median {r:.0f} msg/s (min {redrive[0]}, max {redrive[-1]}); "
+      f"publish median {p:.0f} msg/s; redrive / publish {r / p:.2f}")
+PY
 done

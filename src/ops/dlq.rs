@@ -13,12 +13,13 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use futures_util::FutureExt as _;
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use governor::{DefaultDirectRateLimiter, Quota};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::broker::{Broker, BrokerError, Consumer as _, Delivery};
+use crate::broker::{Broker, BrokerError, Consumer, Delivery};
 use crate::envelope::{self, Envelope};
 
 /// The most messages held (read, not removed) at once. A filter that passes over more than
@@ -30,7 +31,7 @@ pub const MAX_HELD: u16 = u16::MAX;
 const QUIET: Duration = Duration::from_secs(3);
 
 /// Redrive copies awaiting their confirms at once.
-const IN_FLIGHT: usize = 256;
+const IN_FLIGHT: usize = 1024;
 
 /// One dead-lettered message, as `sluice dlq list` shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -242,16 +243,24 @@ pub async fn apply<B: Broker>(
     let mut browse = Browse::open(broker, dlq).await?;
     let mut tally = Tally::default();
     let now = now();
+    // Copies awaiting their confirms, concurrently; each yields its delivery once confirmed.
     let mut pending = FuturesUnordered::new();
+    // Confirmed, to be acked. Acks go from this one task, in order: acks sent concurrently
+    // could reach the broker out of order, and an ack for a tag a later `multiple` ack
+    // already covered closes the channel.
+    let mut confirmed = Vec::new();
     let result = async {
         loop {
-            // Room for one more copy in flight, and a selected message to put there.
             while pending.len() >= IN_FLIGHT {
-                if let Some(done) = pending.next().await {
-                    done?;
-                    tally.done += 1;
-                    progress(&tally);
+                if let Some(copied) = pending.next().await {
+                    confirmed.push(copied?);
                 }
+            }
+            while let Some(Some(copied)) = pending.next().now_or_never() {
+                confirmed.push(copied?);
+            }
+            if confirmed.len() >= ACK_BATCH {
+                take(&browse.consumer, &mut confirmed, &mut tally, progress).await?;
             }
             if filter.is_full(tally.selected) {
                 break;
@@ -268,26 +277,46 @@ pub async fn apply<B: Broker>(
             if let Some(limiter) = &limiter {
                 limiter.until_ready().await;
             }
-            let consumer = browse.consumer.clone();
             pending.push(async move {
                 if action == Action::Redrive {
                     broker.redrive(queue, &delivery).await?;
                 }
-                consumer.ack(vec![delivery]).await
+                Ok::<_, BrokerError>(delivery)
             });
         }
-        while let Some(done) = pending.next().await {
-            done?;
-            tally.done += 1;
-            progress(&tally);
+        while let Some(copied) = pending.next().await {
+            confirmed.push(copied?);
         }
         Ok(())
     }
     .await;
-    // A copy that failed leaves its message unacked: closing hands it back with the rest.
+    // Whatever was confirmed leaves the dead-letter queue, even when a later copy failed;
+    // a failed copy's message is not acked, and closing hands it back with the rest.
     drop(pending);
+    let taken = take(&browse.consumer, &mut confirmed, &mut tally, progress).await;
     tally.unread = browse.close().await;
-    result.map(|()| tally)
+    result.and(taken).map(|()| tally)
+}
+
+/// Acks of confirmed copies sent at once.
+const ACK_BATCH: usize = 64;
+
+/// Acks `confirmed` (removing those messages from the dead-letter queue) and counts them.
+async fn take<C: Consumer>(
+    consumer: &C,
+    confirmed: &mut Vec<C::Delivery>,
+    tally: &mut Tally,
+    progress: &(dyn Fn(&Tally) + Sync),
+) -> Result<(), BrokerError> {
+    if confirmed.is_empty() {
+        return Ok(());
+    }
+    let batch = std::mem::take(confirmed);
+    let n = batch.len();
+    consumer.ack(batch).await?;
+    tally.done += n;
+    progress(tally);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -207,6 +207,7 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json() {
     assert_eq!(row["queue"], "work");
     assert_eq!(row["ready"], 2);
     assert_eq!(row["consumers"], 0);
+    assert_eq!(row["unacked"], Value::Null, "no runner named");
     assert_eq!(row["dead_lettered"], 1);
     assert!(row["oldest_dead_letter_age_seconds"].as_u64().is_some_and(|a| (89..120).contains(&a)), "{row}");
     assert_eq!(status["retries_waiting"], 0);
@@ -214,9 +215,9 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json() {
     let lines: Vec<&str> = ok(&table).lines().collect();
     assert_eq!(
         lines[0].split_whitespace().collect::<Vec<_>>(),
-        ["QUEUE", "READY", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"]
+        ["QUEUE", "READY", "UNACKED", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"]
     );
-    assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..4], ["work", "2", "0", "1"]);
+    assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..5], ["work", "2", "-", "0", "1"]);
     assert!(table.stdout.contains("retries waiting (all queues): 0"), "{}", table.stdout);
     // Reading changed nothing.
     assert_eq!((vhost.depth("work").await, vhost.depth("work.dlq").await), (2, 1));
@@ -334,4 +335,41 @@ async fn a_redrive_of_thousands_at_full_speed_leaves_none_behind() {
     let redriven = cli(&["dlq", "redrive", "work", "--pipelines", d], &url).await;
     assert!(ok(&redriven).starts_with("5000 message(s) redriven to work"), "{}", redriven.stdout);
     assert_eq!((vhost.depth("work").await, vhost.depth("work.dlq").await), (5000, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_what_the_named_runners_hold_as_unacked() {
+    let vhost = Vhost::new();
+    // Holds every request 20 s: the runner's 3 deliveries stay unacked meanwhile.
+    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_secs(20))).await;
+    let dir = support::webhook_pipeline(&receiver, "    concurrency: 3\n");
+    let broker = vhost.connect().await;
+    support::declare(dir.path(), &broker).await;
+    for n in 0..10 {
+        support::publish(&broker, "ev", "x", &format!("held-{n}"), json!({})).await;
+    }
+    broker.close().await;
+    let admin = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+        format!("localhost:{}", listener.local_addr().expect("addr").port())
+    };
+    let _runner = Sluice::run(dir.path(), &vhost.url(), &["--admin", &admin]);
+    support::wait_until(Duration::from_secs(30), "three requests held", || async { receiver.hits().len() == 3 }).await;
+    let d = dir.path().to_str().expect("utf-8 path");
+    let url = vhost.url();
+    // The runner's gauges and the broker's counts settle within a poll.
+    support::wait_until(Duration::from_secs(30), "unacked 3, ready 7, one consumer", || async {
+        let status = cli(&["status", d, "--admin", &admin, "--format", "json"], &url).await;
+        let row = serde_json::from_str::<Value>(ok(&status)).expect("json")["queues"][0].clone();
+        row["unacked"] == 3 && row["ready"] == 7 && row["consumers"] == 1
+    })
+    .await;
+    let table = cli(&["status", d, "--admin", &admin], &url).await;
+    let lines: Vec<&str> = ok(&table).lines().collect();
+    assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..4], ["work", "7", "3", "1"], "{}", table.stdout);
+    let without = cli(&["status", d], &url).await;
+    assert!(ok(&without).contains("UNACKED: name the runners with --admin"), "{}", without.stdout);
+    let down = cli(&["status", d, "--admin", "127.0.0.1:9"], &url).await;
+    assert_eq!(down.code, Some(1));
+    assert!(down.stderr.contains("cannot read the runner's metrics at http://127.0.0.1:9/metrics"), "{}", down.stderr);
 }

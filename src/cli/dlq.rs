@@ -292,11 +292,12 @@ fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
     text
 }
 
-/// Runs `sluice status`.
-pub async fn status(paths: &[PathBuf], broker: BrokerArg, format: Format) -> anyhow::Result<()> {
+/// Runs `sluice status`; `admin` names the runners whose held deliveries fill UNACKED.
+pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], format: Format) -> anyhow::Result<()> {
     let config = load(paths)?;
+    let in_flight = if admin.is_empty() { None } else { Some(runners_in_flight(admin).await?) };
     let amqp = Amqp::connect(&broker.url, broker.connect_timeout).await?;
-    let read = status::read(&amqp, &config).await;
+    let read = status::read(&amqp, &config, in_flight.as_ref()).await;
     amqp.close().await;
     let status = read?;
     match format {
@@ -306,15 +307,31 @@ pub async fn status(paths: &[PathBuf], broker: BrokerArg, format: Format) -> any
     Ok(())
 }
 
+/// The deliveries each runner holds, by queue, summed over the runners' `/metrics`.
+async fn runners_in_flight(admin: &[String]) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+    let mut held = std::collections::BTreeMap::new();
+    for addr in admin {
+        let url = format!("http://{addr}/metrics");
+        let text =
+            async { client.get(&url).send().await?.error_for_status()?.text().await }.await.with_context(|| {
+                format!("cannot read the runner's metrics at {url} (is `sluice run --admin {addr}` running?)")
+            })?;
+        status::add_in_flight(&text, &mut held);
+    }
+    Ok(held)
+}
+
 fn status_table(status: &Status) -> String {
-    let header = ["QUEUE", "READY", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"];
-    let rows: Vec<[String; 5]> = status
+    let header = ["QUEUE", "READY", "UNACKED", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"];
+    let rows: Vec<[String; 6]> = status
         .queues
         .iter()
         .map(|r| {
             [
                 r.queue.clone(),
                 r.ready.to_string(),
+                r.unacked.map_or("-".into(), |n| n.to_string()),
                 r.consumers.to_string(),
                 r.dead_lettered.to_string(),
                 r.oldest_dead_letter_age_seconds.map_or("-".into(), age),
@@ -323,6 +340,9 @@ fn status_table(status: &Status) -> String {
         .collect();
     let mut text = aligned(&header, &rows);
     text.push_str(&format!("\nretries waiting (all queues): {}\n", status.retries_waiting));
+    if status.queues.iter().any(|r| r.unacked.is_none()) {
+        text.push_str("UNACKED: name the runners with --admin HOST:PORT (RabbitMQ does not tell it over AMQP)\n");
+    }
     text
 }
 

@@ -68,6 +68,10 @@ enum Command {
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
+        /// A runner's admin address (`sluice run --admin`), whose held deliveries are counted
+        /// as UNACKED; repeat it for every runner.
+        #[arg(long, value_parser = parse_host_port)]
+        admin: Vec<String>,
         #[arg(long, value_enum, default_value_t = dlq::Format::Text)]
         format: dlq::Format,
     },
@@ -174,8 +178,8 @@ pub fn main() -> ExitCode {
                 None => exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into)),
             }
         }
-        Command::Status { paths, broker, format } => {
-            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, format)))
+        Command::Status { paths, broker, admin, format } => {
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, &admin, format)))
         }
         Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::dlq(command))),
         Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),

@@ -211,7 +211,8 @@ async fn apply(
     // the filter decides how many go.
     let bar = ProgressBar::new(u64::from(broker.depth(&dlq).await.unwrap_or(0)));
     let progress = |t: &dlq::Tally| bar.set_position(t.done as u64);
-    let result = dlq::apply(&broker, &target.queue, &dlq, action, &filter, dry_run, rate, &progress).await;
+    let job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
+    let result = dlq::apply(&broker, &job, &progress).await;
     bar.finish_and_clear();
     broker.close().await;
     let tally = result.with_context(|| format!("stopped; the messages not yet moved are still in {dlq}"))?;

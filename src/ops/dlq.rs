@@ -227,18 +227,28 @@ pub enum Action {
     Purge,
 }
 
-/// Redrives or purges the messages `filter` selects. `dry_run` only counts them; `rate`
-/// bounds messages per second; `progress` hears of each message done.
+/// A redrive or purge of one dead-letter queue.
+#[derive(Debug, Clone)]
+pub struct Job<'a> {
+    /// The pipeline queue a redrive sends the messages back to.
+    pub queue: &'a str,
+    pub dlq: &'a str,
+    pub action: Action,
+    pub filter: Filter,
+    /// Only count the selected messages.
+    pub dry_run: bool,
+    /// At most this many messages a second.
+    pub rate: Option<NonZeroU32>,
+}
+
+/// Redrives or purges the messages the job's filter selects; `progress` hears of each batch
+/// done.
 pub async fn apply<B: Broker>(
     broker: &B,
-    queue: &str,
-    dlq: &str,
-    action: Action,
-    filter: &Filter,
-    dry_run: bool,
-    rate: Option<NonZeroU32>,
+    job: &Job<'_>,
     progress: &(dyn Fn(&Tally) + Sync),
 ) -> Result<Tally, BrokerError> {
+    let Job { queue, dlq, action, ref filter, dry_run, rate } = *job;
     let limiter = rate.map(|r| DefaultDirectRateLimiter::direct(Quota::per_second(r)));
     let mut browse = Browse::open(broker, dlq).await?;
     let mut tally = Tally::default();

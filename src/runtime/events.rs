@@ -209,6 +209,11 @@ impl DepthEvents {
     }
 }
 
+/// Consumers attached to a queue (all runners'), from a poll: 0 with messages waiting is an alert.
+pub fn consumers(queue: &str, consumers: u32) {
+    gauge!("sluice_queue_consumers", "queue" => queue.to_string()).set(f64::from(consumers));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,9 +245,4 @@ mod tests {
         // Each queue on its own.
         assert!(events.should_warn("other", 4, at(1215)));
     }
-}
-
-/// Consumers attached to a queue (all runners'), from a poll: 0 with messages waiting is an alert.
-pub fn consumers(queue: &str, consumers: u32) {
-    gauge!("sluice_queue_consumers", "queue" => queue.to_string()).set(f64::from(consumers));
 }

@@ -103,11 +103,19 @@ async fn redrive_moves_the_selected_as_first_attempts_and_keeps_the_rest_in_orde
         dead(&broker, n, if n == 2 { "permanent" } else { "exhausted" }, Duration::from_secs(5)).await;
     }
     let filter = Filter { reason: Some("exhausted".into()), limit: Some(3), ..Filter::default() };
-    let dry = apply(&broker, "work", "work.dlq", Action::Redrive, &filter, true, None, &no_progress).await;
+    let job = |dry_run| Job {
+        queue: "work",
+        dlq: "work.dlq",
+        action: Action::Redrive,
+        filter: filter.clone(),
+        dry_run,
+        rate: None,
+    };
+    let dry = apply(&broker, &job(true), &no_progress).await;
     assert_eq!(dry.expect("dry run").selected, 3);
     assert_eq!(ids(&broker, "work.dlq").len(), 5, "a dry run moves nothing");
 
-    let tally = apply(&broker, "work", "work.dlq", Action::Redrive, &filter, false, None, &no_progress).await;
+    let tally = apply(&broker, &job(false), &no_progress).await;
     assert_eq!(tally.expect("redrive").done, 3);
     assert_eq!(ids(&broker, "work"), ["m0", "m1", "m3"]);
     assert_eq!(ids(&broker, "work.dlq"), ["m2", "m4"]);
@@ -126,7 +134,8 @@ async fn purge_removes_only_the_selected() {
         dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
     }
     let filter = Filter { ids: vec!["m1".into(), "m2".into()], ..Filter::default() };
-    let tally = apply(&broker, "work", "work.dlq", Action::Purge, &filter, false, None, &no_progress).await;
+    let job = Job { queue: "work", dlq: "work.dlq", action: Action::Purge, filter, dry_run: false, rate: None };
+    let tally = apply(&broker, &job, &no_progress).await;
     assert_eq!(tally.expect("purge").done, 2);
     assert_eq!(ids(&broker, "work.dlq"), ["m0", "m3"]);
     assert!(ids(&broker, "work").is_empty());

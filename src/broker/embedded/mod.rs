@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use self::store::{NewMessage, Stored, ms, now_ms};
-use self::writer::Op;
+use self::writer::{Op, Wakers};
 use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
 use crate::envelope;
 use crate::topology::Plan;
@@ -62,8 +62,7 @@ pub struct Embedded {
 
 struct Inner {
     ops: mpsc::Sender<Op>,
-    /// Poked after each commit that made messages ready.
-    woken: Arc<Notify>,
+    wakers: Arc<Wakers>,
     lease: Duration,
     connected: AtomicBool,
 }
@@ -81,9 +80,9 @@ impl Embedded {
 
     /// Opens with another lease than [`LEASE`].
     fn open_with_lease(path: &Path, lease: Duration) -> Result<Embedded, BrokerError> {
-        let woken = Arc::new(Notify::new());
-        let ops = writer::start(path, woken.clone())?;
-        Ok(Embedded { inner: Arc::new(Inner { ops, woken, lease, connected: AtomicBool::new(true) }) })
+        let wakers = Arc::new(Wakers::default());
+        let ops = writer::start(path, wakers.clone())?;
+        Ok(Embedded { inner: Arc::new(Inner { ops, wakers, lease, connected: AtomicBool::new(true) }) })
     }
 
     /// Sends a request to the writer and waits for its answer (after the commit).
@@ -154,12 +153,14 @@ async fn consume(
     let mut registered = true;
     // Whether to look before claiming: only after a quiet poll, to keep idle polls read-only.
     let mut look = false;
+    let Some(queue) = state.upgrade().map(|s| s.queue.clone()) else { return };
+    let wake = broker.inner.wakers.of(&queue);
     loop {
         let Some(s) = state.upgrade() else { return };
         if s.closed.is_cancelled() {
             return;
         }
-        let woken = broker.inner.woken.notified();
+        let woken = wake.notified();
         tokio::pin!(woken);
         woken.as_mut().enable();
         let room = s.prefetch.saturating_sub(u32::try_from(lock(&s.unsettled).len()).unwrap_or(u32::MAX));
@@ -226,7 +227,7 @@ async fn deliver(
     if !s.live.load(Ordering::SeqCst) {
         drop(unsettled);
         let ids = rows.iter().map(|r| r.id).collect();
-        let _ = broker.call(|reply| Op::Release { owner: s.owner, ids, reply }).await;
+        let _ = broker.call(|reply| Op::Release { owner: s.owner, queue: s.queue.clone(), ids, reply }).await;
         return;
     }
     for row in rows {
@@ -339,7 +340,7 @@ impl Consumer for EmbeddedConsumer {
         };
         s.cancelled.cancel();
         s.closed.cancel();
-        let _ = self.broker.call(|reply| Op::Release { owner: s.owner, ids, reply }).await;
+        let _ = self.broker.call(|reply| Op::Release { owner: s.owner, queue: s.queue.clone(), ids, reply }).await;
         let _ = renew(&self.broker, s, false).await;
     }
 }

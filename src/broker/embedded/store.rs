@@ -53,9 +53,14 @@ pub(super) struct Stored {
 struct Topology {
     version: i64,
     exchanges: HashMap<String, ExchangeKind>,
-    /// Queue name → its `max_length`.
-    queues: HashMap<String, Option<u64>>,
+    queues: HashMap<String, QueueRule>,
     bindings: Vec<(String, String, String, BTreeMap<String, Value>)>,
+}
+
+/// What the store enforces of a queue's declaration.
+struct QueueRule {
+    max_length: Option<u64>,
+    single_active_consumer: bool,
 }
 
 /// The statements on a store, and what they cache; the connection stays the caller's, so a
@@ -124,7 +129,7 @@ impl Store {
              INSERT OR IGNORE INTO meta (key, value) VALUES ('topology', 0);
              CREATE TABLE IF NOT EXISTS exchanges (name TEXT PRIMARY KEY, kind TEXT NOT NULL);
              CREATE TABLE IF NOT EXISTS queues (name TEXT PRIMARY KEY, declaration TEXT NOT NULL,
-                 max_length INTEGER);
+                 max_length INTEGER, single_active INTEGER NOT NULL);
              CREATE TABLE IF NOT EXISTS bindings (exchange TEXT NOT NULL, queue TEXT NOT NULL,
                  routing_key TEXT NOT NULL, arguments TEXT NOT NULL,
                  PRIMARY KEY (exchange, queue, routing_key, arguments));
@@ -134,7 +139,7 @@ impl Store {
                  timestamp INTEGER);
              CREATE INDEX IF NOT EXISTS messages_due ON messages (queue, visible_at, id);
              CREATE TABLE IF NOT EXISTS consumers (owner INTEGER PRIMARY KEY, queue TEXT NOT NULL,
-                 until INTEGER NOT NULL);",
+                 until INTEGER NOT NULL, since INTEGER NOT NULL);",
         )
         .map_err(|e| fail(&e))?;
         tx.commit().map_err(|e| fail(&e))?;
@@ -168,12 +173,14 @@ impl Store {
                 let kind = kind_from(&kind).ok_or(format!("exchange \"{name}\": unknown type \"{kind}\""))?;
                 t.exchanges.insert(name, kind);
             }
-            let mut s = db.prepare("SELECT name, max_length FROM queues").map_err(|e| e.to_string())?;
-            let rows = s.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?)));
+            let mut s = db.prepare("SELECT name, max_length, single_active FROM queues").map_err(|e| e.to_string())?;
+            let rows =
+                s.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?, r.get::<_, bool>(2)?)));
             for row in rows.map_err(|e| e.to_string())? {
-                let (name, max) = row.map_err(|e| e.to_string())?;
-                let max = max.map(u64::try_from).transpose().map_err(|_| format!("queue \"{name}\": max_length"))?;
-                t.queues.insert(name, max);
+                let (name, max, single_active_consumer) = row.map_err(|e| e.to_string())?;
+                let max_length =
+                    max.map(u64::try_from).transpose().map_err(|_| format!("queue \"{name}\": max_length"))?;
+                t.queues.insert(name, QueueRule { max_length, single_active_consumer });
             }
             let mut s = db
                 .prepare("SELECT exchange, queue, routing_key, arguments FROM bindings")
@@ -235,8 +242,9 @@ impl Store {
         for (q, declared) in queues {
             let max = q.max_length.map(|m| i64::try_from(m).unwrap_or(i64::MAX));
             db.execute(
-                "INSERT OR IGNORE INTO queues (name, declaration, max_length) VALUES (?1, ?2, ?3)",
-                params![q.name, declared, max],
+                "INSERT OR IGNORE INTO queues (name, declaration, max_length, single_active)
+                 VALUES (?1, ?2, ?3, ?4)",
+                params![q.name, declared, max, q.single_active_consumer],
             )
             .map_err(e)?;
         }
@@ -252,14 +260,15 @@ impl Store {
         Ok(())
     }
 
-    /// Routes a message and writes one copy into each queue it reaches, or nothing at all.
+    /// Routes a message and writes one copy into each queue it reaches, or nothing at all;
+    /// returns the queues.
     pub fn publish(
         &mut self,
         db: &Connection,
         exchange: &str,
         routing_key: &str,
         message: &NewMessage,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<Vec<String>, BrokerError> {
         self.refresh(db)?;
         let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
         let targets: BTreeSet<&str> = if exchange.is_empty() {
@@ -288,7 +297,7 @@ impl Store {
         for queue in &targets {
             self.insert(db, queue, message, 0)?;
         }
-        Ok(())
+        Ok(targets)
     }
 
     /// Writes one copy into `queue`, visible from `visible_at` (0: at once).
@@ -308,8 +317,8 @@ impl Store {
     /// (RabbitMQ's reject-publish).
     fn check_room(&self, db: &Connection, exchange: &str, queue: &str) -> Result<(), BrokerError> {
         let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
-        let max = topology.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
-        if let Some(max) = max {
+        let rule = topology.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        if let Some(max) = &rule.max_length {
             let ready = self.ready(db, queue)?;
             if u64::from(ready) >= *max {
                 return Err(BrokerError::Nacked { exchange: exchange.into() });
@@ -339,16 +348,29 @@ impl Store {
         Ok(())
     }
 
-    /// Leases up to `n` ready messages of `queue` to `owner` until `until`, oldest first.
+    /// Leases up to `n` ready messages of `queue` to `owner` until `until`, oldest first; none
+    /// to a consumer that is not the active one of a single-active-consumer queue (the live
+    /// one registered first).
     pub fn claim(
-        &self,
+        &mut self,
         db: &Connection,
         queue: &str,
         owner: i64,
         n: u32,
         until: i64,
     ) -> Result<Vec<Stored>, BrokerError> {
+        self.refresh(db)?;
         let e = |err| self.error(err);
+        let single = self.topology.as_ref().and_then(|t| t.queues.get(queue)).is_some_and(|q| q.single_active_consumer);
+        if single {
+            let active: Option<i64> = db
+                .prepare_cached("SELECT owner FROM consumers WHERE queue = ?1 AND until > ?2 ORDER BY since LIMIT 1")
+                .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| r.get(0)).optional())
+                .map_err(e)?;
+            if active != Some(owner) {
+                return Ok(Vec::new());
+            }
+        }
         // What came due (delayed copies, run-out leases) becomes plainly ready, in id order.
         db.prepare_cached(
             "UPDATE messages SET visible_at = 0, lease_owner = NULL
@@ -425,7 +447,8 @@ impl Store {
         let e = |err| self.error(err);
         if register {
             db.execute(
-                "INSERT INTO consumers (owner, queue, until) VALUES (?1, ?2, ?3)
+                "INSERT INTO consumers (owner, queue, until, since)
+                 VALUES (?1, ?2, ?3, (SELECT coalesce(max(since), 0) + 1 FROM consumers))
                  ON CONFLICT (owner) DO UPDATE SET until = excluded.until",
                 params![owner, queue, until],
             )

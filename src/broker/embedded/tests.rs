@@ -446,3 +446,32 @@ async fn a_backlog_passes_and_its_space_comes_back() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test]
+async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let plan = Plan { queues: vec![QueueDecl { single_active_consumer: true, ..queue("ordered") }], ..Plan::default() };
+    broker.declare(&plan).await.expect("declare");
+    let (mut first, active) = broker.consume("ordered", 10).await.expect("consume");
+    let (mut second, standby) = broker.consume("ordered", 10).await.expect("consume");
+    for i in 0..3 {
+        broker.publish("", "ordered", message(&i.to_string())).await.expect("publish");
+    }
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(text(&next(&mut first).await));
+    }
+    assert_eq!(got, ["0", "1", "2"]);
+    nothing_for(&mut second, Duration::from_millis(200)).await;
+    assert_eq!(broker.stats("ordered").await.expect("stats").consumers, 2);
+    // The active one goes: the other takes over, from what it handed back, in order.
+    active.close().await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(next(&mut second).await);
+    }
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), ["0", "1", "2"]);
+    standby.ack(got).await.expect("ack");
+    standby.close().await;
+}

@@ -4,9 +4,9 @@
 //! once the transaction has committed. SQLite allows one writer at a time anyway; batching is
 //! what lets thousands of messages a second through on a few commits.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, TransactionBehavior};
@@ -54,6 +54,7 @@ pub(super) enum Op {
     },
     Release {
         owner: i64,
+        queue: String,
         ids: Vec<i64>,
         reply: Reply<()>,
     },
@@ -81,9 +82,25 @@ impl Op {
     fn writes(&self) -> bool {
         !matches!(self, Op::HasReady { .. } | Op::Stats { .. } | Op::Delayed(_) | Op::Drift(..))
     }
+}
 
-    fn adds_messages(&self) -> bool {
-        matches!(self, Op::Publish { .. } | Op::Copy { .. } | Op::Release { .. })
+/// One [`Notify`] per queue that has consumers in this process: poked after a commit that made
+/// messages ready there, so only that queue's consumers look.
+#[derive(Default)]
+pub(super) struct Wakers(Mutex<HashMap<String, Arc<Notify>>>);
+
+impl Wakers {
+    /// The queue's notifier, made on first use.
+    pub fn of(&self, queue: &str) -> Arc<Notify> {
+        let mut map = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        map.entry(queue.to_string()).or_default().clone()
+    }
+
+    fn wake(&self, queue: &str) {
+        let map = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(notify) = map.get(queue) {
+            notify.notify_waiters();
+        }
     }
 }
 
@@ -99,20 +116,19 @@ fn finish<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) ->
     })
 }
 
-/// Opens the file and starts the writer thread; `woken` is poked after each commit that made
-/// messages ready.
-pub(super) fn start(path: &Path, woken: Arc<Notify>) -> Result<mpsc::Sender<Op>, BrokerError> {
+/// Opens the file and starts the writer thread, which wakes `wakers` after its commits.
+pub(super) fn start(path: &Path, wakers: Arc<Wakers>) -> Result<mpsc::Sender<Op>, BrokerError> {
     let (conn, store) = Store::open(path)?;
     let (sender, receiver) = mpsc::channel();
     std::thread::Builder::new()
         .name("sluice-embedded".into())
-        .spawn(move || run(conn, store, receiver, &woken))
+        .spawn(move || run(conn, store, receiver, &wakers))
         .map_err(|e| BrokerError::Connect { url: path.display().to_string(), reason: e.to_string() })?;
     Ok(sender)
 }
 
 /// Serves requests until every sender is gone.
-fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, woken: &Notify) {
+fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wakers: &Wakers) {
     let mut last_reclaim = Instant::now();
     // Acks left pages free since the last reclaim.
     let mut freed = false;
@@ -131,7 +147,7 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wok
                 }
             }
             freed |= ops.iter().any(|op| matches!(op, Op::Ack { .. }));
-            serve(&mut conn, &mut store, ops, woken);
+            serve(&mut conn, &mut store, ops, wakers);
         }
         if freed && last_reclaim.elapsed() >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
@@ -144,14 +160,15 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wok
 }
 
 /// Runs a batch: the writes in one transaction, answered after its commit.
-fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, woken: &Notify) {
+fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers) {
+    // Queues given ready messages by this batch.
+    let mut ready = Vec::new();
     if !ops.iter().any(Op::writes) {
         for op in ops {
-            apply(store, conn, op).0(None);
+            apply(store, conn, op, &mut ready).0(None);
         }
         return;
     }
-    let wake = ops.iter().any(Op::adds_messages);
     let mut finished = Vec::with_capacity(ops.len());
     let failed = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
         Err(e) => {
@@ -163,7 +180,7 @@ fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, woken: &Notify)
                 finished.push(match tx.savepoint() {
                     Err(e) => fail(op, store.error(e)),
                     Ok(sp) => {
-                        let (done, ok) = apply(store, &sp, op);
+                        let (done, ok) = apply(store, &sp, op, &mut ready);
                         if ok && let Err(e) = sp.commit() {
                             tracing::warn!(%e, "embedded broker: a savepoint did not commit");
                         }
@@ -181,8 +198,12 @@ fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, woken: &Notify)
     for f in finished {
         f(failed.as_ref());
     }
-    if wake && failed.is_none() {
-        woken.notify_waiters();
+    if failed.is_none() {
+        ready.sort_unstable();
+        ready.dedup();
+        for queue in ready {
+            wakers.wake(&queue);
+        }
     }
 }
 
@@ -203,8 +224,9 @@ fn fail(op: Op, e: BrokerError) -> Finish {
     }
 }
 
-/// Runs one request; says whether it succeeded (its writes are kept only then).
-fn apply(store: &mut Store, db: &Connection, op: Op) -> (Finish, bool) {
+/// Runs one request; says whether it succeeded (its writes are kept only then), and adds to
+/// `ready` the queues it gave ready messages.
+fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Vec<String>) -> (Finish, bool) {
     fn done<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) -> (Finish, bool) {
         let ok = result.is_ok();
         (finish(reply, result), ok)
@@ -212,12 +234,28 @@ fn apply(store: &mut Store, db: &Connection, op: Op) -> (Finish, bool) {
     match op {
         Op::Declare(plan, reply) => done(reply, store.declare(db, &plan)),
         Op::Publish { exchange, routing_key, message, reply } => {
-            done(reply, store.publish(db, &exchange, &routing_key, &message))
+            let result = store.publish(db, &exchange, &routing_key, &message);
+            if let Ok(targets) = &result {
+                ready.extend(targets.iter().cloned());
+            }
+            done(reply, result.map(drop))
         }
-        Op::Copy { queue, message, visible_at, reply } => done(reply, store.copy(db, &queue, &message, visible_at)),
+        Op::Copy { queue, message, visible_at, reply } => {
+            let result = store.copy(db, &queue, &message, visible_at);
+            if result.is_ok() && visible_at == 0 {
+                ready.push(queue);
+            }
+            done(reply, result)
+        }
         Op::Claim { queue, owner, n, until, reply } => done(reply, store.claim(db, &queue, owner, n, until)),
         Op::Ack { owner, ids, reply } => done(reply, store.ack(db, owner, &ids)),
-        Op::Release { owner, ids, reply } => done(reply, store.release(db, owner, &ids)),
+        Op::Release { owner, queue, ids, reply } => {
+            let result = store.release(db, owner, &ids);
+            if result.is_ok() && !ids.is_empty() {
+                ready.push(queue);
+            }
+            done(reply, result)
+        }
         Op::Renew { owner, queue, ids, until, register, reply } => {
             done(reply, store.renew(db, owner, &queue, &ids, until, register))
         }

@@ -159,7 +159,8 @@ impl Store {
     /// Reloads the cached declarations if a declare changed them since.
     fn refresh(&mut self, db: &Connection) -> Result<(), BrokerError> {
         let version: i64 = db
-            .query_row("SELECT value FROM meta WHERE key = 'topology'", [], |r| r.get(0))
+            .prepare_cached("SELECT value FROM meta WHERE key = 'topology'")
+            .and_then(|mut s| s.query_row([], |r| r.get(0)))
             .map_err(|e| self.error(e))?;
         if self.topology.as_ref().is_some_and(|t| t.version == version) {
             return Ok(());

@@ -404,7 +404,7 @@ async fn publish_consume_ack(broker: &Embedded, n: usize, body: &[u8]) -> f64 {
     rate
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_passes_and_its_space_comes_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("sluice.db");

@@ -1,7 +1,8 @@
 //! The one thread that talks to the file for a broker handle: it takes every request waiting
-//! on its channel and runs them in one write transaction (group commit), each request in a
-//! savepoint of its own so one refused publish leaves the others be, and answers each only
-//! once the transaction has committed. SQLite allows one writer at a time anyway; batching is
+//! on its channel and runs them in one write transaction (group commit), and answers each only
+//! once the transaction has committed. A request refused (a full queue, no route, a conflict)
+//! is refused before it writes anything, so the others go on; an error of the store itself
+//! fails the whole batch, which is rolled back. SQLite allows one writer at a time anyway; batching is
 //! what lets thousands of messages a second through on a few commits.
 
 use std::collections::HashMap;
@@ -175,20 +176,24 @@ fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers
             finished.extend(ops.into_iter().map(|op| fail(op, store.error(&e))));
             None
         }
-        Ok(mut tx) => {
+        Ok(tx) => {
+            let mut broken = None;
             for op in ops {
-                finished.push(match tx.savepoint() {
-                    Err(e) => fail(op, store.error(e)),
-                    Ok(sp) => {
-                        let (done, ok) = apply(store, &sp, op, &mut ready);
-                        if ok && let Err(e) = sp.commit() {
-                            tracing::warn!(%e, "embedded broker: a savepoint did not commit");
-                        }
-                        done
-                    }
-                });
+                if let Some(e) = &broken {
+                    finished.push(fail(op, BrokerError::clone(e)));
+                    continue;
+                }
+                let (done, result) = apply(store, &tx, op, &mut ready);
+                // Refusals come before any write; only the store's own errors leave half a request.
+                if let Err(e @ BrokerError::Lost(_)) = result {
+                    broken = Some(e);
+                }
+                finished.push(done);
             }
-            tx.commit().err().map(|e| store.error(e))
+            match broken {
+                Some(e) => Some(e),
+                None => tx.commit().err().map(|e| store.error(e)),
+            }
         }
     };
     if failed.is_some() {
@@ -224,12 +229,11 @@ fn fail(op: Op, e: BrokerError) -> Finish {
     }
 }
 
-/// Runs one request; says whether it succeeded (its writes are kept only then), and adds to
-/// `ready` the queues it gave ready messages.
-fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Vec<String>) -> (Finish, bool) {
-    fn done<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) -> (Finish, bool) {
-        let ok = result.is_ok();
-        (finish(reply, result), ok)
+/// Runs one request, says how it went, and adds to `ready` the queues it gave ready messages.
+fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Vec<String>) -> (Finish, Result<(), BrokerError>) {
+    fn done<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) -> (Finish, Result<(), BrokerError>) {
+        let outcome = result.as_ref().map(drop).map_err(BrokerError::clone);
+        (finish(reply, result), outcome)
     }
     match op {
         Op::Declare(plan, reply) => done(reply, store.declare(db, &plan)),

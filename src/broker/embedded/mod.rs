@@ -38,7 +38,8 @@ use tokio::sync::{Notify, mpsc as channel, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use self::store::{NewMessage, Stored, ms, now_ms};
+pub(crate) use self::store::now_ms;
+use self::store::{NewMessage, Stored, ms};
 use self::writer::{Op, Wakers};
 use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
 use crate::envelope;

@@ -21,8 +21,8 @@ use crate::topology::Plan;
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Milliseconds since the epoch.
-pub(super) fn now_ms() -> i64 {
+/// Milliseconds since the epoch: the clock of `visible_at` and lease ends.
+pub(crate) fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 

@@ -10,8 +10,8 @@
 //! Durability is SQLite's: each commit is in the write-ahead log before a publish is
 //! confirmed, and with `synchronous=NORMAL` a commit survives the process being killed (not
 //! necessarily the machine losing power, which may take back the last commits). No storage
-//! engine here: every write is SQL in one transaction per batch of requests (group commit,
-//! [`writer`]).
+//! engine here: every write is SQL in one transaction per batch of requests (group commit, on
+//! a thread of its own).
 //!
 //! Other processes (`sluice publish`, `sluice dlq`, `sluice status`) open the same file and
 //! work on the same state; their consumers count in `stats` while their registration is

@@ -447,6 +447,10 @@ impl Store {
     ) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
         if register {
+            // Registrations of consumers that died unclosed (their lease ran out) go.
+            db.prepare_cached("DELETE FROM consumers WHERE until <= ?1")
+                .and_then(|mut s| s.execute([now_ms()]))
+                .map_err(e)?;
             db.execute(
                 "INSERT INTO consumers (owner, queue, until, since)
                  VALUES (?1, ?2, ?3, (SELECT coalesce(max(since), 0) + 1 FROM consumers))

@@ -475,3 +475,20 @@ async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
     standby.ack(got).await.expect("ack");
     standby.close().await;
 }
+
+#[tokio::test]
+async fn a_corrupted_row_is_an_error_not_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sluice.db");
+    let broker = Embedded::open(&path).expect("open");
+    broker.declare(&work_plan()).await.expect("declare");
+    broker.publish("", "work", message("m")).await.expect("publish");
+    let db = rusqlite::Connection::open(&path).expect("open");
+    db.execute("UPDATE messages SET headers = '[1'", []).expect("corrupt");
+    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let error = tokio::time::timeout(DEADLINE, deliveries.next()).await.expect("in time").expect("an item");
+    let Err(BrokerError::Lost(text)) = error.map(|d| text(&d)) else { panic!("an error") };
+    assert!(text.contains("headers"), "{text}");
+    assert!(tokio::time::timeout(DEADLINE, deliveries.next()).await.expect("ends").is_none());
+    consumer.close().await;
+}

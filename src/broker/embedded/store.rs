@@ -68,6 +68,9 @@ struct QueueRule {
 pub(super) struct Store {
     path: String,
     topology: Option<Topology>,
+    /// Ready messages of the queues with `max_length` that this batch published to: counted
+    /// once per batch, then kept up to date by its inserts and claims.
+    ready_counts: HashMap<String, u64>,
 }
 
 fn kind_from(text: &str) -> Option<ExchangeKind> {
@@ -143,12 +146,18 @@ impl Store {
         )
         .map_err(|e| fail(&e))?;
         tx.commit().map_err(|e| fail(&e))?;
-        Ok((conn, Store { path: shown, topology: None }))
+        Ok((conn, Store { path: shown, topology: None, ready_counts: HashMap::new() }))
     }
 
     /// Drops the cached declarations (read in a transaction that did not commit).
     pub fn forget(&mut self) {
         self.topology = None;
+        self.ready_counts.clear();
+    }
+
+    /// Starts a batch: counts from another transaction may be stale.
+    pub fn new_batch(&mut self) {
+        self.ready_counts.clear();
     }
 
     /// An SQLite error as the broker's.
@@ -316,19 +325,30 @@ impl Store {
 
     /// A queue with `max_length` refuses a message once it holds that many ready ones
     /// (RabbitMQ's reject-publish).
-    fn check_room(&self, db: &Connection, exchange: &str, queue: &str) -> Result<(), BrokerError> {
+    fn check_room(&mut self, db: &Connection, exchange: &str, queue: &str) -> Result<(), BrokerError> {
         let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
         let rule = topology.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
-        if let Some(max) = &rule.max_length {
-            let ready = self.ready(db, queue)?;
-            if u64::from(ready) >= *max {
-                return Err(BrokerError::Nacked { exchange: exchange.into() });
+        let Some(max) = rule.max_length else { return Ok(()) };
+        let ready = match self.ready_counts.get(queue) {
+            Some(n) => *n,
+            None => {
+                let n = u64::from(self.ready(db, queue)?);
+                self.ready_counts.insert(queue.to_string(), n);
+                n
             }
+        };
+        if ready >= max {
+            return Err(BrokerError::Nacked { exchange: exchange.into() });
         }
         Ok(())
     }
 
-    fn insert(&self, db: &Connection, queue: &str, m: &NewMessage, visible_at: i64) -> Result<(), BrokerError> {
+    fn insert(&mut self, db: &Connection, queue: &str, m: &NewMessage, visible_at: i64) -> Result<(), BrokerError> {
+        if visible_at <= now_ms()
+            && let Some(n) = self.ready_counts.get_mut(queue)
+        {
+            *n += 1;
+        }
         let timestamp = m.timestamp.map(|t| i64::try_from(t).unwrap_or(i64::MAX));
         db.prepare_cached(
             "INSERT INTO messages (queue, visible_at, body, headers, message_id, kind, timestamp)
@@ -410,6 +430,9 @@ impl Store {
                 .push(Stored { id, message: NewMessage { body: body.into(), headers, message_id, kind, timestamp } });
         }
         claimed.sort_by_key(|s| s.id);
+        if let Some(n) = self.ready_counts.get_mut(queue) {
+            *n = n.saturating_sub(claimed.len() as u64);
+        }
         Ok(claimed)
     }
 
@@ -424,7 +447,8 @@ impl Store {
     }
 
     /// Hands `owner`'s messages back, ready at once in their old places.
-    pub fn release(&self, db: &Connection, owner: i64, ids: &[i64]) -> Result<(), BrokerError> {
+    pub fn release(&mut self, db: &Connection, owner: i64, ids: &[i64]) -> Result<(), BrokerError> {
+        self.ready_counts.clear();
         let mut s = db
             .prepare_cached("UPDATE messages SET visible_at = 0, lease_owner = NULL WHERE id = ?1 AND lease_owner = ?2")
             .map_err(|e| self.error(e))?;

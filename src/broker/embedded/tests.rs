@@ -302,6 +302,19 @@ async fn a_full_queue_refuses_the_whole_publish() {
     let refused = broker.publish("f", "", message("3")).await;
     assert!(matches!(&refused, Err(BrokerError::Nacked { exchange }) if exchange == "f"), "{refused:?}");
     assert_eq!((broker.depth("small").await.expect("d"), broker.depth("big").await.expect("d")), (2, 2));
+
+    // Publishes that land in one batch count each other.
+    let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
+    let results = futures_util::future::join_all(racing).await;
+    assert!(results.iter().all(|r| matches!(r, Err(BrokerError::Nacked { .. }))), "{results:?}");
+    let (mut deliveries, consumer) = broker.consume("small", 1).await.expect("consume");
+    let taken = next(&mut deliveries).await;
+    let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
+    let accepted = futures_util::future::join_all(racing).await.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(accepted, 1, "room for one");
+    consumer.ack(vec![taken]).await.expect("ack");
+    consumer.close().await;
+    assert_eq!(broker.depth("small").await.expect("depth"), 2);
 }
 
 #[tokio::test]

@@ -162,6 +162,7 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
 
 /// Runs a batch: the writes in one transaction, answered after its commit.
 fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers) {
+    store.new_batch();
     // Queues given ready messages by this batch.
     let mut ready = Vec::new();
     if !ops.iter().any(Op::writes) {

@@ -18,6 +18,12 @@
 //! renewed. In-process publishes wake consumers at once; another process's, within [`POLL`].
 //! Freed pages go back to the file system a bounded number at a time (incremental
 //! auto-vacuum), so the file shrinks after a backlog drains.
+//!
+//! Limits: a delayed copy is delivered within [`POLL`] after it is due; `delayed()` scans the
+//! messages; `max_length` counts ready messages as RabbitMQ does (not those delivered, nor
+//! delayed copies not yet due); a row corrupted in the file fails each claim of its queue (an
+//! error on the consumer's stream, never a panic) until it is removed. One machine only: the
+//! file must be on a local disk (SQLite's WAL needs shared memory between the processes).
 
 mod store;
 #[cfg(test)]

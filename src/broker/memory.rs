@@ -1,4 +1,4 @@
-//! An in-memory broker for the runtime's unit tests: queues, bindings (direct, fanout, topic),
+//! An in-memory broker for the runtime's unit tests: queues, bindings (routed as RabbitMQ does),
 //! consumers with prefetch, acks, delayed copies on tokio's clock (so tests run on paused time,
 //! with no sleeps), dead-lettering, and a consumer's unsettled deliveries handed back when it
 //! closes. A declaration that differs from what exists is refused, as RabbitMQ refuses one.
@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
+use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, route};
 use crate::config::ExchangeKind;
 use crate::envelope;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
@@ -130,22 +130,6 @@ fn dispatch(state: &mut State) {
             let _ = sender.send(MemoryDelivery { tag, message, live: consumer.live.clone() });
         }
     }
-}
-
-/// AMQP topic matching: `*` is one word, `#` zero or more.
-pub fn topic_match(pattern: &str, key: &str) -> bool {
-    fn go(p: &[&str], k: &[&str]) -> bool {
-        match (p.first(), k.first()) {
-            (None, None) => true,
-            (Some(&"#"), _) => go(&p[1..], k) || (!k.is_empty() && go(p, &k[1..])),
-            (Some(&"*"), Some(_)) => go(&p[1..], &k[1..]),
-            (Some(a), Some(b)) if a == b => go(&p[1..], &k[1..]),
-            _ => false,
-        }
-    }
-    let p: Vec<&str> = pattern.split('.').collect();
-    let k: Vec<&str> = key.split('.').collect();
-    go(&p, &k)
 }
 
 /// A delivery from the in-memory broker.
@@ -293,11 +277,7 @@ impl Broker for Memory {
                     .bindings
                     .iter()
                     .filter(|b| b.exchange == exchange)
-                    .filter(|b| match kind {
-                        ExchangeKind::Fanout | ExchangeKind::Headers => true,
-                        ExchangeKind::Direct => b.routing_key == routing_key,
-                        ExchangeKind::Topic => topic_match(&b.routing_key, routing_key),
-                    })
+                    .filter(|b| route::routes(kind, &b.routing_key, &b.arguments, routing_key, &message.headers))
                     .map(|b| b.queue.clone())
                     .collect()
             }

@@ -9,8 +9,10 @@
 //! only: no retry policy, no classification, no envelopes.
 
 pub mod amqp;
+pub mod embedded;
 #[cfg(test)]
 pub mod memory;
+pub mod route;
 
 use std::collections::BTreeMap;
 use std::future::Future;

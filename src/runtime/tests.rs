@@ -1,11 +1,13 @@
 //! The runtime's rules, in-process against the in-memory broker (issue 10): every disposition
 //! and what it leaves behind, the ack window, a reload that adds, changes and removes queues,
-//! a refused reload that changes nothing, drain before replace, and shutdown.
+//! a refused reload that changes nothing, drain before replace, and shutdown. The dispositions
+//! the ack window, drain before replace and shutdown also run on the embedded broker (issue 12):
+//! one suite, two brokers.
 //!
 //! Real time with tiny retry delays; every wait is on a condition with a deadline, and an
 //! absence is asserted only once a positive condition shows the system has settled.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,8 +20,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Options, Reload, RunError, run};
 use crate::admin::Readiness;
-use crate::broker::memory::Memory;
-use crate::broker::{Broker as _, BrokerError, Outgoing};
+use crate::broker::embedded::Embedded;
+use crate::broker::memory::{Memory, Message};
+use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
 use crate::config::Config;
 use crate::dedup::{Location, Store};
 use crate::envelope::{self, Envelope};
@@ -102,32 +105,148 @@ fn message(key: &str, payload: &Value) -> Vec<u8> {
     Envelope::new("test", payload, Some(key.into())).encode()
 }
 
-/// `run` over an in-memory broker, with the handles a test drives it by.
-struct Runner {
-    memory: Memory,
+/// What the tests read of a broker, at once and without going through it.
+trait Inspect: Send + Sync {
+    /// Open consumers of `queue`.
+    fn consumers(&self, queue: &str) -> usize;
+    /// Deliveries of `queue` handed out and not yet acked.
+    fn unacked(&self, queue: &str) -> usize;
+    /// Messages ready in `queue`, oldest first.
+    fn messages(&self, queue: &str) -> Vec<Message>;
+    /// Delayed copies not yet due.
+    fn delayed(&self) -> u32;
+}
+
+impl Inspect for Memory {
+    fn consumers(&self, queue: &str) -> usize {
+        Memory::consumers(self, queue)
+    }
+
+    fn unacked(&self, queue: &str) -> usize {
+        Memory::unacked(self, queue)
+    }
+
+    fn messages(&self, queue: &str) -> Vec<Message> {
+        Memory::messages(self, queue)
+    }
+
+    fn delayed(&self) -> u32 {
+        Broker::delayed(self).now_or_never().expect("in-memory").expect("delayed")
+    }
+}
+
+/// The embedded broker's file, read through a connection of its own (as another process
+/// would).
+struct File {
+    path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl File {
+    /// A new file and the broker on it.
+    fn new() -> (Embedded, File) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sluice.db");
+        (Embedded::open(&path).expect("open"), File { path, _dir: dir })
+    }
+
+    fn count(&self, sql: &str, queue: &str) -> usize {
+        let db = rusqlite::Connection::open(&self.path).expect("open");
+        let now = crate::broker::embedded::now_ms();
+        let n: i64 = db.query_row(sql, rusqlite::params![queue, now], |r| r.get(0)).expect(sql);
+        usize::try_from(n).expect("a count")
+    }
+}
+
+impl Inspect for File {
+    fn consumers(&self, queue: &str) -> usize {
+        self.count("SELECT count(*) FROM consumers WHERE queue = ?1 AND until > ?2", queue)
+    }
+
+    fn unacked(&self, queue: &str) -> usize {
+        self.count(
+            "SELECT count(*) FROM messages WHERE queue = ?1 AND lease_owner IS NOT NULL AND visible_at > ?2",
+            queue,
+        )
+    }
+
+    fn messages(&self, queue: &str) -> Vec<Message> {
+        let db = rusqlite::Connection::open(&self.path).expect("open");
+        let mut s = db
+            .prepare("SELECT body, headers, message_id, timestamp FROM messages WHERE queue = ?1 AND visible_at <= ?2 ORDER BY id")
+            .expect("prepare");
+        let rows = s.query_map(rusqlite::params![queue, crate::broker::embedded::now_ms()], |r| {
+            Ok((
+                r.get::<_, Vec<u8>>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, Option<i64>>(3)?,
+            ))
+        });
+        rows.expect("query")
+            .map(|row| {
+                let (body, headers, message_id, timestamp) = row.expect("row");
+                let headers: BTreeMap<String, Value> = serde_json::from_str(&headers).expect("headers");
+                let headers: Headers = headers
+                    .into_iter()
+                    .map(|(k, v)| match v {
+                        Value::String(s) => (k, HeaderValue::Str(s)),
+                        other => (k, HeaderValue::Int(other.as_i64().expect("an integer header"))),
+                    })
+                    .collect();
+                Message { body: body.into(), headers, message_id, timestamp: timestamp.map(|t| t as u64) }
+            })
+            .collect()
+    }
+
+    fn delayed(&self) -> u32 {
+        let db = rusqlite::Connection::open(&self.path).expect("open");
+        let sql = "SELECT count(*) FROM messages WHERE lease_owner IS NULL AND visible_at > ?1";
+        db.query_row(sql, [crate::broker::embedded::now_ms()], |r| r.get(0)).expect(sql)
+    }
+}
+
+/// `run` over a broker, with the handles a test drives it by: `memory` is the broker (the
+/// in-memory one unless a test says otherwise), `look` reads it.
+struct Runner<B: Broker = Memory> {
+    memory: B,
+    look: Arc<dyn Inspect>,
     reloads: mpsc::UnboundedSender<Reload>,
     shutdown: CancellationToken,
     readiness: Readiness,
     task: JoinHandle<Result<(), RunError>>,
 }
 
-impl Runner {
-    /// Starts `config` and waits until each of its queues has its consumer.
-    async fn start(config: Arc<Config>, store: Option<Store>, grace: Duration) -> Runner {
+impl Runner<Memory> {
+    /// Starts `config` on a new in-memory broker.
+    async fn start(config: Arc<Config>, store: Option<Store>, grace: Duration) -> Runner<Memory> {
         let memory = Memory::new();
+        Runner::start_on(memory.clone(), Arc::new(memory), config, store, grace).await
+    }
+}
+
+impl<B: Broker> Runner<B> {
+    /// Starts `config` on `broker` and waits until each of its queues has its consumer.
+    async fn start_on(
+        broker: B,
+        look: Arc<dyn Inspect>,
+        config: Arc<Config>,
+        store: Option<Store>,
+        grace: Duration,
+    ) -> Runner<B> {
         let queues: Vec<String> = config.queues.keys().cloned().collect();
         let (reloads, received) = mpsc::unbounded_channel();
         let shutdown = CancellationToken::new();
         let readiness = Readiness::default();
         let options = Options { shutdown_grace: grace, exit_when_idle: false, readiness: readiness.clone() };
-        let session = memory.clone();
+        let session = broker.clone();
         let connect = move || {
             let session = session.clone();
             async move { Ok::<_, BrokerError>(session) }
         };
         let task = tokio::spawn(run(config, connect, store, options, received, shutdown.clone()));
-        wait_until("every queue has a consumer", || queues.iter().all(|q| memory.consumers(q) == 1)).await;
-        Runner { memory, reloads, shutdown, readiness, task }
+        wait_until("every queue has a consumer", || queues.iter().all(|q| look.consumers(q) == 1)).await;
+        Runner { memory: broker, look, reloads, shutdown, readiness, task }
     }
 
     async fn publish(&self, queue: &str, body: Vec<u8>) {
@@ -142,21 +261,33 @@ impl Runner {
 
     /// Nothing ready or unacked in `queue`, and no delayed copy on its way back.
     fn settled(&self, queue: &str) -> bool {
-        let delayed = self.memory.delayed().now_or_never().expect("in-memory").expect("delayed");
-        self.memory.unacked(queue) == 0 && self.memory.messages(queue).is_empty() && delayed == 0
+        self.look.unacked(queue) == 0 && self.look.messages(queue).is_empty() && self.look.delayed() == 0
     }
 
     fn depth(&self, queue: &str) -> usize {
-        self.memory.messages(queue).len()
+        self.look.messages(queue).len()
     }
 
     /// Cancels the token and returns how `run` ended and how long that took.
-    async fn stop(self, within: Duration) -> (Result<(), RunError>, Duration, Memory, Readiness) {
+    async fn stop(self, within: Duration) -> (Result<(), RunError>, Duration, B, Readiness) {
         let started = Instant::now();
         self.shutdown.cancel();
         let ended = tokio::time::timeout(within, self.task).await.expect("run returns in time").expect("no panic");
         (ended, started.elapsed(), self.memory, self.readiness)
     }
+}
+
+/// A new broker for a test, and what reads it.
+type NewBroker<B> = fn() -> (B, Arc<dyn Inspect>);
+
+fn memory() -> (Memory, Arc<dyn Inspect>) {
+    let memory = Memory::new();
+    (memory.clone(), Arc::new(memory))
+}
+
+fn embedded() -> (Embedded, Arc<dyn Inspect>) {
+    let (broker, file) = File::new();
+    (broker, Arc::new(file))
 }
 
 fn names(list: &[&str]) -> BTreeSet<String> {
@@ -191,6 +322,16 @@ struct Row {
 /// dead-letter queue holds exactly the copy the disposition calls for, with its reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_disposition_ends_acked_with_its_effects() {
+    dispositions(memory).await;
+}
+
+/// Issue 12: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_disposition_ends_acked_with_its_effects_on_the_embedded_broker() {
+    dispositions(embedded).await;
+}
+
+async fn dispositions<B: Broker>(new: NewBroker<B>) {
     let rows = [
         Row {
             name: "success",
@@ -306,7 +447,8 @@ async fn every_disposition_ends_acked_with_its_effects() {
         let runs = pipeline.file("runs");
         let args: Vec<&str> = [runs.as_str()].into_iter().chain(row.args.iter().copied()).collect();
         let config = pipeline.config(&[("work", command(row.script, &args, row.extra))]);
-        let runner = Runner::start(config, Some(store.clone()), GRACE).await;
+        let (broker, look) = new();
+        let runner = Runner::start_on(broker, look, config, Some(store.clone()), GRACE).await;
         let body = match &row.body {
             Body::Payload(payload) => message(&key, payload),
             Body::Raw(text) => text.as_bytes().to_vec(),
@@ -323,7 +465,7 @@ async fn every_disposition_ends_acked_with_its_effects() {
         .await;
         let runs: Vec<String> = row.runs.iter().map(|attempt| format!("{key} {attempt}")).collect();
         assert_eq!(pipeline.lines("runs"), runs, "{}: handler runs", row.name);
-        let dlq = runner.memory.messages("work.dlq");
+        let dlq = runner.look.messages("work.dlq");
         let found: Vec<_> =
             dlq.iter().map(|m| (m.header(envelope::REASON_HEADER), m.header(envelope::ATTEMPTS_HEADER))).collect();
         let expected: Vec<_> = row.dead.iter().map(|(r, a)| (Some(r.to_string()), Some(a.to_string()))).collect();
@@ -341,18 +483,29 @@ async fn every_disposition_ends_acked_with_its_effects() {
 /// nothing unacked and nothing handled twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ack_window_settles_every_delivery_once() {
+    ack_window(memory).await;
+}
+
+/// Issue 12: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ack_window_settles_every_delivery_once_on_the_embedded_broker() {
+    ack_window(embedded).await;
+}
+
+async fn ack_window<B: Broker>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let runs = pipeline.file("runs");
     let script = r#"sleep "$2"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
     let config = pipeline.config(&[("work", command(script, &[&runs, "{{payload.sleep}}"], "    concurrency: 8\n"))]);
-    let runner = Runner::start(config, Some(pipeline.store().await), GRACE).await;
+    let (broker, look) = new();
+    let runner = Runner::start_on(broker, look, config, Some(pipeline.store().await), GRACE).await;
     let speeds = ["0", "0.03", "0.01", "0.02", "0", "0.005"];
     for i in 0..50 {
         runner.publish("work", message(&format!("k{i:02}"), &json!({"sleep": speeds[i % speeds.len()]}))).await;
     }
     let mut most_unacked = 0;
     wait_until("50 messages handled and acked", || {
-        most_unacked = most_unacked.max(runner.memory.unacked("work"));
+        most_unacked = most_unacked.max(runner.look.unacked("work"));
         runner.settled("work") && pipeline.lines("runs").len() == 50
     })
     .await;
@@ -454,11 +607,23 @@ async fn a_refused_reload_keeps_the_old_config_running() {
 /// before the new worker starts: handled once, never handed back and run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_drains_in_flight_deliveries_before_replacing() {
+    drain_before_replace(memory).await;
+}
+
+/// Issue 12: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_drains_in_flight_deliveries_before_replacing_on_the_embedded_broker() {
+    drain_before_replace(embedded).await;
+}
+
+async fn drain_before_replace<B: Broker>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
     let slow = r#"echo started >> "$2"; sleep 0.3; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
     let queue = |concurrency: u16| command(slow, &[&runs, &started], &format!("    concurrency: {concurrency}\n"));
-    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), Some(pipeline.store().await), GRACE).await;
+    let (broker, look) = new();
+    let config = pipeline.config(&[("work", queue(2))]);
+    let runner = Runner::start_on(broker, look, config, Some(pipeline.store().await), GRACE).await;
     runner.publish("work", message("k1", &json!({}))).await;
     wait_until("k1 in flight", || pipeline.lines("started").len() == 1).await;
 
@@ -466,7 +631,7 @@ async fn a_reload_drains_in_flight_deliveries_before_replacing() {
     assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
     // The reload returned: k1 was finished and acked by then, not handed back.
     assert_eq!(pipeline.lines("runs"), ["k1 1"]);
-    assert_eq!((runner.memory.unacked("work"), runner.depth("work")), (0, 0));
+    assert_eq!((runner.look.unacked("work"), runner.depth("work")), (0, 0));
 
     runner.publish("work", message("k2", &json!({}))).await;
     wait_until("k2 handled by the new worker", || runner.settled("work") && pipeline.lines("runs").len() == 2).await;
@@ -480,6 +645,16 @@ async fn a_reload_drains_in_flight_deliveries_before_replacing() {
 /// grace the unfinished delivery goes back to the broker (not acked, not dead-lettered).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_finishes_in_flight_deliveries_within_the_grace() {
+    shutdown(memory).await;
+}
+
+/// Issue 12: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_in_flight_deliveries_within_the_grace_on_the_embedded_broker() {
+    shutdown(embedded).await;
+}
+
+async fn shutdown<B: Broker>(new: NewBroker<B>) {
     // What, the grace, how long the handler takes, then: lines written, left in the queue.
     let rows: [(&str, Duration, &str, usize, usize); 2] =
         [("finished within the grace", GRACE, "0.3", 1, 0), ("grace expired", Duration::from_millis(100), "3", 0, 1)];
@@ -488,20 +663,21 @@ async fn shutdown_finishes_in_flight_deliveries_within_the_grace() {
         let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
         let script = r#"echo started >> "$2"; sleep "$3"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
         let config = pipeline.config(&[("work", command(script, &[&runs, &started, sleep], ""))]);
-        let runner = Runner::start(config, Some(pipeline.store().await), grace).await;
+        let (broker, look) = new();
+        let runner = Runner::start_on(broker, look.clone(), config, Some(pipeline.store().await), grace).await;
         wait_until("ready", || runner.readiness.get()).await;
         runner.publish("work", message("k1", &json!({}))).await;
         wait_until("k1 in flight", || pipeline.lines("started").len() == 1).await;
 
-        let (ended, took, memory, readiness) = runner.stop(grace + Duration::from_secs(1)).await;
+        let (ended, took, _, readiness) = runner.stop(grace + Duration::from_secs(1)).await;
         assert!(ended.is_ok(), "{what}: {ended:?}");
         assert!(!readiness.get(), "{what}: not ready once stopped");
         assert_eq!(pipeline.lines("runs").len(), lines, "{what}: handler finished");
         assert_eq!(
-            (memory.messages("work").len(), memory.unacked("work"), memory.consumers("work")),
+            (look.messages("work").len(), look.unacked("work"), look.consumers("work")),
             (left, 0, 0),
             "{what}: ready, unacked, consumers after run returned (took {took:?})"
         );
-        assert!(memory.messages("work.dlq").is_empty(), "{what}: nothing dead-lettered");
+        assert!(look.messages("work.dlq").is_empty(), "{what}: nothing dead-lettered");
     }
 }

@@ -1,0 +1,507 @@
+//! The embedded broker (issue 12) on real files in temporary directories: routing as
+//! RabbitMQ routes, prefetch, order, hand-back, leases, delays, reject-publish, declarations,
+//! dead-letter and redrive headers, a second process on the same file, and disk space.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::*;
+use crate::broker::route::topic_match;
+use crate::config::{ExchangeKind, QueueKind};
+use crate::topology::{BindingDecl, ExchangeDecl, QueueDecl, Role};
+
+/// How long a condition may take before the test fails.
+const DEADLINE: Duration = Duration::from_secs(5);
+
+fn queue(name: &str) -> QueueDecl {
+    QueueDecl {
+        name: name.into(),
+        role: Role::Work,
+        kind: QueueKind::Quorum,
+        dead_letter: None,
+        max_length: None,
+        single_active_consumer: false,
+    }
+}
+
+fn binding(exchange: &str, queue: &str, key: &str, arguments: serde_json::Value) -> BindingDecl {
+    let arguments = match arguments {
+        serde_json::Value::Object(map) => map.into_iter().collect(),
+        _ => BTreeMap::new(),
+    };
+    BindingDecl { exchange: exchange.into(), queue: queue.into(), routing_key: key.into(), arguments }
+}
+
+/// One work queue `work` and its dead-letter queue `work.dlq`.
+fn work_plan() -> Plan {
+    Plan { exchanges: Vec::new(), queues: vec![queue("work"), queue("work.dlq")], bindings: Vec::new() }
+}
+
+fn message(body: &str) -> Outgoing {
+    Outgoing {
+        body: body.as_bytes().to_vec(),
+        message_id: Some(format!("id-{body}")),
+        kind: Some("t".into()),
+        timestamp: Some(1_700_000_000),
+        headers: Headers::from([(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1))]),
+    }
+}
+
+async fn open(dir: &tempfile::TempDir) -> Embedded {
+    Embedded::open(&dir.path().join("broker").join("sluice.db")).expect("open")
+}
+
+async fn next(deliveries: &mut EmbeddedDeliveries) -> EmbeddedDelivery {
+    tokio::time::timeout(DEADLINE, deliveries.next())
+        .await
+        .expect("a delivery in time")
+        .expect("the stream is open")
+        .expect("no error")
+}
+
+fn text(d: &EmbeddedDelivery) -> String {
+    String::from_utf8_lossy(d.body()).into_owned()
+}
+
+/// Asserts that nothing arrives for a while (after a positive condition showed the consumer
+/// is running).
+async fn nothing_for(deliveries: &mut EmbeddedDeliveries, wait: Duration) {
+    if let Ok(Some(d)) = tokio::time::timeout(wait, deliveries.next()).await {
+        panic!("unexpected delivery {:?}", d.map(|d| text(&d)));
+    }
+}
+
+#[test]
+fn topic_words_as_rabbitmq_splits_them() {
+    let cases = [
+        ("#", "", true),
+        ("#", "a.b.c", true),
+        ("*", "", false),
+        ("*", "a", true),
+        ("*", "a.b", false),
+        ("", "", true),
+        ("a.#", "a", true),
+        ("a.#.b", "a.b", true),
+        ("a.#.b", "a.x.y.b", true),
+        ("a.#.b", "a.x.y.c", false),
+        ("a.*.b", "a.b", false),
+        ("a.*.b", "a.x.b", true),
+        ("#.b", "b", true),
+        ("a.*", "a.", true),
+        ("a", "a.b", false),
+    ];
+    for (pattern, key, expected) in cases {
+        assert_eq!(topic_match(pattern, key), expected, "pattern {pattern:?} key {key:?}");
+    }
+}
+
+#[tokio::test]
+async fn every_exchange_type_routes_as_rabbitmq_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let exchange = |name: &str, kind| ExchangeDecl { name: name.into(), kind };
+    let plan = Plan {
+        exchanges: vec![
+            exchange("d", ExchangeKind::Direct),
+            exchange("f", ExchangeKind::Fanout),
+            exchange("t", ExchangeKind::Topic),
+            exchange("h", ExchangeKind::Headers),
+        ],
+        queues: ["d1", "d2", "f1", "f2", "t1", "t2", "t3", "h-all", "h-any", "h-empty"].map(queue).to_vec(),
+        bindings: vec![
+            binding("d", "d1", "k", json!(null)),
+            binding("d", "d2", "other", json!(null)),
+            binding("f", "f1", "ignored", json!(null)),
+            binding("f", "f2", "", json!(null)),
+            binding("t", "t1", "a.*", json!(null)),
+            binding("t", "t2", "a.#.z", json!(null)),
+            binding("t", "t3", "#", json!(null)),
+            binding("t", "t3", "a.*", json!(null)),
+            binding("h", "h-all", "", json!({"x-match": "all", "format": "pdf", "size": 2, "x-note": "skipped"})),
+            binding("h", "h-any", "", json!({"x-match": "any", "format": "pdf", "size": 2})),
+            binding("h", "h-empty", "", json!({})),
+        ],
+    };
+    broker.declare(&plan).await.expect("declare");
+    let headers =
+        |pairs: &[(&str, HeaderValue)]| -> Headers { pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect() };
+    let str = |s: &str| HeaderValue::Str(s.into());
+    let cases: Vec<(&str, &str, Headers, &[&str])> = vec![
+        ("d", "k", Headers::new(), &["d1"]),
+        ("f", "anything", Headers::new(), &["f1", "f2"]),
+        ("t", "a.b", Headers::new(), &["t1", "t3"]),
+        ("t", "a.z", Headers::new(), &["t1", "t2", "t3"]),
+        ("t", "a.b.c.z", Headers::new(), &["t2", "t3"]),
+        ("t", "", Headers::new(), &["t3"]),
+        ("h", "", headers(&[("format", str("pdf")), ("size", HeaderValue::Int(2))]), &["h-all", "h-any", "h-empty"]),
+        ("h", "", headers(&[("format", str("pdf"))]), &["h-any", "h-empty"]),
+        ("h", "", headers(&[("size", str("2"))]), &["h-empty"]),
+        ("", "d2", Headers::new(), &["d2"]),
+    ];
+    for (exchange, key, headers, expected) in cases {
+        let before: Vec<u32> = {
+            let mut v = Vec::new();
+            for q in &plan.queues {
+                v.push(broker.depth(&q.name).await.expect("depth"));
+            }
+            v
+        };
+        let m = Outgoing { headers, ..message("x") };
+        broker.publish(exchange, key, m).await.unwrap_or_else(|e| panic!("{exchange} {key}: {e}"));
+        let mut reached = Vec::new();
+        for (q, before) in plan.queues.iter().zip(before) {
+            let after = broker.depth(&q.name).await.expect("depth");
+            assert!(after - before <= 1, "{}: one copy per queue, however many bindings match", q.name);
+            if after > before {
+                reached.push(q.name.as_str());
+            }
+        }
+        assert_eq!(reached, expected, "exchange {exchange:?} key {key:?}");
+    }
+    assert!(matches!(broker.publish("d", "nobody", message("x")).await, Err(BrokerError::Unroutable { .. })));
+    assert!(matches!(broker.publish("", "no-such-queue", message("x")).await, Err(BrokerError::Unroutable { .. })));
+    assert!(matches!(broker.publish("missing", "k", message("x")).await, Err(BrokerError::NotFound(_))));
+}
+
+#[tokio::test]
+async fn prefetch_order_ack_and_hand_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    broker.declare(&work_plan()).await.expect("declare");
+    for i in 0..6 {
+        broker.publish("", "work", message(&i.to_string())).await.expect("publish");
+    }
+    let (mut deliveries, consumer) = broker.consume("work", 2).await.expect("consume");
+    let (a, b) = (next(&mut deliveries).await, next(&mut deliveries).await);
+    assert_eq!((text(&a), text(&b)), ("0".into(), "1".into()));
+    assert_eq!(a.message_id(), Some("id-0"));
+    assert_eq!(a.timestamp(), Some(1_700_000_000));
+    assert_eq!(a.header(envelope::ATTEMPT_HEADER), Some(HeaderValue::Int(1)));
+    assert_eq!(a.headers()[envelope::ATTEMPT_HEADER], json!(1));
+    nothing_for(&mut deliveries, Duration::from_millis(200)).await;
+    assert_eq!(broker.stats("work").await.expect("stats"), QueueStats { ready: 4, consumers: 1 });
+    consumer.ack(vec![a]).await.expect("ack");
+    let c = next(&mut deliveries).await;
+    assert_eq!(text(&c), "2");
+    nothing_for(&mut deliveries, Duration::from_millis(100)).await;
+    // Closing hands back b and c, which come first again, in order.
+    consumer.close().await;
+    assert!(!b.is_live());
+    assert!(matches!(consumer.ack(vec![b]).await, Err(BrokerError::Lost(_))));
+    let (mut deliveries, consumer) = broker.consume("work", 100).await.expect("consume");
+    let mut got = Vec::new();
+    for _ in 0..5 {
+        got.push(next(&mut deliveries).await);
+    }
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), ["1", "2", "3", "4", "5"]);
+    consumer.ack(got).await.expect("ack");
+    assert_eq!(broker.stats("work").await.expect("stats"), QueueStats { ready: 0, consumers: 1 });
+    // Cancelled: the stream ends; closed: no consumer left.
+    consumer.cancel().await.expect("cancel");
+    assert!(tokio::time::timeout(DEADLINE, deliveries.next()).await.expect("ends").is_none());
+    consumer.close().await;
+    assert_eq!(broker.stats("work").await.expect("stats").consumers, 0);
+}
+
+#[tokio::test]
+async fn another_process_on_the_same_file_sees_and_wakes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = open(&dir).await;
+    runner.declare(&work_plan()).await.expect("declare");
+    let other = open(&dir).await;
+    let (mut deliveries, consumer) = runner.consume("work", 10).await.expect("consume");
+    // Let the consumer go idle, polling.
+    nothing_for(&mut deliveries, Duration::from_millis(150)).await;
+    assert_eq!(other.stats("work").await.expect("stats"), QueueStats { ready: 0, consumers: 1 });
+    let sent = Instant::now();
+    other.publish("", "work", message("from afar")).await.expect("publish");
+    let d = next(&mut deliveries).await;
+    let waited = sent.elapsed();
+    assert_eq!(text(&d), "from afar");
+    assert!(waited < Duration::from_millis(300), "woken after {waited:?}");
+    consumer.ack(vec![d]).await.expect("ack");
+    assert_eq!(other.depth("work").await.expect("depth"), 0);
+    consumer.close().await;
+}
+
+#[tokio::test]
+async fn a_killed_consumers_messages_come_back_after_the_lease() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sluice.db");
+    let lease = Duration::from_millis(400);
+    let killed = Embedded::open_with_lease(&path, lease).expect("open");
+    killed.declare(&work_plan()).await.expect("declare");
+    for i in 0..3 {
+        killed.publish("", "work", message(&i.to_string())).await.expect("publish");
+    }
+    let (mut deliveries, consumer) = killed.consume("work", 2).await.expect("consume");
+    let _held = (next(&mut deliveries).await, next(&mut deliveries).await);
+    // The consumer renews its leases while it lives.
+    tokio::time::sleep(lease * 2).await;
+    let survivor = Embedded::open_with_lease(&path, lease).expect("open");
+    assert_eq!(survivor.depth("work").await.expect("depth"), 1, "the two held stay leased");
+    // Killed: every handle dropped, nothing closed.
+    drop((deliveries, consumer, killed));
+    let since = Instant::now();
+    let (mut deliveries, consumer) = survivor.consume("work", 10).await.expect("consume");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(next(&mut deliveries).await);
+    }
+    assert!(since.elapsed() < lease * 4, "back after {:?}", since.elapsed());
+    let mut bodies: Vec<String> = got.iter().map(text).collect();
+    bodies.sort();
+    assert_eq!(bodies, ["0", "1", "2"]);
+    consumer.ack(got).await.expect("ack");
+    consumer.close().await;
+}
+
+#[tokio::test]
+async fn delayed_copies_wait_without_blocking_each_other() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    broker.declare(&work_plan()).await.expect("declare");
+    broker.publish("", "work", message("original")).await.expect("publish");
+    let (mut deliveries, consumer) = broker.consume("work", 10).await.expect("consume");
+    let original = next(&mut deliveries).await;
+    let retry = |n: i64| Headers::from([(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(n))]);
+    broker.publish_delayed("work", Duration::from_secs(3600), &original, retry(9)).await.expect("long");
+    let sent = Instant::now();
+    broker.publish_delayed("work", Duration::from_millis(300), &original, retry(2)).await.expect("short");
+    consumer.ack(vec![original]).await.expect("ack");
+    assert_eq!(broker.delayed().await.expect("delayed"), 2);
+    assert_eq!(broker.depth("work").await.expect("depth"), 0, "invisible until due");
+    let copy = next(&mut deliveries).await;
+    let waited = sent.elapsed();
+    assert!(waited >= Duration::from_millis(300), "due after 300 ms, came after {waited:?}");
+    assert!(waited < Duration::from_millis(1000), "came after {waited:?}");
+    assert_eq!(copy.header(envelope::ATTEMPT_HEADER), Some(HeaderValue::Int(2)));
+    assert_eq!((text(&copy), copy.message_id()), ("original".into(), Some("id-original")));
+    assert_eq!(broker.delayed().await.expect("delayed"), 1);
+    consumer.ack(vec![copy]).await.expect("ack");
+    consumer.close().await;
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_the_whole_publish() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let plan = Plan {
+        exchanges: vec![ExchangeDecl { name: "f".into(), kind: ExchangeKind::Fanout }],
+        queues: vec![QueueDecl { max_length: Some(2), ..queue("small") }, queue("big")],
+        bindings: vec![binding("f", "small", "", json!(null)), binding("f", "big", "", json!(null))],
+    };
+    broker.declare(&plan).await.expect("declare");
+    for i in 0..2 {
+        broker.publish("f", "", message(&i.to_string())).await.expect("room");
+    }
+    let refused = broker.publish("f", "", message("3")).await;
+    assert!(matches!(&refused, Err(BrokerError::Nacked { exchange }) if exchange == "f"), "{refused:?}");
+    assert_eq!((broker.depth("small").await.expect("d"), broker.depth("big").await.expect("d")), (2, 2));
+
+    // Publishes that land in one batch count each other.
+    let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
+    let results = futures_util::future::join_all(racing).await;
+    assert!(results.iter().all(|r| matches!(r, Err(BrokerError::Nacked { .. }))), "{results:?}");
+    let (mut deliveries, consumer) = broker.consume("small", 1).await.expect("consume");
+    let taken = next(&mut deliveries).await;
+    let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
+    let accepted = futures_util::future::join_all(racing).await.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(accepted, 1, "room for one");
+    consumer.ack(vec![taken]).await.expect("ack");
+    consumer.close().await;
+    assert_eq!(broker.depth("small").await.expect("depth"), 2);
+}
+
+#[tokio::test]
+async fn a_differing_declaration_is_a_conflict_naming_both() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let mut plan = work_plan();
+    plan.exchanges.push(ExchangeDecl { name: "ev".into(), kind: ExchangeKind::Topic });
+    plan.bindings.push(binding("ev", "work", "a.*", json!(null)));
+    assert_eq!(broker.drift(&plan).await.expect("drift").len(), 4);
+    broker.declare(&plan).await.expect("declare");
+    broker.declare(&plan).await.expect("idempotent");
+    assert_eq!(broker.drift(&plan).await.expect("drift"), []);
+
+    let mut bigger = plan.clone();
+    bigger.queues[0].max_length = Some(5);
+    let Err(BrokerError::Conflict(text)) = broker.declare(&bigger).await else { panic!("a conflict") };
+    assert!(
+        text.contains("queue \"work\"") && text.contains("\"max_length\":null") && text.contains("\"max_length\":5")
+    );
+    let mut other_kind = plan.clone();
+    other_kind.exchanges[0].kind = ExchangeKind::Direct;
+    let Err(BrokerError::Conflict(text)) = broker.declare(&other_kind).await else { panic!("a conflict") };
+    assert_eq!(text, "exchange \"ev\" exists as topic and is declared as direct");
+    let drift = broker.drift(&other_kind).await.expect("drift");
+    assert!(matches!(&drift[..], [Drift::Conflict { what, .. }] if what == "exchange"), "{drift:?}");
+}
+
+#[tokio::test]
+async fn dead_letter_and_redrive_carry_the_right_headers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    broker.declare(&work_plan()).await.expect("declare");
+    broker.publish("", "work", message("m")).await.expect("publish");
+    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let original = next(&mut deliveries).await;
+    let failure: Headers = [
+        (envelope::REASON_HEADER, HeaderValue::Str("permanent".into())),
+        (envelope::ERROR_HEADER, HeaderValue::Str("HTTP 422".into())),
+        (envelope::ATTEMPTS_HEADER, HeaderValue::Int(3)),
+        (envelope::FAILED_AT_HEADER, HeaderValue::Str("2026-12-01T00:00:00Z".into())),
+        (envelope::SOURCE_QUEUE_HEADER, HeaderValue::Str("work".into())),
+        (envelope::ATTEMPT_HEADER, HeaderValue::Int(3)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    broker.dead_letter("work.dlq", &original, failure.clone()).await.expect("dead-letter");
+    consumer.ack(vec![original]).await.expect("ack");
+    consumer.close().await;
+
+    let (mut dead, browser) = broker.browse("work.dlq", 10).await.expect("browse");
+    let copy = next(&mut dead).await;
+    assert_eq!(text(&copy), "m");
+    for (k, v) in &failure {
+        assert_eq!(copy.header(k).as_ref(), Some(v), "{k}");
+    }
+    broker.redrive("work", &copy).await.expect("redrive");
+    browser.ack(vec![copy]).await.expect("ack");
+    browser.close().await;
+    assert_eq!(broker.depth("work.dlq").await.expect("depth"), 0);
+
+    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let again = next(&mut deliveries).await;
+    assert_eq!(again.headers(), BTreeMap::from([(envelope::ATTEMPT_HEADER.to_string(), json!(1))]));
+    assert_eq!(again.message_id(), Some("id-m"));
+    consumer.ack(vec![again]).await.expect("ack");
+    consumer.close().await;
+}
+
+/// Publishes `n` messages from 32 tasks and consumes them with one consumer acking in
+/// batches; returns messages a second, end to end.
+async fn publish_consume_ack(broker: &Embedded, n: usize, body: &[u8]) -> f64 {
+    let started = Instant::now();
+    let (mut deliveries, consumer) = broker.consume("work", 256).await.expect("consume");
+    let publishers: Vec<_> = (0..32)
+        .map(|p| {
+            let (broker, body) = (broker.clone(), body.to_vec());
+            tokio::spawn(async move {
+                for _ in (p..n).step_by(32) {
+                    let m = Outgoing { body: body.clone(), ..Outgoing::default() };
+                    broker.publish("", "work", m).await.expect("publish");
+                }
+            })
+        })
+        .collect();
+    let mut batch = Vec::new();
+    for _ in 0..n {
+        batch.push(next(&mut deliveries).await);
+        if batch.len() == 64 {
+            consumer.ack(std::mem::take(&mut batch)).await.expect("ack");
+        }
+    }
+    consumer.ack(batch).await.expect("ack");
+    for p in publishers {
+        p.await.expect("publisher");
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    consumer.close().await;
+    rate
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_passes_and_its_space_comes_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sluice.db");
+    let broker = Embedded::open(&path).expect("open");
+    broker.declare(&work_plan()).await.expect("declare");
+    let rate = publish_consume_ack(&broker, 10_000, &[b'x'; 200]).await;
+    eprintln!("publish, consume and ack: {rate:.0} messages/s");
+    assert_eq!(broker.depth("work").await.expect("depth"), 0);
+
+    for i in 0..2_000 {
+        broker
+            .publish("", "work", Outgoing { body: vec![b'y'; 4096], ..message(&i.to_string()) })
+            .await
+            .expect("publish");
+    }
+    let db = rusqlite::Connection::open(&path).expect("inspect");
+    let pages = |db: &rusqlite::Connection| -> (i64, i64) {
+        let count = db.query_row("PRAGMA page_count", [], |r| r.get(0)).expect("page_count");
+        let free = db.query_row("PRAGMA freelist_count", [], |r| r.get(0)).expect("freelist_count");
+        (count, free)
+    };
+    let (full, _) = pages(&db);
+    let (mut deliveries, consumer) = broker.consume("work", 500).await.expect("consume");
+    for _ in 0..4 {
+        let mut batch = Vec::new();
+        for _ in 0..500 {
+            batch.push(next(&mut deliveries).await);
+        }
+        consumer.ack(batch).await.expect("ack");
+    }
+    consumer.close().await;
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let (count, free) = pages(&db);
+        if count < full / 2 && free < 300 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{count} pages ({free} free) of {full}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let plan = Plan { queues: vec![QueueDecl { single_active_consumer: true, ..queue("ordered") }], ..Plan::default() };
+    broker.declare(&plan).await.expect("declare");
+    let (mut first, active) = broker.consume("ordered", 10).await.expect("consume");
+    let (mut second, standby) = broker.consume("ordered", 10).await.expect("consume");
+    for i in 0..3 {
+        broker.publish("", "ordered", message(&i.to_string())).await.expect("publish");
+    }
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(text(&next(&mut first).await));
+    }
+    assert_eq!(got, ["0", "1", "2"]);
+    nothing_for(&mut second, Duration::from_millis(200)).await;
+    assert_eq!(broker.stats("ordered").await.expect("stats").consumers, 2);
+    // The active one goes: the other takes over, from what it handed back, in order.
+    active.close().await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(next(&mut second).await);
+    }
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), ["0", "1", "2"]);
+    standby.ack(got).await.expect("ack");
+    standby.close().await;
+}
+
+#[tokio::test]
+async fn a_corrupted_row_is_an_error_not_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sluice.db");
+    let broker = Embedded::open(&path).expect("open");
+    broker.declare(&work_plan()).await.expect("declare");
+    broker.publish("", "work", message("m")).await.expect("publish");
+    let db = rusqlite::Connection::open(&path).expect("open");
+    db.execute("UPDATE messages SET headers = '[1'", []).expect("corrupt");
+    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let error = tokio::time::timeout(DEADLINE, deliveries.next()).await.expect("in time").expect("an item");
+    let Err(BrokerError::Lost(text)) = error.map(|d| text(&d)) else { panic!("an error") };
+    assert!(text.contains("headers"), "{text}");
+    assert!(tokio::time::timeout(DEADLINE, deliveries.next()).await.expect("ends").is_none());
+    consumer.close().await;
+}

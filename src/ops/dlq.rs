@@ -30,8 +30,10 @@ pub const MAX_HELD: u16 = u16::MAX;
 /// another client holds are not delivered until it lets them go.
 const QUIET: Duration = Duration::from_secs(3);
 
-/// Redrive copies awaiting their confirms at once.
-const IN_FLIGHT: usize = 1024;
+/// Redrive copies awaiting their confirms at once. Also the bound on what a crash can leave
+/// both redriven and still dead-lettered (with the confirmed copies not yet acked): more bought
+/// little speed (BENCHMARKS.md).
+const IN_FLIGHT: usize = 256;
 
 /// One dead-lettered message, as `sluice dlq list` shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -249,7 +251,8 @@ pub async fn apply<B: Broker>(
     progress: &(dyn Fn(&Tally) + Sync),
 ) -> Result<Tally, BrokerError> {
     let Job { queue, dlq, action, ref filter, dry_run, rate } = *job;
-    let limiter = rate.map(|r| DefaultDirectRateLimiter::direct(Quota::per_second(r)));
+    // No burst: `--rate 100/s` means evenly, not 100 at once and then one every 10 ms.
+    let limiter = rate.map(|r| DefaultDirectRateLimiter::direct(Quota::per_second(r).allow_burst(NonZeroU32::MIN)));
     let mut browse = Browse::open(broker, dlq).await?;
     let mut tally = Tally::default();
     let now = now();

@@ -157,11 +157,7 @@ impl Delivery for MemoryDelivery {
     }
 
     fn headers(&self) -> BTreeMap<String, serde_json::Value> {
-        let json = |v: &HeaderValue| match v {
-            HeaderValue::Str(s) => serde_json::Value::from(s.as_str()),
-            HeaderValue::Int(i) => serde_json::Value::from(*i),
-        };
-        self.message.headers.iter().map(|(k, v)| (k.clone(), json(v))).collect()
+        self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
     }
 
     fn is_live(&self) -> bool {

@@ -39,6 +39,14 @@ impl HeaderValue {
             HeaderValue::Int(i) => i.to_string(),
         }
     }
+
+    /// The value as JSON, for showing a message to a person.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            HeaderValue::Str(s) => serde_json::Value::from(s.as_str()),
+            HeaderValue::Int(i) => serde_json::Value::from(*i),
+        }
+    }
 }
 
 /// Headers to set on a message (merged over the original's on a copy).

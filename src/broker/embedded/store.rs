@@ -214,33 +214,10 @@ impl Store {
     /// what is missing.
     pub fn declare(&self, db: &Connection, plan: &Plan) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
-        for x in &plan.exchanges {
-            let kind: Option<String> = db
-                .query_row("SELECT kind FROM exchanges WHERE name = ?1", [&x.name], |r| r.get(0))
-                .optional()
-                .map_err(e)?;
-            if let Some(kind) = kind.filter(|k| k != x.kind.as_str()) {
-                return Err(BrokerError::Conflict(format!(
-                    "exchange \"{}\" exists as {kind} and is declared as {}",
-                    x.name,
-                    x.kind.as_str()
-                )));
-            }
-        }
-        let mut queues = Vec::new();
-        for q in &plan.queues {
-            let declared = serde_json::to_string(q).map_err(|err| self.error(err))?;
-            let existing: Option<String> = db
-                .query_row("SELECT declaration FROM queues WHERE name = ?1", [&q.name], |r| r.get(0))
-                .optional()
-                .map_err(e)?;
-            if let Some(existing) = existing.filter(|d| *d != declared) {
-                return Err(BrokerError::Conflict(format!(
-                    "queue \"{}\" exists as {existing} and is declared as {declared}",
-                    q.name
-                )));
-            }
-            queues.push((q, declared));
+        if let Some(Drift::Conflict { what, name, detail }) =
+            self.drift(db, plan)?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
+        {
+            return Err(BrokerError::Conflict(format!("{what} \"{name}\" conflicts with what exists: {detail}")));
         }
         for x in &plan.exchanges {
             db.execute(
@@ -249,7 +226,8 @@ impl Store {
             )
             .map_err(e)?;
         }
-        for (q, declared) in queues {
+        for q in &plan.queues {
+            let declared = serde_json::to_string(q).map_err(|err| self.error(err))?;
             let max = q.max_length.map(|m| i64::try_from(m).unwrap_or(i64::MAX));
             db.execute(
                 "INSERT OR IGNORE INTO queues (name, declaration, max_length, single_active)

@@ -338,7 +338,7 @@ async fn a_differing_declaration_is_a_conflict_naming_both() {
     let mut other_kind = plan.clone();
     other_kind.exchanges[0].kind = ExchangeKind::Direct;
     let Err(BrokerError::Conflict(text)) = broker.declare(&other_kind).await else { panic!("a conflict") };
-    assert_eq!(text, "exchange \"ev\" exists as topic and is declared as direct");
+    assert_eq!(text, "exchange \"ev\" conflicts with what exists: type: declared direct but current is topic");
     let drift = broker.drift(&other_kind).await.expect("drift");
     assert!(matches!(&drift[..], [Drift::Conflict { what, .. }] if what == "exchange"), "{drift:?}");
 }

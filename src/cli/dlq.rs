@@ -207,10 +207,13 @@ async fn apply(
 ) -> anyhow::Result<()> {
     let dlq = target.dead_letter_queue()?;
     let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
-    // A bar only on a terminal (indicatif draws nothing otherwise); its length is a guess:
-    // the filter decides how many go.
-    let bar = ProgressBar::new(u64::from(broker.depth(&dlq).await.unwrap_or(0)));
-    let progress = |t: &dlq::Tally| bar.set_position(t.done as u64);
+    // A bar only on a terminal (indicatif draws nothing otherwise); its length is the queue's
+    // depth, the most a filter can select.
+    let bar = ProgressBar::no_length();
+    let progress = |t: &dlq::Tally| {
+        bar.set_length(u64::from(t.queued));
+        bar.set_position(t.done as u64);
+    };
     let job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
     let result = dlq::apply(&broker, &job, &progress).await;
     bar.finish_and_clear();

@@ -93,6 +93,8 @@ impl Filter {
 /// What a pass over a dead-letter queue did.
 #[derive(Debug, Default, Serialize)]
 pub struct Tally {
+    /// Messages in the dead-letter queue when the pass began: how many it reads at most.
+    pub queued: u32,
     /// Messages read.
     pub read: usize,
     /// Messages the filter selected (redriven or purged unless a dry run).
@@ -254,7 +256,8 @@ pub async fn apply<B: Broker>(
     // No burst: `--rate 100/s` means evenly, not 100 at once and then one every 10 ms.
     let limiter = rate.map(|r| DefaultDirectRateLimiter::direct(Quota::per_second(r).allow_burst(NonZeroU32::MIN)));
     let mut browse = Browse::open(broker, dlq).await?;
-    let mut tally = Tally::default();
+    let mut tally = Tally { queued: browse.remaining, ..Tally::default() };
+    progress(&tally);
     let now = now();
     // Copies awaiting their confirms, concurrently; each yields its delivery once confirmed.
     let mut pending = FuturesUnordered::new();

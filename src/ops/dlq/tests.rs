@@ -112,7 +112,8 @@ async fn redrive_moves_the_selected_as_first_attempts_and_keeps_the_rest_in_orde
         rate: None,
     };
     let dry = apply(&broker, &job(true), &no_progress).await;
-    assert_eq!(dry.expect("dry run").selected, 3);
+    let dry = dry.expect("dry run");
+    assert_eq!((dry.queued, dry.read, dry.selected, dry.done), (5, 4, 3, 0), "read until the third selected");
     assert_eq!(ids(&broker, "work.dlq").len(), 5, "a dry run moves nothing");
 
     let tally = apply(&broker, &job(false), &no_progress).await;

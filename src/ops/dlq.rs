@@ -106,7 +106,7 @@ pub struct Tally {
 }
 
 /// Seconds since the epoch.
-pub(super) fn now() -> u64 {
+fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -157,7 +157,12 @@ struct Browse<B: Broker> {
 impl<B: Broker> Browse<B> {
     async fn open(broker: &B, dlq: &str) -> Result<Browse<B>, BrokerError> {
         let remaining = broker.depth(dlq).await?;
-        let (deliveries, consumer) = broker.browse(dlq, MAX_HELD).await?;
+        Browse::start(broker, dlq, remaining, MAX_HELD).await
+    }
+
+    /// A browse of at most `remaining` messages, `window` held at once.
+    async fn start(broker: &B, dlq: &str, remaining: u32, window: u16) -> Result<Browse<B>, BrokerError> {
+        let (deliveries, consumer) = broker.browse(dlq, window).await?;
         Ok(Browse { deliveries, consumer, remaining })
     }
 
@@ -200,6 +205,14 @@ pub async fn list<B: Broker>(broker: &B, dlq: &str, filter: &Filter) -> Result<(
     tally.selected = entries.len();
     tally.unread = browse.close().await;
     result.map(|()| (entries, tally))
+}
+
+/// The message at the head of a dead-letter queue (the oldest), read and handed back.
+pub async fn head<B: Broker>(broker: &B, dlq: &str) -> Result<Option<Entry>, BrokerError> {
+    let mut browse = Browse::start(broker, dlq, 1, 1).await?;
+    let head = browse.next().await;
+    browse.close().await;
+    Ok(head?.map(|delivery| describe(&delivery, now())))
 }
 
 /// One dead-lettered message by id, headers and body.

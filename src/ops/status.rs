@@ -9,9 +9,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::dlq;
-use crate::broker::{Broker, BrokerError, Consumer as _};
+use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
-use futures_util::StreamExt as _;
 
 /// One pipeline queue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -46,7 +45,10 @@ pub async fn read<B: Broker>(
     for q in config.queues.values() {
         let stats = broker.stats(&q.name).await?;
         let dead_lettered = broker.depth(&q.dead_letter).await?;
-        let oldest = if dead_lettered > 0 { oldest_age(broker, &q.dead_letter).await? } else { None };
+        let oldest = match dead_lettered {
+            0 => None,
+            _ => dlq::head(broker, &q.dead_letter).await?.and_then(|e| e.age_seconds),
+        };
         queues.push(Row {
             queue: q.name.clone(),
             ready: stats.ready,
@@ -58,17 +60,6 @@ pub async fn read<B: Broker>(
         });
     }
     Ok(Status { queues, retries_waiting: broker.delayed().await? })
-}
-
-/// The age of the message at the head of a dead-letter queue, read and handed back.
-async fn oldest_age<B: Broker>(broker: &B, dlq: &str) -> Result<Option<u64>, BrokerError> {
-    let (mut deliveries, consumer) = broker.browse(dlq, 1).await?;
-    let head = tokio::time::timeout(std::time::Duration::from_secs(1), deliveries.next()).await;
-    consumer.close().await;
-    match head {
-        Ok(Some(delivery)) => Ok(dlq::describe(&delivery?, dlq::now()).age_seconds),
-        _ => Ok(None),
-    }
 }
 
 /// Adds the `sluice_in_flight{queue="..."}` samples of one runner's `/metrics` text to `held`.

@@ -365,10 +365,9 @@ async fn drift(plan: topology::Plan, url: String, timeout: Duration, format: Pla
         output::stdout(&amqp::render(&declarations, format))?;
     }
     let conflicts = drift.iter().filter(|d| matches!(d, Drift::Conflict { .. })).count();
-    let mut text = format!("\nbroker {} differs from the files:\n", amqp::redact(&url));
-    if drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. })) {
-        text = format!("\nbroker {} matches the files\n", amqp::redact(&url));
-    }
+    let matches = drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. }));
+    let verdict = if matches { "matches the files" } else { "differs from the files:" };
+    let mut text = format!("\nbroker {} {verdict}\n", amqp::redact(&url));
     for d in &drift {
         text.push_str(&format!("  {d}\n"));
     }

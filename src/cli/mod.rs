@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::Readiness;
 use crate::broker::amqp::{self, Amqp, PlanFormat};
+use crate::broker::embedded::Embedded;
 use crate::config::{self, Format};
 use crate::dedup::{Location, Store};
 use crate::envelope::Envelope;
@@ -55,8 +56,8 @@ enum Command {
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
-        /// Compare with this broker (amqp://...): missing exchanges and queues, and
-        /// declarations that conflict with what exists. Nothing is created.
+        /// Compare with this broker (amqp://... or the embedded broker's directory): missing
+        /// exchanges and queues, and declarations that conflict with what exists. Nothing is created.
         #[arg(long = "broker")]
         broker: Option<String>,
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -131,13 +132,64 @@ enum Command {
 /// Where the broker is.
 #[derive(Debug, clap::Args)]
 pub struct BrokerArg {
-    /// amqp://user:pass@host:port/vhost (default: $SLUICE_BROKER, else the local RabbitMQ).
+    /// amqp://user:pass@host:port/vhost (or amqps://) for RabbitMQ; otherwise the directory of
+    /// the embedded broker (default: $SLUICE_BROKER, else .sluice).
     #[arg(long = "broker", env = "SLUICE_BROKER", default_value = DEFAULT_BROKER, hide_env_values = true)]
     pub url: String,
-    /// How long connecting to the broker (TCP, TLS and the AMQP handshake) may take.
+    /// How long connecting to RabbitMQ (TCP, TLS and the AMQP handshake) may take.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
 }
+
+/// Which broker `--broker` names.
+enum Endpoint<'a> {
+    Amqp(&'a str),
+    /// The embedded broker's file.
+    Embedded(PathBuf),
+}
+
+impl BrokerArg {
+    fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
+        let url = self.url.as_str();
+        if url.starts_with("amqp://") || url.starts_with("amqps://") {
+            return Ok(Endpoint::Amqp(url));
+        }
+        if let Some((scheme, _)) = url.split_once("://") {
+            anyhow::bail!(
+                "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, or a directory for the embedded broker",
+                amqp::redact(url)
+            );
+        }
+        Ok(Endpoint::Embedded(Path::new(url).join(EMBEDDED_FILE)))
+    }
+
+    /// The broker for logs and messages: the URL with its password masked, or the directory.
+    fn display(&self) -> String {
+        match self.endpoint() {
+            Ok(Endpoint::Embedded(_)) => format!("embedded in {}", self.url),
+            _ => amqp::redact(&self.url),
+        }
+    }
+}
+
+/// Runs `$body` with `$broker` bound to a session with the broker `$arg` names, either kind;
+/// `$body` is compiled once for each.
+macro_rules! with_broker {
+    ($arg:expr, |$broker:ident| $body:expr) => {{
+        let arg: &$crate::cli::BrokerArg = $arg;
+        match arg.endpoint()? {
+            $crate::cli::Endpoint::Amqp(url) => {
+                let $broker = $crate::broker::amqp::Amqp::connect(url, arg.connect_timeout).await?;
+                $body
+            }
+            $crate::cli::Endpoint::Embedded(path) => {
+                let $broker = $crate::broker::embedded::Embedded::open(&path)?;
+                $body
+            }
+        }
+    }};
+}
+use with_broker;
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -146,8 +198,11 @@ enum LogFormat {
     Json,
 }
 
-/// Until the embedded broker exists, the default is the RabbitMQ on this machine.
-const DEFAULT_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The embedded broker's directory, beside the idempotency store's.
+const DEFAULT_BROKER: &str = ".sluice";
+
+/// The embedded broker's file in its directory.
+const EMBEDDED_FILE: &str = "broker.db";
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
     config::parse_duration(text).ok_or_else(|| format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h"))
@@ -173,7 +228,8 @@ pub fn main() -> ExitCode {
             let plan = topology::plan(&config);
             match broker {
                 Some(url) => {
-                    exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, url, connect_timeout, format)))
+                    let broker = BrokerArg { url, connect_timeout };
+                    exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, broker, format)))
                 }
                 None => exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into)),
             }
@@ -266,6 +322,7 @@ async fn run(
     admin: Option<String>,
     options: runtime::Options,
 ) -> anyhow::Result<()> {
+    let endpoint = broker.endpoint()?;
     // Watching starts before the first load, so that no edit in between goes unseen.
     let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
     let Some(mut config) = load_or_report(&paths) else {
@@ -305,18 +362,30 @@ async fn run(
     };
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
-        broker = %amqp::redact(&broker.url),
+        broker = %broker.display(),
         queues = %queues.join(", "),
         dedup = %dedup,
         "starting"
     );
-    let connect = || Amqp::connect(&broker.url, broker.connect_timeout);
     let (reload, reloads) = tokio::sync::mpsc::unbounded_channel();
     let mut requests = requests;
     requests.set_paths(reload::loader::watched(&paths, &config));
     tokio::spawn(reload::loader::serve(paths, requests, reload, shutdown.clone()));
+    let config = Arc::new(config);
+    let running = async {
+        match endpoint {
+            Endpoint::Amqp(url) => {
+                let connect = || Amqp::connect(url, broker.connect_timeout);
+                runtime::run(config, connect, store, options, reloads, shutdown).await
+            }
+            Endpoint::Embedded(path) => {
+                let connect = || std::future::ready(Embedded::open(&path));
+                runtime::run(config, connect, store, options, reloads, shutdown).await
+            }
+        }
+    };
     tokio::select! {
-        result = runtime::run(Arc::new(config), connect, store, options, reloads, shutdown) => Ok(result?),
+        result = running => Ok(result?),
         // Returning drops the handlers under way, killing their process groups; the broker
         // gets their messages back when the connection goes.
         () = forced.cancelled() => anyhow::bail!(
@@ -354,12 +423,13 @@ async fn signals(shutdown: CancellationToken, forced: CancellationToken) {
 /// `sluice plan --broker`: the plan, then how the live broker differs from it (with JSON, one
 /// object `{"plan", "drift"}`; with the graph formats, the differences on stderr). A conflict
 /// fails: `run` would refuse to start.
-async fn drift(plan: topology::Plan, url: String, timeout: Duration, format: PlanFormat) -> anyhow::Result<()> {
+async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> anyhow::Result<()> {
     use crate::broker::{Broker as _, Drift};
-    let broker = Amqp::connect(&url, timeout).await?;
-    let drift = broker.drift(&plan).await;
-    broker.close().await;
-    let drift = drift?;
+    let drift = with_broker!(&broker, |session| {
+        let drift = session.drift(&plan).await;
+        session.close().await;
+        drift?
+    });
     let declarations = amqp::declarations(&plan);
     if format != PlanFormat::Json {
         output::stdout(&amqp::render(&declarations, format))?;
@@ -367,7 +437,7 @@ async fn drift(plan: topology::Plan, url: String, timeout: Duration, format: Pla
     let conflicts = drift.iter().filter(|d| matches!(d, Drift::Conflict { .. })).count();
     let matches = drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. }));
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
-    let mut text = format!("\nbroker {} {verdict}\n", amqp::redact(&url));
+    let mut text = format!("\nbroker {} {verdict}\n", broker.display());
     for d in &drift {
         text.push_str(&format!("  {d}\n"));
     }

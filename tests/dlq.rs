@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use sluice::broker::amqp::Amqp;
 use sluice::broker::{Broker as _, HeaderValue, Headers};
 use sluice::envelope::{self, Envelope};
-use support::{Finished, Receiver, Reply, Sluice, Vhost};
+use support::{Finished, Place as _, Receiver, Reply, Sluice, Vhost};
 
 /// Runs `sluice ARGS --broker URL` off the async runtime (the receiver keeps serving).
 async fn cli(args: &[&str], url: &str) -> Finished {

@@ -9,9 +9,7 @@ use support::*;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_exhaustion_calls_exactly_max_attempts_then_dead_letters() {
-    let vhost = Vhost::new();
+async fn retry_exhaustion_calls_exactly_max_attempts_then_dead_letters<P: Place>(place: P) {
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(503)).mount(&server).await;
     let dir = work_pipeline(&format!(
@@ -21,18 +19,17 @@ async fn retry_exhaustion_calls_exactly_max_attempts_then_dead_letters() {
 "##,
         server.uri()
     ));
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
+    let _sluice = Sluice::run(dir.path(), &place.url(), &[]);
     publish(&broker, "ev", "x", "key-1", serde_json::json!({"n": 1})).await;
-    let url = vhost.url();
     wait_until(Duration::from_secs(30), "one message in work.dlq", || async {
-        drain_queue(&url, "work.dlq").await.len() == 1
+        place.drain_queue("work.dlq").await.len() == 1
     })
     .await;
     let keys = keys_received(&server).await;
     assert_eq!(keys, ["key-1", "key-1", "key-1"], "exactly max_attempts calls");
-    let dead = drain_queue(&url, "work.dlq").await;
+    let dead = place.drain_queue("work.dlq").await;
     let headers = &dead[0].1;
     assert_eq!(headers.get("x-sluice-reason"), Some(&HeaderValue::Str("exhausted".into())));
     assert_eq!(headers.get("x-sluice-attempts"), Some(&HeaderValue::Int(3)));
@@ -72,9 +69,8 @@ async fn a_refused_dead_letter_copy_holds_the_message_until_the_broker_takes_it(
     publish(&broker, "ev", "a", "poison", serde_json::json!({})).await;
     let _sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
     // The handler ran (exit 65) and the copy is refused: the original stays in `work`, unacked.
-    let url = vhost.url();
     tokio::time::sleep(Duration::from_secs(2)).await; // let a few refused publishes happen
-    assert!(drain_queue(&url, "work.dlq").await.is_empty(), "the full DLQ took nothing");
+    assert!(vhost.drain_queue("work.dlq").await.is_empty(), "the full DLQ took nothing");
     let held = std::process::Command::new("rabbitmqctl")
         .args(["list_queues", "-p", &vhost.name, "name", "messages"])
         .output()
@@ -83,13 +79,15 @@ async fn a_refused_dead_letter_copy_holds_the_message_until_the_broker_takes_it(
     assert!(listing.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["work", "1"]), "held: {listing}");
     policy(&["clear_policy", "-p", &vhost.name, "full-dlq"]);
     wait_until(Duration::from_secs(30), "the copy lands once the DLQ has room", || async {
-        drain_queue(&url, "work.dlq").await.len() == 1
+        vhost.drain_queue("work.dlq").await.len() == 1
     })
     .await;
     wait_until(Duration::from_secs(30), "the original acked", || async {
         sluice::broker::Broker::depth(&broker, "work").await.ok() == Some(0)
     })
     .await;
-    let dead = drain_queue(&url, "work.dlq").await;
+    let dead = vhost.drain_queue("work.dlq").await;
     assert_eq!(dead[0].1.get("x-sluice-reason"), Some(&HeaderValue::Str("permanent".into())));
 }
+
+on_both_brokers!(retry_exhaustion_calls_exactly_max_attempts_then_dead_letters,);

@@ -144,8 +144,8 @@ pub struct BrokerArg {
 /// Which broker `--broker` names.
 enum Endpoint<'a> {
     Amqp(&'a str),
-    /// The embedded broker's file.
-    Embedded(PathBuf),
+    /// The embedded broker's directory.
+    Embedded(&'a Path),
 }
 
 impl BrokerArg {
@@ -160,7 +160,7 @@ impl BrokerArg {
                 amqp::redact(url)
             );
         }
-        Ok(Endpoint::Embedded(Path::new(url).join(EMBEDDED_FILE)))
+        Ok(Endpoint::Embedded(Path::new(url)))
     }
 
     /// The broker for logs and messages: the URL with its password masked, or the directory.
@@ -183,7 +183,7 @@ macro_rules! with_broker {
                 $body
             }
             $crate::cli::Endpoint::Embedded(path) => {
-                let $broker = $crate::broker::embedded::Embedded::open(&path)?;
+                let $broker = $crate::broker::embedded::Embedded::open_dir(path)?;
                 $body
             }
         }
@@ -200,9 +200,6 @@ enum LogFormat {
 
 /// The embedded broker's directory, beside the idempotency store's.
 const DEFAULT_BROKER: &str = ".sluice";
-
-/// The embedded broker's file in its directory.
-const EMBEDDED_FILE: &str = "broker.db";
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
     config::parse_duration(text).ok_or_else(|| format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h"))
@@ -379,7 +376,7 @@ async fn run(
                 runtime::run(config, connect, store, options, reloads, shutdown).await
             }
             Endpoint::Embedded(path) => {
-                let connect = || std::future::ready(Embedded::open(&path));
+                let connect = || std::future::ready(Embedded::open_dir(path));
                 runtime::run(config, connect, store, options, reloads, shutdown).await
             }
         }

@@ -503,12 +503,11 @@ impl Store {
         Ok(QueueStats { ready: self.ready(db, queue)?, consumers: u32::try_from(consumers).unwrap_or(u32::MAX) })
     }
 
-    /// Delayed copies not yet due, in every queue (a scan of the messages).
+    /// Messages not yet due back, in every queue (a scan of the messages): delayed copies,
+    /// and deliveries under a lease, whose consumer may have died with them.
     pub fn delayed(&self, db: &Connection) -> Result<u32, BrokerError> {
         let n: i64 = db
-            .query_row("SELECT count(*) FROM messages WHERE lease_owner IS NULL AND visible_at > ?1", [now_ms()], |r| {
-                r.get(0)
-            })
+            .query_row("SELECT count(*) FROM messages WHERE visible_at > ?1", [now_ms()], |r| r.get(0))
             .map_err(|e| self.error(e))?;
         Ok(u32::try_from(n).unwrap_or(u32::MAX))
     }

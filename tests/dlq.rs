@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 use serde_json::{Value, json};
 use sluice::broker::{Broker as _, HeaderValue, Headers};
 use sluice::envelope::{self, Envelope};
-use support::{Finished, Place, Receiver, Reply, Sluice, Vhost};
+use support::{Finished, Place, Receiver, Reply, Sluice};
 
 /// Runs `sluice ARGS --broker URL` off the async runtime (the receiver keeps serving).
 async fn cli(args: &[&str], url: &str) -> Finished {

@@ -237,7 +237,8 @@ queues:
     assert_eq!(dead.len(), 4, "exactly the poison messages: {:?}", bodies(&dead));
     assert_dead_letter(&dead, &malformed, "hook", "malformed", None);
     assert_dead_letter(&dead, &schema.encode(), "hook", "schema", None);
-    assert_dead_letter(&dead, &template.encode(), "hook", "template", None);
+    let missing = "template url: the message has no payload.route (the template reads {{payload.route}})";
+    assert_dead_letter(&dead, &template.encode(), "hook", "template", Some(missing));
     assert_dead_letter(&dead, &rejected.encode(), "hook", "permanent", Some("HTTP 422"));
     let dead = place.drain_queue("cmd.dlq").await;
     assert_eq!(dead.len(), 1, "exactly the poison message: {:?}", bodies(&dead));

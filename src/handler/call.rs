@@ -83,7 +83,12 @@ fn render(template: &Template, field: &str, ctx: &Context) -> Result<String, Pre
 
 /// The render error without handlebars' internal template names.
 fn render_reason(e: &handlebars::RenderError) -> String {
-    e.reason().to_string()
+    match e.reason() {
+        handlebars::RenderErrorReason::MissingVariable(Some(path)) => {
+            format!("the message has no {path} (the template reads {{{{{path}}}}})")
+        }
+        reason => reason.to_string(),
+    }
 }
 
 /// Every template of a handler, for building its context.

@@ -13,6 +13,7 @@ use serde_json::Value;
 use sluice::config::{
     self, Backoff, ExchangeKind, Handler, Jitter, QueueKind, RateLimit, Severity, StdinMode, Validation,
 };
+use sluice::handler::rules::{Action, Key, Rules};
 use util::{Expected, Fixture, Shown};
 
 /// What a fixture reported, if it is not exactly what it expects.
@@ -170,6 +171,11 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!(audit.bindings[0].routing_key, "", "routing_key defaults to empty");
     let arguments = serde_json::to_value(&audit.bindings[1].arguments).unwrap();
     assert_eq!(arguments, serde_json::json!({"x-match": "all", "region": "eu", "priority": 3, "urgent": true}));
+    let Handler::Webhook(audit_hook) = &audit.handler else { panic!("orders.audit has a webhook") };
+    let on_status =
+        [(Key::Code(404), Action::DeadLetter), (Key::Code(409), Action::Success), (Key::Class(5), Action::Retry)];
+    assert_eq!(*audit_hook.on_status, Rules::new(on_status.into_iter().collect()));
+    assert_eq!(*hook.on_status, Rules::default(), "no rules unless written");
 
     let invoice = &config.queues["billing.invoice"];
     assert_eq!(invoice.concurrency.get(), 2, "from the merged defaults");
@@ -200,6 +206,9 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!(cmd.pass_env, ["AWS_REGION", "AWS_PROFILE"]);
     assert_eq!((cmd.stdin, cmd.timeout), (StdinMode::Envelope, Duration::from_secs(120)));
     assert_eq!(cmd.permanent_exit_codes, [64, 65]);
+    let on_exit =
+        [(Key::Code(75), Action::Retry), (Key::Code(3), Action::Success), (Key::Code(66), Action::DeadLetter)];
+    assert_eq!(*cmd.on_exit, Rules::new(on_exit.into_iter().collect()));
     assert_eq!((resize.retry.max_attempts.get(), resize.retry.max), (10, Duration::from_secs(600)));
 
     let Handler::Command(cat) = &config.queues["media.thumbnail"].handler else { panic!("a command") };

@@ -13,6 +13,7 @@ use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, Command, Config, Exchange, ExchangeKind, Handler, Idempotency, Jitter,
     MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook, raw,
 };
+use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template};
 
 /// The most a payload schema file may hold: generated schemas can be large, but a file
@@ -273,7 +274,18 @@ impl Compiler<'_> {
         let payload_schema =
             q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
-        let handler = self.handler(file, &format!("{base}/handler"), q.handler)?;
+        let on_status_pointer = format!("{base}/on_status");
+        if !q.on_status.is_empty() && q.handler.webhook.is_none() && q.handler.command.is_some() {
+            let message = "on_status rules a webhook's responses; this queue runs a command, whose exit codes take rules in handler.command.on_exit";
+            self.diags.push(file.diag_at(
+                file.key_pos(&on_status_pointer),
+                Severity::Error,
+                &on_status_pointer,
+                message,
+            ));
+        }
+        let on_status = super::rules::on_status(file, &on_status_pointer, &q.on_status, self.diags);
+        let handler = self.handler(file, &format!("{base}/handler"), q.handler, on_status)?;
         let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let program_source = match &handler {
             Handler::Command(c) => Some(c.program.display().to_string()),
@@ -356,9 +368,9 @@ impl Compiler<'_> {
         }
     }
 
-    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler) -> Option<Handler> {
+    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler, on_status: Rules) -> Option<Handler> {
         match (h.webhook, h.command) {
-            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w).map(Handler::Webhook),
+            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w, on_status).map(Handler::Webhook),
             (None, Some(c)) => self.command(file, &format!("{base}/command"), c).map(Handler::Command),
             _ => {
                 self.error(file, base, "a handler has exactly one of \"webhook\" or \"command\"");
@@ -367,7 +379,7 @@ impl Compiler<'_> {
         }
     }
 
-    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook) -> Option<Webhook> {
+    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook, on_status: Rules) -> Option<Webhook> {
         let url_pointer = format!("{base}/url");
         let url = self.template(file, &url_pointer, &w.url, Escape::Url);
         if url.is_some()
@@ -405,6 +417,7 @@ impl Compiler<'_> {
             body,
             timeout,
             signing_secret_env: w.signing.map(|s| s.secret_env),
+            on_status: Arc::new(on_status),
         })
     }
 
@@ -437,6 +450,8 @@ impl Compiler<'_> {
             _ => StdinMode::Envelope,
         };
         let timeout = self.handler_timeout(file, base, c.timeout.as_deref(), Duration::from_secs(60));
+        let on_exit =
+            super::rules::on_exit(file, &format!("{base}/on_exit"), &c.on_exit, &c.permanent_exit_codes, self.diags);
         Some(Command {
             program: program?,
             args,
@@ -445,6 +460,7 @@ impl Compiler<'_> {
             stdin,
             timeout,
             permanent_exit_codes: c.permanent_exit_codes,
+            on_exit: Arc::new(on_exit),
         })
     }
 

@@ -7,6 +7,7 @@
 mod compile;
 pub mod diagnostic;
 pub mod raw;
+mod rules;
 pub mod schema;
 pub mod source;
 mod url;
@@ -19,6 +20,7 @@ use std::time::Duration;
 
 pub use diagnostic::{Diagnostic, Format, Severity};
 
+use crate::handler::rules::Rules;
 use crate::handler::template::Template;
 
 /// The broker's consumer timeout (RabbitMQ's default): a handler must finish well before it.
@@ -173,6 +175,8 @@ pub struct Webhook {
     pub timeout: Duration,
     /// The environment variable holding the Standard Webhooks secret.
     pub signing_secret_env: Option<String>,
+    /// The queue's `on_status` rules.
+    pub on_status: Arc<Rules>,
 }
 
 /// A subprocess per message.
@@ -186,6 +190,8 @@ pub struct Command {
     pub stdin: StdinMode,
     pub timeout: Duration,
     pub permanent_exit_codes: Vec<i32>,
+    /// `on_exit` rules; no code is also in `permanent_exit_codes`.
+    pub on_exit: Arc<Rules>,
 }
 
 /// What a command reads on standard input.

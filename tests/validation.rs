@@ -180,7 +180,7 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     let invoice = &config.queues["billing.invoice"];
     assert_eq!(invoice.concurrency.get(), 2, "from the merged defaults");
     assert_eq!(invoice.rate_limit.unwrap().per, Duration::from_secs(3600));
-    assert_eq!((invoice.retry.backoff, invoice.retry.jitter), (Backoff::Fixed, Jitter::None));
+    assert_eq!((&invoice.retry.backoff, invoice.retry.jitter), (&Backoff::Fixed, Jitter::None));
     assert_eq!(invoice.retry.initial, Duration::from_secs(30));
     assert_eq!(config.queues["billing.lookup"].concurrency.get(), 1, "explicit beats merged");
 
@@ -217,6 +217,13 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     let Handler::Command(archive) = &config.queues["media.archive"].handler else { panic!("a command") };
     assert_eq!(archive.stdin, StdinMode::None);
     assert!(archive.pass_env.is_empty());
+    // A schedule: its delays exactly, one attempt more than delays listed.
+    let archive_retry = &config.queues["media.archive"].retry;
+    let delays = vec![Duration::from_secs(1), Duration::from_secs(30), Duration::from_secs(300)];
+    assert_eq!(archive_retry.backoff, Backoff::Schedule(delays));
+    assert_eq!(archive_retry.max_attempts.get(), 4);
+    assert_eq!((archive_retry.initial, archive_retry.max), (Duration::from_secs(1), Duration::from_secs(300)));
+    assert_eq!(archive_retry.jitter, Jitter::None);
 }
 
 /// Every property (by its place in the schema) and every enum value (`place=value`).

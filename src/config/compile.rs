@@ -465,6 +465,9 @@ impl Compiler<'_> {
     }
 
     fn retry(&mut self, file: &SourceFile, base: &str, r: &raw::Retry) -> RetryPolicy {
+        if let Some(schedule) = &r.schedule {
+            return self.schedule(file, base, r, schedule);
+        }
         let d = RetryPolicy::default();
         let initial = self.duration(file, &format!("{base}/initial"), r.initial.as_deref(), d.initial);
         let max = self.duration(file, &format!("{base}/max"), r.max.as_deref(), d.max);
@@ -496,6 +499,57 @@ impl Compiler<'_> {
             max,
             multiplier: r.multiplier.unwrap_or(d.multiplier),
             jitter,
+        }
+    }
+
+    /// A retry policy of listed delays: attempt n + 1 waits the n-th, and past the end of the list
+    /// the last one again. `max_attempts` defaults to one more than the delays listed.
+    fn schedule(&mut self, file: &SourceFile, base: &str, r: &raw::Retry, schedule: &[String]) -> RetryPolicy {
+        let backoff_fields = [
+            ("backoff", r.backoff.is_some()),
+            ("initial", r.initial.is_some()),
+            ("max", r.max.is_some()),
+            ("multiplier", r.multiplier.is_some()),
+            ("jitter", r.jitter.is_some()),
+        ];
+        for (field, _) in backoff_fields.iter().filter(|(_, set)| *set) {
+            let pointer = format!("{base}/{field}");
+            let message = format!(
+                "\"{field}\" shapes computed backoff and cannot be combined with \"schedule\", which lists every delay itself; keep one of them"
+            );
+            self.diags.push(file.diag_at(file.key_pos(&pointer), Severity::Error, &pointer, message));
+        }
+        let mut delays = Vec::with_capacity(schedule.len());
+        for (i, text) in schedule.iter().enumerate() {
+            let pointer = format!("{base}/schedule/{i}");
+            let delay = self.duration(file, &pointer, Some(text), Duration::ZERO);
+            if delay > MAX_RETRY_DELAY {
+                self.error(file, &pointer, "a retry delay can be at most 30 days (the delay queues cover no more)");
+            }
+            delays.push(delay);
+        }
+        let listed = u32::try_from(delays.len()).unwrap_or(u32::MAX);
+        let max_attempts = match r.max_attempts.and_then(NonZeroU32::new) {
+            Some(n) => {
+                if n.get() <= listed {
+                    let unused = listed - (n.get() - 1);
+                    let message = format!(
+                        "max_attempts {n} ends the retries before the schedule does: its last {unused} delay(s) are never used"
+                    );
+                    self.diags.push(file.diag(Severity::Warning, &format!("{base}/max_attempts"), message));
+                }
+                n
+            }
+            None => NonZeroU32::new(listed.saturating_add(1)).unwrap_or(NonZeroU32::MIN),
+        };
+        let d = RetryPolicy::default();
+        RetryPolicy {
+            max_attempts,
+            initial: delays.first().copied().unwrap_or(d.initial),
+            max: delays.iter().max().copied().unwrap_or(d.max),
+            backoff: Backoff::Schedule(delays),
+            multiplier: d.multiplier,
+            jitter: Jitter::None,
         }
     }
 

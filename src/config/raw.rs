@@ -117,6 +117,7 @@ pub struct Retry {
     pub max: Option<String>,
     pub multiplier: Option<f64>,
     pub jitter: Option<String>,
+    pub schedule: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -463,7 +463,7 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
     let mut out = String::new();
     match renderer.call(&body, &renderer.key()?, None)? {
-        Call::Webhook { request, timeout } => {
+        Call::Webhook { request, timeout, .. } => {
             let mut url = request.url;
             // Environment values are shown as ***; one may hold the URL's credentials.
             if url.password().is_some() {

@@ -13,6 +13,7 @@ use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, Command, Config, Exchange, ExchangeKind, Handler, Idempotency, Jitter,
     MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook, raw,
 };
+use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template};
 
 /// The most a payload schema file may hold: generated schemas can be large, but a file
@@ -273,7 +274,18 @@ impl Compiler<'_> {
         let payload_schema =
             q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
-        let handler = self.handler(file, &format!("{base}/handler"), q.handler)?;
+        let on_status_pointer = format!("{base}/on_status");
+        if !q.on_status.is_empty() && q.handler.webhook.is_none() && q.handler.command.is_some() {
+            let message = "on_status rules a webhook's responses; this queue runs a command, whose exit codes take rules in handler.command.on_exit";
+            self.diags.push(file.diag_at(
+                file.key_pos(&on_status_pointer),
+                Severity::Error,
+                &on_status_pointer,
+                message,
+            ));
+        }
+        let on_status = super::rules::on_status(file, &on_status_pointer, &q.on_status, self.diags);
+        let handler = self.handler(file, &format!("{base}/handler"), q.handler, on_status)?;
         let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let program_source = match &handler {
             Handler::Command(c) => Some(c.program.display().to_string()),
@@ -356,9 +368,9 @@ impl Compiler<'_> {
         }
     }
 
-    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler) -> Option<Handler> {
+    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler, on_status: Rules) -> Option<Handler> {
         match (h.webhook, h.command) {
-            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w).map(Handler::Webhook),
+            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w, on_status).map(Handler::Webhook),
             (None, Some(c)) => self.command(file, &format!("{base}/command"), c).map(Handler::Command),
             _ => {
                 self.error(file, base, "a handler has exactly one of \"webhook\" or \"command\"");
@@ -367,7 +379,7 @@ impl Compiler<'_> {
         }
     }
 
-    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook) -> Option<Webhook> {
+    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook, on_status: Rules) -> Option<Webhook> {
         let url_pointer = format!("{base}/url");
         let url = self.template(file, &url_pointer, &w.url, Escape::Url);
         if url.is_some()
@@ -405,6 +417,7 @@ impl Compiler<'_> {
             body,
             timeout,
             signing_secret_env: w.signing.map(|s| s.secret_env),
+            on_status: Arc::new(on_status),
         })
     }
 
@@ -437,6 +450,8 @@ impl Compiler<'_> {
             _ => StdinMode::Envelope,
         };
         let timeout = self.handler_timeout(file, base, c.timeout.as_deref(), Duration::from_secs(60));
+        let on_exit =
+            super::rules::on_exit(file, &format!("{base}/on_exit"), &c.on_exit, &c.permanent_exit_codes, self.diags);
         Some(Command {
             program: program?,
             args,
@@ -445,10 +460,14 @@ impl Compiler<'_> {
             stdin,
             timeout,
             permanent_exit_codes: c.permanent_exit_codes,
+            on_exit: Arc::new(on_exit),
         })
     }
 
     fn retry(&mut self, file: &SourceFile, base: &str, r: &raw::Retry) -> RetryPolicy {
+        if let Some(schedule) = &r.schedule {
+            return self.schedule(file, base, r, schedule);
+        }
         let d = RetryPolicy::default();
         let initial = self.duration(file, &format!("{base}/initial"), r.initial.as_deref(), d.initial);
         let max = self.duration(file, &format!("{base}/max"), r.max.as_deref(), d.max);
@@ -480,6 +499,57 @@ impl Compiler<'_> {
             max,
             multiplier: r.multiplier.unwrap_or(d.multiplier),
             jitter,
+        }
+    }
+
+    /// A retry policy of listed delays: attempt n + 1 waits the n-th, and past the end of the list
+    /// the last one again. `max_attempts` defaults to one more than the delays listed.
+    fn schedule(&mut self, file: &SourceFile, base: &str, r: &raw::Retry, schedule: &[String]) -> RetryPolicy {
+        let backoff_fields = [
+            ("backoff", r.backoff.is_some()),
+            ("initial", r.initial.is_some()),
+            ("max", r.max.is_some()),
+            ("multiplier", r.multiplier.is_some()),
+            ("jitter", r.jitter.is_some()),
+        ];
+        for (field, _) in backoff_fields.iter().filter(|(_, set)| *set) {
+            let pointer = format!("{base}/{field}");
+            let message = format!(
+                "\"{field}\" shapes computed backoff and cannot be combined with \"schedule\", which lists every delay itself; keep one of them"
+            );
+            self.diags.push(file.diag_at(file.key_pos(&pointer), Severity::Error, &pointer, message));
+        }
+        let mut delays = Vec::with_capacity(schedule.len());
+        for (i, text) in schedule.iter().enumerate() {
+            let pointer = format!("{base}/schedule/{i}");
+            let delay = self.duration(file, &pointer, Some(text), Duration::ZERO);
+            if delay > MAX_RETRY_DELAY {
+                self.error(file, &pointer, "a retry delay can be at most 30 days (the delay queues cover no more)");
+            }
+            delays.push(delay);
+        }
+        let listed = u32::try_from(delays.len()).unwrap_or(u32::MAX);
+        let max_attempts = match r.max_attempts.and_then(NonZeroU32::new) {
+            Some(n) => {
+                if n.get() <= listed {
+                    let unused = listed - (n.get() - 1);
+                    let message = format!(
+                        "max_attempts {n} ends the retries before the schedule does: its last {unused} delay(s) are never used"
+                    );
+                    self.diags.push(file.diag(Severity::Warning, &format!("{base}/max_attempts"), message));
+                }
+                n
+            }
+            None => NonZeroU32::new(listed.saturating_add(1)).unwrap_or(NonZeroU32::MIN),
+        };
+        let d = RetryPolicy::default();
+        RetryPolicy {
+            max_attempts,
+            initial: delays.first().copied().unwrap_or(d.initial),
+            max: delays.iter().max().copied().unwrap_or(d.max),
+            backoff: Backoff::Schedule(delays),
+            multiplier: d.multiplier,
+            jitter: Jitter::None,
         }
     }
 

@@ -7,6 +7,7 @@
 mod compile;
 pub mod diagnostic;
 pub mod raw;
+mod rules;
 pub mod schema;
 pub mod source;
 mod url;
@@ -19,6 +20,7 @@ use std::time::Duration;
 
 pub use diagnostic::{Diagnostic, Format, Severity};
 
+use crate::handler::rules::Rules;
 use crate::handler::template::Template;
 
 /// The broker's consumer timeout (RabbitMQ's default): a handler must finish well before it.
@@ -173,6 +175,8 @@ pub struct Webhook {
     pub timeout: Duration,
     /// The environment variable holding the Standard Webhooks secret.
     pub signing_secret_env: Option<String>,
+    /// The queue's `on_status` rules.
+    pub on_status: Arc<Rules>,
 }
 
 /// A subprocess per message.
@@ -186,6 +190,8 @@ pub struct Command {
     pub stdin: StdinMode,
     pub timeout: Duration,
     pub permanent_exit_codes: Vec<i32>,
+    /// `on_exit` rules; no code is also in `permanent_exit_codes`.
+    pub on_exit: Arc<Rules>,
 }
 
 /// What a command reads on standard input.
@@ -196,7 +202,8 @@ pub enum StdinMode {
     None,
 }
 
-/// Bounded retries with backoff.
+/// Bounded retries with backoff. With a schedule, `initial` is its first delay, `max` its
+/// longest (the cap on `Retry-After`) and `jitter` none: the delays are the listed ones.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     pub max_attempts: NonZeroU32,
@@ -208,10 +215,13 @@ pub struct RetryPolicy {
 }
 
 /// How the delay grows between attempts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backoff {
     Exponential,
     Fixed,
+    /// Attempt n + 1 waits the n-th delay; past the end of the list, the last one again.
+    /// Never empty.
+    Schedule(Vec<Duration>),
 }
 
 /// How much randomness spreads retries out.
@@ -228,8 +238,12 @@ impl RetryPolicy {
     /// The delay before attempt `next` (2-based: the first retry) before jitter.
     pub fn ceiling(&self, next: u32) -> Duration {
         let retries = next.saturating_sub(2);
-        match self.backoff {
+        match &self.backoff {
             Backoff::Fixed => self.initial.min(self.max),
+            Backoff::Schedule(delays) => {
+                let i = usize::try_from(retries).unwrap_or(usize::MAX).min(delays.len().saturating_sub(1));
+                delays.get(i).copied().unwrap_or(self.max)
+            }
             Backoff::Exponential => {
                 let factor = self.multiplier.powi(retries.min(1000) as i32);
                 let secs = (self.initial.as_secs_f64() * factor).min(self.max.as_secs_f64());
@@ -512,6 +526,23 @@ mod tests {
         assert_eq!(p.window(Duration::from_secs(10)), Duration::from_secs(12 + 50));
         let fixed = RetryPolicy { backoff: Backoff::Fixed, initial: Duration::from_secs(3), ..p };
         assert_eq!(fixed.ceiling(4), Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_schedule_waits_its_delays_then_repeats_the_last() {
+        let secs = Duration::from_secs;
+        let p = RetryPolicy {
+            max_attempts: NonZeroU32::new(6).unwrap(),
+            backoff: Backoff::Schedule(vec![secs(5), secs(1), secs(30)]),
+            initial: secs(5),
+            max: secs(30),
+            jitter: Jitter::None,
+            ..Default::default()
+        };
+        let ceilings: Vec<u64> = (2..=6).map(|n| p.ceiling(n).as_secs()).collect();
+        assert_eq!(ceilings, [5, 1, 30, 30, 30]);
+        assert_eq!(p.ceiling(u32::MAX), secs(30));
+        assert_eq!(p.window(secs(10)), secs(5 + 1 + 30 + 30 + 30 + 60));
     }
 
     /// A config from one pipeline file.

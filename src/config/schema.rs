@@ -48,7 +48,18 @@ fn diagnostics(file: &SourceFile, error: &ValidationError<'_>) -> Vec<Diagnostic
         ValidationErrorKind::PropertyNames { error: inner } => {
             let key = inner.instance().as_str().unwrap_or_default();
             let at = format!("{pointer}/{}", escape_token(key));
-            let message = if inner.schema_path().as_str().starts_with("/$defs/name/") {
+            let inner_path = inner.schema_path().as_str();
+            // The rule keys' messages come from the parsers `compile` uses, which say what is wrong.
+            let rule_key = if inner_path.starts_with("/$defs/statusKey/") {
+                super::rules::status_key(key).err()
+            } else if inner_path.starts_with("/$defs/exitKey/") {
+                super::rules::exit_key(key).err()
+            } else {
+                None
+            };
+            let message = if let Some(message) = rule_key {
+                message
+            } else if inner_path.starts_with("/$defs/name/") {
                 format!(
                     "invalid name \"{key}\": names start with a letter or digit, then letters, digits, '_', '.', ':' or '-', at most 200 characters"
                 )

@@ -19,9 +19,6 @@ use crate::handler::template::{Escape, Template};
 /// without end (a link to a device) must not be read to the end.
 const MAX_SCHEMA_BYTES: u64 = 8 << 20;
 
-/// Exchanges every RabbitMQ broker has; queues may bind to them without declaring them.
-const BUILTIN_EXCHANGES: &[&str] = &["amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
-
 pub(super) fn load(paths: &[PathBuf]) -> Validation {
     let discovery = source::discover(paths);
     let mut diags = discovery.diagnostics;
@@ -237,7 +234,7 @@ impl Compiler<'_> {
 
         let mut bindings = Vec::new();
         for (i, b) in q.bind.into_iter().enumerate() {
-            let defined = exchanges.contains_key(&b.exchange) || BUILTIN_EXCHANGES.contains(&b.exchange.as_str());
+            let defined = exchanges.contains_key(&b.exchange) || ExchangeKind::builtin(&b.exchange).is_some();
             if !defined && self.complete {
                 let message = format!("binding to undefined exchange \"{}\"", b.exchange);
                 self.error(file, &format!("{base}/bind/{i}/exchange"), message);

@@ -61,6 +61,18 @@ impl ExchangeKind {
             ExchangeKind::Headers => "headers",
         }
     }
+
+    /// The type of an exchange every RabbitMQ broker has, which queues may bind to without
+    /// declaring it (`amq.topic`, ...); `None` for any other name.
+    pub fn builtin(name: &str) -> Option<ExchangeKind> {
+        Some(match name {
+            "amq.direct" => ExchangeKind::Direct,
+            "amq.fanout" => ExchangeKind::Fanout,
+            "amq.topic" => ExchangeKind::Topic,
+            "amq.headers" | "amq.match" => ExchangeKind::Headers,
+            _ => return None,
+        })
+    }
 }
 
 /// A queue bound to an exchange.

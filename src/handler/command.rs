@@ -287,8 +287,9 @@ fn io_error(doing: &str, error: &io::Error) -> HandlerError {
     HandlerError::transient(format!("{doing}: {error}"))
 }
 
-/// Exit 0 is success; anything else fails, permanently only when configured so.
-fn classify(status: ExitStatus, stderr: &[u8], permanent_exit_codes: &[i32]) -> Result<(), HandlerError> {
+/// Exit 0 is success; anything else fails, permanently only when configured so. `sluice test`
+/// classifies its simulated exits here too.
+pub fn classify(status: ExitStatus, stderr: &[u8], permanent_exit_codes: &[i32]) -> Result<(), HandlerError> {
     use std::os::unix::process::ExitStatusExt as _;
 
     let (prefix, permanent) = match (status.code(), status.signal()) {

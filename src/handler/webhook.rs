@@ -80,7 +80,13 @@ pub async fn call(client: &reqwest::Client, request: Request, timeout: Duration)
     let _ = timeout_at(deadline, read_bounded(&mut response, &mut body)).await;
     drop(response);
 
-    let error = || with_excerpt(format!("HTTP {}", status.as_u16()), head_excerpt(&body));
+    outcome(status, retry_after, &body)
+}
+
+/// How a response ends a call, by its status (DESIGN's Outcomes table); a failure quotes the
+/// start of `body`. `sluice test` classifies its simulated responses here too.
+pub fn outcome(status: StatusCode, retry_after: Option<Duration>, body: &[u8]) -> Result<(), HandlerError> {
+    let error = || with_excerpt(format!("HTTP {}", status.as_u16()), head_excerpt(body));
     match classify(status) {
         Class::Success => Ok(()),
         Class::Transient => Err(HandlerError::Transient { error: error(), retry_after }),

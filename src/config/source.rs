@@ -89,7 +89,18 @@ pub struct Discovery {
 /// with a warning), a directory is entered at most once, and no file is opened here. Paths
 /// named on the command line are the user's own choice and are used as given.
 pub fn discover(paths: &[PathBuf]) -> Discovery {
+    discover_where(paths, is_pipeline_file)
+}
+
+/// Expands the given paths into the sorted list of test files (`*.test.yaml`, `*.test.yml`),
+/// walking as [`discover`] does.
+pub fn discover_tests(paths: &[PathBuf]) -> Discovery {
+    discover_where(paths, is_test_file)
+}
+
+fn discover_where(paths: &[PathBuf], wanted: fn(&Path) -> bool) -> Discovery {
     let mut walk = Walk {
+        wanted,
         roots: paths.iter().filter_map(|p| p.canonicalize().ok()).collect(),
         visited: HashSet::new(),
         found: Vec::new(),
@@ -127,6 +138,8 @@ struct Found {
 }
 
 struct Walk {
+    /// Which file names are looked for.
+    wanted: fn(&Path) -> bool,
     /// The given paths, resolved: links may point anywhere under them and nowhere else.
     roots: Vec<PathBuf>,
     /// Directories entered so far: a bind mount or a hard-linked directory cannot loop.
@@ -173,7 +186,7 @@ impl Walk {
                     if self.visited.insert(file_id(&meta)) {
                         pending.push(path);
                     }
-                } else if is_pipeline_name(&path) {
+                } else if (self.wanted)(&path) {
                     self.found.push(Found { path, link: false, id: Some(file_id(&meta)) });
                 }
             }
@@ -182,7 +195,7 @@ impl Walk {
 
     /// A symbolic link met in a directory.
     fn link(&mut self, path: PathBuf) {
-        let named = is_pipeline_name(&path);
+        let named = (self.wanted)(&path);
         let (target, meta) = match path.canonicalize().and_then(|t| std::fs::metadata(&t).map(|m| (t, m))) {
             Ok(resolved) => resolved,
             // A dangling link or a loop of links: only worth a word when it names a pipeline file.
@@ -227,7 +240,17 @@ fn is_hidden(path: &Path) -> bool {
     path.file_name().is_some_and(|name| name.as_encoded_bytes().starts_with(b"."))
 }
 
-fn is_pipeline_name(path: &Path) -> bool {
+/// Whether a file's name makes it a pipeline file: `*.yaml` or `*.yml`, but not a test file.
+pub fn is_pipeline_file(path: &Path) -> bool {
+    is_yaml(path) && !is_test_file(path)
+}
+
+/// Whether a file's name makes it a test file for `sluice test`: `*.test.yaml` or `*.test.yml`.
+pub fn is_test_file(path: &Path) -> bool {
+    is_yaml(path) && path.file_stem().is_some_and(|stem| Path::new(stem).extension().is_some_and(|e| e == "test"))
+}
+
+fn is_yaml(path: &Path) -> bool {
     matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
 }
 
@@ -843,6 +866,22 @@ mod tests {
         // Named on the command line, a link is the user's choice: followed.
         let named = discover(&[root.join("out.yaml"), root.clone(), root.join("v2")]);
         assert_eq!(named.files.len(), 5, "{:?}", named.files);
+    }
+
+    // Issue 14: test files sit beside the pipelines and are never loaded as pipelines.
+    #[test]
+    fn test_files_are_found_apart_from_pipelines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
+        for f in ["a.yaml", "a.test.yaml", "sub/b.test.yml", "sub/b.yml", "test.yaml", "c.tests.yaml", "d.test.json"] {
+            std::fs::write(dir.path().join(f), "version: 1\n").expect("write");
+        }
+        let names = |found: Discovery| -> Vec<String> {
+            found.files.iter().map(|f| f.strip_prefix(dir.path()).expect("under dir").display().to_string()).collect()
+        };
+        let root = [dir.path().to_path_buf()];
+        assert_eq!(names(discover(&root)), ["a.yaml", "c.tests.yaml", "sub/b.yml", "test.yaml"]);
+        assert_eq!(names(discover_tests(&root)), ["a.test.yaml", "sub/b.test.yml"]);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
 use crate::topology;
-use crate::{reload, runtime};
+use crate::{reload, runtime, testing};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -78,8 +78,22 @@ enum Command {
     /// Read, redrive or purge a queue's dead-lettered messages.
     #[command(subcommand)]
     Dlq(dlq::Command),
-    /// Print the JSON Schema of pipeline files.
-    Schema,
+    /// Print the JSON Schema of pipeline files (with --tests, of test files).
+    Schema {
+        /// The schema of test files (*.test.yaml) instead.
+        #[arg(long)]
+        tests: bool,
+    },
+    /// Run the tests in *.test.yaml files against the pipelines beside them: routing,
+    /// rendered calls and outcomes, with simulated answers; nothing is sent. Exit 1 when a
+    /// test fails or a file has an error.
+    Test {
+        /// Files or directories (searched recursively for pipelines and *.test.yaml files).
+        #[arg(default_value = "pipelines")]
+        paths: Vec<PathBuf>,
+        #[arg(long, value_enum, default_value_t = testing::report::Format::Human)]
+        format: testing::report::Format,
+    },
     /// Declare the topology and consume: call the handlers, retry, dead-letter.
     Run {
         #[arg(default_value = "pipelines")]
@@ -182,7 +196,11 @@ pub fn main() -> ExitCode {
             exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, &admin, format)))
         }
         Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::dlq(command))),
-        Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
+        Command::Schema { tests } => {
+            let text = if tests { config::schema::TESTS_TEXT } else { config::schema::TEXT };
+            exit(output::stdout(text).map_err(Into::into))
+        }
+        Command::Test { paths, format } => test(&paths, format),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads, log_format } => {
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
             let watch = !no_watch;
@@ -444,6 +462,16 @@ fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
         }
         ExitCode::SUCCESS
     }
+}
+
+/// `sluice test`: every result on stdout; exit 1 when a test fails or a file has an error.
+fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
+    let outcome = testing::run(paths);
+    if let Err(e) = output::stdout(&testing::report::render(&outcome, format)) {
+        output::stderr(&format!("error: cannot write the results: {e}\n"));
+        return ExitCode::FAILURE;
+    }
+    if outcome.has_errors() || outcome.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
 /// Loads the config for commands that need a valid one; problems go to stderr.

@@ -33,6 +33,7 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
     }
     let mut parsed = Vec::new();
     let mut sources = BTreeMap::new();
+    let mut skipped = 0;
     for path in &discovery.files {
         let loaded = source::read(path).and_then(|text| {
             // Kept for the snippets of diagnostics: printing them never reads a file again.
@@ -40,6 +41,10 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
             source::parse(path, text)
         });
         match loaded {
+            Ok(file) if let Some(note) = foreign(&file, &["exchanges", "queues"], "pipeline") => {
+                diags.push(note);
+                skipped += 1;
+            }
             Ok(file) => {
                 let schema_errors = super::schema::check(&file);
                 if schema_errors.is_empty() {
@@ -61,13 +66,34 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
             }
         }
     }
+    if skipped > 0 && skipped == discovery.files.len() && complete {
+        let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        diags.push(source::file_diag(
+            paths.first().map(PathBuf::as_path).unwrap_or(Path::new(".")),
+            format!("no pipeline files under {}: every YAML file there is something else", shown.join(", ")),
+        ));
+    }
     let config = Compiler { diags: &mut diags, complete }.compile(parsed);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
     Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources }
 }
 
-fn deserialize(file: &SourceFile) -> Result<raw::File, Diagnostic> {
+/// A note that `file` is left alone when it is some other tool's YAML: it has no `version:`
+/// and a top-level key that is neither one of `keys` nor an `x-` extension (Prometheus rules,
+/// a Compose file beside the pipelines). A file with only our keys is ours, mistakes included.
+pub(crate) fn foreign(file: &SourceFile, keys: &[&str], what: &str) -> Option<Diagnostic> {
+    let map = file.value.as_object()?;
+    if map.contains_key("version") {
+        return None;
+    }
+    let other = map.keys().find(|k| !keys.contains(&k.as_str()) && !k.starts_with("x-"))?;
+    let message = format!("not a sluice {what} file (no \"version:\", and \"{other}\" is not a {what} key); skipped");
+    Some(file.diag_at(file.key_pos(&format!("/{}", escape_token(other))), Severity::Note, "", message))
+}
+
+/// The serde model of a file that passed its schema; `x-` keys are dropped.
+pub(crate) fn deserialize<T: serde::de::DeserializeOwned>(file: &SourceFile) -> Result<T, Diagnostic> {
     let mut value = file.value.clone();
     if let Some(map) = value.as_object_mut() {
         map.retain(|k, _| !k.starts_with("x-"));

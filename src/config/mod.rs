@@ -4,11 +4,12 @@
 //! Validation does no IO beyond reading the pipeline files and the files they name
 //! (payload schemas, command programs); the broker is never contacted here.
 
-mod compile;
+pub(crate) mod compile;
 pub mod diagnostic;
 pub mod raw;
 pub mod schema;
 pub mod source;
+pub mod suggest;
 mod url;
 
 use std::collections::BTreeMap;

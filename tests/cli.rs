@@ -149,25 +149,36 @@ fn validate_of_a_missing_path_fails_clearly() {
 
 #[test]
 fn schema_prints_the_committed_schema_byte_for_byte() {
-    let committed = std::fs::read(util::SCHEMA).unwrap();
-    let out = sluice().arg("schema").assert().success().get_output().stdout.clone();
-    assert!(out == committed, "`sluice schema` differs from {}", util::SCHEMA);
+    for (args, committed) in [(&["schema"][..], util::SCHEMA), (&["schema", "--tests"][..], util::TEST_SCHEMA)] {
+        let text = std::fs::read(committed).unwrap();
+        let out = sluice().args(args).assert().success().get_output().stdout.clone();
+        assert!(out == text, "`sluice {}` differs from {committed}", args.join(" "));
+    }
 }
 
+// Issue 14: `validate examples/` failed on the Prometheus files of examples/monitoring.
 #[test]
 fn shipped_pipelines_and_examples_validate_and_name_the_schema() {
-    let mut files = util::yaml_files(Path::new("pipelines"));
-    assert!(!files.is_empty(), "pipelines/ has pipeline files");
-    if Path::new("examples").is_dir() {
-        // examples/monitoring/ holds Prometheus rules, not pipelines.
-        let pipelines =
-            util::yaml_files(Path::new("examples")).into_iter().filter(|f| !f.starts_with("examples/monitoring"));
-        files.extend(pipelines);
+    for dir in ["pipelines", "examples"] {
+        let out = sluice().args(["validate", dir]).assert().success().get_output().stdout.clone();
+        let stdout = String::from_utf8(out).unwrap();
+        assert!(!stdout.contains(": error: "), "{stdout}");
+        let files: Vec<_> =
+            util::yaml_files(Path::new(dir)).into_iter().filter(|f| !f.starts_with("examples/monitoring")).collect();
+        assert!(files.iter().any(|f| !util::is_test_file(f)), "{dir}/ has pipeline files");
+        assert!(files.iter().any(|f| util::is_test_file(f)), "{dir}/ has a test file");
+        for file in files {
+            util::check_schema_header(&file).unwrap();
+        }
     }
-    for file in files {
-        util::check_schema_header(&file).unwrap();
-        sluice().arg("validate").arg(&file).assert().success();
-    }
+    let out = sluice().args(["validate", "examples"]).assert().success().get_output().stdout.clone();
+    let stdout = String::from_utf8(out).unwrap();
+    assert!(
+        stdout.contains(
+            "examples/monitoring/alerts.yaml:8:1: note: not a sluice pipeline file (no \"version:\", and \"groups\" is not a pipeline key); skipped"
+        ),
+        "{stdout}"
+    );
 }
 
 /// `sluice plan` of the valid fixtures in `format`.

@@ -32,6 +32,8 @@ pub struct SourceFile {
     /// The document as JSON, with `<<` merge keys applied.
     pub value: serde_json::Value,
     spans: SpanMap,
+    /// Where the text ends (see [`end_of`]), found once: positions are clamped to it.
+    end: Option<Pos>,
 }
 
 impl SourceFile {
@@ -39,7 +41,7 @@ impl SourceFile {
     /// falls back to its nearest ancestor in this file.
     pub fn pos(&self, pointer: &str) -> Pos {
         // An empty document's (implicit) value sits past the last line.
-        within(&self.text, self.spans.value_pos(pointer))
+        within(self.end, self.spans.value_pos(pointer))
     }
 
     /// Where the key of the member at `pointer` starts (for unknown or misplaced keys).
@@ -352,7 +354,7 @@ pub fn load(path: &Path) -> Result<SourceFile, Diagnostic> {
 /// Parses YAML text that came from `path`.
 pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
     let at = |pos: Pos, message: String| {
-        let pos = within(&text, pos);
+        let pos = within(end_of(&text), pos);
         Diagnostic {
             file: path.to_path_buf(),
             line: pos.line,
@@ -374,17 +376,23 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
         other => serde_json::to_value(other)
             .map_err(|e| at(Pos { line: 1, column: 1 }, format!("not representable as JSON: {e}")))?,
     };
-    Ok(SourceFile { path: path.to_path_buf(), text, value, spans })
+    let end = end_of(&text);
+    Ok(SourceFile { path: path.to_path_buf(), text, value, spans, end })
 }
 
 /// Parsers report the end of the input on the line after the last one, or past trailing blank
 /// lines: point just after the last character instead, so that there is a line to show.
-fn within(text: &str, pos: Pos) -> Pos {
-    match lines(text.trim_end()).enumerate().last() {
-        Some((i, last)) if pos.line > i + 1 => Pos { line: i + 1, column: last.chars().count() + 1 },
+fn within(end: Option<Pos>, pos: Pos) -> Pos {
+    match end {
+        Some(end) if pos.line > end.line => end,
         None => Pos { line: 1, column: 1 },
         Some(_) => pos,
     }
+}
+
+/// Just after the last character of the last line that holds anything; `None` for blank text.
+fn end_of(text: &str) -> Option<Pos> {
+    lines(text.trim_end()).enumerate().last().map(|(i, last)| Pos { line: i + 1, column: last.chars().count() + 1 })
 }
 
 /// Lines as YAML counts them, and so every position: `\n`, `\r\n` and a lone `\r` each end one

@@ -14,6 +14,9 @@ use sluice::config::{Diagnostic, Severity};
 /// The committed JSON Schema of pipeline files.
 pub const SCHEMA: &str = "schemas/pipeline.schema.json";
 
+/// The committed JSON Schema of test files (`*.test.yaml`).
+pub const TEST_SCHEMA: &str = "schemas/test.schema.json";
+
 /// How every pipeline file in the repository starts, so that editors find the schema.
 pub const SCHEMA_HEADER: &str = "# yaml-language-server: $schema=";
 
@@ -48,20 +51,26 @@ pub fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// Whether `file` is a test file (`*.test.yaml`, `*.test.yml`) rather than a pipeline.
+pub fn is_test_file(file: &Path) -> bool {
+    sluice::config::source::is_test_file(file)
+}
+
 /// Checks that `file` starts with the schema header and that its relative path reaches the
-/// committed schema.
+/// committed schema: the test files' for a test file, else the pipelines'.
 pub fn check_schema_header(file: &Path) -> Result<(), String> {
+    let schema = if is_test_file(file) { TEST_SCHEMA } else { SCHEMA };
     let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
     let first = text.lines().next().unwrap_or_default();
     let Some(relative) = first.strip_prefix(SCHEMA_HEADER) else {
         return Err(format!("{}: first line is {first:?}, not {SCHEMA_HEADER}<path>", file.display()));
     };
     let target = file.parent().unwrap_or(Path::new(".")).join(relative.trim());
-    let same = match (target.canonicalize(), Path::new(SCHEMA).canonicalize()) {
+    let same = match (target.canonicalize(), Path::new(schema).canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     };
-    if same { Ok(()) } else { Err(format!("{}: {} is not {SCHEMA}", file.display(), target.display())) }
+    if same { Ok(()) } else { Err(format!("{}: {} is not {schema}", file.display(), target.display())) }
 }
 
 /// One line of an `.expected` file: a diagnostic that must be reported.

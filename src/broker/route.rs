@@ -91,8 +91,6 @@ pub fn headers_match(arguments: &BTreeMap<String, Value>, headers: &Headers) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::QueueKind;
-    use crate::topology::{BindingDecl, ExchangeDecl, QueueDecl, Role};
 
     #[test]
     fn topic_words_as_rabbitmq_splits_them() {
@@ -149,44 +147,31 @@ mod tests {
         }
     }
 
+    /// The plan of a pipeline with one exchange of each type and three queues.
     fn plan() -> Plan {
-        let exchange = |name: &str, kind| ExchangeDecl { name: name.into(), kind };
-        let queue = |name: &str| QueueDecl {
-            name: name.into(),
-            role: Role::Work,
-            kind: QueueKind::Quorum,
-            dead_letter: None,
-            max_length: None,
-            single_active_consumer: false,
-        };
-        let bind = |exchange: &str, queue: &str, key: &str, arguments: Value| BindingDecl {
-            exchange: exchange.into(),
-            queue: queue.into(),
-            routing_key: key.into(),
-            arguments: arguments.as_object().map(|m| m.clone().into_iter().collect()).unwrap_or_default(),
-        };
-        Plan {
-            exchanges: vec![
-                exchange("d", ExchangeKind::Direct),
-                exchange("f", ExchangeKind::Fanout),
-                exchange("t", ExchangeKind::Topic),
-                exchange("h", ExchangeKind::Headers),
-            ],
-            queues: ["a", "b", "c"].into_iter().map(queue).collect(),
-            bindings: vec![
-                bind("d", "a", "k", Value::Null),
-                bind("d", "b", "", Value::Null),
-                bind("f", "a", "ignored", Value::Null),
-                bind("f", "b", "", Value::Null),
-                bind("t", "a", "#", Value::Null),
-                bind("t", "b", "*", Value::Null),
-                bind("t", "c", "x.#", Value::Null),
-                // Two bindings to one queue: one copy.
-                bind("t", "c", "x.*", Value::Null),
-                bind("h", "a", "", serde_json::json!({"x-match": "any", "k": "v", "n": 1})),
-                bind("amq.topic", "c", "y.*", Value::Null),
-            ],
-        }
+        let text = r##"version: 1
+exchanges: {d: {type: direct}, f: {type: fanout}, t: {type: topic}, h: {type: headers}}
+x-handler: &handler {command: {program: /bin/true}}
+queues:
+  a:
+    handler: *handler
+    bind:
+      - {exchange: d, routing_key: k}
+      - {exchange: f, routing_key: ignored}
+      - {exchange: t, routing_key: "#"}
+      - {exchange: h, arguments: {x-match: any, k: v, n: 1}}
+  b:
+    handler: *handler
+    bind: [{exchange: d}, {exchange: f}, {exchange: t, routing_key: "*"}]
+  c:
+    handler: *handler
+    # Two bindings to one queue: one copy.
+    bind: [{exchange: t, routing_key: "x.#"}, {exchange: t, routing_key: "x.*"}, {exchange: amq.topic, routing_key: "y.*"}]
+"##;
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("p.yaml"), text).expect("write");
+        let loaded = crate::config::load(&[dir.path().to_path_buf()]);
+        crate::topology::plan(loaded.config.as_ref().expect("valid"))
     }
 
     #[test]
@@ -210,6 +195,8 @@ mod tests {
             ("amq.direct", "a", &none, Some(&[])),
             // The default exchange: the queue the key names, if any.
             ("", "b", &none, Some(&["b"])),
+            // Dead-letter queues are queues too.
+            ("", "a.dlq", &none, Some(&["a.dlq"])),
             ("", "nope", &none, Some(&[])),
             ("missing", "k", &none, None),
         ];

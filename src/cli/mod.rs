@@ -164,7 +164,7 @@ enum LogFormat {
 const DEFAULT_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    config::parse_duration(text).ok_or_else(|| format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h"))
+    config::parse_duration(text).ok_or_else(|| config::duration_problem(text))
 }
 
 /// A listening address as `HOST:PORT`; the host is resolved when the socket is bound.

@@ -208,7 +208,7 @@ impl Compiler<'_> {
         match text {
             None => default,
             Some(t) => super::parse_duration(t).unwrap_or_else(|| {
-                self.error(file, pointer, format!("\"{t}\" is not a duration such as 250ms, 10s, 5m or 24h"));
+                self.error(file, pointer, super::duration_problem(t));
                 default
             }),
         }

@@ -90,7 +90,21 @@ fn diagnostics(schema: &Value, file: &SourceFile, error: &ValidationError<'_>) -
             vec![file.diag(Severity::Error, &pointer, "a handler has exactly one of \"webhook\" or \"command\"")]
         }
         ValidationErrorKind::Pattern { .. } if schema_path.contains("duration") => {
-            let message = format!("{} is not a duration such as 250ms, 10s, 5m or 24h", error.instance());
+            let text = error.instance().as_str().unwrap_or_default();
+            vec![file.diag(Severity::Error, &pointer, super::duration_problem(text))]
+        }
+        ValidationErrorKind::Pattern { .. } if pointer.ends_with("/rate_limit") => {
+            let text = error.instance().as_str().unwrap_or_default();
+            vec![file.diag(Severity::Error, &pointer, rate_problem(text))]
+        }
+        ValidationErrorKind::Enum { options } => {
+            let allowed: Vec<&str> = options.as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            let mut message = format!("{} is not one of {}", error.instance(), allowed.join(", "));
+            if let Some(close) =
+                error.instance().as_str().and_then(|found| suggest::closest(found, allowed.iter().copied()))
+            {
+                message.push_str(&format!("; did you mean \"{close}\"?"));
+            }
             vec![file.diag(Severity::Error, &pointer, message)]
         }
         ValidationErrorKind::Required { property } => {
@@ -99,6 +113,17 @@ fn diagnostics(schema: &Value, file: &SourceFile, error: &ValidationError<'_>) -
         }
         _ => vec![file.diag(Severity::Error, &pointer, error.to_string())],
     }
+}
+
+/// What is wrong with a rate limit the schema refused, in words.
+fn rate_problem(text: &str) -> String {
+    let count = text.split_once('/').map_or(text, |(n, _)| n);
+    if !count.is_empty() && count.bytes().all(|b| b == b'0') {
+        return format!("rate limit \"{text}\" must be positive: at least 1 per hour (1/h)");
+    }
+    format!(
+        "\"{text}\" is not a rate such as 20/s, 100/m or 5000/h (a whole number of calls per second, minute or hour)"
+    )
 }
 
 /// The known property closest to a misspelt one, from the schema object the error came from.

@@ -13,7 +13,7 @@ use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, Command, Config, Exchange, ExchangeKind, Handler, Idempotency, Jitter,
     MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook, raw,
 };
-use crate::handler::template::{Escape, Template};
+use crate::handler::template::{Escape, Template, TemplateError};
 
 /// The most a payload schema file may hold: generated schemas can be large, but a file
 /// without end (a link to a device) must not be read to the end.
@@ -242,7 +242,11 @@ impl Compiler<'_> {
                 Some(t)
             }
             Err(e) => {
-                self.error(file, pointer, e.to_string());
+                let pos = match &e {
+                    TemplateError::Syntax { offset, .. } => at_offset(file, pointer, text, *offset),
+                    _ => file.pos(pointer),
+                };
+                self.diags.push(file.diag_at(pos, Severity::Error, pointer, e.to_string()));
                 None
             }
         }
@@ -562,6 +566,21 @@ impl Compiler<'_> {
             }
         }
     }
+}
+
+/// Where byte `offset` of the string at `pointer` (whose text is `text`) sits in the file, when
+/// the string is written on one line as it reads (plain or quoted, no escapes before the
+/// offset); else where the string starts.
+fn at_offset(file: &SourceFile, pointer: &str, text: &str, offset: usize) -> source::Pos {
+    let start = file.pos(pointer);
+    let before = &text[..text.floor_char_boundary(offset)];
+    let column = source::lines(&file.text).nth(start.line.saturating_sub(1)).and_then(|line| {
+        let rest: String = line.chars().skip(start.column.saturating_sub(1)).collect();
+        let quote = usize::from(rest.starts_with(['"', '\'']));
+        let written = rest.get(quote..)?;
+        (!before.contains('\n') && written.starts_with(before)).then(|| start.column + quote + before.chars().count())
+    });
+    column.map_or(start, |column| source::Pos { line: start.line, column })
 }
 
 /// Why `name` may not be declared, when its prefix belongs to the broker or to sluice.

@@ -266,7 +266,10 @@ impl Compiler<'_> {
         for (i, b) in q.bind.into_iter().enumerate() {
             let defined = exchanges.contains_key(&b.exchange) || ExchangeKind::builtin(&b.exchange).is_some();
             if !defined && self.complete {
-                let message = format!("binding to undefined exchange \"{}\"", b.exchange);
+                let mut message = format!("binding to undefined exchange \"{}\"", b.exchange);
+                if let Some(close) = super::suggest::closest(&b.exchange, exchanges.keys().map(String::as_str)) {
+                    message.push_str(&format!("; did you mean \"{close}\"?"));
+                }
                 self.error(file, &format!("{base}/bind/{i}/exchange"), message);
             }
             bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
@@ -301,6 +304,14 @@ impl Compiler<'_> {
             q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
         let handler = self.handler(file, &format!("{base}/handler"), q.handler)?;
+        if let Handler::Webhook(Webhook { body: Some(body), .. }) = &handler {
+            self.bare_json_values(
+                file,
+                &format!("{base}/handler/webhook/body"),
+                body.source(),
+                payload_schema.as_ref(),
+            );
+        }
         let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let program_source = match &handler {
             Handler::Command(c) => Some(c.program.display().to_string()),
@@ -335,6 +346,27 @@ impl Compiler<'_> {
                 "program": program_source,
             }),
         })
+    }
+
+    /// Warns of each `{{x}}` standing bare in a JSON body where `x` may be a string: the body
+    /// would not be JSON. Numbers and booleans (by the payload schema, or `attempt` and
+    /// `version`) are fine bare.
+    fn bare_json_values(&mut self, file: &SourceFile, pointer: &str, body: &str, schema: Option<&PayloadSchema>) {
+        for (offset, path) in crate::handler::template::bare_in_json(body) {
+            let scalar = match path.split_once('.') {
+                None => matches!(path.as_str(), "attempt" | "version"),
+                Some(("payload", rest)) => schema.is_some_and(|s| is_number_or_bool(&s.schema, rest)),
+                Some(_) => false,
+            };
+            if !scalar {
+                let message = format!(
+                    "{{{{{path}}}}} stands outside a JSON string, so a string value would make the body invalid JSON; \
+                     write {{{{json {path}}}}}, which inserts any value as JSON (or quote it: \"{{{{{path}}}}}\")"
+                );
+                let pos = at_offset(file, pointer, body, offset);
+                self.diags.push(file.diag_at(pos, Severity::Warning, pointer, message));
+            }
+        }
     }
 
     fn max_message_bytes(&mut self, file: &SourceFile, pointer: &str, value: Option<serde_json::Value>) -> usize {
@@ -565,6 +597,18 @@ impl Compiler<'_> {
                 self.error(file, &pointer, message);
             }
         }
+    }
+}
+
+/// Whether the payload schema makes the value at `path` (`a.b`) a number, an integer or a
+/// boolean, following `properties` (a schema it cannot follow says no).
+fn is_number_or_bool(schema: &serde_json::Value, path: &str) -> bool {
+    let node = path.split('.').try_fold(schema, |node, segment| node.get("properties")?.get(segment));
+    let scalar = |t: &serde_json::Value| matches!(t.as_str(), Some("number" | "integer" | "boolean"));
+    match node.and_then(|n| n.get("type")) {
+        Some(serde_json::Value::Array(types)) => !types.is_empty() && types.iter().all(scalar),
+        Some(t) => scalar(t),
+        None => false,
     }
 }
 

@@ -170,6 +170,39 @@ fn dot_segment(url: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The plain `{{path}}` expressions of a JSON body template that stand outside any JSON
+/// string, with their offsets: each inserts its value's text bare, which is valid JSON only
+/// when the value is a number or a boolean. `{{json x}}`, helpers and blocks are not listed.
+pub fn bare_in_json(source: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let (mut in_string, mut escaped) = (false, false);
+    let mut at = 0;
+    while at < source.len() {
+        let rest = &source[at..];
+        if rest.starts_with("{{") {
+            let Some(end) = rest.find("}}") else { break };
+            let inner = rest[2..end].trim_matches('~').trim();
+            let plain = !inner.is_empty() && inner.chars().all(|c| c.is_alphanumeric() || "._-[]".contains(c));
+            if !in_string && plain && inner != "else" && inner != "this" {
+                out.push((at, inner.to_string()));
+            }
+            at += end + 2;
+            continue;
+        }
+        let c = rest.chars().next().unwrap_or_default();
+        match c {
+            '\\' if in_string => escaped = !escaped,
+            '"' if !escaped => in_string = !in_string,
+            _ => escaped = false,
+        }
+        if c != '\\' {
+            escaped = false;
+        }
+        at += c.len_utf8();
+    }
+    out
+}
+
 /// A syntax error in words, at the fault: the usual mistakes (an unclosed `{{`, a block end
 /// without a start or closing another block, a block never closed) are found by scanning the text; anything
 /// else is named by where handlebars stopped, without its grammar's rule names.
@@ -545,6 +578,21 @@ mod tests {
         }
         // Comments may hold braces.
         assert!(Template::compile("{{!-- }} {{ --}}ok", Escape::Plain).is_ok());
+    }
+
+    #[test]
+    fn expressions_outside_json_strings_are_found() {
+        let cases: &[(&str, &[(usize, &str)])] = &[
+            (r#"{"a": {{payload.a}}, "b": "{{payload.b}}"}"#, &[(6, "payload.a")]),
+            (r#"{"a": "x\"{{payload.a}}\"", "n": {{attempt}}}"#, &[(33, "attempt")]),
+            (r#"{"a": {{json payload.a}}, "b": [{{#each payload.x}}{{this}}{{/each}}]}"#, &[]),
+            (r#"{"a": "\\", "b": {{payload.b}}}"#, &[(17, "payload.b")]),
+        ];
+        for (source, want) in cases {
+            let got = bare_in_json(source);
+            let want: Vec<(usize, String)> = want.iter().map(|(o, p)| (*o, p.to_string())).collect();
+            assert_eq!(got, want, "{source}");
+        }
     }
 
     // Issue 14: `{{json}}` passed validate and dead-lettered every message.

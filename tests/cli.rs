@@ -29,8 +29,9 @@ fn validate_exits_1_on_errors_and_0_on_warnings_alone() {
         let output = sluice().arg("validate").arg(&fixture.path).output().unwrap();
         assert_eq!(output.status.code(), Some(code), "{}: {output:?}", fixture.path.display());
         let stdout = String::from_utf8(output.stdout).unwrap();
-        let severity = if fixture.warnings_only() { ": warning: " } else { ": error: " };
-        assert!(stdout.contains(severity), "{}: {stdout}", fixture.path.display());
+        let worst = fixture.expected.iter().map(|e| e.severity).min().expect("an expected line");
+        let severity = format!(": {}: ", util::severity_name(worst));
+        assert!(stdout.contains(&severity), "{}: {stdout}", fixture.path.display());
     }
 }
 
@@ -108,7 +109,7 @@ fn json_format_is_an_array_of_diagnostics() {
         })]
     );
     let warnings = json_diagnostics(util::VALID, 0);
-    assert_eq!(warnings.len(), 4);
+    assert_eq!(warnings.len(), 3, "the jitter warning of an anchor merged twice is reported once");
     assert!(warnings.iter().all(|w| w["severity"] == "warning"));
     assert_eq!(json_diagnostics("tests/fixtures/invalid/dup", 1).len(), 1);
     assert_eq!(json_diagnostics("pipelines", 0), Vec::<Value>::new());
@@ -145,6 +146,11 @@ fn validate_of_a_missing_path_fails_clearly() {
         .assert()
         .code(1)
         .stdout(predicate::str::contains("no pipeline files (*.yaml, *.yml) under"));
+    // Issue 14: run with no path where there is no pipelines/, a new user was told only that
+    // "pipelines" does not exist.
+    sluice().arg("validate").current_dir(empty.path()).assert().code(1).stdout(predicate::str::starts_with(
+        "pipelines:1:1: error: no such file or directory; given no path, sluice reads pipelines/ in the current directory: name the files or directories that hold your pipelines, as in `sluice validate path/to/pipelines`\n",
+    ));
 }
 
 #[test]

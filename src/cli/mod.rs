@@ -43,7 +43,7 @@ enum Command {
     /// Check pipeline files; exit 1 on any error (warnings alone exit 0).
     Validate {
         /// Files or directories (searched recursively for *.yaml and *.yml).
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
@@ -51,7 +51,7 @@ enum Command {
     /// Print the broker topology the files declare; with --broker, also how the live broker
     /// differs from it (exit 1 on a conflict that would stop `run`).
     Plan {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
@@ -64,7 +64,7 @@ enum Command {
     },
     /// Every queue at a glance: ready, consumers, dead-lettered, oldest dead letter.
     Status {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
@@ -89,14 +89,14 @@ enum Command {
     /// test fails or a file has an error.
     Test {
         /// Files or directories (searched recursively for pipelines and *.test.yaml files).
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = testing::report::Format::Human)]
         format: testing::report::Format,
     },
     /// Declare the topology and consume: call the handlers, retry, dead-letter.
     Run {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
@@ -128,7 +128,7 @@ enum Command {
     Publish(publish::Args),
     /// Dry run: print the HTTP request or the command a message would produce.
     Render {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         /// The pipeline queue whose handler renders the message.
         #[arg(long)]

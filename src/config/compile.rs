@@ -34,6 +34,8 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
     let mut parsed = Vec::new();
     let mut sources = BTreeMap::new();
     let mut skipped = 0;
+    // Nodes the schema refused, left out of the semantic checks, by file.
+    let mut pruned: Vec<(PathBuf, String)> = Vec::new();
     for path in &discovery.files {
         let loaded = source::read(path).and_then(|text| {
             // Kept for the snippets of diagnostics: printing them never reads a file again.
@@ -56,8 +58,17 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
                         }
                     }
                 } else {
+                    // The rest of the file is still checked: without the nodes the schema
+                    // refused, what still reads as a pipeline goes on to the semantic checks.
+                    let invalid = super::schema::invalid_nodes(&file);
                     diags.extend(schema_errors);
-                    complete = false;
+                    match lenient(&file, &invalid) {
+                        Some(raw) => {
+                            pruned.extend(invalid.into_iter().map(|p| (file.path.clone(), p)));
+                            parsed.push((file, raw));
+                        }
+                        None => complete = false,
+                    }
                 }
             }
             Err(d) => {
@@ -73,10 +84,85 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
             format!("no pipeline files under {}: every YAML file there is something else", shown.join(", ")),
         ));
     }
+    let before = diags.len();
     let config = Compiler { diags: &mut diags, complete }.compile(parsed);
+    // What the semantic checks say about a refused node (or a handler that lost its refused
+    // part) is already said by the schema.
+    let semantic = diags.split_off(before);
+    diags.extend(semantic.into_iter().filter(|d| {
+        !pruned.iter().any(|(file, node)| {
+            let related = d.pointer == *node
+                || d.pointer.starts_with(&format!("{node}/"))
+                || (node.starts_with(&format!("{}/", d.pointer)) && d.pointer.matches('/').count() > 2);
+            *file == d.file && related
+        })
+    }));
+    let mut diags = once_per_anchor(diags);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
     Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources }
+}
+
+/// The raw file without the nodes at `invalid` (JSON pointers), for checking the rest of a
+/// file the schema refused; `None` when even that does not read as a pipeline. A refused array
+/// element takes its array along (later elements keep their indices), a queue that no longer
+/// reads as one is left out, and an exchange whose type was refused stays defined (as topic),
+/// so that bindings to it are not reported as undefined.
+fn lenient(file: &SourceFile, invalid: &[String]) -> Option<raw::File> {
+    let mut value = file.value.clone();
+    for pointer in invalid {
+        prune(&mut value, pointer);
+    }
+    if let Some(exchanges) = value.get_mut("exchanges").and_then(serde_json::Value::as_object_mut) {
+        for exchange in exchanges.values_mut().filter_map(serde_json::Value::as_object_mut) {
+            exchange.entry("type").or_insert_with(|| "topic".into());
+        }
+    }
+    if let Some(queues) = value.get_mut("queues").and_then(serde_json::Value::as_object_mut) {
+        queues.retain(|_, q| deserialize_value::<raw::Queue>(file, q.clone()).is_ok());
+    }
+    deserialize_value(file, value).ok()
+}
+
+/// Removes the node at `pointer`; an array element takes its whole array.
+fn prune(value: &mut serde_json::Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else { return };
+    let key = last.replace("~1", "/").replace("~0", "~");
+    match value.pointer_mut(parent) {
+        Some(serde_json::Value::Object(map)) => {
+            map.remove(&key);
+        }
+        Some(serde_json::Value::Array(_)) => prune(value, parent),
+        _ => {}
+    }
+}
+
+/// One diagnostic for a mistake that several places share through a YAML anchor (same file,
+/// position, severity and message), naming every place.
+fn once_per_anchor(diags: Vec<Diagnostic>) -> Vec<Diagnostic> {
+    let mut out: Vec<(Diagnostic, Vec<String>)> = Vec::new();
+    let mut seen: BTreeMap<(PathBuf, usize, usize, Severity, String), usize> = BTreeMap::new();
+    for d in diags {
+        let key = (d.file.clone(), d.line, d.column, d.severity, d.message.clone());
+        match seen.get(&key) {
+            Some(&i) if out[i].0.pointer != d.pointer && !d.pointer.is_empty() => out[i].1.push(d.pointer),
+            Some(_) => {}
+            None => {
+                seen.insert(key, out.len());
+                out.push((d, Vec::new()));
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(mut d, others)| {
+            if !others.is_empty() {
+                let places: Vec<&str> =
+                    std::iter::once(d.pointer.as_str()).chain(others.iter().map(String::as_str)).collect();
+                d.message = format!("{} (reported once: an anchor shared by {})", d.message, places.join(", "));
+            }
+            d
+        })
+        .collect()
 }
 
 /// A note that `file` is left alone when it is some other tool's YAML: it has no `version:`
@@ -94,7 +180,14 @@ pub(crate) fn foreign(file: &SourceFile, keys: &[&str], what: &str) -> Option<Di
 
 /// The serde model of a file that passed its schema; `x-` keys are dropped.
 pub(crate) fn deserialize<T: serde::de::DeserializeOwned>(file: &SourceFile) -> Result<T, Diagnostic> {
-    let mut value = file.value.clone();
+    deserialize_value(file, file.value.clone())
+}
+
+/// [`deserialize`] of `value`, a changed copy of `file`'s document.
+fn deserialize_value<T: serde::de::DeserializeOwned>(
+    file: &SourceFile,
+    mut value: serde_json::Value,
+) -> Result<T, Diagnostic> {
     if let Some(map) = value.as_object_mut() {
         map.retain(|k, _| !k.starts_with("x-"));
     }

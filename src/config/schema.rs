@@ -46,6 +46,31 @@ static PIPELINE: LazyLock<Schema> = LazyLock::new(|| Schema::new(TEXT));
 
 static TESTS: LazyLock<Schema> = LazyLock::new(|| Schema::new(TESTS_TEXT));
 
+/// The nodes of a pipeline file the schema refuses (JSON pointers): an unknown key or a bad
+/// name is the key's node, a missing key none (there is nothing to leave out).
+pub fn invalid_nodes(file: &SourceFile) -> Vec<String> {
+    let mut out: Vec<String> = PIPELINE
+        .validator
+        .iter_errors(&file.value)
+        .flat_map(|error| {
+            let pointer = error.instance_path().as_str().to_string();
+            match error.kind() {
+                ValidationErrorKind::AdditionalProperties { unexpected } => {
+                    unexpected.iter().map(|key| format!("{pointer}/{}", escape_token(key))).collect()
+                }
+                ValidationErrorKind::PropertyNames { error: inner } => {
+                    vec![format!("{pointer}/{}", escape_token(inner.instance().as_str().unwrap_or_default()))]
+                }
+                ValidationErrorKind::Required { .. } => Vec::new(),
+                _ => vec![pointer],
+            }
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Every schema violation in one pipeline file.
 pub fn check(file: &SourceFile) -> Vec<Diagnostic> {
     PIPELINE.check(file)

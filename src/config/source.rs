@@ -76,6 +76,9 @@ impl SourceFile {
 /// an attack (a link to `/dev/zero`), and is refused before it is read to the end.
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
 
+/// Where the commands look for pipelines when given no path.
+pub const DEFAULT_DIR: &str = "pipelines";
+
 /// What discovery found: the pipeline files to load, and what it skipped or could not use.
 #[derive(Debug, Default)]
 pub struct Discovery {
@@ -114,7 +117,14 @@ fn discover_where(paths: &[PathBuf], wanted: fn(&Path) -> bool) -> Discovery {
             // Whatever else it is, loading says why it cannot be read.
             Ok(meta) => walk.found.push(Found { path: path.clone(), link: false, id: Some(file_id(&meta)) }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                walk.diagnostics.push(file_diag(path, "no such file or directory"));
+                let mut message = "no such file or directory".to_string();
+                if path == Path::new(DEFAULT_DIR) {
+                    message.push_str(&format!(
+                        "; given no path, sluice reads {DEFAULT_DIR}/ in the current directory: \
+                         name the files or directories that hold your pipelines, as in `sluice validate path/to/pipelines`"
+                    ));
+                }
+                walk.diagnostics.push(file_diag(path, message));
             }
             Err(e) => walk.diagnostics.push(io_diag(path, &e)),
         }

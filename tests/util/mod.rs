@@ -102,7 +102,8 @@ impl Expected {
         let severity = match severity {
             "error" => Severity::Error,
             "warning" => Severity::Warning,
-            other => return Err(format!("severity {other:?} is neither error nor warning")),
+            "note" => Severity::Note,
+            other => return Err(format!("severity {other:?} is not error, warning or note")),
         };
         let pointer = match pointer {
             "-" => String::new(),
@@ -135,9 +136,17 @@ impl fmt::Display for Expected {
         if let Some(file) = &self.file {
             write!(f, "{file}:")?;
         }
-        let severity = if self.severity == Severity::Error { "error" } else { "warning" };
         let pointer = if self.pointer.is_empty() { "-" } else { &self.pointer };
-        write!(f, "{}:{} {severity} {pointer} | {}", self.line, self.column, self.fragment)
+        write!(f, "{}:{} {} {pointer} | {}", self.line, self.column, severity_name(self.severity), self.fragment)
+    }
+}
+
+/// A severity as `sluice validate` prints it.
+pub fn severity_name(severity: Severity) -> &'static str {
+    match severity {
+        Severity::Error => "error",
+        Severity::Warning => "warning",
+        Severity::Note => "note",
     }
 }
 
@@ -152,9 +161,8 @@ impl fmt::Display for Shown<'_> {
         {
             write!(f, "{}:", relative.display())?;
         }
-        let severity = if d.severity == Severity::Error { "error" } else { "warning" };
         let pointer = if d.pointer.is_empty() { "-" } else { &d.pointer };
-        write!(f, "{}:{} {severity} {pointer} | {}", d.line, d.column, d.message)
+        write!(f, "{}:{} {} {pointer} | {}", d.line, d.column, severity_name(d.severity), d.message)
     }
 }
 
@@ -167,9 +175,9 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Whether the fixture only has warnings (so `validate` must succeed).
+    /// Whether the fixture only has warnings or notes (so `validate` must succeed).
     pub fn warnings_only(&self) -> bool {
-        self.expected.iter().all(|e| e.severity == Severity::Warning)
+        self.expected.iter().all(|e| e.severity != Severity::Error)
     }
 }
 

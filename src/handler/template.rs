@@ -281,32 +281,32 @@ fn offset_of(source: &str, line: usize, column: usize) -> usize {
     start + rest.char_indices().nth(column).map_or(rest.len(), |(i, _)| i)
 }
 
-/// How many values each helper takes, and an example, for a call given the wrong number.
-fn arity(helper: &str) -> Option<(&'static str, &'static str, fn(usize) -> bool)> {
-    fn one(n: usize) -> bool {
-        n == 1
-    }
-    fn two(n: usize) -> bool {
-        n == 2
-    }
-    fn some(n: usize) -> bool {
-        n >= 1
-    }
-    Some(match helper {
-        "json" => ("one value", "{{json payload}}", one),
-        "urlencode" => ("one value", "{{urlencode payload.name}}", one),
-        "if" | "unless" | "with" | "each" | "not" | "len" => ("one value", "{{#if payload.x}}...{{/if}}", one),
-        "lookup" => ("two values", "{{lookup payload.map payload.key}}", two),
-        "eq" | "ne" | "gt" | "gte" | "lt" | "lte" => ("two values", "{{#if (eq payload.a 1)}}...{{/if}}", two),
-        "and" | "or" => ("at least one value", "{{#if (and payload.a payload.b)}}...{{/if}}", some),
+/// How many values a helper takes, in words and as bounds, with an example.
+struct Takes {
+    min: usize,
+    max: usize,
+    wanted: &'static str,
+    example: &'static str,
+}
+
+/// What each helper takes; `None` for helpers that take anything.
+fn takes(helper: &str) -> Option<Takes> {
+    let (min, max, wanted, example) = match helper {
+        "json" => (1, 1, "one value", "{{json payload}}"),
+        "urlencode" => (1, 1, "one value", "{{urlencode payload.name}}"),
+        "if" | "unless" | "with" | "each" | "not" | "len" => (1, 1, "one value", "{{#if payload.x}}...{{/if}}"),
+        "lookup" => (2, 2, "two values", "{{lookup payload.map payload.key}}"),
+        "eq" | "ne" | "gt" | "gte" | "lt" | "lte" => (2, 2, "two values", "{{#if (eq payload.a 1)}}...{{/if}}"),
+        "and" | "or" => (1, usize::MAX, "at least one value", "{{#if (and payload.a payload.b)}}...{{/if}}"),
         _ => return None,
-    })
+    };
+    Some(Takes { min, max, wanted, example })
 }
 
 fn check_arity(helper: &str, given: usize) -> Result<(), TemplateError> {
-    match arity(helper) {
-        Some((wanted, example, ok)) if !ok(given) => {
-            Err(TemplateError::Arity { helper: helper.to_string(), wanted, example, given })
+    match takes(helper) {
+        Some(t) if !(t.min..=t.max).contains(&given) => {
+            Err(TemplateError::Arity { helper: helper.to_string(), wanted: t.wanted, example: t.example, given })
         }
         _ => Ok(()),
     }

@@ -109,6 +109,8 @@ const WEBHOOK_RESPONSE: &[&str] = &["status", "body", "retry_after", "timeout"];
 const COMMAND_RESPONSE: &[&str] = &["exit", "stderr", "timeout"];
 const WEBHOOK_REQUEST: &[&str] = &["method", "url", "headers", "body"];
 const COMMAND_REQUEST: &[&str] = &["argv", "stdin", "env"];
+/// Outcomes name no keys of a handler kind.
+const ANY: &[&str] = &[];
 
 /// Every mistake of a test file against the pipeline it tests: names that do not exist,
 /// responses and requests that do not fit the queue's handler.
@@ -129,10 +131,10 @@ pub fn check(source: &SourceFile, file: &File, config: &Config, exchanges: &[&st
                 out.push(source.diag(Severity::Error, &format!("{base}/expect/queues/{j}"), message));
             }
         }
-        let sections: [(&str, Vec<&String>, &[&str], &[&str]); 3] = [
-            ("responses", test.responses.keys().collect(), WEBHOOK_RESPONSE, COMMAND_RESPONSE),
+        let sections = [
+            ("responses", test.responses.keys().collect::<Vec<_>>(), WEBHOOK_RESPONSE, COMMAND_RESPONSE),
             ("expect/requests", test.expect.requests.keys().collect(), WEBHOOK_REQUEST, COMMAND_REQUEST),
-            ("expect/outcomes", test.expect.outcomes.keys().collect(), &[], &[]),
+            ("expect/outcomes", test.expect.outcomes.keys().collect(), ANY, ANY),
         ];
         for (section, names, webhook_keys, command_keys) in sections {
             for name in names {

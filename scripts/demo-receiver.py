@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A stand-in for the three services of pipelines/orders.yaml: answers 200 to every request
-on 127.0.0.1:8088 and prints what arrived. Used by scripts/demo."""
+"""A stand-in for the charge and email services of pipelines/orders.yaml: answers 200 to every
+request on 127.0.0.1:8088 and prints what arrived. Used by scripts/demo."""
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 

@@ -113,9 +113,20 @@ fn lenient(file: &SourceFile, invalid: &[String]) -> Option<raw::File> {
     for pointer in invalid {
         prune(&mut value, pointer);
     }
+    let declared: Vec<String> = file
+        .value
+        .get("exchanges")
+        .and_then(serde_json::Value::as_object)
+        .into_iter()
+        .flatten()
+        .map(|(k, _)| k.clone())
+        .collect();
     if let Some(exchanges) = value.get_mut("exchanges").and_then(serde_json::Value::as_object_mut) {
-        for exchange in exchanges.values_mut().filter_map(serde_json::Value::as_object_mut) {
-            exchange.entry("type").or_insert_with(|| "topic".into());
+        for name in declared {
+            let exchange = exchanges.entry(name).or_insert_with(|| serde_json::json!({}));
+            if let Some(exchange) = exchange.as_object_mut() {
+                exchange.entry("type").or_insert_with(|| "topic".into());
+            }
         }
     }
     if let Some(queues) = value.get_mut("queues").and_then(serde_json::Value::as_object_mut) {

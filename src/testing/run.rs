@@ -284,3 +284,57 @@ fn shown(expected: &Value, actual: &[u8]) -> (String, String) {
 fn list(items: &[String]) -> String {
     serde_json::to_string(items).unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_compare_as_json_unless_expected_as_text() {
+        let cases = [
+            (json!({"a": 1, "b": [true]}), r#"{"b":[true],"a":1}"#, true),
+            (json!({"a": 1}), r#"{"a":"1"}"#, false),
+            (json!({"a": 1}), "not json", false),
+            (json!("plain text"), "plain text", true),
+            // A string expects text: the JSON string "x" is not the text x.
+            (json!("x"), r#""x""#, false),
+            (json!(null), "null", true),
+        ];
+        for (expected, actual, equal) in cases {
+            let (e, a) = shown(&expected, actual.as_bytes());
+            assert_eq!(e == a, equal, "{expected} vs {actual}: {e} / {a}");
+        }
+    }
+
+    #[test]
+    fn simulated_answers_are_classified_as_real_ones() {
+        let webhook = |status: u16, timeout: bool| {
+            let request = webhook::Request {
+                method: reqwest::Method::POST,
+                url: reqwest::Url::parse("http://h.example/x").expect("a URL"),
+                headers: Vec::new(),
+                body: Bytes::new(),
+            };
+            let call = Call::Webhook { request, timeout: Duration::from_secs(3) };
+            simulate(&call, &Response { status: Some(status), timeout, ..Response::default() })
+        };
+        assert_eq!(webhook(204, false), Ok(()));
+        assert!(matches!(webhook(503, false), Err(HandlerError::Transient { .. })));
+        assert!(matches!(webhook(404, false), Err(HandlerError::Permanent { .. })));
+        assert_eq!(webhook(200, true), Err(HandlerError::timeout(Duration::from_secs(3))));
+        let command = |exit: i32| {
+            let call = Call::Command(command::Invocation {
+                program: "/bin/true".into(),
+                args: Vec::new(),
+                env: Vec::new(),
+                stdin: Stdin::Null,
+                timeout: Duration::from_secs(1),
+                permanent_exit_codes: vec![65],
+            });
+            simulate(&call, &Response { exit: Some(exit), stderr: Some("why".into()), ..Response::default() })
+        };
+        assert_eq!(command(0), Ok(()));
+        assert_eq!(command(65), Err(HandlerError::permanent("exit 65: why")));
+        assert_eq!(command(1), Err(HandlerError::transient("exit 1: why")));
+    }
+}

@@ -105,9 +105,9 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
 
 /// The raw file without the nodes at `invalid` (JSON pointers), for checking the rest of a
 /// file the schema refused; `None` when even that does not read as a pipeline. A refused array
-/// element takes its array along (later elements keep their indices), a queue that no longer
-/// reads as one is left out, and an exchange whose type was refused stays defined (as topic),
-/// so that bindings to it are not reported as undefined.
+/// element takes its array along (removing it alone would shift the pointers of the others),
+/// a queue that no longer reads as one is left out, and an exchange whose type was refused
+/// stays defined (as topic), so that bindings to it are not reported as undefined.
 fn lenient(file: &SourceFile, invalid: &[String]) -> Option<raw::File> {
     let mut value = file.value.clone();
     for pointer in invalid {

@@ -1,7 +1,9 @@
-//! The JSON Schema of pipeline files: embedded in the binary (`sluice schema` prints it) and
-//! checked against every file, each violation reported at its node.
+//! The JSON Schemas of pipeline files and of test files (`*.test.yaml`): embedded in the binary
+//! (`sluice schema [--tests]` prints them) and checked against every file, each violation
+//! reported at its node, in words (allowed values, "did you mean", what to write instead).
 //!
-//! Only structural checks live in the schema; cross-file and semantic checks are in `compile`.
+//! Only structural checks live in the schemas; cross-file and semantic checks are in `compile`
+//! (and, for test files, in `testing`).
 
 use std::sync::LazyLock;
 

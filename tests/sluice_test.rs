@@ -188,10 +188,16 @@ fn mistakes_in_a_test_file_are_reported_at_file_line_column() {
         ]
     );
     assert!(out.ends_with("no tests ran: the files above have errors\n"), "{out}");
-    // A schema violation, with a "did you mean".
-    let dir = suite("  - name: x\n    mesage: {exchange: orders}\n    expect: {queues: []}\n");
+    // A schema violation, with a "did you mean"; it hides nothing in the other tests.
+    let dir = suite(
+        "  - name: x\n    mesage: {exchange: orders}\n    expect: {queues: []}\n  - name: y\n    message: {exchange: ordres}\n    expect: {queues: []}\n",
+    );
     let out = stdout(sluice().arg("test").arg(dir.path()).assert().code(1));
     assert!(out.contains(":4:5: error: /tests/0/mesage: unknown key \"mesage\"; did you mean \"message\"?"), "{out}");
+    assert!(
+        out.contains(":7:25: error: /tests/1/message/exchange: no exchange \"ordres\" in the pipeline files; did you mean \"orders\"?"),
+        "{out}"
+    );
 }
 
 #[test]

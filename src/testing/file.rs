@@ -114,10 +114,15 @@ const ANY: &[&str] = &[];
 
 /// Every mistake of a test file against the pipeline it tests: names that do not exist,
 /// responses and requests that do not fit the queue's handler.
-pub fn check(source: &SourceFile, file: &File, config: &Config, exchanges: &[&str]) -> Vec<Diagnostic> {
+pub fn check<'a>(
+    source: &SourceFile,
+    tests: impl IntoIterator<Item = (usize, &'a Test)>,
+    config: &Config,
+    exchanges: &[&str],
+) -> Vec<Diagnostic> {
     let mut out = Vec::new();
     let queues: Vec<&str> = config.queues.keys().map(String::as_str).collect();
-    for (i, test) in file.tests.iter().enumerate() {
+    for (i, test) in tests {
         let base = format!("/tests/{i}");
         let exchange = &test.message.exchange;
         if !exchange.is_empty() && !exchanges.contains(&exchange.as_str()) && ExchangeKind::builtin(exchange).is_none()
@@ -171,6 +176,23 @@ pub fn check(source: &SourceFile, file: &File, config: &Config, exchanges: &[&st
         }
     }
     out
+}
+
+/// The tests of a file the schema refused that are whole nonetheless (no violation inside
+/// them), with their indices: their own mistakes are still worth reporting.
+pub fn whole_tests(source: &SourceFile, violations: &[Diagnostic]) -> Vec<(usize, Test)> {
+    let file_wide = violations.iter().any(|d| d.pointer.is_empty() || d.pointer == "/tests");
+    let items = source.value.get("tests").and_then(Value::as_array).filter(|_| !file_wide);
+    items
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .filter(|(i, _)| {
+            let at = format!("/tests/{i}");
+            !violations.iter().any(|d| d.pointer == at || d.pointer.starts_with(&format!("{at}/")))
+        })
+        .filter_map(|(i, value)| Some((i, serde_json::from_value(value.clone()).ok()?)))
+        .collect()
 }
 
 /// `no queue "x" in the pipeline files; did you mean "y"?`

@@ -107,11 +107,15 @@ pub fn run(paths: &[PathBuf]) -> Outcome {
                 if problems.is_empty() {
                     match deserialize::<file::File>(&source) {
                         Ok(tests) => {
-                            problems = file::check(&source, &tests, &config, &exchanges);
+                            problems = file::check(&source, tests.tests.iter().enumerate(), &config, &exchanges);
                             files.push((source, tests));
                         }
                         Err(d) => problems.push(d),
                     }
+                } else {
+                    // A schema error hides nothing in the tests it is not in.
+                    let whole = file::whole_tests(&source, &problems);
+                    problems.extend(file::check(&source, whole.iter().map(|(i, t)| (*i, t)), &config, &exchanges));
                 }
                 problems
             }

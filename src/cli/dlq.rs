@@ -78,7 +78,7 @@ pub struct Target {
     queue: String,
     /// The pipeline files that name the queue's dead-letter queue (default `<QUEUE>.dlq` when
     /// the path does not exist).
-    #[arg(long, default_value = "pipelines")]
+    #[arg(long, default_value = crate::config::source::DEFAULT_DIR)]
     pipelines: Vec<PathBuf>,
     #[command(flatten)]
     broker: BrokerArg,

@@ -26,7 +26,7 @@ use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
 use crate::topology;
-use crate::{reload, runtime};
+use crate::{reload, runtime, testing};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -44,7 +44,7 @@ enum Command {
     /// Check pipeline files; exit 1 on any error (warnings alone exit 0).
     Validate {
         /// Files or directories (searched recursively for *.yaml and *.yml).
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
@@ -52,7 +52,7 @@ enum Command {
     /// Print the broker topology the files declare; with --broker, also how the live broker
     /// differs from it (exit 1 on a conflict that would stop `run`).
     Plan {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
@@ -65,7 +65,7 @@ enum Command {
     },
     /// Every queue at a glance: ready, consumers, dead-lettered, oldest dead letter.
     Status {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
@@ -79,11 +79,25 @@ enum Command {
     /// Read, redrive or purge a queue's dead-lettered messages.
     #[command(subcommand)]
     Dlq(dlq::Command),
-    /// Print the JSON Schema of pipeline files.
-    Schema,
+    /// Print the JSON Schema of pipeline files (with --tests, of test files).
+    Schema {
+        /// The schema of test files (*.test.yaml) instead.
+        #[arg(long)]
+        tests: bool,
+    },
+    /// Run the tests in *.test.yaml files against the pipelines beside them: routing,
+    /// rendered calls and outcomes, with simulated answers; nothing is sent. Exit 1 when a
+    /// test fails or a file has an error.
+    Test {
+        /// Files or directories (searched recursively for pipelines and *.test.yaml files).
+        #[arg(default_value = config::source::DEFAULT_DIR)]
+        paths: Vec<PathBuf>,
+        #[arg(long, value_enum, default_value_t = testing::report::Format::Human)]
+        format: testing::report::Format,
+    },
     /// Declare the topology and consume: call the handlers, retry, dead-letter.
     Run {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
@@ -115,7 +129,7 @@ enum Command {
     Publish(publish::Args),
     /// Dry run: print the HTTP request or the command a message would produce.
     Render {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         /// The pipeline queue whose handler renders the message.
         #[arg(long)]
@@ -202,7 +216,7 @@ enum LogFormat {
 const DEFAULT_BROKER: &str = ".sluice";
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    config::parse_duration(text).ok_or_else(|| format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h"))
+    config::parse_duration(text).ok_or_else(|| config::duration_problem(text))
 }
 
 /// A listening address as `HOST:PORT`; the host is resolved when the socket is bound.
@@ -235,7 +249,11 @@ pub fn main() -> ExitCode {
             exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, &admin, format)))
         }
         Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::dlq(command))),
-        Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
+        Command::Schema { tests } => {
+            let text = if tests { config::schema::TESTS_TEXT } else { config::schema::TEXT };
+            exit(output::stdout(text).map_err(Into::into))
+        }
+        Command::Test { paths, format } => test(&paths, format),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads, log_format } => {
             let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
             let watch = !no_watch;
@@ -511,6 +529,16 @@ fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
         }
         ExitCode::SUCCESS
     }
+}
+
+/// `sluice test`: every result on stdout; exit 1 when a test fails or a file has an error.
+fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
+    let outcome = testing::run(paths);
+    if let Err(e) = output::stdout(&testing::report::render(&outcome, format)) {
+        output::stderr(&format!("error: cannot write the results: {e}\n"));
+        return ExitCode::FAILURE;
+    }
+    if outcome.has_errors() || outcome.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
 /// Loads the config for commands that need a valid one; problems go to stderr.

@@ -4,12 +4,13 @@
 //! Validation does no IO beyond reading the pipeline files and the files they name
 //! (payload schemas, command programs); the broker is never contacted here.
 
-mod compile;
+pub(crate) mod compile;
 pub mod diagnostic;
 pub mod raw;
 mod rules;
 pub mod schema;
 pub mod source;
+pub mod suggest;
 mod url;
 
 use std::collections::BTreeMap;
@@ -62,6 +63,18 @@ impl ExchangeKind {
             ExchangeKind::Topic => "topic",
             ExchangeKind::Headers => "headers",
         }
+    }
+
+    /// The type of an exchange every RabbitMQ broker has, which queues may bind to without
+    /// declaring it (`amq.topic`, ...); `None` for any other name.
+    pub fn builtin(name: &str) -> Option<ExchangeKind> {
+        Some(match name {
+            "amq.direct" => ExchangeKind::Direct,
+            "amq.fanout" => ExchangeKind::Fanout,
+            "amq.topic" => ExchangeKind::Topic,
+            "amq.headers" | "amq.match" => ExchangeKind::Headers,
+            _ => return None,
+        })
     }
 }
 
@@ -459,6 +472,38 @@ pub fn parse_size(text: &str) -> Option<u64> {
     n.checked_mul(scale)
 }
 
+/// Why `text` is not a duration, in words: the usual form, and what to write instead where
+/// that can be told (`7d` is `168h`, `1.5s` is `1500ms`, `0s` is no timeout at all).
+pub fn duration_problem(text: &str) -> String {
+    let usual = format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h");
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let n: Option<u64> = digits.parse().ok();
+    let hint = match (n, unit) {
+        (Some(0), "ms" | "s" | "m" | "h") => "; a duration must be positive".to_string(),
+        (Some(n), "d" | "day" | "days") => format!("; days are not a unit: use {}h", n.saturating_mul(24)),
+        (Some(n), "w" | "week" | "weeks") => format!("; weeks are not a unit: use {}h", n.saturating_mul(168)),
+        (Some(n), "") => format!("; it needs a unit, as in {n}s or {n}ms"),
+        (Some(_), u) if u.starts_with('.') => {
+            let ms = text.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<f64>().ok().and_then(|v| {
+                let scale = match text.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.') {
+                    "s" => 1e3,
+                    "m" => 6e4,
+                    "h" => 3.6e6,
+                    _ => return None,
+                };
+                Some(v * scale)
+            });
+            match ms {
+                Some(ms) if ms.fract() == 0.0 => format!("; fractions are not allowed: use {ms}ms"),
+                _ => "; fractions are not allowed".to_string(),
+            }
+        }
+        _ => String::new(),
+    };
+    usual + &hint
+}
+
 /// Parses a duration such as `250ms`, `10s`, `5m` or `24h`.
 pub fn parse_duration(text: &str) -> Option<Duration> {
     let split = text.find(|c: char| !c.is_ascii_digit())?;
@@ -492,6 +537,26 @@ mod tests {
         ];
         for (text, want) in cases {
             assert_eq!(parse_duration(text), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn duration_problems_say_what_to_write() {
+        let cases = [
+            ("7d", "\"7d\" is not a duration such as 250ms, 10s, 5m or 24h; days are not a unit: use 168h"),
+            ("2w", "\"2w\" is not a duration such as 250ms, 10s, 5m or 24h; weeks are not a unit: use 336h"),
+            ("0s", "\"0s\" is not a duration such as 250ms, 10s, 5m or 24h; a duration must be positive"),
+            ("30", "\"30\" is not a duration such as 250ms, 10s, 5m or 24h; it needs a unit, as in 30s or 30ms"),
+            ("1.5s", "\"1.5s\" is not a duration such as 250ms, 10s, 5m or 24h; fractions are not allowed: use 1500ms"),
+            (
+                "0.5m",
+                "\"0.5m\" is not a duration such as 250ms, 10s, 5m or 24h; fractions are not allowed: use 30000ms",
+            ),
+            ("1.0001ms", "\"1.0001ms\" is not a duration such as 250ms, 10s, 5m or 24h; fractions are not allowed"),
+            ("soon", "\"soon\" is not a duration such as 250ms, 10s, 5m or 24h"),
+        ];
+        for (text, want) in cases {
+            assert_eq!(duration_problem(text), want, "{text}");
         }
     }
 

@@ -306,8 +306,8 @@ pub(crate) fn classify(code: i32, permanent_exit_codes: &[i32], on_exit: &Rules)
 }
 
 /// The result of a run that ended with `status`: by its exit code, or retried when a signal
-/// ended it.
-fn exit_result(status: ExitStatus, stderr: &[u8], invocation: &Invocation) -> Result<(), HandlerError> {
+/// ended it. `sluice test` classifies its simulated exits here too.
+pub(crate) fn exit_result(status: ExitStatus, stderr: &[u8], invocation: &Invocation) -> Result<(), HandlerError> {
     use std::os::unix::process::ExitStatusExt as _;
 
     let prefix = match (status.code(), status.signal()) {

@@ -88,8 +88,19 @@ pub async fn call(
     let _ = timeout_at(deadline, read_bounded(&mut response, &mut body)).await;
     drop(response);
 
-    let status = status.as_u16();
-    classify(status, on_status).result(format!("HTTP {status}"), "on_status", || head_excerpt(&body), retry_after)
+    outcome(status.as_u16(), on_status, retry_after, &body)
+}
+
+/// How a response ends a call: by its status, through the queue's `on_status` rules or
+/// DESIGN's Outcomes table; a failure quotes the start of `body`. `sluice test` classifies its
+/// simulated responses here too.
+pub(crate) fn outcome(
+    status: u16,
+    on_status: &Rules,
+    retry_after: Option<Duration>,
+    body: &[u8],
+) -> Result<(), HandlerError> {
+    classify(status, on_status).result(format!("HTTP {status}"), "on_status", || head_excerpt(body), retry_after)
 }
 
 /// Turns the rendered parts into a request, rejecting what no retry could fix.

@@ -8,6 +8,7 @@
 
 pub mod backoff;
 mod events;
+pub mod outcome;
 pub mod worker;
 
 use std::collections::BTreeMap;

@@ -73,6 +73,11 @@ struct Args {
     /// Backlog drained while sampling sluice's memory.
     #[arg(long, default_value_t = 200_000)]
     backlog: u64,
+    /// Memory trials: sluice runs without `--exit-when-idle` and is stopped (SIGTERM) this many
+    /// seconds after the last message, so the samples show what the embedded broker's file
+    /// gives back once the backlog has drained.
+    #[arg(long, default_value_t = 0.0)]
+    linger: f64,
     /// Which parts to run (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Part>,
@@ -201,11 +206,13 @@ struct Disk {
     preloaded_mib: f64,
     /// The largest sampled while the consumer ran.
     peak_mib: f64,
-    /// At the first sample with every message handled.
+    /// At the first sample with every message handled; of which the write-ahead log.
     drained_mib: f64,
-    /// At the consumer's last sample (it exits on its own once idle), and how long after the
-    /// drained sample that was.
+    drained_wal_mib: f64,
+    /// At the consumer's last sample (it exits once idle, or is stopped with `--linger`), and
+    /// how long after the drained sample that was; of which the write-ahead log.
     last_mib: f64,
+    last_wal_mib: f64,
     last_after_s: f64,
     /// Once the consumer has exited.
     exited_mib: f64,
@@ -242,7 +249,7 @@ impl Bench {
 
     async fn run_all(&mut self) -> anyhow::Result<()> {
         let (n, runs, other_runs) = (self.args.messages, self.args.runs, self.args.other_runs);
-        let queues = self.args.queues.clone();
+        let mut queues = self.args.queues.clone();
         if self.wants(Part::Throughput) {
             let mut order = vec![Consumer::Baseline, Consumer::BaselineBatched, Consumer::Sluice];
             if self.args.candidate.is_some() {
@@ -257,9 +264,12 @@ impl Bench {
                         self.trial("throughput", run, queue, consumer, Handler::Webhook, n).await?;
                     }
                 }
-                // Who goes first changes every run, so drift on a noisy machine favours no one.
+                // Who goes first changes every run, so drift on a noisy machine favours no one;
+                // and which broker.
                 order.rotate_left(1);
+                queues.rotate_left(1);
             }
+            queues = self.args.queues.clone();
         }
         if self.wants(Part::Retry) {
             for run in 1..=other_runs {
@@ -306,10 +316,11 @@ impl Bench {
 
         self.sink.reset(if handler == Handler::WebhookFailOnce { Mode::FailOnce } else { Mode::Ok });
         let cpu_before = usage::reaped_children_cpu();
-        let mut child = self.spawn(consumer, handler, dir.path(), &place.url(), n)?;
+        let linger = (part == "memory" && self.args.linger > 0.0).then(|| Duration::from_secs_f64(self.args.linger));
+        let mut child = self.spawn(consumer, handler, dir.path(), &place.url(), n, linger.is_none())?;
         let sink = self.sink.clone();
         let sampler = Sampler::start(child.id(), move || sink.snapshot().successes, place.files());
-        let waited = self.wait(&mut child, handler, n).await;
+        let waited = self.wait(&mut child, handler, n, linger).await;
         let samples = sampler.finish();
         let cpu = usage::reaped_children_cpu() - cpu_before;
         if let Err(e) = waited {
@@ -390,7 +401,15 @@ queues:
         )
     }
 
-    fn spawn(&self, consumer: Consumer, handler: Handler, dir: &Path, url: &str, n: u64) -> anyhow::Result<Child> {
+    fn spawn(
+        &self,
+        consumer: Consumer,
+        handler: Handler,
+        dir: &Path,
+        url: &str,
+        n: u64,
+        exit_when_idle: bool,
+    ) -> anyhow::Result<Child> {
         let log = std::fs::File::create(dir.join("consumer.log"))?;
         let mut command = match consumer {
             Consumer::Baseline | Consumer::BaselineBatched => {
@@ -411,7 +430,10 @@ queues:
                     _ => &self.args.sluice,
                 };
                 let mut c = Command::new(program);
-                c.arg("run").arg(dir).args(["--broker", url, "--exit-when-idle"]);
+                c.arg("run").arg(dir).args(["--broker", url]);
+                if exit_when_idle {
+                    c.arg("--exit-when-idle");
+                }
                 let dedup = match consumer {
                     Consumer::SluiceRedis => "redis://127.0.0.1:6379".to_string(),
                     _ => format!("file:{}", dir.join("dedup").display()),
@@ -434,10 +456,23 @@ queues:
     }
 
     /// Waits until the sink has seen all `n` messages succeed (webhooks) and the consumer has
-    /// exited on its own.
-    async fn wait(&self, child: &mut Child, handler: Handler, n: u64) -> anyhow::Result<()> {
+    /// exited on its own (or, with `linger`, been stopped that long after the last message).
+    async fn wait(&self, child: &mut Child, handler: Handler, n: u64, linger: Option<Duration>) -> anyhow::Result<()> {
         let start = Instant::now();
+        let (mut drained_at, mut stopped) = (None, false);
         loop {
+            if let Some(linger) = linger.filter(|_| !stopped) {
+                match drained_at {
+                    None if self.sink.snapshot().successes >= n => drained_at = Some(Instant::now()),
+                    Some(at) if at.elapsed() >= linger => {
+                        // SAFETY: kill only sends a signal, to a child this driver started and has
+                        // not reaped (so its pid is still its own).
+                        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                        stopped = true;
+                    }
+                    _ => {}
+                }
+            }
             if let Some(status) = child.try_wait()? {
                 let seen = self.sink.snapshot().successes;
                 if !status.success() {
@@ -604,9 +639,16 @@ queues:
                 let _ = writeln!(
                     out,
                     "Embedded broker's files (broker.db + -wal + -shm), MiB: {:.1} after the preload, peak {:.1} \
-                     during the drain, {:.1} when drained, {:.1} at the runner's last sample ({:.1} s later), \
-                     {:.1} after it exited.\n",
-                    d.preloaded_mib, d.peak_mib, d.drained_mib, d.last_mib, d.last_after_s, d.exited_mib
+                     during the drain, {:.1} when drained (-wal {:.1}), {:.1} at the runner's last sample \
+                     ({:.1} s later; -wal {:.1}), {:.1} after it exited.\n",
+                    d.preloaded_mib,
+                    d.peak_mib,
+                    d.drained_mib,
+                    d.drained_wal_mib,
+                    d.last_mib,
+                    d.last_after_s,
+                    d.last_wal_mib,
+                    d.exited_mib
                 );
             }
         }
@@ -627,14 +669,16 @@ queues:
 /// The embedded broker's file sizes over a trial, from the samples taken while the consumer ran.
 fn disk(preloaded: u64, samples: &[usage::Sample], n: u64, db: std::path::PathBuf) -> Option<Disk> {
     const MIB: f64 = 1024.0 * 1024.0;
-    let sized: Vec<(&usage::Sample, u64)> = samples.iter().filter_map(|s| Some((s, s.disk_bytes?))).collect();
-    let (drained, drained_bytes) = *sized.iter().find(|(s, _)| s.handled >= n)?;
-    let (last, last_bytes) = *sized.last()?;
+    let sized: Vec<(&usage::Sample, (u64, u64))> = samples.iter().filter_map(|s| Some((s, s.disk_bytes?))).collect();
+    let (drained, (drained_bytes, drained_wal)) = *sized.iter().find(|(s, _)| s.handled >= n)?;
+    let (last, (last_bytes, last_wal)) = *sized.last()?;
     Some(Disk {
         preloaded_mib: preloaded as f64 / MIB,
-        peak_mib: sized.iter().map(|(_, b)| *b).max()? as f64 / MIB,
+        peak_mib: sized.iter().map(|(_, (b, _))| *b).max()? as f64 / MIB,
         drained_mib: drained_bytes as f64 / MIB,
+        drained_wal_mib: drained_wal as f64 / MIB,
         last_mib: last_bytes as f64 / MIB,
+        last_wal_mib: last_wal as f64 / MIB,
         last_after_s: last.at.duration_since(drained.at).as_secs_f64(),
         exited_mib: place::disk_bytes(&db) as f64 / MIB,
     })

@@ -117,6 +117,11 @@ pub fn disk_bytes(db: &Path) -> u64 {
         .sum()
 }
 
+/// Bytes of the write-ahead log alone.
+pub fn wal_bytes(db: &Path) -> u64 {
+    std::fs::metadata(wal(db)).map_or(0, |m| m.len())
+}
+
 /// Publishes `count` envelopes to `exchange`/`routing_key`, each confirmed; returns msg/s.
 async fn preload<B: Broker>(broker: &B, exchange: &str, routing_key: &str, count: u64) -> anyhow::Result<f64> {
     let started = Instant::now();

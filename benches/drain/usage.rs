@@ -13,14 +13,15 @@ use std::time::{Duration, Instant};
 const EVERY: Duration = Duration::from_millis(50);
 
 /// One reading: messages handled so far, resident set and its peak, in KiB; when it was
-/// taken; and the bytes of the embedded broker's files, if sampled.
+/// taken; and the bytes of the embedded broker's files and of its write-ahead log alone, if
+/// sampled.
 #[derive(Debug, Clone, Copy)]
 pub struct Sample {
     pub handled: u64,
     pub rss_kib: u64,
     pub hwm_kib: u64,
     pub at: Instant,
-    pub disk_bytes: Option<u64>,
+    pub disk_bytes: Option<(u64, u64)>,
 }
 
 /// Samples a process on a thread of its own until stopped or the process is gone.
@@ -42,7 +43,7 @@ impl Sampler {
                 let (Some(rss_kib), Some(hwm_kib)) = (field(&status, "VmRSS:"), field(&status, "VmHWM:")) else {
                     break; // a zombie has no memory lines
                 };
-                let disk_bytes = disk.as_deref().map(crate::place::disk_bytes);
+                let disk_bytes = disk.as_deref().map(|db| (crate::place::disk_bytes(db), crate::place::wal_bytes(db)));
                 samples.push(Sample { handled: progress(), rss_kib, hwm_kib, at: Instant::now(), disk_bytes });
                 std::thread::sleep(EVERY);
             }

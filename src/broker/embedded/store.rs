@@ -573,10 +573,10 @@ impl Store {
         Ok(drift)
     }
 
-    /// Copies the write-ahead log into the file and cuts it to nothing, when the broker is idle:
-    /// otherwise it keeps up to [`WAL_LIMIT`] until the next write, or the size of the last
-    /// burst until the last connection closes. Skipped, not waited for, while another process
-    /// reads (the next idle moment tries again).
+    /// Copies the write-ahead log into the file and cuts it to nothing, after acks freed
+    /// pages (at most once a [`reclaim`](Store::reclaim)): otherwise a drained backlog leaves
+    /// the log at [`WAL_LIMIT`] until the last connection closes. Skipped, not waited for,
+    /// while another process reads (the next reclaim tries again).
     pub fn empty_log(&self, db: &Connection) {
         let emptied = db
             .busy_timeout(Duration::ZERO)

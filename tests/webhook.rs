@@ -106,7 +106,11 @@ async fn retry_after_in_seconds_is_passed_on() {
     let result = call_with(ResponseTemplate::new(429).insert_header("Retry-After", "7")).await;
     assert_eq!(
         result,
-        Err(HandlerError::Transient { error: "HTTP 429".to_owned(), retry_after: Some(Duration::from_secs(7)) })
+        Err(HandlerError::Transient {
+            error: "HTTP 429".to_owned(),
+            retry_after: Some(Duration::from_secs(7)),
+            unwell: true
+        })
     );
 }
 
@@ -128,7 +132,7 @@ async fn unusable_retry_after_is_ignored() {
         let result = call_with(ResponseTemplate::new(503).insert_header("Retry-After", value)).await;
         assert_eq!(
             result,
-            Err(HandlerError::Transient { error: "HTTP 503".to_owned(), retry_after: None }),
+            Err(HandlerError::Transient { error: "HTTP 503".to_owned(), retry_after: None, unwell: true }),
             "Retry-After {value:?}"
         );
     }

@@ -10,8 +10,9 @@ use std::time::Duration;
 use super::diagnostic::{Diagnostic, Severity};
 use super::source::{self, SourceFile, escape_token};
 use super::{
-    Backoff, Binding, CONSUMER_TIMEOUT, Command, Config, Exchange, ExchangeKind, Handler, Idempotency, Jitter,
-    MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook, raw,
+    Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
+    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook,
+    raw,
 };
 use crate::handler::template::{Escape, Template};
 
@@ -245,7 +246,16 @@ impl Compiler<'_> {
             bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
         }
 
-        let concurrency = match (q.concurrency, q.ordered) {
+        let (concurrency, adaptive) = match q.concurrency {
+            None => (None, false),
+            Some(raw::Concurrency::Fixed(n)) => (Some(n), false),
+            Some(raw::Concurrency::Limit(l)) => (Some(l.max), l.adaptive),
+        };
+        if adaptive && q.ordered {
+            let message = "an ordered queue handles one message at a time; it cannot have adaptive concurrency";
+            self.error(file, &format!("{base}/concurrency/adaptive"), message);
+        }
+        let concurrency = match (concurrency, q.ordered) {
             (Some(n), true) if n > 1 => {
                 self.error(
                     file,
@@ -258,6 +268,8 @@ impl Compiler<'_> {
             (n, false) => NonZeroU16::new(n.unwrap_or(4)).unwrap_or(NonZeroU16::MIN),
             (Some(n), true) => NonZeroU16::new(n).unwrap_or(NonZeroU16::MIN),
         };
+
+        let circuit_breaker = self.circuit_breaker(file, &format!("{base}/circuit_breaker"), q.circuit_breaker);
 
         let rate_limit = q.rate_limit.as_deref().and_then(|text| {
             // The schema has checked the shape: what fails here is a count past u32::MAX.
@@ -295,6 +307,8 @@ impl Compiler<'_> {
             max_message_bytes,
             payload_schema,
             concurrency,
+            adaptive,
+            circuit_breaker,
             rate_limit,
             ordered: q.ordered,
             handler,
@@ -308,6 +322,31 @@ impl Compiler<'_> {
                 "program": program_source,
             }),
         })
+    }
+
+    /// The breaker's settings, the defaults for those not given; `None` when turned off.
+    fn circuit_breaker(
+        &mut self,
+        file: &SourceFile,
+        base: &str,
+        raw: Option<raw::CircuitBreaker>,
+    ) -> Option<CircuitBreaker> {
+        let d = CircuitBreaker::default();
+        let Some(raw) = raw else { return Some(d) };
+        // The schema has checked the shape (1% to 100%).
+        let failure_rate = raw
+            .failure_rate
+            .as_deref()
+            .and_then(|t| t.strip_suffix('%'))
+            .and_then(|t| t.parse::<u8>().ok())
+            .map_or(d.failure_rate, |percent| f64::from(percent) / 100.0);
+        let breaker = CircuitBreaker {
+            failure_rate,
+            min_calls: raw.min_calls.filter(|n| *n > 0).unwrap_or(d.min_calls),
+            window: self.duration(file, &format!("{base}/window"), raw.window.as_deref(), d.window),
+            open_for: self.duration(file, &format!("{base}/open_for"), raw.open_for.as_deref(), d.open_for),
+        };
+        raw.enabled.unwrap_or(true).then_some(breaker)
     }
 
     fn max_message_bytes(&mut self, file: &SourceFile, pointer: &str, value: Option<serde_json::Value>) -> usize {

@@ -83,7 +83,8 @@ pub async fn call(client: &reqwest::Client, request: Request, timeout: Duration)
     let error = || with_excerpt(format!("HTTP {}", status.as_u16()), head_excerpt(&body));
     match classify(status) {
         Class::Success => Ok(()),
-        Class::Transient => Err(HandlerError::Transient { error: error(), retry_after }),
+        Class::Transient if says_unwell(status) => Err(HandlerError::unwell(error(), retry_after)),
+        Class::Transient => Err(HandlerError::Transient { error: error(), retry_after, unwell: false }),
         Class::Permanent => Err(HandlerError::permanent(error())),
     }
 }
@@ -116,9 +117,10 @@ fn send_error(error: &reqwest::Error) -> HandlerError {
     if error.is_builder() {
         HandlerError::permanent(format!("invalid request: {}", cause(error)))
     } else if error.is_connect() {
-        HandlerError::transient(format!("connect error: {}", cause(error)))
+        HandlerError::unwell(format!("connect error: {}", cause(error)), None)
     } else {
-        HandlerError::transient(format!("request error: {}", cause(error)))
+        // The connection broke mid-exchange: as much the receiver's trouble as a refused one.
+        HandlerError::unwell(format!("request error: {}", cause(error)), None)
     }
 }
 
@@ -163,6 +165,12 @@ fn classify(status: StatusCode) -> Class {
         // Other 4xx and 3xx, and 1xx, which reqwest never returns as a final response.
         _ => Class::Permanent,
     }
+}
+
+/// Statuses that say the receiver (or what stands in front of it) is overloaded or down,
+/// rather than that this one request failed.
+fn says_unwell(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 429 | 502 | 503 | 504)
 }
 
 /// Parses `Retry-After` (delta-seconds or an HTTP-date); a date already past is no hint.
@@ -290,6 +298,18 @@ mod tests {
         for (code, expected) in cases {
             let status = StatusCode::from_u16(code).expect("valid status");
             assert_eq!(classify(status), expected, "status {code}");
+        }
+    }
+
+    /// Issue 13: only statuses that say the receiver is unwell feed the circuit breaker; a
+    /// 4xx for one bad message, or a 500 from one that crashed its handler, does not.
+    #[test]
+    fn unwell_statuses_are_overload_and_gateway_failures() {
+        for code in [200, 400, 404, 408, 422, 425, 500, 501, 505, 599] {
+            assert!(!says_unwell(StatusCode::from_u16(code).expect("valid status")), "status {code}");
+        }
+        for code in [429, 502, 503, 504] {
+            assert!(says_unwell(StatusCode::from_u16(code).expect("valid status")), "status {code}");
         }
     }
 

@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::gate::Pauses;
 use super::{Options, Reload, RunError, run};
 use crate::admin::Readiness;
 use crate::broker::embedded::Embedded;
@@ -238,7 +239,12 @@ impl<B: Broker> Runner<B> {
         let (reloads, received) = mpsc::unbounded_channel();
         let shutdown = CancellationToken::new();
         let readiness = Readiness::default();
-        let options = Options { shutdown_grace: grace, exit_when_idle: false, readiness: readiness.clone() };
+        let options = Options {
+            shutdown_grace: grace,
+            exit_when_idle: false,
+            readiness: readiness.clone(),
+            pauses: Pauses::default(),
+        };
         let session = broker.clone();
         let connect = move || {
             let session = session.clone();

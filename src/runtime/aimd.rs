@@ -1,0 +1,214 @@
+//! Adaptive concurrency for one queue, as a pure controller (after Vector's ARC): handler
+//! calls' round-trip times and whether they said "overloaded" go in with the time they ended;
+//! the in-flight limit comes out. It owns no clock and does no IO; the
+//! [`gate`](super::gate) enforces the limit.
+//!
+//! Decisions are taken once per interval (about one round trip): a 429/503/timeout in it, or a
+//! mean round trip above [`RTT_TOLERANCE`] times the usual one, cuts the limit; an interval
+//! that used the whole limit and saw neither raises it. It starts at 1 and doubles (slow
+//! start, so a capable receiver is reached in a few round trips, where Vector's ARC creeps
+//! up by one) until the first cut; from then on it adds one per interval and cuts by
+//! [`DECREASE`]. Never above the queue's `max`, never below 1. A receiver that gets slower
+//! for good is cut down to 1, where its new latency becomes the usual one.
+
+use std::time::{Duration, Instant};
+
+/// A cut after slow start keeps this share of the limit.
+pub const DECREASE: f64 = 0.9;
+
+/// A mean round trip this many times the usual one says the receiver is queueing.
+pub const RTT_TOLERANCE: f64 = 1.5;
+
+/// How much of a calm interval's mean round trip goes into the usual one.
+const SMOOTHING: f64 = 0.25;
+
+/// Only intervals within this factor of the usual round trip teach it: learning from slower
+/// ones would take the latency our own concurrency adds (a few percent per step) for the
+/// receiver's, and let the limit creep up past its capacity.
+const LEARN_BELOW: f64 = 1.1;
+
+/// Intervals are about one round trip, within these bounds.
+const MIN_INTERVAL: Duration = Duration::from_millis(10);
+const MAX_INTERVAL: Duration = Duration::from_secs(1);
+
+/// One queue's controller.
+#[derive(Debug)]
+pub struct Aimd {
+    max: f64,
+    limit: f64,
+    slow_start: bool,
+    /// The usual round trip (seconds), smoothed over intervals.
+    usual_rtt: Option<f64>,
+    interval_start: Instant,
+    /// This interval: round trips of calls the receiver answered, and what was seen.
+    rtt_sum: f64,
+    samples: u32,
+    overloaded: bool,
+    saturated: bool,
+}
+
+impl Aimd {
+    /// A limit of 1 that may grow to `max`.
+    pub fn new(max: u16, now: Instant) -> Aimd {
+        Aimd {
+            max: f64::from(max.max(1)),
+            limit: 1.0,
+            slow_start: true,
+            usual_rtt: None,
+            interval_start: now,
+            rtt_sum: 0.0,
+            samples: 0,
+            overloaded: false,
+            saturated: false,
+        }
+    }
+
+    /// How many calls may be in flight.
+    pub fn limit(&self) -> usize {
+        // 1 <= limit <= max <= u16::MAX: the cast cannot truncate.
+        self.limit.floor() as usize
+    }
+
+    /// Every slot was taken (or a call had to wait for one): the limit, not the traffic, is
+    /// what bounds concurrency, so raising it could help.
+    pub fn saturated(&mut self) {
+        self.saturated = true;
+    }
+
+    /// A call ended at `now` after `rtt`; `overloaded` when it said so (429, 503, a timeout,
+    /// no connection). The new limit when this changed it.
+    pub fn record(&mut self, now: Instant, rtt: Duration, overloaded: bool) -> Option<usize> {
+        if overloaded {
+            self.overloaded = true;
+        } else {
+            self.rtt_sum += rtt.as_secs_f64();
+            self.samples += 1;
+        }
+        let mean = (self.samples > 0).then(|| self.rtt_sum / f64::from(self.samples));
+        let length = self.usual_rtt.or(mean).map_or(MIN_INTERVAL, |secs| {
+            Duration::try_from_secs_f64(secs).unwrap_or(MAX_INTERVAL).clamp(MIN_INTERVAL, MAX_INTERVAL)
+        });
+        if now.saturating_duration_since(self.interval_start) < length {
+            return None;
+        }
+        let before = self.limit();
+        let rising = matches!((self.usual_rtt, mean), (Some(usual), Some(mean)) if mean > usual * RTT_TOLERANCE);
+        if self.overloaded || rising {
+            self.limit = if self.slow_start { self.limit / 2.0 } else { self.limit * DECREASE }.max(1.0);
+            self.slow_start = false;
+        } else if self.saturated {
+            self.limit = if self.slow_start { self.limit * 2.0 } else { self.limit + 1.0 }.min(self.max);
+        }
+        // At a limit of 1 there is nothing left to cut: the latency is the receiver's own
+        // (it got slower), and becomes the usual one.
+        let calm = |usual: f64, mean: f64| (!self.overloaded && mean <= usual * LEARN_BELOW) || before == 1;
+        if let Some(mean) = mean {
+            self.usual_rtt = match self.usual_rtt {
+                None => Some(mean),
+                Some(usual) if calm(usual, mean) => Some(usual + SMOOTHING * (mean - usual)),
+                kept => kept,
+            };
+        }
+        self.interval_start = now;
+        self.rtt_sum = 0.0;
+        self.samples = 0;
+        self.overloaded = false;
+        self.saturated = false;
+        (self.limit() != before).then(|| self.limit())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A receiver simulated in steps of one round trip: `limit` calls per step, every slot
+    /// used; it serves `capacity` at once and answers the rest 503 at once; its round trip
+    /// is `rtt(in_flight)`. Returns (limit, calls, 503s) per step.
+    fn simulate(
+        max: u16,
+        capacity: usize,
+        steps: usize,
+        rtt: impl Fn(usize) -> Duration,
+    ) -> Vec<(usize, usize, usize)> {
+        let mut now = Instant::now();
+        let mut aimd = Aimd::new(max, now);
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let limit = aimd.limit();
+            let served = limit.min(capacity);
+            let step = rtt(served);
+            aimd.saturated();
+            now += step;
+            for i in 0..limit {
+                aimd.record(now, step, i >= capacity);
+            }
+            out.push((limit, limit, limit - served));
+        }
+        out
+    }
+
+    /// Issue 13: against a receiver serving 20 at once (503 beyond) in 20 ms, the limit
+    /// settles near 20 within a few hundred round trips, and afterwards under 5 % of calls
+    /// get a 503.
+    #[test]
+    fn settles_near_the_receivers_capacity_with_few_rejections() {
+        let steps = simulate(64, 20, 750, |_| Duration::from_millis(20));
+        assert_eq!(steps[0].0, 1, "starts low");
+        // Slow start reaches the capacity in a handful of round trips.
+        let first_at_capacity = steps.iter().position(|s| s.0 >= 20).expect("reaches 20");
+        assert!(first_at_capacity <= 6, "took {first_at_capacity} round trips");
+        let settled = &steps[250..];
+        let limits: Vec<usize> = settled.iter().map(|s| s.0).collect();
+        assert!(limits.iter().all(|l| (17..=22).contains(l)), "{limits:?}");
+        let (calls, rejected) = settled.iter().fold((0, 0), |(c, r), s| (c + s.1, r + s.2));
+        assert!((rejected as f64) < 0.05 * calls as f64, "{rejected} of {calls} rejected");
+        // Throughput: at least 0.9 of what the receiver can serve.
+        let served: usize = settled.iter().map(|s| s.1 - s.2).sum();
+        assert!(served as f64 >= 0.9 * 20.0 * settled.len() as f64, "{served}");
+    }
+
+    #[test]
+    fn never_exceeds_max() {
+        let steps = simulate(8, 1000, 200, |_| Duration::from_millis(5));
+        assert_eq!(steps.iter().map(|s| s.0).max(), Some(8));
+        assert_eq!(steps.last().map(|s| s.0), Some(8));
+    }
+
+    /// A receiver that queues instead of rejecting: its round trip grows with what it holds
+    /// beyond 10. Rising latency alone keeps the limit near 10.
+    #[test]
+    fn rising_latency_cuts_the_limit() {
+        let steps = simulate(64, usize::MAX, 600, |n| Duration::from_millis(20) * (n.max(10) as u32) / 10);
+        let settled: Vec<usize> = steps[300..].iter().map(|s| s.0).collect();
+        assert!(settled.iter().all(|l| (5..=20).contains(l)), "{settled:?}");
+    }
+
+    /// A receiver that gets three times slower for good, whatever it holds: the limit is
+    /// cut, learns the new latency at 1, and grows back.
+    #[test]
+    fn a_receiver_slower_for_good_is_relearnt() {
+        let mut now = Instant::now();
+        let mut aimd = Aimd::new(64, now);
+        for step in 0..1500 {
+            let rtt = Duration::from_millis(if step < 100 { 20 } else { 60 });
+            aimd.saturated();
+            now += rtt;
+            for _ in 0..aimd.limit() {
+                aimd.record(now, rtt, false);
+            }
+        }
+        assert!(aimd.limit() >= 32, "{}", aimd.limit());
+    }
+
+    #[test]
+    fn an_unsaturated_limit_does_not_grow() {
+        let mut now = Instant::now();
+        let mut aimd = Aimd::new(64, now);
+        for _ in 0..100 {
+            now += Duration::from_millis(20);
+            assert_eq!(aimd.record(now, Duration::from_millis(20), false), None);
+        }
+        assert_eq!(aimd.limit(), 1);
+    }
+}

@@ -3,9 +3,9 @@
 //! the in-flight limit comes out. It owns no clock and does no IO; the
 //! [`gate`](super::gate) enforces the limit.
 //!
-//! Decisions are taken once per interval (about one round trip): a 429/503/timeout in it, or a
-//! mean round trip above [`RTT_TOLERANCE`] times the usual one, cuts the limit; an interval
-//! that used the whole limit and saw neither raises it. It starts at 1 and doubles (slow
+//! An interval is about one round trip. The first 429/503/timeout in one cuts the limit at
+//! once; an interval whose fastest round trip is above [`RTT_TOLERANCE`] times the usual one
+//! cuts it at its end; an interval that used the whole limit and saw neither raises it. It starts at 1 and doubles (slow
 //! start, so a capable receiver is reached in a few round trips, where Vector's ARC creeps
 //! up by one) until the first cut; from then on it adds one per interval and cuts by
 //! [`DECREASE`]. Never above the queue's `max`, never below 1. A receiver that gets slower
@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 /// A cut after slow start keeps this share of the limit.
 pub const DECREASE: f64 = 0.9;
 
-/// A mean round trip this many times the usual one says the receiver is queueing.
+/// A fastest round trip this many times the usual one says the receiver is queueing.
 pub const RTT_TOLERANCE: f64 = 1.5;
 
-/// How much of a calm interval's mean round trip goes into the usual one.
+/// How much of a calm interval's fastest round trip goes into the usual one.
 const SMOOTHING: f64 = 0.25;
 
 /// Only intervals within this factor of the usual round trip teach it: learning from slower
@@ -40,9 +40,9 @@ pub struct Aimd {
     /// The usual round trip (seconds), smoothed over intervals.
     usual_rtt: Option<f64>,
     interval_start: Instant,
-    /// This interval: round trips of calls the receiver answered, and what was seen.
-    rtt_sum: f64,
-    samples: u32,
+    /// This interval: the fastest round trip of a call the receiver answered (seconds), and
+    /// what was seen.
+    fastest: Option<f64>,
     overloaded: bool,
     saturated: bool,
 }
@@ -56,8 +56,7 @@ impl Aimd {
             slow_start: true,
             usual_rtt: None,
             interval_start: now,
-            rtt_sum: 0.0,
-            samples: 0,
+            fastest: None,
             overloaded: false,
             saturated: false,
         }
@@ -78,43 +77,62 @@ impl Aimd {
     /// A call ended at `now` after `rtt`; `overloaded` when it said so (429, 503, a timeout,
     /// no connection). The new limit when this changed it.
     pub fn record(&mut self, now: Instant, rtt: Duration, overloaded: bool) -> Option<usize> {
+        let before = self.limit();
         if overloaded {
+            // Cut at once, once per interval: a receiver at capacity answers the calls above it
+            // at once, so waiting for the interval's end would let those slots churn
+            // rejections.
+            if !self.overloaded {
+                self.cut();
+            }
             self.overloaded = true;
         } else {
-            self.rtt_sum += rtt.as_secs_f64();
-            self.samples += 1;
+            let rtt = rtt.as_secs_f64();
+            self.fastest = Some(self.fastest.map_or(rtt, |f| f.min(rtt)));
         }
-        let mean = (self.samples > 0).then(|| self.rtt_sum / f64::from(self.samples));
-        let length = self.usual_rtt.or(mean).map_or(MIN_INTERVAL, |secs| {
+        let fastest = self.fastest;
+        let length = self.usual_rtt.or(fastest).map_or(MIN_INTERVAL, |secs| {
             Duration::try_from_secs_f64(secs).unwrap_or(MAX_INTERVAL).clamp(MIN_INTERVAL, MAX_INTERVAL)
         });
-        if now.saturating_duration_since(self.interval_start) < length {
-            return None;
+        if now.saturating_duration_since(self.interval_start) >= length {
+            self.end_interval(now, fastest);
         }
-        let before = self.limit();
-        let rising = matches!((self.usual_rtt, mean), (Some(usual), Some(mean)) if mean > usual * RTT_TOLERANCE);
-        if self.overloaded || rising {
-            self.limit = if self.slow_start { self.limit / 2.0 } else { self.limit * DECREASE }.max(1.0);
-            self.slow_start = false;
+        (self.limit() != before).then(|| self.limit())
+    }
+
+    /// Decides on the interval that ends at `now`, whose fastest round trip was `fastest`.
+    /// The fastest, not the mean: a receiver that queues slows every call down, while a
+    /// runner short of CPU (a busy machine) delays some of them, which must not cut the limit.
+    fn end_interval(&mut self, now: Instant, fastest: Option<f64>) {
+        // At a limit of 1 there is nothing left to cut: the latency is the receiver's own
+        // (it got slower), and becomes the usual one.
+        let at_floor = self.limit() == 1;
+        let rising = matches!((self.usual_rtt, fastest), (Some(usual), Some(f)) if f > usual * RTT_TOLERANCE);
+        if self.overloaded {
+            // Already cut when it happened.
+        } else if rising {
+            self.cut();
         } else if self.saturated {
             self.limit = if self.slow_start { self.limit * 2.0 } else { self.limit + 1.0 }.min(self.max);
         }
-        // At a limit of 1 there is nothing left to cut: the latency is the receiver's own
-        // (it got slower), and becomes the usual one.
-        let calm = |usual: f64, mean: f64| (!self.overloaded && mean <= usual * LEARN_BELOW) || before == 1;
-        if let Some(mean) = mean {
+        let calm = |usual: f64, f: f64| (!self.overloaded && f <= usual * LEARN_BELOW) || at_floor;
+        if let Some(f) = fastest {
             self.usual_rtt = match self.usual_rtt {
-                None => Some(mean),
-                Some(usual) if calm(usual, mean) => Some(usual + SMOOTHING * (mean - usual)),
+                None => Some(f),
+                Some(usual) if calm(usual, f) => Some(usual + SMOOTHING * (f - usual)),
                 kept => kept,
             };
         }
         self.interval_start = now;
-        self.rtt_sum = 0.0;
-        self.samples = 0;
+        self.fastest = None;
         self.overloaded = false;
         self.saturated = false;
-        (self.limit() != before).then(|| self.limit())
+    }
+
+    /// Halves the limit at the end of slow start, then takes [`DECREASE`] of it.
+    fn cut(&mut self) {
+        self.limit = if self.slow_start { self.limit / 2.0 } else { self.limit * DECREASE }.max(1.0);
+        self.slow_start = false;
     }
 }
 
@@ -199,6 +217,23 @@ mod tests {
             }
         }
         assert!(aimd.limit() >= 32, "{}", aimd.limit());
+    }
+
+    /// A busy runner delays some calls (a third of them three times over here); the
+    /// receiver, which has room, is not to blame, and the limit still grows to max.
+    #[test]
+    fn some_slow_calls_are_noise_not_queueing() {
+        let mut now = Instant::now();
+        let mut aimd = Aimd::new(64, now);
+        for _ in 0..200 {
+            aimd.saturated();
+            now += Duration::from_millis(20);
+            for i in 0..aimd.limit() {
+                let rtt = Duration::from_millis(if i % 3 == 2 { 60 } else { 20 });
+                aimd.record(now, rtt, false);
+            }
+        }
+        assert_eq!(aimd.limit(), 64);
     }
 
     #[test]

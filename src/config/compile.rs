@@ -612,4 +612,45 @@ mod tests {
         assert_eq!(v, serde_json::json!({"a": 8, "b": [2.5, 1000], "c": 1e30, "d": 7, "e": "8.0"}));
         assert!(v["a"].is_i64());
     }
+
+    /// Issue 13: the breaker is on with its defaults unless turned off; given values replace
+    /// the defaults one by one; concurrency is a number or {max, adaptive}.
+    #[test]
+    fn circuit_breaker_and_concurrency_forms() {
+        let d = CircuitBreaker::default();
+        let s = Duration::from_secs;
+        let cases = [
+            ("", Some(d), 4, false),
+            ("    circuit_breaker: {enabled: false}\n", None, 4, false),
+            (
+                "    circuit_breaker: {failure_rate: 25%, window: 1m}\n",
+                Some(CircuitBreaker { failure_rate: 0.25, window: s(60), ..d }),
+                4,
+                false,
+            ),
+            (
+                "    circuit_breaker: {enabled: true, min_calls: 5, open_for: 5s}\n",
+                Some(CircuitBreaker { min_calls: 5, open_for: s(5), ..d }),
+                4,
+                false,
+            ),
+            ("    concurrency: 8\n", Some(d), 8, false),
+            ("    concurrency: {max: 64, adaptive: true}\n", Some(d), 64, true),
+            ("    concurrency: {max: 16}\n", Some(d), 16, false),
+        ];
+        for (extra, breaker, concurrency, adaptive) in cases {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let yaml =
+                format!("version: 1\nqueues:\n  work:\n    handler: {{webhook: {{url: \"http://h/x\"}}}}\n{extra}");
+            std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+            let validation = super::super::load(&[dir.path().to_path_buf()]);
+            let config = validation.config.unwrap_or_else(|| panic!("{extra}: {:?}", validation.diagnostics));
+            let q = &config.queues["work"];
+            assert_eq!(
+                (q.circuit_breaker, q.concurrency.get(), q.adaptive),
+                (breaker, concurrency, adaptive),
+                "{extra}"
+            );
+        }
+    }
 }

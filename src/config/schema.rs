@@ -66,6 +66,10 @@ fn diagnostics(file: &SourceFile, error: &ValidationError<'_>) -> Vec<Diagnostic
             let message = format!("{} is not a duration such as 250ms, 10s, 5m or 24h", error.instance());
             vec![file.diag(Severity::Error, &pointer, message)]
         }
+        ValidationErrorKind::Pattern { .. } if schema_path.contains("failure_rate") => {
+            let message = format!("{} is not a percentage from 1% to 100%", error.instance());
+            vec![file.diag(Severity::Error, &pointer, message)]
+        }
         ValidationErrorKind::Required { property } => {
             let message = format!("missing required key {property}");
             vec![file.diag(Severity::Error, &pointer, message)]

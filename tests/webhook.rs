@@ -151,7 +151,7 @@ async fn a_slow_server_is_a_transient_timeout() {
     .await
     .expect("call honours its own timeout");
 
-    assert_eq!(result, Err(HandlerError::transient("timeout after 200ms")), "{result:?}");
+    assert_eq!(result, Err(HandlerError::unwell("timeout after 200ms", None)), "{result:?}");
 }
 
 #[tokio::test]

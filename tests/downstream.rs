@@ -153,6 +153,7 @@ async fn pause_and_resume_by_cli_while_messages_flow() {
         }
     });
     receiver.wait_for(50, Duration::from_secs(30)).await;
+    assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0));
     let paused = sluice_cli(&["pause", "work", "--admin", &admin], &[], Duration::from_secs(30));
     assert_eq!(paused.code, Some(0), "{paused:?}");
     assert!(paused.stdout.contains("paused \"work\""), "{paused:?}");

@@ -55,23 +55,26 @@ impl Pauses {
         let mut flags = self.lock();
         let mut kept = BTreeMap::new();
         for name in queues {
-            let flag = flags.remove(name).unwrap_or_else(|| {
-                gauge!("sluice_paused", "queue" => name.clone()).set(0.0);
-                watch::Sender::new(false)
-            });
+            let flag = flags.remove(name).unwrap_or_else(|| unpaused(name));
             kept.insert(name.clone(), flag);
         }
         *flags = kept;
     }
 
     fn subscribe(&self, queue: &str) -> watch::Receiver<bool> {
-        self.lock().entry(queue.to_string()).or_insert_with(|| watch::Sender::new(false)).subscribe()
+        self.lock().entry(queue.to_string()).or_insert_with(|| unpaused(queue)).subscribe()
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, watch::Sender<bool>>> {
         // Nothing panics while holding it; a poisoned map is still a valid map.
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// A new queue's flag, not paused (and its gauge saying so).
+fn unpaused(queue: &str) -> watch::Sender<bool> {
+    gauge!("sluice_paused", "queue" => queue.to_string()).set(0.0);
+    watch::Sender::new(false)
 }
 
 /// Whether the worker should be consuming.

@@ -14,5 +14,6 @@ pub mod handler;
 pub mod ops;
 pub mod reload;
 pub mod runtime;
+pub mod testing;
 pub mod topology;
 pub mod trace;

@@ -116,7 +116,7 @@ async fn publish_nacked_by_a_full_queue_fails() {
     };
     assert_eq!(refused.code, Some(1), "{accepted} publishes into a queue of max_length 1 confirmed: {refused:?}");
     assert!(refused.stderr.contains("nack") && refused.stderr.contains("\"tiny\""), "{}", refused.stderr);
-    assert_eq!(drain_queue(&vhost.url(), "small").await.len(), accepted, "the confirmed messages, and only them");
+    assert_eq!(vhost.drain_queue("small").await.len(), accepted, "the confirmed messages, and only them");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

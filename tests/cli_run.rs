@@ -79,7 +79,7 @@ async fn exit_when_idle_exits_zero_after_the_backlog() {
         receiver.hits().iter().map(|h| h.header("idempotency-key").expect("key").to_string()).collect();
     keys.sort();
     assert_eq!(keys, (0..10).map(|i| format!("key-{i}")).collect::<Vec<_>>());
-    assert!(drain_queue(&vhost.url(), "work").await.is_empty());
+    assert!(vhost.drain_queue("work").await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,5 +97,5 @@ async fn exit_when_idle_waits_for_a_pending_retry() {
     let attempts: Vec<String> =
         receiver.hits().iter().map(|h| h.header("x-sluice-attempt").expect("attempt").to_string()).collect();
     assert_eq!(attempts, ["1", "2"], "exited before the retry was delivered");
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty());
+    assert!(vhost.drain_queue("work.dlq").await.is_empty());
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use sluice::handler::HandlerError;
 use sluice::handler::command::{self, CAPTURE_BYTES, Invocation, Output, Stdin};
+use sluice::handler::rules::{Action, Key, Rules};
 use support::{is_running, read_pid};
 
 /// `/bin/sh -c script`, with `args` as `$0 $1 ...`.
@@ -19,6 +20,7 @@ fn sh(script: &str, args: &[&str]) -> Invocation {
         stdin: Stdin::Null,
         timeout: Duration::from_secs(30),
         permanent_exit_codes: vec![65],
+        on_exit: Default::default(),
     }
 }
 
@@ -52,6 +54,36 @@ async fn exit_codes_map_to_outcomes() {
     ];
     for (script, expected) in cases {
         let result = command::run(&sh(script, &[])).await.map(|_| ());
+        assert_eq!(result, expected, "script {script:?}");
+    }
+}
+
+/// Issue 13: `on_exit` rules decide over the defaults and over `permanent_exit_codes`, and a
+/// rule's verdict names the rule.
+#[tokio::test]
+async fn on_exit_rules_decide_each_action() {
+    let rules = Rules::new(
+        [(75, Action::Retry), (66, Action::DeadLetter), (3, Action::Success), (0, Action::Retry)]
+            .into_iter()
+            .map(|(code, action)| (Key::Code(code), action))
+            .collect(),
+    );
+    let cases = [
+        ("exit 3", Ok(())),
+        (
+            "echo 'come back later' >&2; exit 75",
+            Err(HandlerError::transient("exit 75 (on_exit \"75\": retry): come back later")),
+        ),
+        ("echo 'row 7' >&2; exit 66", Err(HandlerError::permanent("exit 66 (on_exit \"66\": dead_letter): row 7"))),
+        ("exit 0", Err(HandlerError::transient("exit 0 (on_exit \"0\": retry)"))),
+        // No rule: permanent_exit_codes, then the defaults.
+        ("exit 65", Err(HandlerError::permanent("exit 65"))),
+        ("exit 1", Err(HandlerError::transient("exit 1"))),
+        ("kill -9 $$", Err(HandlerError::transient("killed by signal 9"))),
+    ];
+    for (script, expected) in cases {
+        let invocation = Invocation { on_exit: rules.clone().into(), ..sh(script, &[]) };
+        let result = command::run(&invocation).await.map(|_| ());
         assert_eq!(result, expected, "script {script:?}");
     }
 }

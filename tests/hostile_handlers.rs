@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::{
-    Receiver, Sluice, Vhost, declare, drain_queue, header_str, is_running, lines, publish, read_pid, script,
-    wait_until, work_pipeline,
+    Place, Receiver, Sluice, Vhost, declare, header_str, is_running, lines, publish, read_pid, script, wait_until,
+    work_pipeline,
 };
 
 /// The variables a command's environment is built from, besides the `env:` entries: the
@@ -92,8 +92,8 @@ async fn a_command_sees_only_the_allowlist_pass_env_env_and_sluice_variables() {
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(dumped, published.iter().map(|k| k.to_string()).collect::<BTreeSet<_>>());
-    assert!(drain_queue(&url, "work").await.is_empty(), "work is not empty");
-    assert!(drain_queue(&url, "work.dlq").await.is_empty(), "something was dead-lettered");
+    assert!(vhost.drain_queue("work").await.is_empty(), "work is not empty");
+    assert!(vhost.drain_queue("work.dlq").await.is_empty(), "something was dead-lettered");
 
     for key in published {
         let env = read_env(&out.path().join(key));
@@ -161,8 +161,8 @@ exit 0"#,
     for key in published {
         assert_eq!(lines(&out.path().join(format!("{key}.runs"))), ["run"], "{key} ran more than once");
     }
-    assert!(drain_queue(&vhost.url(), "work").await.is_empty(), "work is not empty");
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "something was dead-lettered");
+    assert!(vhost.drain_queue("work").await.is_empty(), "work is not empty");
+    assert!(vhost.drain_queue("work.dlq").await.is_empty(), "something was dead-lettered");
     assert!(elapsed < timeout, "the run took {elapsed:?}, as long as the handler timeout");
     for key in published {
         let pid = read_pid(&out.path().join(format!("{key}.pid"))).expect("the script wrote its child's pid");
@@ -201,7 +201,7 @@ async fn a_dot_segment_value_never_changes_the_webhook_path() {
             .collect();
     assert_eq!(targets, expected);
     assert_eq!(receiver.hits().len(), 3, "{:?}", receiver.hits());
-    let dead = drain_queue(&vhost.url(), "work.dlq").await;
+    let dead = vhost.drain_queue("work.dlq").await;
     let mut reasons: Vec<(String, String)> = dead
         .iter()
         .map(|(body, headers)| {
@@ -216,5 +216,5 @@ async fn a_dot_segment_value_never_changes_the_webhook_path() {
         let error = header_str(headers, "x-sluice-error").unwrap_or_default();
         assert!(error.contains("path segment"), "{error}");
     }
-    assert!(drain_queue(&vhost.url(), "work").await.is_empty(), "work is not empty");
+    assert!(vhost.drain_queue("work").await.is_empty(), "work is not empty");
 }

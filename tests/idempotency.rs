@@ -27,16 +27,14 @@ fn dedup_file(dir: &Path) -> String {
     format!("file:{}", dir.join("state/dedup").display())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicate_sent_twice_in_a_row_is_handled_once() {
-    let vhost = Vhost::new();
+async fn duplicate_sent_twice_in_a_row_is_handled_once<P: Place>(place: P) {
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&server).await;
     let dir = mock_webhook_pipeline(&server.uri(), 1);
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     let dedup = dedup_file(dir.path());
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
+    let _sluice = Sluice::run(dir.path(), &place.url(), &["--dedup", &dedup]);
     publish(&broker, "ev", "a", "order-1", serde_json::json!({"n": 1})).await;
     wait_until(Duration::from_secs(20), "the first call", || async { keys_received(&server).await.len() == 1 }).await;
     // Same key, new envelope id; then a sentinel behind it on this one-at-a-time queue.
@@ -47,7 +45,7 @@ async fn duplicate_sent_twice_in_a_row_is_handled_once() {
     })
     .await;
     assert_eq!(keys_received(&server).await, ["order-1", "sentinel"], "the duplicate never reached the webhook");
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+    assert!(place.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -76,7 +74,7 @@ async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
     );
     assert_eq!(a.wait(Duration::from_secs(60)), Some(0), "{}", a.log());
     assert_eq!(b.wait(Duration::from_secs(60)), Some(0), "{}", b.log());
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+    assert!(vhost.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
     assert_eq!(keys_received(&server).await, [key], "four copies, two runners, one call\n{}\n{}", a.log(), b.log());
 }
 
@@ -96,28 +94,26 @@ fn recording_pipeline(out: &Path, concurrency: u32, work: &str) -> tempfile::Tem
     ))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_work() {
-    let vhost = Vhost::new();
+async fn kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_work<P: Place>(place: P) {
     let out_dir = tempfile::tempdir().expect("tempdir");
     let out = out_dir.path().join("effects.log");
     let concurrency = 4;
     let dir = recording_pipeline(&out, concurrency, "0.3");
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     let keys: Vec<String> = (0..40).map(|i| format!("k{i:02}")).collect();
     for k in &keys {
         publish(&broker, "ev", "a", k, serde_json::json!({})).await;
     }
     let dedup = dedup_file(dir.path());
-    let first = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
+    let first = Sluice::run(dir.path(), &place.url(), &["--dedup", &dedup]);
     wait_until(Duration::from_secs(30), "some work done", || async { lines_with(&out, "end ").len() >= 10 }).await;
     first.signal(libc::SIGKILL);
     let mut first = first;
     assert_eq!(first.wait(Duration::from_secs(10)), None, "killed by a signal");
     let ended_before_kill = lines_with(&out, "end ").len();
 
-    let mut second = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup, "--exit-when-idle"]);
+    let mut second = Sluice::run(dir.path(), &place.url(), &["--dedup", &dedup, "--exit-when-idle"]);
     assert_eq!(second.wait(Duration::from_secs(90)), Some(0), "{}", second.log());
 
     let ends = counts(lines_with(&out, "end "));
@@ -129,8 +125,8 @@ async fn kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_wo
         repeated.len() <= concurrency as usize && repeated.iter().all(|(_, n)| **n == 2),
         "only the in-flight messages at the kill may run twice: {repeated:?} (ended before the kill: {ended_before_kill})"
     );
-    assert_eq!(sluice::broker::Broker::depth(&broker, "work").await.expect("depth"), 0);
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+    assert_eq!(place.depth("work").await, 0);
+    assert!(place.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,12 +163,10 @@ async fn three_runners_on_redis_one_killed_every_key_handled_in_flight_only_repe
     }
     let repeated: Vec<_> = ends.iter().filter(|(_, n)| **n > 1).collect();
     assert!(repeated.len() <= concurrency as usize, "only the killed runner's in-flight work may repeat: {repeated:?}");
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered");
+    assert!(vhost.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_can_run_again_after_its_ttl() {
-    let vhost = Vhost::new();
+async fn a_key_can_run_again_after_its_ttl<P: Place>(place: P) {
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&server).await;
     let dir = work_pipeline(&format!(
@@ -183,20 +177,17 @@ async fn a_key_can_run_again_after_its_ttl() {
 "##,
         server.uri()
     ));
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     let dedup = dedup_file(dir.path());
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &dedup]);
+    let _sluice = Sluice::run(dir.path(), &place.url(), &["--dedup", &dedup]);
     publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
     wait_until(Duration::from_secs(20), "first call", || async { keys_received(&server).await.len() == 1 }).await;
     publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
     publish(&broker, "ev", "a", "sentinel-1", serde_json::json!({})).await;
     wait_until(Duration::from_secs(20), "sentinel", || async { keys_received(&server).await.len() == 2 }).await;
     // Concurrency 4: the sentinel may overtake the duplicate, so wait for it to be acked.
-    wait_until(Duration::from_secs(20), "queue drained", || async {
-        drain_queue(&vhost.url(), "work").await.is_empty()
-    })
-    .await;
+    wait_until(Duration::from_secs(20), "queue drained", || async { place.drain_queue("work").await.is_empty() }).await;
     assert_eq!(counts(keys_received(&server).await)["again"], 1, "within the TTL: a duplicate");
     tokio::time::sleep(Duration::from_millis(2500)).await; // let the 2s TTL pass
     publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
@@ -274,5 +265,11 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
     .await;
     let got = counts(keys_received(&server).await);
     assert!(got.values().all(|n| *n == 1), "each key once: {got:?}");
-    assert!(drain_queue(&vhost.url(), "work.dlq").await.is_empty(), "nothing dead-lettered while Redis was down");
+    assert!(vhost.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered while Redis was down");
 }
+
+on_both_brokers!(
+    duplicate_sent_twice_in_a_row_is_handled_once,
+    kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_work,
+    a_key_can_run_again_after_its_ttl,
+);

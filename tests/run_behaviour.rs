@@ -22,9 +22,7 @@ fn pipeline_for(receiver: &Receiver, yaml: &str) -> tempfile::TempDir {
     pipeline(&yaml.replace(RECEIVER, receiver.uri()))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fan_out_delivers_once_per_bound_queue() {
-    let vhost = Vhost::new();
+async fn fan_out_delivers_once_per_bound_queue<P: Place>(place: P) {
     let receiver = Receiver::ok().await;
     let dir = pipeline_for(
         &receiver,
@@ -46,12 +44,12 @@ queues:
     handler: {webhook: {url: "RECEIVER/invoices"}}
 "##,
     );
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     let sent = publish(&broker, "ev", "order.created", "order-1", json!({"order": 1})).await;
     // Exiting when idle is the condition that says every queue is done, so counting after
     // it proves "exactly once" and "none" rather than "so far".
-    let mut sluice = Sluice::run(dir.path(), &vhost.url(), &["--exit-when-idle"]);
+    let mut sluice = Sluice::run(dir.path(), &place.url(), &["--exit-when-idle"]);
     assert_eq!(sluice.wait(Duration::from_secs(30)), Some(0), "log:\n{}", sluice.log());
 
     let hits = receiver.hits();
@@ -75,30 +73,27 @@ async fn too_many_requests_once(seconds: u64) -> Receiver {
 
 /// Runs a queue with the given retry policy against `receiver` and returns the gap between its
 /// first two calls.
-async fn gap_between_first_two_calls(receiver: &Receiver, retry: &str) -> Duration {
-    let vhost = Vhost::new();
+async fn gap_between_first_two_calls(place: &impl Place, receiver: &Receiver, retry: &str) -> Duration {
     let dir = webhook_pipeline(receiver, &format!("    retry: {retry}\n"));
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
+    let _sluice = Sluice::run(dir.path(), &place.url(), &[]);
     publish(&broker, "ev", "x", "key-1", json!({})).await;
     let hits = receiver.wait_for(2, Duration::from_secs(20)).await;
     assert_eq!(hits[1].header("x-sluice-attempt"), Some("2"));
     hits[1].at - hits[0].at
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_after_is_honoured_over_a_shorter_backoff() {
+async fn retry_after_is_honoured_over_a_shorter_backoff<P: Place>(place: P) {
     let receiver = too_many_requests_once(2).await;
-    let gap = gap_between_first_two_calls(&receiver, "{max_attempts: 3, initial: 100ms, max: 10s}").await;
+    let gap = gap_between_first_two_calls(&place, &receiver, "{max_attempts: 3, initial: 100ms, max: 10s}").await;
     assert!(gap >= Duration::from_secs(2), "second call {gap:?} after the first, before Retry-After: 2");
     assert!(gap < Duration::from_secs(8), "second call {gap:?} after the first; Retry-After was 2s");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retry_after_beyond_max_is_capped_at_max() {
+async fn retry_after_beyond_max_is_capped_at_max<P: Place>(place: P) {
     let receiver = too_many_requests_once(60).await;
-    let gap = gap_between_first_two_calls(&receiver, "{max_attempts: 3, initial: 100ms, max: 1s}").await;
+    let gap = gap_between_first_two_calls(&place, &receiver, "{max_attempts: 3, initial: 100ms, max: 1s}").await;
     // Capped at max: not the 60s asked for, and not below max either (the hint is a floor).
     assert!(gap >= Duration::from_secs(1), "second call {gap:?} after the first, below max: 1s");
     assert!(gap < Duration::from_secs(6), "second call {gap:?} after the first; max is 1s");
@@ -139,9 +134,7 @@ sys.exit("no signature matches")
     child.wait().expect("python3 exits").success()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webhook_gets_headers_rendered_templates_and_a_valid_signature() {
-    let vhost = Vhost::new();
+async fn webhook_gets_headers_rendered_templates_and_a_valid_signature<P: Place>(place: P) {
     let receiver = Receiver::start(|_, n| Reply::status(if n == 0 { 503 } else { 200 })).await;
     let dir = pipeline_for(
         &receiver,
@@ -163,11 +156,11 @@ queues:
     retry: {max_attempts: 3, initial: 100ms, max: 200ms}
 "##,
     );
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     let _sluice = Sluice::run_with_env(
         dir.path(),
-        &vhost.url(),
+        &place.url(),
         &[],
         &[("SLUICE_TEST_TOKEN", "t0ken"), ("SLUICE_TEST_SECRET", SECRET)],
     );
@@ -241,9 +234,7 @@ touch "$out/done"
 if [ -n "$FAIL_FIRST" ] && [ "$SLUICE_ATTEMPT" = 1 ]; then exit 3; fi
 "#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
-    let vhost = Vhost::new();
+async fn command_gets_verbatim_argv_env_and_each_stdin_mode<P: Place>(place: P) {
     let out = tempfile::tempdir().expect("tempdir");
     let out_dir = out.path().display().to_string();
     let mut yaml = String::from("version: 1\nexchanges:\n  ev: {type: topic}\nqueues:\n");
@@ -264,9 +255,9 @@ async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
     let dir = pipeline(&yaml);
     script(dir.path(), "record.sh", RECORD_SH);
 
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
-    let _sluice = Sluice::run_with_env(dir.path(), &vhost.url(), &[], &[("SLUICE_TEST_BUCKET", "bkt")]);
+    let _sluice = Sluice::run_with_env(dir.path(), &place.url(), &[], &[("SLUICE_TEST_BUCKET", "bkt")]);
     let pwned = out.path().join("pwned");
     let text = format!("two words $(touch {}) `touch {}` ; 'q' \"dq\" *", pwned.display(), pwned.display());
     let payload = json!({"text": text, "size": "1 MB"});
@@ -304,17 +295,15 @@ async fn command_gets_verbatim_argv_env_and_each_stdin_mode() {
     assert!(!pwned.exists(), "a shell interpreted an argument");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rate_limit_spreads_calls_over_time() {
-    let vhost = Vhost::new();
+async fn rate_limit_spreads_calls_over_time<P: Place>(place: P) {
     let receiver = Receiver::ok().await;
     let dir = webhook_pipeline(&receiver, "    concurrency: 8\n    rate_limit: 2/s\n");
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     for i in 0..6 {
         publish(&broker, "ev", "x", &format!("key-{i}"), json!({"i": i})).await;
     }
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
+    let _sluice = Sluice::run(dir.path(), &place.url(), &[]);
     let hits = receiver.wait_for(6, Duration::from_secs(20)).await;
     // A burst of 2, then one token every 500ms: the sixth call comes about 2s after the first.
     // Unlimited, with 8 in flight, all six would arrive within milliseconds.
@@ -322,20 +311,28 @@ async fn rate_limit_spreads_calls_over_time() {
     assert!(spread >= Duration::from_millis(1600), "6 calls at 2/s spread over only {spread:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ordered_queue_calls_one_at_a_time_in_publish_order() {
-    let vhost = Vhost::new();
+async fn ordered_queue_calls_one_at_a_time_in_publish_order<P: Place>(place: P) {
     // Each call stays in flight a while, so that any overlap would be seen.
     let receiver = Receiver::start(|_, _| Reply::status(200).after(Duration::from_millis(25))).await;
     let dir = webhook_pipeline(&receiver, "    ordered: true\n");
-    let broker = vhost.connect().await;
+    let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     for n in 1..=20 {
         publish(&broker, "ev", "x", &format!("key-{n}"), json!({"n": n})).await;
     }
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
+    let _sluice = Sluice::run(dir.path(), &place.url(), &[]);
     let hits = receiver.wait_for(20, Duration::from_secs(30)).await;
     let order: Vec<i64> = hits.iter().map(|h| h.json()["payload"]["n"].as_i64().expect("n")).collect();
     assert_eq!(order, (1..=20).collect::<Vec<_>>());
     assert_eq!(receiver.max_in_flight(), 1, "calls overlapped");
 }
+
+on_both_brokers!(
+    retry_after_beyond_max_is_capped_at_max,
+    retry_after_is_honoured_over_a_shorter_backoff,
+    fan_out_delivers_once_per_bound_queue,
+    webhook_gets_headers_rendered_templates_and_a_valid_signature,
+    command_gets_verbatim_argv_env_and_each_stdin_mode,
+    rate_limit_spreads_calls_over_time,
+    ordered_queue_calls_one_at_a_time_in_publish_order,
+);

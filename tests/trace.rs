@@ -66,7 +66,7 @@ async fn a_traceparent_is_continued_across_retries_and_kept_on_the_copies() {
 
     wait_until(DEADLINE, "the retried message handled", || async { receiver.hits_for("retried").len() == 2 }).await;
     wait_until(DEADLINE, "the doomed message dead-lettered", || async {
-        drain_queue(&vhost.url(), "work.dlq").await.len() == 1
+        vhost.drain_queue("work.dlq").await.len() == 1
     })
     .await;
     let retried = receiver.hits_for("retried");
@@ -85,7 +85,7 @@ async fn a_traceparent_is_continued_across_retries_and_kept_on_the_copies() {
         assert_eq!(carried(hit).trace_id, TraceContext::parse(doomed_trace).expect("valid").trace_id);
         assert_eq!(carried(hit).flags, 0, "an unsampled trace stays unsampled");
     }
-    let dead = drain_queue(&vhost.url(), "work.dlq").await;
+    let dead = vhost.drain_queue("work.dlq").await;
     assert_eq!(header_str(&dead[0].1, "traceparent"), Some(doomed_trace), "the dead-letter copy keeps the original");
 }
 

@@ -13,6 +13,7 @@ use serde_json::Value;
 use sluice::config::{
     self, Backoff, ExchangeKind, Handler, Jitter, QueueKind, RateLimit, Severity, StdinMode, Validation,
 };
+use sluice::handler::rules::{Action, Key, Rules};
 use util::{Expected, Fixture, Shown};
 
 /// What a fixture reported, if it is not exactly what it expects.
@@ -101,9 +102,8 @@ fn valid_fixtures_warn_only_about_the_environment_and_jitter() {
     assert_eq!(
         got,
         [
-            // One anchor, merged into two queues.
+            // One anchor, merged into two queues: reported once (issue 14).
             warning("billing/invoices.yml", "/queues/billing.invoice/retry/jitter"),
-            warning("billing/invoices.yml", "/queues/billing.lookup/retry/jitter"),
             warning("billing/invoices.yml", "/queues/billing.invoice/handler/webhook/headers/Authorization"),
             warning("orders.yaml", "/queues/orders.charge/handler/webhook/signing/secret_env"),
         ]
@@ -170,11 +170,16 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!(audit.bindings[0].routing_key, "", "routing_key defaults to empty");
     let arguments = serde_json::to_value(&audit.bindings[1].arguments).unwrap();
     assert_eq!(arguments, serde_json::json!({"x-match": "all", "region": "eu", "priority": 3, "urgent": true}));
+    let Handler::Webhook(audit_hook) = &audit.handler else { panic!("orders.audit has a webhook") };
+    let on_status =
+        [(Key::Code(404), Action::DeadLetter), (Key::Code(409), Action::Success), (Key::Class(5), Action::Retry)];
+    assert_eq!(*audit_hook.on_status, Rules::new(on_status.into_iter().collect()));
+    assert_eq!(*hook.on_status, Rules::default(), "no rules unless written");
 
     let invoice = &config.queues["billing.invoice"];
     assert_eq!(invoice.concurrency.get(), 2, "from the merged defaults");
     assert_eq!(invoice.rate_limit.unwrap().per, Duration::from_secs(3600));
-    assert_eq!((invoice.retry.backoff, invoice.retry.jitter), (Backoff::Fixed, Jitter::None));
+    assert_eq!((&invoice.retry.backoff, invoice.retry.jitter), (&Backoff::Fixed, Jitter::None));
     assert_eq!(invoice.retry.initial, Duration::from_secs(30));
     assert_eq!(config.queues["billing.lookup"].concurrency.get(), 1, "explicit beats merged");
 
@@ -200,6 +205,9 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!(cmd.pass_env, ["AWS_REGION", "AWS_PROFILE"]);
     assert_eq!((cmd.stdin, cmd.timeout), (StdinMode::Envelope, Duration::from_secs(120)));
     assert_eq!(cmd.permanent_exit_codes, [64, 65]);
+    let on_exit =
+        [(Key::Code(75), Action::Retry), (Key::Code(3), Action::Success), (Key::Code(66), Action::DeadLetter)];
+    assert_eq!(*cmd.on_exit, Rules::new(on_exit.into_iter().collect()));
     assert_eq!((resize.retry.max_attempts.get(), resize.retry.max), (10, Duration::from_secs(600)));
 
     let Handler::Command(cat) = &config.queues["media.thumbnail"].handler else { panic!("a command") };
@@ -208,6 +216,13 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     let Handler::Command(archive) = &config.queues["media.archive"].handler else { panic!("a command") };
     assert_eq!(archive.stdin, StdinMode::None);
     assert!(archive.pass_env.is_empty());
+    // A schedule: its delays exactly, one attempt more than delays listed.
+    let archive_retry = &config.queues["media.archive"].retry;
+    let delays = vec![Duration::from_secs(1), Duration::from_secs(30), Duration::from_secs(300)];
+    assert_eq!(archive_retry.backoff, Backoff::Schedule(delays));
+    assert_eq!(archive_retry.max_attempts.get(), 4);
+    assert_eq!((archive_retry.initial, archive_retry.max), (Duration::from_secs(1), Duration::from_secs(300)));
+    assert_eq!(archive_retry.jitter, Jitter::None);
 }
 
 /// Every property (by its place in the schema) and every enum value (`place=value`).

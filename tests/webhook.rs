@@ -5,6 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use reqwest::Method;
 use sluice::handler::HandlerError;
+use sluice::handler::rules::{Action, Key, Rules};
 use sluice::handler::webhook::{self, Request};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use wiremock::matchers::{any, body_bytes, header, method, path};
@@ -26,7 +27,7 @@ async fn call_with(response: ResponseTemplate) -> Result<(), HandlerError> {
     let server = MockServer::start().await;
     Mock::given(any()).respond_with(response).mount(&server).await;
     let client = webhook::client().expect("client builds");
-    webhook::call(&client, post(server.uri()), TIMEOUT).await
+    webhook::call(&client, post(server.uri()), TIMEOUT, &Rules::default()).await
 }
 
 fn assert_transient(result: &Result<(), HandlerError>, expected_text: &str) {
@@ -74,6 +75,53 @@ async fn statuses_map_to_outcomes() {
     }
 }
 
+/// Issue 13: `on_status` rules decide over the Outcomes table, an exact code before its class,
+/// and a rule's verdict names the rule.
+#[tokio::test]
+async fn on_status_rules_decide_by_code_then_class() {
+    let rules = Rules::new(
+        [
+            (Key::Code(409), Action::Success),
+            (Key::Class(3), Action::Success),
+            (Key::Code(202), Action::Retry),
+            (Key::Class(4), Action::Retry),
+            (Key::Code(404), Action::DeadLetter),
+            (Key::Class(5), Action::DeadLetter),
+            (Key::Code(503), Action::Retry),
+        ]
+        .into_iter()
+        .collect(),
+    );
+    let server = MockServer::start().await;
+    for status in [409, 302, 202, 422, 404, 500, 503, 200] {
+        Mock::given(path(format!("/{status}")))
+            .respond_with(ResponseTemplate::new(status).insert_header("Retry-After", "7").set_body_string("no"))
+            .mount(&server)
+            .await;
+    }
+    let client = webhook::client().expect("client builds");
+    // A retried 503 still says the receiver is unwell (issue 13's breaker counts it); a 4xx
+    // retried by a rule does not.
+    let retry = |error: &str, unwell: bool| {
+        Err(HandlerError::Transient { error: error.into(), retry_after: Some(Duration::from_secs(7)), unwell })
+    };
+    let dead = |error: &str| Err(HandlerError::permanent(error));
+    let cases = [
+        (409, Ok(())),
+        (302, Ok(())),
+        (202, retry("HTTP 202 (on_status \"202\": retry): no", false)),
+        (422, retry("HTTP 422 (on_status \"4xx\": retry): no", false)),
+        (404, dead("HTTP 404 (on_status \"404\": dead_letter): no")),
+        (500, dead("HTTP 500 (on_status \"5xx\": dead_letter): no")),
+        (503, retry("HTTP 503 (on_status \"503\": retry): no", true)),
+        (200, Ok(())),
+    ];
+    for (status, expected) in cases {
+        let url = format!("{}/{status}", server.uri());
+        assert_eq!(webhook::call(&client, post(url), TIMEOUT, &rules).await, expected, "status {status}");
+    }
+}
+
 #[tokio::test]
 async fn error_text_quotes_the_start_of_the_body_on_one_line() {
     let body = format!("{{\"error\":\n  \"amount must be positive\"}}{}", "x".repeat(1000));
@@ -95,7 +143,7 @@ async fn redirects_are_permanent_and_not_followed() {
     Mock::given(path("/new")).respond_with(ResponseTemplate::new(200)).expect(0).mount(&server).await;
     let client = webhook::client().expect("client builds");
 
-    let result = webhook::call(&client, post(format!("{}/old", server.uri())), TIMEOUT).await;
+    let result = webhook::call(&client, post(format!("{}/old", server.uri())), TIMEOUT, &Rules::default()).await;
 
     assert_permanent(&result, "HTTP 301");
     server.verify().await;
@@ -146,7 +194,7 @@ async fn a_slow_server_is_a_transient_timeout() {
 
     let result = tokio::time::timeout(
         Duration::from_secs(5),
-        webhook::call(&client, post(server.uri()), Duration::from_millis(200)),
+        webhook::call(&client, post(server.uri()), Duration::from_millis(200), &Rules::default()),
     )
     .await
     .expect("call honours its own timeout");
@@ -161,7 +209,7 @@ async fn connection_refused_is_a_transient_connect_error() {
     drop(listener);
     let client = webhook::client().expect("client builds");
 
-    let result = webhook::call(&client, post(format!("http://{address}/")), TIMEOUT).await;
+    let result = webhook::call(&client, post(format!("http://{address}/")), TIMEOUT, &Rules::default()).await;
 
     assert_transient(&result, "connect error: ");
     let Err(error) = result else { unreachable!() };
@@ -194,7 +242,7 @@ async fn method_headers_and_body_arrive_as_given() {
         body: body.into(),
     };
 
-    assert_eq!(webhook::call(&client, request, TIMEOUT).await, Ok(()));
+    assert_eq!(webhook::call(&client, request, TIMEOUT, &Rules::default()).await, Ok(()));
     server.verify().await;
 }
 
@@ -213,7 +261,7 @@ async fn signed_requests_carry_the_standard_webhooks_headers() {
     };
     let client = webhook::client().expect("client builds");
 
-    assert_eq!(webhook::call(&client, request, TIMEOUT).await, Ok(()));
+    assert_eq!(webhook::call(&client, request, TIMEOUT, &Rules::default()).await, Ok(()));
     // Read back raw: wiremock's header matcher would split the signature at its comma.
     let received = server.received_requests().await.expect("recording is on");
     let [received] = received.as_slice() else {
@@ -237,7 +285,7 @@ async fn malformed_requests_are_permanent_and_keep_values_private() {
         (with_header("Authorization", "Bearer s3cret\r\nX-Evil: 1"), "invalid value for header \"Authorization\""),
     ];
     for (request, expected) in cases {
-        let result = webhook::call(&client, request, TIMEOUT).await;
+        let result = webhook::call(&client, request, TIMEOUT, &Rules::default()).await;
         assert_permanent(&result, expected);
         let Err(error) = result else { unreachable!() };
         assert!(!error.to_string().contains("s3cret"), "{error}");
@@ -264,7 +312,7 @@ async fn a_huge_error_body_is_not_read_whole() {
 
     let result = tokio::time::timeout(
         Duration::from_secs(5),
-        webhook::call(&client, post(format!("http://{address}/")), Duration::from_secs(60)),
+        webhook::call(&client, post(format!("http://{address}/")), Duration::from_secs(60), &Rules::default()),
     )
     .await
     .expect("call returns without waiting for the rest of the body");

@@ -241,7 +241,9 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// How what exists on the broker differs from `plan`, changing nothing.
     fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
 
-    /// Delayed copies not yet due back, whoever published them.
+    /// Delayed copies not yet due back, whoever published them. The embedded broker counts
+    /// its leased deliveries too: a killed runner's come back only when their lease runs out,
+    /// where RabbitMQ has them ready again as soon as the connection is gone.
     fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;
 
     /// Whether the session is still connected.

@@ -3,7 +3,8 @@
 //! and headers (`x-match` `all` or `any` over the binding's arguments).
 //!
 //! Pure matching of one binding; the brokers that route themselves (embedded, in-memory) own
-//! their bindings and the default exchange.
+//! their bindings and the default exchange. [`plan_targets`] routes over a whole plan, for
+//! `sluice test`, which has no broker.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +12,28 @@ use serde_json::Value;
 
 use super::{HeaderValue, Headers};
 use crate::config::ExchangeKind;
+use crate::topology::Plan;
+
+/// The queues a message published to `exchange` with `routing_key` and `headers` reaches
+/// under `plan`, sorted, each once; empty when it is unroutable. The default exchange (`""`)
+/// routes to the queue the routing key names. `None` when the exchange is neither in the plan
+/// nor built into every broker.
+pub fn plan_targets(plan: &Plan, exchange: &str, routing_key: &str, headers: &Headers) -> Option<Vec<String>> {
+    if exchange.is_empty() {
+        return Some(plan.queue(routing_key).map(|q| vec![q.name.clone()]).unwrap_or_default());
+    }
+    let kind =
+        plan.exchanges.iter().find(|e| e.name == exchange).map(|e| e.kind).or(ExchangeKind::builtin(exchange))?;
+    let mut queues: Vec<String> = plan
+        .bindings
+        .iter()
+        .filter(|b| b.exchange == exchange && routes(kind, &b.routing_key, &b.arguments, routing_key, headers))
+        .map(|b| b.queue.clone())
+        .collect();
+    queues.sort();
+    queues.dedup();
+    Some(queues)
+}
 
 /// Whether a binding of an exchange of `kind` (its key and arguments) takes a message
 /// published with `routing_key` and `headers`.
@@ -63,4 +86,123 @@ pub fn headers_match(arguments: &BTreeMap<String, Value>, headers: &Headers) -> 
         (Some(_), _) => false,
     };
     if mode.starts_with("any") { pairs.any(matches) } else { pairs.all(matches) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_words_as_rabbitmq_splits_them() {
+        let cases = [
+            ("#", "", true),
+            ("#", "a.b.c", true),
+            ("*", "", false),
+            ("*", "a", true),
+            ("*", "a.b", false),
+            ("", "", true),
+            ("a.#", "a", true),
+            ("a.#.b", "a.b", true),
+            ("a.#.b", "a.x.y.b", true),
+            ("a.#.b", "a.x.y.c", false),
+            ("a.*.b", "a.b", false),
+            ("a.*.b", "a.x.b", true),
+            ("#.b", "b", true),
+            ("a.*", "a.", true),
+            ("a", "a.b", false),
+        ];
+        for (pattern, key, expected) in cases {
+            assert_eq!(topic_match(pattern, key), expected, "pattern {pattern:?} key {key:?}");
+        }
+    }
+
+    #[test]
+    fn headers_match_as_rabbitmq_does() {
+        let args = |pairs: &[(&str, Value)]| -> BTreeMap<String, Value> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+        };
+        let headers: Headers = [
+            ("region".to_string(), HeaderValue::Str("eu".into())),
+            ("priority".to_string(), HeaderValue::Int(3)),
+            ("x-tenant".to_string(), HeaderValue::Str("t1".into())),
+        ]
+        .into();
+        let cases = [
+            (args(&[]), true),
+            (args(&[("x-match", "any".into())]), false),
+            (args(&[("region", "eu".into()), ("priority", 3.into())]), true),
+            (args(&[("region", "eu".into()), ("priority", 4.into())]), false),
+            (args(&[("x-match", "any".into()), ("region", "us".into()), ("priority", 3.into())]), true),
+            (args(&[("x-match", "any".into()), ("region", "us".into())]), false),
+            (args(&[("region", Value::Null)]), true),
+            (args(&[("missing", Value::Null)]), false),
+            (args(&[("priority", "3".into())]), false),
+            // x- arguments are skipped unless the mode says -with-x.
+            (args(&[("x-tenant", "other".into())]), true),
+            (args(&[("x-match", "all-with-x".into()), ("x-tenant", "other".into())]), false),
+            (args(&[("x-match", "any-with-x".into()), ("x-tenant", "t1".into())]), true),
+        ];
+        for (arguments, expected) in cases {
+            assert_eq!(headers_match(&arguments, &headers), expected, "{arguments:?}");
+        }
+    }
+
+    /// The plan of a pipeline with one exchange of each type and three queues.
+    fn plan() -> Plan {
+        let text = r##"version: 1
+exchanges: {d: {type: direct}, f: {type: fanout}, t: {type: topic}, h: {type: headers}}
+x-handler: &handler {command: {program: /bin/true}}
+queues:
+  a:
+    handler: *handler
+    bind:
+      - {exchange: d, routing_key: k}
+      - {exchange: f, routing_key: ignored}
+      - {exchange: t, routing_key: "#"}
+      - {exchange: h, arguments: {x-match: any, k: v, n: 1}}
+  b:
+    handler: *handler
+    bind: [{exchange: d}, {exchange: f}, {exchange: t, routing_key: "*"}]
+  c:
+    handler: *handler
+    # Two bindings to one queue: one copy.
+    bind: [{exchange: t, routing_key: "x.#"}, {exchange: t, routing_key: "x.*"}, {exchange: amq.topic, routing_key: "y.*"}]
+"##;
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("p.yaml"), text).expect("write");
+        let loaded = crate::config::load(&[dir.path().to_path_buf()]);
+        crate::topology::plan(loaded.config.as_ref().expect("valid"))
+    }
+
+    #[test]
+    fn a_plan_routes_through_every_exchange_type() {
+        let plan = plan();
+        let v: Headers = [("k".to_string(), HeaderValue::Str("v".into()))].into();
+        let none = Headers::new();
+        let cases: &[(&str, &str, &Headers, Option<&[&str]>)] = &[
+            ("d", "k", &none, Some(&["a"])),
+            ("d", "", &none, Some(&["b"])),
+            ("d", "K", &none, Some(&[])),
+            ("f", "anything", &none, Some(&["a", "b"])),
+            // `#` matches zero words, `*` exactly one; an empty key has no words.
+            ("t", "", &none, Some(&["a"])),
+            ("t", "x", &none, Some(&["a", "b", "c"])),
+            ("t", "x.y", &none, Some(&["a", "c"])),
+            ("t", "x.y.z", &none, Some(&["a", "c"])),
+            ("h", "", &v, Some(&["a"])),
+            ("h", "", &none, Some(&[])),
+            ("amq.topic", "y.z", &none, Some(&["c"])),
+            ("amq.direct", "a", &none, Some(&[])),
+            // The default exchange: the queue the key names, if any.
+            ("", "b", &none, Some(&["b"])),
+            // Dead-letter queues are queues too.
+            ("", "a.dlq", &none, Some(&["a.dlq"])),
+            ("", "nope", &none, Some(&[])),
+            ("missing", "k", &none, None),
+        ];
+        for (exchange, key, headers, expected) in cases {
+            let expected = expected.map(|q| q.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+            assert_eq!(plan_targets(&plan, exchange, key, headers), expected, "{exchange} {key:?}");
+        }
+    }
 }

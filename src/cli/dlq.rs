@@ -9,9 +9,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use indicatif::ProgressBar;
 
-use super::{BrokerArg, output, parse_duration};
+use super::{BrokerArg, output, parse_duration, with_broker};
 use crate::broker::Broker as _;
-use crate::broker::amqp::Amqp;
 use crate::config::{self, Config, RateLimit};
 use crate::ops::dlq::{self, Action, Entry, Filter};
 use crate::ops::status::{self, Status};
@@ -79,7 +78,7 @@ pub struct Target {
     queue: String,
     /// The pipeline files that name the queue's dead-letter queue (default `<QUEUE>.dlq` when
     /// the path does not exist).
-    #[arg(long, default_value = "pipelines")]
+    #[arg(long, default_value = crate::config::source::DEFAULT_DIR)]
     pipelines: Vec<PathBuf>,
     #[command(flatten)]
     broker: BrokerArg,
@@ -148,10 +147,12 @@ pub async fn dlq(command: Command) -> anyhow::Result<()> {
     match command {
         Command::List { target, filter, format } => {
             let dlq = target.dead_letter_queue()?;
-            let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
-            let listed = dlq::list(&broker, &dlq, &filter.into()).await;
-            broker.close().await;
-            let (entries, tally) = listed?;
+            let filter = filter.into();
+            let (entries, tally) = with_broker!(&target.broker, |broker| {
+                let listed = dlq::list(&broker, &dlq, &filter).await;
+                broker.close().await;
+                listed?
+            });
             match format {
                 Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&entries)?))?,
                 Format::Text => output::stdout(&table(&entries))?,
@@ -167,10 +168,12 @@ pub async fn dlq(command: Command) -> anyhow::Result<()> {
         }
         Command::Show { target, id, format } => {
             let dlq = target.dead_letter_queue()?;
-            let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
-            let shown = dlq::show(&broker, &dlq, &id).await;
-            broker.close().await;
-            let shown = shown?.with_context(|| format!("no message with id \"{id}\" in {dlq}"))?;
+            let shown = with_broker!(&target.broker, |broker| {
+                let shown = dlq::show(&broker, &dlq, &id).await;
+                broker.close().await;
+                shown?
+            });
+            let shown = shown.with_context(|| format!("no message with id \"{id}\" in {dlq}"))?;
             let text = match format {
                 Format::Json => format!("{}\n", serde_json::to_string_pretty(&shown)?),
                 Format::Text => {
@@ -206,7 +209,6 @@ async fn apply(
     rate: Option<NonZeroU32>,
 ) -> anyhow::Result<()> {
     let dlq = target.dead_letter_queue()?;
-    let broker = Amqp::connect(&target.broker.url, target.broker.connect_timeout).await?;
     // A bar only on a terminal (indicatif draws nothing otherwise); its length is the queue's
     // depth, the most a filter can select.
     let bar = ProgressBar::no_length();
@@ -215,9 +217,12 @@ async fn apply(
         bar.set_position(t.done as u64);
     };
     let job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
-    let result = dlq::apply(&broker, &job, &progress).await;
+    let result = with_broker!(&target.broker, |broker| {
+        let result = dlq::apply(&broker, &job, &progress).await;
+        broker.close().await;
+        result
+    });
     bar.finish_and_clear();
-    broker.close().await;
     let tally = result.with_context(|| format!("stopped; the messages not yet moved are still in {dlq}"))?;
     let verb = match (action, dry_run) {
         (Action::Redrive, false) => format!("redriven to {}", target.queue),
@@ -300,10 +305,11 @@ fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
 pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], format: Format) -> anyhow::Result<()> {
     let config = load(paths)?;
     let runners = if admin.is_empty() { None } else { Some(runners(admin).await?) };
-    let amqp = Amqp::connect(&broker.url, broker.connect_timeout).await?;
-    let read = status::read(&amqp, &config, runners.as_ref()).await;
-    amqp.close().await;
-    let status = read?;
+    let status = with_broker!(&broker, |session| {
+        let read = status::read(&session, &config, runners.as_ref()).await;
+        session.close().await;
+        read?
+    });
     match format {
         Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&status)?))?,
         Format::Text => output::stdout(&status_table(&status))?,
@@ -350,7 +356,7 @@ fn status_table(status: &Status) -> String {
     let mut text = aligned(&header, &rows);
     text.push_str(&format!("\nretries waiting (all queues): {}\n", status.retries_waiting));
     if status.queues.iter().any(|r| r.unacked.is_none()) {
-        text.push_str("UNACKED: name the runners with --admin HOST:PORT (RabbitMQ does not tell it over AMQP)\n");
+        text.push_str("UNACKED: name the runners with --admin HOST:PORT to count what they hold\n");
     }
     text
 }

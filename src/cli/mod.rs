@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::Readiness;
 use crate::broker::amqp::{self, Amqp, PlanFormat};
+use crate::broker::embedded::Embedded;
 use crate::config::{self, Format};
 use crate::dedup::{Location, Store};
 use crate::envelope::Envelope;
@@ -27,7 +28,7 @@ use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
 use crate::runtime::gate::Pauses;
 use crate::topology;
-use crate::{reload, runtime};
+use crate::{reload, runtime, testing};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -45,7 +46,7 @@ enum Command {
     /// Check pipeline files; exit 1 on any error (warnings alone exit 0).
     Validate {
         /// Files or directories (searched recursively for *.yaml and *.yml).
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
@@ -53,12 +54,12 @@ enum Command {
     /// Print the broker topology the files declare; with --broker, also how the live broker
     /// differs from it (exit 1 on a conflict that would stop `run`).
     Plan {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
-        /// Compare with this broker (amqp://...): missing exchanges and queues, and
-        /// declarations that conflict with what exists. Nothing is created.
+        /// Compare with this broker (amqp://... or the embedded broker's directory): missing
+        /// exchanges and queues, and declarations that conflict with what exists. Nothing is created.
         #[arg(long = "broker")]
         broker: Option<String>,
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -66,7 +67,7 @@ enum Command {
     },
     /// Every queue at a glance: ready, consumers, dead-lettered, oldest dead letter.
     Status {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
@@ -80,11 +81,25 @@ enum Command {
     /// Read, redrive or purge a queue's dead-lettered messages.
     #[command(subcommand)]
     Dlq(dlq::Command),
-    /// Print the JSON Schema of pipeline files.
-    Schema,
+    /// Print the JSON Schema of pipeline files (with --tests, of test files).
+    Schema {
+        /// The schema of test files (*.test.yaml) instead.
+        #[arg(long)]
+        tests: bool,
+    },
+    /// Run the tests in *.test.yaml files against the pipelines beside them: routing,
+    /// rendered calls and outcomes, with simulated answers; nothing is sent. Exit 1 when a
+    /// test fails or a file has an error.
+    Test {
+        /// Files or directories (searched recursively for pipelines and *.test.yaml files).
+        #[arg(default_value = config::source::DEFAULT_DIR)]
+        paths: Vec<PathBuf>,
+        #[arg(long, value_enum, default_value_t = testing::report::Format::Human)]
+        format: testing::report::Format,
+    },
     /// Declare the topology and consume: call the handlers, retry, dead-letter.
     Run {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
@@ -131,7 +146,7 @@ enum Command {
     Publish(publish::Args),
     /// Dry run: print the HTTP request or the command a message would produce.
     Render {
-        #[arg(default_value = "pipelines")]
+        #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         /// The pipeline queue whose handler renders the message.
         #[arg(long)]
@@ -156,13 +171,64 @@ pub struct AdminArg {
 /// Where the broker is.
 #[derive(Debug, clap::Args)]
 pub struct BrokerArg {
-    /// amqp://user:pass@host:port/vhost (default: $SLUICE_BROKER, else the local RabbitMQ).
+    /// amqp://user:pass@host:port/vhost (or amqps://) for RabbitMQ; otherwise the directory of
+    /// the embedded broker (default: $SLUICE_BROKER, else .sluice).
     #[arg(long = "broker", env = "SLUICE_BROKER", default_value = DEFAULT_BROKER, hide_env_values = true)]
     pub url: String,
-    /// How long connecting to the broker (TCP, TLS and the AMQP handshake) may take.
+    /// How long connecting to RabbitMQ (TCP, TLS and the AMQP handshake) may take.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
 }
+
+/// Which broker `--broker` names.
+enum Endpoint<'a> {
+    Amqp(&'a str),
+    /// The embedded broker's directory.
+    Embedded(&'a Path),
+}
+
+impl BrokerArg {
+    fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
+        let url = self.url.as_str();
+        if url.starts_with("amqp://") || url.starts_with("amqps://") {
+            return Ok(Endpoint::Amqp(url));
+        }
+        if let Some((scheme, _)) = url.split_once("://") {
+            anyhow::bail!(
+                "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, or a directory for the embedded broker",
+                amqp::redact(url)
+            );
+        }
+        Ok(Endpoint::Embedded(Path::new(url)))
+    }
+
+    /// The broker for logs and messages: the URL with its password masked, or the directory.
+    fn display(&self) -> String {
+        match self.endpoint() {
+            Ok(Endpoint::Embedded(_)) => format!("embedded in {}", self.url),
+            _ => amqp::redact(&self.url),
+        }
+    }
+}
+
+/// Runs `$body` with `$broker` bound to a session with the broker `$arg` names, either kind;
+/// `$body` is compiled once for each.
+macro_rules! with_broker {
+    ($arg:expr, |$broker:ident| $body:expr) => {{
+        let arg: &$crate::cli::BrokerArg = $arg;
+        match arg.endpoint()? {
+            $crate::cli::Endpoint::Amqp(url) => {
+                let $broker = $crate::broker::amqp::Amqp::connect(url, arg.connect_timeout).await?;
+                $body
+            }
+            $crate::cli::Endpoint::Embedded(path) => {
+                let $broker = $crate::broker::embedded::Embedded::open_dir(path)?;
+                $body
+            }
+        }
+    }};
+}
+use with_broker;
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -171,11 +237,11 @@ enum LogFormat {
     Json,
 }
 
-/// Until the embedded broker exists, the default is the RabbitMQ on this machine.
-const DEFAULT_BROKER: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The embedded broker's directory, beside the idempotency store's.
+const DEFAULT_BROKER: &str = ".sluice";
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    config::parse_duration(text).ok_or_else(|| format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h"))
+    config::parse_duration(text).ok_or_else(|| config::duration_problem(text))
 }
 
 /// A listening address as `HOST:PORT`; the host is resolved when the socket is bound.
@@ -198,7 +264,8 @@ pub fn main() -> ExitCode {
             let plan = topology::plan(&config);
             match broker {
                 Some(url) => {
-                    exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, url, connect_timeout, format)))
+                    let broker = BrokerArg { url, connect_timeout };
+                    exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, broker, format)))
                 }
                 None => exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into)),
             }
@@ -207,7 +274,11 @@ pub fn main() -> ExitCode {
             exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, &admin, format)))
         }
         Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::dlq(command))),
-        Command::Schema => exit(output::stdout(config::schema::TEXT).map_err(Into::into)),
+        Command::Schema { tests } => {
+            let text = if tests { config::schema::TESTS_TEXT } else { config::schema::TEXT };
+            exit(output::stdout(text).map_err(Into::into))
+        }
+        Command::Test { paths, format } => test(&paths, format),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads, log_format } => {
             let options = runtime::Options {
                 shutdown_grace,
@@ -302,6 +373,7 @@ async fn run(
     admin: Option<String>,
     options: runtime::Options,
 ) -> anyhow::Result<()> {
+    let endpoint = broker.endpoint()?;
     // Watching starts before the first load, so that no edit in between goes unseen.
     let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
     let Some(mut config) = load_or_report(&paths) else {
@@ -341,18 +413,30 @@ async fn run(
     };
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
-        broker = %amqp::redact(&broker.url),
+        broker = %broker.display(),
         queues = %queues.join(", "),
         dedup = %dedup,
         "starting"
     );
-    let connect = || Amqp::connect(&broker.url, broker.connect_timeout);
     let (reload, reloads) = tokio::sync::mpsc::unbounded_channel();
     let mut requests = requests;
     requests.set_paths(reload::loader::watched(&paths, &config));
     tokio::spawn(reload::loader::serve(paths, requests, reload, shutdown.clone()));
+    let config = Arc::new(config);
+    let running = async {
+        match endpoint {
+            Endpoint::Amqp(url) => {
+                let connect = || Amqp::connect(url, broker.connect_timeout);
+                runtime::run(config, connect, store, options, reloads, shutdown).await
+            }
+            Endpoint::Embedded(path) => {
+                let connect = || std::future::ready(Embedded::open_dir(path));
+                runtime::run(config, connect, store, options, reloads, shutdown).await
+            }
+        }
+    };
     tokio::select! {
-        result = runtime::run(Arc::new(config), connect, store, options, reloads, shutdown) => Ok(result?),
+        result = running => Ok(result?),
         // Returning drops the handlers under way, killing their process groups; the broker
         // gets their messages back when the connection goes.
         () = forced.cancelled() => anyhow::bail!(
@@ -390,12 +474,13 @@ async fn signals(shutdown: CancellationToken, forced: CancellationToken) {
 /// `sluice plan --broker`: the plan, then how the live broker differs from it (with JSON, one
 /// object `{"plan", "drift"}`; with the graph formats, the differences on stderr). A conflict
 /// fails: `run` would refuse to start.
-async fn drift(plan: topology::Plan, url: String, timeout: Duration, format: PlanFormat) -> anyhow::Result<()> {
+async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> anyhow::Result<()> {
     use crate::broker::{Broker as _, Drift};
-    let broker = Amqp::connect(&url, timeout).await?;
-    let drift = broker.drift(&plan).await;
-    broker.close().await;
-    let drift = drift?;
+    let drift = with_broker!(&broker, |session| {
+        let drift = session.drift(&plan).await;
+        session.close().await;
+        drift?
+    });
     let declarations = amqp::declarations(&plan);
     if format != PlanFormat::Json {
         output::stdout(&amqp::render(&declarations, format))?;
@@ -403,7 +488,7 @@ async fn drift(plan: topology::Plan, url: String, timeout: Duration, format: Pla
     let conflicts = drift.iter().filter(|d| matches!(d, Drift::Conflict { .. })).count();
     let matches = drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. }));
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
-    let mut text = format!("\nbroker {} {verdict}\n", amqp::redact(&url));
+    let mut text = format!("\nbroker {} {verdict}\n", broker.display());
     for d in &drift {
         text.push_str(&format!("  {d}\n"));
     }
@@ -432,7 +517,7 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
     let mut out = String::new();
     match renderer.call(&body, &renderer.key()?, None)? {
-        Call::Webhook { request, timeout } => {
+        Call::Webhook { request, timeout, .. } => {
             let mut url = request.url;
             // Environment values are shown as ***; one may hold the URL's credentials.
             if url.password().is_some() {
@@ -480,6 +565,16 @@ fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
         }
         ExitCode::SUCCESS
     }
+}
+
+/// `sluice test`: every result on stdout; exit 1 when a test fails or a file has an error.
+fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
+    let outcome = testing::run(paths);
+    if let Err(e) = output::stdout(&testing::report::render(&outcome, format)) {
+        output::stderr(&format!("error: cannot write the results: {e}\n"));
+        return ExitCode::FAILURE;
+    }
+    if outcome.has_errors() || outcome.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
 /// Loads the config for commands that need a valid one; problems go to stderr.

@@ -11,7 +11,6 @@ use futures_util::{StreamExt, TryStreamExt, stream};
 use indicatif::ProgressBar;
 
 use super::BrokerArg;
-use crate::broker::amqp::Amqp;
 use crate::broker::{Broker, HeaderValue, Headers, Outgoing};
 use crate::envelope::{Envelope, TRACEPARENT_HEADER};
 use crate::trace::TraceContext;
@@ -81,13 +80,23 @@ pub async fn publish(args: Args) -> anyhow::Result<()> {
     } else {
         bail!("one of --payload, --payload-file or --jsonl is required");
     };
-    let broker = Amqp::connect(&args.broker.url, args.broker.connect_timeout).await?;
-    let progress = if payloads.len() > 1 { ProgressBar::new(payloads.len() as u64) } else { ProgressBar::hidden() };
     let total = payloads.len();
+    super::with_broker!(&args.broker, |broker| {
+        let sent = send(&broker, &args, payloads).await;
+        broker.close().await;
+        sent?
+    });
+    super::output::stderr(&format!("published {total} message(s) to exchange \"{}\"\n", args.exchange));
+    Ok(())
+}
+
+/// Publishes each payload as a new envelope, [`IN_FLIGHT`] awaiting their confirms at once.
+async fn send<B: Broker>(broker: &B, args: &Args, payloads: Vec<serde_json::Value>) -> anyhow::Result<()> {
+    let progress = if payloads.len() > 1 { ProgressBar::new(payloads.len() as u64) } else { ProgressBar::hidden() };
     let result = stream::iter(payloads)
         .map(|payload| {
             let envelope = Envelope::new(&args.kind, &payload, args.idempotency_key.clone());
-            let (broker, progress) = (&broker, &progress);
+            let progress = &progress;
             let (exchange, key) = (&args.exchange, &args.routing_key);
             async move {
                 broker.publish(exchange, key, outgoing(&envelope)).await?;
@@ -99,8 +108,5 @@ pub async fn publish(args: Args) -> anyhow::Result<()> {
         .try_collect::<Vec<()>>()
         .await;
     progress.finish_and_clear();
-    broker.close().await;
-    result?;
-    super::output::stderr(&format!("published {total} message(s) to exchange \"{}\"\n", args.exchange));
-    Ok(())
+    result.map(drop)
 }

@@ -14,14 +14,12 @@ use super::{
     Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook,
     raw,
 };
-use crate::handler::template::{Escape, Template};
+use crate::handler::rules::Rules;
+use crate::handler::template::{Escape, Template, TemplateError};
 
 /// The most a payload schema file may hold: generated schemas can be large, but a file
 /// without end (a link to a device) must not be read to the end.
 const MAX_SCHEMA_BYTES: u64 = 8 << 20;
-
-/// Exchanges every RabbitMQ broker has; queues may bind to them without declaring them.
-const BUILTIN_EXCHANGES: &[&str] = &["amq.direct", "amq.fanout", "amq.topic", "amq.headers", "amq.match"];
 
 pub(super) fn load(paths: &[PathBuf]) -> Validation {
     let discovery = source::discover(paths);
@@ -37,6 +35,9 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
     }
     let mut parsed = Vec::new();
     let mut sources = BTreeMap::new();
+    let mut skipped = 0;
+    // Nodes the schema refused, left out of the semantic checks, by file.
+    let mut pruned: Vec<(PathBuf, String)> = Vec::new();
     for path in &discovery.files {
         let loaded = source::read(path).and_then(|text| {
             // Kept for the snippets of diagnostics: printing them never reads a file again.
@@ -44,6 +45,10 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
             source::parse(path, text)
         });
         match loaded {
+            Ok(file) if let Some(note) = foreign(&file, &["exchanges", "queues"], "pipeline") => {
+                diags.push(note);
+                skipped += 1;
+            }
             Ok(file) => {
                 let schema_errors = super::schema::check(&file);
                 if schema_errors.is_empty() {
@@ -55,8 +60,17 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
                         }
                     }
                 } else {
+                    // The rest of the file is still checked: without the nodes the schema
+                    // refused, what still reads as a pipeline goes on to the semantic checks.
+                    let invalid = super::schema::invalid_nodes(&file);
                     diags.extend(schema_errors);
-                    complete = false;
+                    match lenient(&file, &invalid) {
+                        Some(raw) => {
+                            pruned.extend(invalid.into_iter().map(|p| (file.path.clone(), p)));
+                            parsed.push((file, raw));
+                        }
+                        None => complete = false,
+                    }
                 }
             }
             Err(d) => {
@@ -65,14 +79,128 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
             }
         }
     }
+    if skipped > 0 && skipped == discovery.files.len() && complete {
+        let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        diags.push(source::file_diag(
+            paths.first().map(PathBuf::as_path).unwrap_or(Path::new(".")),
+            format!("no pipeline files under {}: every YAML file there is something else", shown.join(", ")),
+        ));
+    }
+    let before = diags.len();
     let config = Compiler { diags: &mut diags, complete }.compile(parsed);
+    // What the semantic checks say about a refused node (or a handler that lost its refused
+    // part) is already said by the schema.
+    let semantic = diags.split_off(before);
+    diags.extend(semantic.into_iter().filter(|d| {
+        !pruned.iter().any(|(file, node)| {
+            let related = d.pointer == *node
+                || d.pointer.starts_with(&format!("{node}/"))
+                || (node.starts_with(&format!("{}/", d.pointer)) && d.pointer.matches('/').count() > 2);
+            *file == d.file && related
+        })
+    }));
+    let mut diags = once_per_anchor(diags);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
     Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources }
 }
 
-fn deserialize(file: &SourceFile) -> Result<raw::File, Diagnostic> {
+/// The raw file without the nodes at `invalid` (JSON pointers), for checking the rest of a
+/// file the schema refused; `None` when even that does not read as a pipeline. A refused array
+/// element takes its array along (removing it alone would shift the pointers of the others),
+/// a queue that no longer reads as one is left out, and an exchange whose type was refused
+/// stays defined (as topic), so that bindings to it are not reported as undefined.
+fn lenient(file: &SourceFile, invalid: &[String]) -> Option<raw::File> {
     let mut value = file.value.clone();
+    for pointer in invalid {
+        prune(&mut value, pointer);
+    }
+    let declared: Vec<String> = file
+        .value
+        .get("exchanges")
+        .and_then(serde_json::Value::as_object)
+        .into_iter()
+        .flatten()
+        .map(|(k, _)| k.clone())
+        .collect();
+    if let Some(exchanges) = value.get_mut("exchanges").and_then(serde_json::Value::as_object_mut) {
+        for name in declared {
+            let exchange = exchanges.entry(name).or_insert_with(|| serde_json::json!({}));
+            if let Some(exchange) = exchange.as_object_mut() {
+                exchange.entry("type").or_insert_with(|| "topic".into());
+            }
+        }
+    }
+    if let Some(queues) = value.get_mut("queues").and_then(serde_json::Value::as_object_mut) {
+        queues.retain(|_, q| deserialize_value::<raw::Queue>(file, q.clone()).is_ok());
+    }
+    deserialize_value(file, value).ok()
+}
+
+/// Removes the node at `pointer`; an array element takes its whole array.
+fn prune(value: &mut serde_json::Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else { return };
+    let key = last.replace("~1", "/").replace("~0", "~");
+    match value.pointer_mut(parent) {
+        Some(serde_json::Value::Object(map)) => {
+            map.remove(&key);
+        }
+        Some(serde_json::Value::Array(_)) => prune(value, parent),
+        _ => {}
+    }
+}
+
+/// One diagnostic for a mistake that several places share through a YAML anchor (same file,
+/// position, severity and message), naming every place.
+fn once_per_anchor(diags: Vec<Diagnostic>) -> Vec<Diagnostic> {
+    let mut out: Vec<(Diagnostic, Vec<String>)> = Vec::new();
+    let mut seen: BTreeMap<(PathBuf, usize, usize, Severity, String), usize> = BTreeMap::new();
+    for d in diags {
+        let key = (d.file.clone(), d.line, d.column, d.severity, d.message.clone());
+        match seen.get(&key) {
+            Some(&i) if out[i].0.pointer != d.pointer && !d.pointer.is_empty() => out[i].1.push(d.pointer),
+            Some(_) => {}
+            None => {
+                seen.insert(key, out.len());
+                out.push((d, Vec::new()));
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(mut d, others)| {
+            if !others.is_empty() {
+                let places: Vec<&str> =
+                    std::iter::once(d.pointer.as_str()).chain(others.iter().map(String::as_str)).collect();
+                d.message = format!("{} (reported once: an anchor shared by {})", d.message, places.join(", "));
+            }
+            d
+        })
+        .collect()
+}
+
+/// A note that `file` is left alone when it is some other tool's YAML: it has no `version:`
+/// and a top-level key that is neither one of `keys` nor an `x-` extension (Prometheus rules,
+/// a Compose file beside the pipelines). A file with only our keys is ours, mistakes included.
+pub(crate) fn foreign(file: &SourceFile, keys: &[&str], what: &str) -> Option<Diagnostic> {
+    let map = file.value.as_object()?;
+    if map.contains_key("version") {
+        return None;
+    }
+    let other = map.keys().find(|k| !keys.contains(&k.as_str()) && !k.starts_with("x-"))?;
+    let message = format!("not a sluice {what} file (no \"version:\", and \"{other}\" is not a {what} key); skipped");
+    Some(file.diag_at(file.key_pos(&format!("/{}", escape_token(other))), Severity::Note, "", message))
+}
+
+/// The serde model of a file that passed its schema; `x-` keys are dropped.
+pub(crate) fn deserialize<T: serde::de::DeserializeOwned>(file: &SourceFile) -> Result<T, Diagnostic> {
+    deserialize_value(file, file.value.clone())
+}
+
+/// [`deserialize`] of `value`, a changed copy of `file`'s document.
+fn deserialize_value<T: serde::de::DeserializeOwned>(
+    file: &SourceFile,
+    mut value: serde_json::Value,
+) -> Result<T, Diagnostic> {
     if let Some(map) = value.as_object_mut() {
         map.retain(|k, _| !k.starts_with("x-"));
     }
@@ -186,7 +314,7 @@ impl Compiler<'_> {
         match text {
             None => default,
             Some(t) => super::parse_duration(t).unwrap_or_else(|| {
-                self.error(file, pointer, format!("\"{t}\" is not a duration such as 250ms, 10s, 5m or 24h"));
+                self.error(file, pointer, super::duration_problem(t));
                 default
             }),
         }
@@ -220,7 +348,11 @@ impl Compiler<'_> {
                 Some(t)
             }
             Err(e) => {
-                self.error(file, pointer, e.to_string());
+                let pos = match &e {
+                    TemplateError::Syntax { offset, .. } => at_offset(file, pointer, text, *offset),
+                    _ => file.pos(pointer),
+                };
+                self.diags.push(file.diag_at(pos, Severity::Error, pointer, e.to_string()));
                 None
             }
         }
@@ -238,9 +370,12 @@ impl Compiler<'_> {
 
         let mut bindings = Vec::new();
         for (i, b) in q.bind.into_iter().enumerate() {
-            let defined = exchanges.contains_key(&b.exchange) || BUILTIN_EXCHANGES.contains(&b.exchange.as_str());
+            let defined = exchanges.contains_key(&b.exchange) || ExchangeKind::builtin(&b.exchange).is_some();
             if !defined && self.complete {
-                let message = format!("binding to undefined exchange \"{}\"", b.exchange);
+                let mut message = format!("binding to undefined exchange \"{}\"", b.exchange);
+                if let Some(close) = super::suggest::closest(&b.exchange, exchanges.keys().map(String::as_str)) {
+                    message.push_str(&format!("; did you mean \"{close}\"?"));
+                }
                 self.error(file, &format!("{base}/bind/{i}/exchange"), message);
             }
             bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
@@ -285,7 +420,26 @@ impl Compiler<'_> {
         let payload_schema =
             q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
-        let handler = self.handler(file, &format!("{base}/handler"), q.handler)?;
+        let on_status_pointer = format!("{base}/on_status");
+        if !q.on_status.is_empty() && q.handler.webhook.is_none() && q.handler.command.is_some() {
+            let message = "on_status rules a webhook's responses; this queue runs a command, whose exit codes take rules in handler.command.on_exit";
+            self.diags.push(file.diag_at(
+                file.key_pos(&on_status_pointer),
+                Severity::Error,
+                &on_status_pointer,
+                message,
+            ));
+        }
+        let on_status = super::rules::on_status(file, &on_status_pointer, &q.on_status, self.diags);
+        let handler = self.handler(file, &format!("{base}/handler"), q.handler, on_status)?;
+        if let Handler::Webhook(Webhook { body: Some(body), .. }) = &handler {
+            self.bare_json_values(
+                file,
+                &format!("{base}/handler/webhook/body"),
+                body.source(),
+                payload_schema.as_ref(),
+            );
+        }
         let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let program_source = match &handler {
             Handler::Command(c) => Some(c.program.display().to_string()),
@@ -349,6 +503,27 @@ impl Compiler<'_> {
         raw.enabled.unwrap_or(true).then_some(breaker)
     }
 
+    /// Warns of each `{{x}}` standing bare in a JSON body where `x` may be a string: the body
+    /// would not be JSON. Numbers and booleans (by the payload schema, or `attempt` and
+    /// `version`) are fine bare.
+    fn bare_json_values(&mut self, file: &SourceFile, pointer: &str, body: &str, schema: Option<&PayloadSchema>) {
+        for (offset, path) in crate::handler::template::bare_in_json(body) {
+            let scalar = match path.split_once('.') {
+                None => matches!(path.as_str(), "attempt" | "version"),
+                Some(("payload", rest)) => schema.is_some_and(|s| is_number_or_bool(&s.schema, rest)),
+                Some(_) => false,
+            };
+            if !scalar {
+                let message = format!(
+                    "{{{{{path}}}}} stands outside a JSON string, so a string value would make the body invalid JSON; \
+                     write {{{{json {path}}}}}, which inserts any value as JSON (or quote it: \"{{{{{path}}}}}\")"
+                );
+                let pos = at_offset(file, pointer, body, offset);
+                self.diags.push(file.diag_at(pos, Severity::Warning, pointer, message));
+            }
+        }
+    }
+
     fn max_message_bytes(&mut self, file: &SourceFile, pointer: &str, value: Option<serde_json::Value>) -> usize {
         let bytes = match &value {
             None => return super::DEFAULT_MAX_MESSAGE_BYTES,
@@ -395,9 +570,9 @@ impl Compiler<'_> {
         }
     }
 
-    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler) -> Option<Handler> {
+    fn handler(&mut self, file: &SourceFile, base: &str, h: raw::Handler, on_status: Rules) -> Option<Handler> {
         match (h.webhook, h.command) {
-            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w).map(Handler::Webhook),
+            (Some(w), None) => self.webhook(file, &format!("{base}/webhook"), w, on_status).map(Handler::Webhook),
             (None, Some(c)) => self.command(file, &format!("{base}/command"), c).map(Handler::Command),
             _ => {
                 self.error(file, base, "a handler has exactly one of \"webhook\" or \"command\"");
@@ -406,7 +581,7 @@ impl Compiler<'_> {
         }
     }
 
-    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook) -> Option<Webhook> {
+    fn webhook(&mut self, file: &SourceFile, base: &str, w: raw::Webhook, on_status: Rules) -> Option<Webhook> {
         let url_pointer = format!("{base}/url");
         let url = self.template(file, &url_pointer, &w.url, Escape::Url);
         if url.is_some()
@@ -444,6 +619,7 @@ impl Compiler<'_> {
             body,
             timeout,
             signing_secret_env: w.signing.map(|s| s.secret_env),
+            on_status: Arc::new(on_status),
         })
     }
 
@@ -476,6 +652,8 @@ impl Compiler<'_> {
             _ => StdinMode::Envelope,
         };
         let timeout = self.handler_timeout(file, base, c.timeout.as_deref(), Duration::from_secs(60));
+        let on_exit =
+            super::rules::on_exit(file, &format!("{base}/on_exit"), &c.on_exit, &c.permanent_exit_codes, self.diags);
         Some(Command {
             program: program?,
             args,
@@ -484,10 +662,14 @@ impl Compiler<'_> {
             stdin,
             timeout,
             permanent_exit_codes: c.permanent_exit_codes,
+            on_exit: Arc::new(on_exit),
         })
     }
 
     fn retry(&mut self, file: &SourceFile, base: &str, r: &raw::Retry) -> RetryPolicy {
+        if let Some(schedule) = &r.schedule {
+            return self.schedule(file, base, r, schedule);
+        }
         let d = RetryPolicy::default();
         let initial = self.duration(file, &format!("{base}/initial"), r.initial.as_deref(), d.initial);
         let max = self.duration(file, &format!("{base}/max"), r.max.as_deref(), d.max);
@@ -519,6 +701,57 @@ impl Compiler<'_> {
             max,
             multiplier: r.multiplier.unwrap_or(d.multiplier),
             jitter,
+        }
+    }
+
+    /// A retry policy of listed delays: attempt n + 1 waits the n-th, and past the end of the list
+    /// the last one again. `max_attempts` defaults to one more than the delays listed.
+    fn schedule(&mut self, file: &SourceFile, base: &str, r: &raw::Retry, schedule: &[String]) -> RetryPolicy {
+        let backoff_fields = [
+            ("backoff", r.backoff.is_some()),
+            ("initial", r.initial.is_some()),
+            ("max", r.max.is_some()),
+            ("multiplier", r.multiplier.is_some()),
+            ("jitter", r.jitter.is_some()),
+        ];
+        for (field, _) in backoff_fields.iter().filter(|(_, set)| *set) {
+            let pointer = format!("{base}/{field}");
+            let message = format!(
+                "\"{field}\" shapes computed backoff and cannot be combined with \"schedule\", which lists every delay itself; keep one of them"
+            );
+            self.diags.push(file.diag_at(file.key_pos(&pointer), Severity::Error, &pointer, message));
+        }
+        let mut delays = Vec::with_capacity(schedule.len());
+        for (i, text) in schedule.iter().enumerate() {
+            let pointer = format!("{base}/schedule/{i}");
+            let delay = self.duration(file, &pointer, Some(text), Duration::ZERO);
+            if delay > MAX_RETRY_DELAY {
+                self.error(file, &pointer, "a retry delay can be at most 30 days (the delay queues cover no more)");
+            }
+            delays.push(delay);
+        }
+        let listed = u32::try_from(delays.len()).unwrap_or(u32::MAX);
+        let max_attempts = match r.max_attempts.and_then(NonZeroU32::new) {
+            Some(n) => {
+                if n.get() <= listed {
+                    let unused = listed - (n.get() - 1);
+                    let message = format!(
+                        "max_attempts {n} ends the retries before the schedule does: its last {unused} delay(s) are never used"
+                    );
+                    self.diags.push(file.diag(Severity::Warning, &format!("{base}/max_attempts"), message));
+                }
+                n
+            }
+            None => NonZeroU32::new(listed.saturating_add(1)).unwrap_or(NonZeroU32::MIN),
+        };
+        let d = RetryPolicy::default();
+        RetryPolicy {
+            max_attempts,
+            initial: delays.first().copied().unwrap_or(d.initial),
+            max: delays.iter().max().copied().unwrap_or(d.max),
+            backoff: Backoff::Schedule(delays),
+            multiplier: d.multiplier,
+            jitter: Jitter::None,
         }
     }
 
@@ -578,6 +811,33 @@ impl Compiler<'_> {
             }
         }
     }
+}
+
+/// Whether the payload schema makes the value at `path` (`a.b`) a number, an integer or a
+/// boolean, following `properties` (a schema it cannot follow says no).
+fn is_number_or_bool(schema: &serde_json::Value, path: &str) -> bool {
+    let node = path.split('.').try_fold(schema, |node, segment| node.get("properties")?.get(segment));
+    let scalar = |t: &serde_json::Value| matches!(t.as_str(), Some("number" | "integer" | "boolean"));
+    match node.and_then(|n| n.get("type")) {
+        Some(serde_json::Value::Array(types)) => !types.is_empty() && types.iter().all(scalar),
+        Some(t) => scalar(t),
+        None => false,
+    }
+}
+
+/// Where byte `offset` of the string at `pointer` (whose text is `text`) sits in the file, when
+/// the string is written on one line as it reads (plain or quoted, no escapes before the
+/// offset); else where the string starts.
+fn at_offset(file: &SourceFile, pointer: &str, text: &str, offset: usize) -> source::Pos {
+    let start = file.pos(pointer);
+    let before = &text[..text.floor_char_boundary(offset)];
+    let column = source::lines(&file.text).nth(start.line.saturating_sub(1)).and_then(|line| {
+        let rest: String = line.chars().skip(start.column.saturating_sub(1)).collect();
+        let quote = usize::from(rest.starts_with(['"', '\'']));
+        let written = rest.get(quote..)?;
+        (!before.contains('\n') && written.starts_with(before)).then(|| start.column + quote + before.chars().count())
+    });
+    column.map_or(start, |column| source::Pos { line: start.line, column })
 }
 
 /// Why `name` may not be declared, when its prefix belongs to the broker or to sluice.

@@ -8,12 +8,14 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-/// How bad a problem is: errors fail validation, warnings do not.
+/// How bad a problem is: errors fail validation, warnings and notes do not. A note says what
+/// was left alone and why (a file that is not a pipeline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
     Error,
     Warning,
+    Note,
 }
 
 impl Severity {
@@ -21,6 +23,16 @@ impl Severity {
         match self {
             Severity::Error => "error",
             Severity::Warning => "warning",
+            Severity::Note => "note",
+        }
+    }
+
+    /// The GitHub workflow command of the severity.
+    fn github(self) -> &'static str {
+        match self {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+            Severity::Note => "notice",
         }
     }
 }
@@ -72,7 +84,7 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
                 let _ = writeln!(
                     out,
                     "::{} file={},line={},col={}::{}",
-                    d.severity.as_str(),
+                    d.severity.github(),
                     github_property(&d.file.display().to_string()),
                     d.line,
                     d.column,

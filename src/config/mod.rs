@@ -4,11 +4,13 @@
 //! Validation does no IO beyond reading the pipeline files and the files they name
 //! (payload schemas, command programs); the broker is never contacted here.
 
-mod compile;
+pub(crate) mod compile;
 pub mod diagnostic;
 pub mod raw;
+mod rules;
 pub mod schema;
 pub mod source;
+pub mod suggest;
 mod url;
 
 use std::collections::BTreeMap;
@@ -19,6 +21,7 @@ use std::time::Duration;
 
 pub use diagnostic::{Diagnostic, Format, Severity};
 
+use crate::handler::rules::Rules;
 use crate::handler::template::Template;
 
 /// The broker's consumer timeout (RabbitMQ's default): a handler must finish well before it.
@@ -60,6 +63,18 @@ impl ExchangeKind {
             ExchangeKind::Topic => "topic",
             ExchangeKind::Headers => "headers",
         }
+    }
+
+    /// The type of an exchange every RabbitMQ broker has, which queues may bind to without
+    /// declaring it (`amq.topic`, ...); `None` for any other name.
+    pub fn builtin(name: &str) -> Option<ExchangeKind> {
+        Some(match name {
+            "amq.direct" => ExchangeKind::Direct,
+            "amq.fanout" => ExchangeKind::Fanout,
+            "amq.topic" => ExchangeKind::Topic,
+            "amq.headers" | "amq.match" => ExchangeKind::Headers,
+            _ => return None,
+        })
     }
 }
 
@@ -201,6 +216,8 @@ pub struct Webhook {
     pub timeout: Duration,
     /// The environment variable holding the Standard Webhooks secret.
     pub signing_secret_env: Option<String>,
+    /// The queue's `on_status` rules.
+    pub on_status: Arc<Rules>,
 }
 
 /// A subprocess per message.
@@ -214,6 +231,8 @@ pub struct Command {
     pub stdin: StdinMode,
     pub timeout: Duration,
     pub permanent_exit_codes: Vec<i32>,
+    /// `on_exit` rules; no code is also in `permanent_exit_codes`.
+    pub on_exit: Arc<Rules>,
 }
 
 /// What a command reads on standard input.
@@ -224,7 +243,8 @@ pub enum StdinMode {
     None,
 }
 
-/// Bounded retries with backoff.
+/// Bounded retries with backoff. With a schedule, `initial` is its first delay, `max` its
+/// longest (the cap on `Retry-After`) and `jitter` none: the delays are the listed ones.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     pub max_attempts: NonZeroU32,
@@ -236,10 +256,13 @@ pub struct RetryPolicy {
 }
 
 /// How the delay grows between attempts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backoff {
     Exponential,
     Fixed,
+    /// Attempt n + 1 waits the n-th delay; past the end of the list, the last one again.
+    /// Never empty.
+    Schedule(Vec<Duration>),
 }
 
 /// How much randomness spreads retries out.
@@ -256,8 +279,12 @@ impl RetryPolicy {
     /// The delay before attempt `next` (2-based: the first retry) before jitter.
     pub fn ceiling(&self, next: u32) -> Duration {
         let retries = next.saturating_sub(2);
-        match self.backoff {
+        match &self.backoff {
             Backoff::Fixed => self.initial.min(self.max),
+            Backoff::Schedule(delays) => {
+                let i = usize::try_from(retries).unwrap_or(usize::MAX).min(delays.len().saturating_sub(1));
+                delays.get(i).copied().unwrap_or(self.max)
+            }
             Backoff::Exponential => {
                 let factor = self.multiplier.powi(retries.min(1000) as i32);
                 let secs = (self.initial.as_secs_f64() * factor).min(self.max.as_secs_f64());
@@ -473,6 +500,38 @@ pub fn parse_size(text: &str) -> Option<u64> {
     n.checked_mul(scale)
 }
 
+/// Why `text` is not a duration, in words: the usual form, and what to write instead where
+/// that can be told (`7d` is `168h`, `1.5s` is `1500ms`, `0s` is no timeout at all).
+pub fn duration_problem(text: &str) -> String {
+    let usual = format!("\"{text}\" is not a duration such as 250ms, 10s, 5m or 24h");
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let n: Option<u64> = digits.parse().ok();
+    let hint = match (n, unit) {
+        (Some(0), "ms" | "s" | "m" | "h") => "; a duration must be positive".to_string(),
+        (Some(n), "d" | "day" | "days") => format!("; days are not a unit: use {}h", n.saturating_mul(24)),
+        (Some(n), "w" | "week" | "weeks") => format!("; weeks are not a unit: use {}h", n.saturating_mul(168)),
+        (Some(n), "") => format!("; it needs a unit, as in {n}s or {n}ms"),
+        (Some(_), u) if u.starts_with('.') => {
+            let ms = text.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<f64>().ok().and_then(|v| {
+                let scale = match text.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.') {
+                    "s" => 1e3,
+                    "m" => 6e4,
+                    "h" => 3.6e6,
+                    _ => return None,
+                };
+                Some(v * scale)
+            });
+            match ms {
+                Some(ms) if ms.fract() == 0.0 => format!("; fractions are not allowed: use {ms}ms"),
+                _ => "; fractions are not allowed".to_string(),
+            }
+        }
+        _ => String::new(),
+    };
+    usual + &hint
+}
+
 /// Parses a duration such as `250ms`, `10s`, `5m` or `24h`.
 pub fn parse_duration(text: &str) -> Option<Duration> {
     let split = text.find(|c: char| !c.is_ascii_digit())?;
@@ -510,6 +569,26 @@ mod tests {
     }
 
     #[test]
+    fn duration_problems_say_what_to_write() {
+        let cases = [
+            ("7d", "\"7d\" is not a duration such as 250ms, 10s, 5m or 24h; days are not a unit: use 168h"),
+            ("2w", "\"2w\" is not a duration such as 250ms, 10s, 5m or 24h; weeks are not a unit: use 336h"),
+            ("0s", "\"0s\" is not a duration such as 250ms, 10s, 5m or 24h; a duration must be positive"),
+            ("30", "\"30\" is not a duration such as 250ms, 10s, 5m or 24h; it needs a unit, as in 30s or 30ms"),
+            ("1.5s", "\"1.5s\" is not a duration such as 250ms, 10s, 5m or 24h; fractions are not allowed: use 1500ms"),
+            (
+                "0.5m",
+                "\"0.5m\" is not a duration such as 250ms, 10s, 5m or 24h; fractions are not allowed: use 30000ms",
+            ),
+            ("1.0001ms", "\"1.0001ms\" is not a duration such as 250ms, 10s, 5m or 24h; fractions are not allowed"),
+            ("soon", "\"soon\" is not a duration such as 250ms, 10s, 5m or 24h"),
+        ];
+        for (text, want) in cases {
+            assert_eq!(duration_problem(text), want, "{text}");
+        }
+    }
+
+    #[test]
     fn sizes() {
         let cases = [
             ("1", Some(1)),
@@ -540,6 +619,23 @@ mod tests {
         assert_eq!(p.window(Duration::from_secs(10)), Duration::from_secs(12 + 50));
         let fixed = RetryPolicy { backoff: Backoff::Fixed, initial: Duration::from_secs(3), ..p };
         assert_eq!(fixed.ceiling(4), Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_schedule_waits_its_delays_then_repeats_the_last() {
+        let secs = Duration::from_secs;
+        let p = RetryPolicy {
+            max_attempts: NonZeroU32::new(6).unwrap(),
+            backoff: Backoff::Schedule(vec![secs(5), secs(1), secs(30)]),
+            initial: secs(5),
+            max: secs(30),
+            jitter: Jitter::None,
+            ..Default::default()
+        };
+        let ceilings: Vec<u64> = (2..=6).map(|n| p.ceiling(n).as_secs()).collect();
+        assert_eq!(ceilings, [5, 1, 30, 30, 30]);
+        assert_eq!(p.ceiling(u32::MAX), secs(30));
+        assert_eq!(p.window(secs(10)), secs(5 + 1 + 30 + 30 + 30 + 60));
     }
 
     /// A config from one pipeline file.

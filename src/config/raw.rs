@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use crate::handler::rules::Action;
+
 /// One pipeline file.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,6 +56,9 @@ pub struct Queue {
     pub handler: Handler,
     #[serde(default)]
     pub retry: Retry,
+    /// Keys as written (`"404"`, `"5xx"`); `compile` parses and checks them.
+    #[serde(default)]
+    pub on_status: BTreeMap<String, Action>,
     #[serde(default)]
     pub idempotency: Idempotency,
     #[serde(default)]
@@ -126,6 +131,9 @@ pub struct Command {
     pub timeout: Option<String>,
     #[serde(default)]
     pub permanent_exit_codes: Vec<i32>,
+    /// Keys as written (`"75"`); `compile` parses and checks them.
+    #[serde(default)]
+    pub on_exit: BTreeMap<String, Action>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -137,6 +145,7 @@ pub struct Retry {
     pub max: Option<String>,
     pub multiplier: Option<f64>,
     pub jitter: Option<String>,
+    pub schedule: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

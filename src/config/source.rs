@@ -32,6 +32,8 @@ pub struct SourceFile {
     /// The document as JSON, with `<<` merge keys applied.
     pub value: serde_json::Value,
     spans: SpanMap,
+    /// Where the text ends (see [`end_of`]), found once: positions are clamped to it.
+    end: Option<Pos>,
 }
 
 impl SourceFile {
@@ -39,7 +41,7 @@ impl SourceFile {
     /// falls back to its nearest ancestor in this file.
     pub fn pos(&self, pointer: &str) -> Pos {
         // An empty document's (implicit) value sits past the last line.
-        within(&self.text, self.spans.value_pos(pointer))
+        within(self.end, self.spans.value_pos(pointer))
     }
 
     /// Where the key of the member at `pointer` starts (for unknown or misplaced keys).
@@ -74,6 +76,9 @@ impl SourceFile {
 /// an attack (a link to `/dev/zero`), and is refused before it is read to the end.
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
 
+/// Where the commands look for pipelines when given no path.
+pub const DEFAULT_DIR: &str = "pipelines";
+
 /// What discovery found: the pipeline files to load, and what it skipped or could not use.
 #[derive(Debug, Default)]
 pub struct Discovery {
@@ -89,7 +94,18 @@ pub struct Discovery {
 /// with a warning), a directory is entered at most once, and no file is opened here. Paths
 /// named on the command line are the user's own choice and are used as given.
 pub fn discover(paths: &[PathBuf]) -> Discovery {
+    discover_where(paths, is_pipeline_file)
+}
+
+/// Expands the given paths into the sorted list of test files (`*.test.yaml`, `*.test.yml`),
+/// walking as [`discover`] does.
+pub fn discover_tests(paths: &[PathBuf]) -> Discovery {
+    discover_where(paths, is_test_file)
+}
+
+fn discover_where(paths: &[PathBuf], wanted: fn(&Path) -> bool) -> Discovery {
     let mut walk = Walk {
+        wanted,
         roots: paths.iter().filter_map(|p| p.canonicalize().ok()).collect(),
         visited: HashSet::new(),
         found: Vec::new(),
@@ -101,7 +117,14 @@ pub fn discover(paths: &[PathBuf]) -> Discovery {
             // Whatever else it is, loading says why it cannot be read.
             Ok(meta) => walk.found.push(Found { path: path.clone(), link: false, id: Some(file_id(&meta)) }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                walk.diagnostics.push(file_diag(path, "no such file or directory"));
+                let mut message = "no such file or directory".to_string();
+                if path == Path::new(DEFAULT_DIR) {
+                    message.push_str(&format!(
+                        "; given no path, sluice reads {DEFAULT_DIR}/ in the current directory: \
+                         name the files or directories that hold your pipelines, as in `sluice validate path/to/pipelines`"
+                    ));
+                }
+                walk.diagnostics.push(file_diag(path, message));
             }
             Err(e) => walk.diagnostics.push(io_diag(path, &e)),
         }
@@ -127,6 +150,8 @@ struct Found {
 }
 
 struct Walk {
+    /// Which file names are looked for.
+    wanted: fn(&Path) -> bool,
     /// The given paths, resolved: links may point anywhere under them and nowhere else.
     roots: Vec<PathBuf>,
     /// Directories entered so far: a bind mount or a hard-linked directory cannot loop.
@@ -173,7 +198,7 @@ impl Walk {
                     if self.visited.insert(file_id(&meta)) {
                         pending.push(path);
                     }
-                } else if is_pipeline_name(&path) {
+                } else if (self.wanted)(&path) {
                     self.found.push(Found { path, link: false, id: Some(file_id(&meta)) });
                 }
             }
@@ -182,7 +207,7 @@ impl Walk {
 
     /// A symbolic link met in a directory.
     fn link(&mut self, path: PathBuf) {
-        let named = is_pipeline_name(&path);
+        let named = (self.wanted)(&path);
         let (target, meta) = match path.canonicalize().and_then(|t| std::fs::metadata(&t).map(|m| (t, m))) {
             Ok(resolved) => resolved,
             // A dangling link or a loop of links: only worth a word when it names a pipeline file.
@@ -227,7 +252,17 @@ fn is_hidden(path: &Path) -> bool {
     path.file_name().is_some_and(|name| name.as_encoded_bytes().starts_with(b"."))
 }
 
-fn is_pipeline_name(path: &Path) -> bool {
+/// Whether a file's name makes it a pipeline file: `*.yaml` or `*.yml`, but not a test file.
+pub fn is_pipeline_file(path: &Path) -> bool {
+    is_yaml(path) && !is_test_file(path)
+}
+
+/// Whether a file's name makes it a test file for `sluice test`: `*.test.yaml` or `*.test.yml`.
+pub fn is_test_file(path: &Path) -> bool {
+    is_yaml(path) && path.file_stem().is_some_and(|stem| Path::new(stem).extension().is_some_and(|e| e == "test"))
+}
+
+fn is_yaml(path: &Path) -> bool {
     matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
 }
 
@@ -329,7 +364,7 @@ pub fn load(path: &Path) -> Result<SourceFile, Diagnostic> {
 /// Parses YAML text that came from `path`.
 pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
     let at = |pos: Pos, message: String| {
-        let pos = within(&text, pos);
+        let pos = within(end_of(&text), pos);
         Diagnostic {
             file: path.to_path_buf(),
             line: pos.line,
@@ -351,17 +386,23 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
         other => serde_json::to_value(other)
             .map_err(|e| at(Pos { line: 1, column: 1 }, format!("not representable as JSON: {e}")))?,
     };
-    Ok(SourceFile { path: path.to_path_buf(), text, value, spans })
+    let end = end_of(&text);
+    Ok(SourceFile { path: path.to_path_buf(), text, value, spans, end })
 }
 
 /// Parsers report the end of the input on the line after the last one, or past trailing blank
 /// lines: point just after the last character instead, so that there is a line to show.
-fn within(text: &str, pos: Pos) -> Pos {
-    match lines(text.trim_end()).enumerate().last() {
-        Some((i, last)) if pos.line > i + 1 => Pos { line: i + 1, column: last.chars().count() + 1 },
+fn within(end: Option<Pos>, pos: Pos) -> Pos {
+    match end {
+        Some(end) if pos.line > end.line => end,
         None => Pos { line: 1, column: 1 },
         Some(_) => pos,
     }
+}
+
+/// Just after the last character of the last line that holds anything; `None` for blank text.
+fn end_of(text: &str) -> Option<Pos> {
+    lines(text.trim_end()).enumerate().last().map(|(i, last)| Pos { line: i + 1, column: last.chars().count() + 1 })
 }
 
 /// Lines as YAML counts them, and so every position: `\n`, `\r\n` and a lone `\r` each end one
@@ -843,6 +884,22 @@ mod tests {
         // Named on the command line, a link is the user's choice: followed.
         let named = discover(&[root.join("out.yaml"), root.clone(), root.join("v2")]);
         assert_eq!(named.files.len(), 5, "{:?}", named.files);
+    }
+
+    // Issue 14: test files sit beside the pipelines and are never loaded as pipelines.
+    #[test]
+    fn test_files_are_found_apart_from_pipelines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
+        for f in ["a.yaml", "a.test.yaml", "sub/b.test.yml", "sub/b.yml", "test.yaml", "c.tests.yaml", "d.test.json"] {
+            std::fs::write(dir.path().join(f), "version: 1\n").expect("write");
+        }
+        let names = |found: Discovery| -> Vec<String> {
+            found.files.iter().map(|f| f.strip_prefix(dir.path()).expect("under dir").display().to_string()).collect()
+        };
+        let root = [dir.path().to_path_buf()];
+        assert_eq!(names(discover(&root)), ["a.yaml", "c.tests.yaml", "sub/b.yml", "test.yaml"]);
+        assert_eq!(names(discover_tests(&root)), ["a.test.yaml", "sub/b.test.yml"]);
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub(super) fn check(source: &str) -> Result<(), String> {
 /// still supply the host (`http:` followed by `//{{payload.host}}`). The reason names no part
 /// of the head, which may hold an environment value.
 fn check_head(head: &str) -> Result<(), String> {
+    if !head.contains("://") {
+        return Err("a webhook URL starts with http:// or https://".into());
+    }
     let url = reqwest::Url::parse(head).map_err(|e| format!("not a valid URL: {e}"))?;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(format!("webhook URLs are http or https, not \"{}\"", url.scheme()));
@@ -239,6 +242,10 @@ mod tests {
         ];
         for (url, ok) in cases {
             assert_eq!(check(url).is_ok(), ok, "{url}: {:?}", check(url));
+        }
+        // Issue 14: "relative URL without a base" told a new user nothing.
+        for url in ["h.example/x", "localhost:8080/x", "not a url"] {
+            assert_eq!(check(url), Err("a webhook URL starts with http:// or https://".to_string()), "{url}");
         }
     }
 

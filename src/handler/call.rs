@@ -3,6 +3,7 @@
 //! environment is built whole here, from an allowlist of the runner's variables and what the
 //! pipeline names. `sluice render` prints what this produces; the runtime executes it.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -10,6 +11,7 @@ use handlebars::Context;
 use serde_json::{Map, Value, json};
 
 use super::command::{Invocation, Stdin};
+use super::rules::Rules;
 use super::webhook::{self, Request};
 use super::{HandlerError, command};
 use crate::config::{Handler, Queue, StdinMode};
@@ -30,7 +32,12 @@ pub struct Message<'a> {
 /// A rendered handler call, ready to run.
 #[derive(Debug)]
 pub enum Call {
-    Webhook { request: Request, timeout: Duration },
+    /// `on_status`: the queue's rules for the response's status.
+    Webhook {
+        request: Request,
+        timeout: Duration,
+        on_status: Arc<Rules>,
+    },
     Command(Invocation),
 }
 
@@ -83,7 +90,12 @@ fn render(template: &Template, field: &str, ctx: &Context) -> Result<String, Pre
 
 /// The render error without handlebars' internal template names.
 fn render_reason(e: &handlebars::RenderError) -> String {
-    e.reason().to_string()
+    match e.reason() {
+        handlebars::RenderErrorReason::MissingVariable(Some(path)) => {
+            format!("the message has no {path} (the template reads {{{{{path}}}}})")
+        }
+        reason => reason.to_string(),
+    }
 }
 
 /// Every template of a handler, for building its context.
@@ -165,7 +177,11 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                 headers.extend(signed.into_iter().map(|(k, v)| (k.to_string(), v)));
             }
             let method = reqwest::Method::from_bytes(w.method.as_bytes()).unwrap_or(reqwest::Method::POST);
-            Ok(Call::Webhook { request: Request { method, url, headers, body }, timeout: w.timeout })
+            Ok(Call::Webhook {
+                request: Request { method, url, headers, body },
+                timeout: w.timeout,
+                on_status: w.on_status.clone(),
+            })
         }
         Handler::Command(c) => {
             let args = c
@@ -203,6 +219,7 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                 stdin,
                 timeout: c.timeout,
                 permanent_exit_codes: c.permanent_exit_codes.clone(),
+                on_exit: c.on_exit.clone(),
             }))
         }
     }
@@ -275,7 +292,7 @@ fn within(whole: &Bytes, part: &[u8]) -> Bytes {
 /// Runs a prepared call.
 pub async fn execute(call: Call, client: &reqwest::Client) -> Result<(), HandlerError> {
     match call {
-        Call::Webhook { request, timeout } => webhook::call(client, request, timeout).await,
+        Call::Webhook { request, timeout, on_status } => webhook::call(client, request, timeout, &on_status).await,
         Call::Command(invocation) => command::run(&invocation).await.map(|_| ()),
     }
 }

@@ -1,6 +1,6 @@
 //! Command handler: runs one rendered program invocation as a subprocess in its own
 //! process group, feeds it stdin, keeps bounded tails of its output, and classifies how it
-//! exited. The tails' ends are logged at debug.
+//! exited (by `permanent_exit_codes` and the `on_exit` rules). The tails' ends are logged at debug.
 //!
 //! It must never go through a shell (arguments are argv, verbatim), never let the program
 //! inherit the runner's environment (it gets [`Invocation::env`] and nothing else), never
@@ -12,11 +12,13 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::process::{ChildStdin, Command};
 
+use super::rules::{Action, Rules, Verdict};
 use super::template::{Escape, Template};
 use super::{HandlerError, tail_excerpt, with_excerpt};
 
@@ -56,6 +58,8 @@ pub struct Invocation {
     pub timeout: Duration,
     /// Exit codes that mean "retrying cannot help" (e.g. 65, `EX_DATAERR`).
     pub permanent_exit_codes: Vec<i32>,
+    /// The queue's `on_exit` rules (shared, not copied per message).
+    pub on_exit: Arc<Rules>,
 }
 
 /// What a successful run printed: the last [`CAPTURE_BYTES`] of each stream.
@@ -164,7 +168,7 @@ pub async fn run(invocation: &Invocation) -> Result<Output, HandlerError> {
         stderr = %tail_excerpt(&output.stderr),
         "command exited"
     );
-    classify(status, &output.stderr, &invocation.permanent_exit_codes)?;
+    exit_result(status, &output.stderr, invocation)?;
     fed.map_err(|error| io_error("writing stdin", &error))?;
     Ok(output)
 }
@@ -287,18 +291,34 @@ fn io_error(doing: &str, error: &io::Error) -> HandlerError {
     HandlerError::transient(format!("{doing}: {error}"))
 }
 
-/// Exit 0 is success; anything else fails, permanently only when configured so.
-fn classify(status: ExitStatus, stderr: &[u8], permanent_exit_codes: &[i32]) -> Result<(), HandlerError> {
+/// What an exit code means: its `on_exit` rule, else dead-letter for `permanent_exit_codes`,
+/// else success for 0 and retry for the rest. The one place exit codes are classified, for
+/// `run` and `sluice test` alike (config rejects a code named in both lists).
+pub(crate) fn classify(code: i32, permanent_exit_codes: &[i32], on_exit: &Rules) -> Verdict {
+    if let Some((key, action)) = u16::try_from(code).ok().and_then(|code| on_exit.find(code)) {
+        return Verdict { action, rule: Some(key) };
+    }
+    Verdict::default_is(match code {
+        0 => Action::Success,
+        code if permanent_exit_codes.contains(&code) => Action::DeadLetter,
+        _ => Action::Retry,
+    })
+}
+
+/// The result of a run that ended with `status`: by its exit code, or retried when a signal
+/// ended it. `sluice test` classifies its simulated exits here too.
+pub(crate) fn exit_result(status: ExitStatus, stderr: &[u8], invocation: &Invocation) -> Result<(), HandlerError> {
     use std::os::unix::process::ExitStatusExt as _;
 
-    let (prefix, permanent) = match (status.code(), status.signal()) {
-        (Some(0), _) => return Ok(()),
-        (Some(code), _) => (format!("exit {code}"), permanent_exit_codes.contains(&code)),
-        (None, Some(signal)) => (format!("killed by signal {signal}"), false),
-        (None, None) => (format!("ended without an exit code ({status})"), false),
+    let prefix = match (status.code(), status.signal()) {
+        (Some(code), _) => {
+            let verdict = classify(code, &invocation.permanent_exit_codes, &invocation.on_exit);
+            return verdict.result(format!("exit {code}"), "on_exit", || tail_excerpt(stderr), None);
+        }
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => format!("ended without an exit code ({status})"),
     };
-    let error = with_excerpt(prefix, tail_excerpt(stderr));
-    Err(if permanent { HandlerError::permanent(error) } else { HandlerError::transient(error) })
+    Err(HandlerError::transient(with_excerpt(prefix, tail_excerpt(stderr))))
 }
 
 /// Writes `input` to the child and closes its stdin.
@@ -400,6 +420,7 @@ mod tests {
 
     use proptest::prelude::*;
 
+    use super::super::rules::Key;
     use super::*;
 
     proptest! {
@@ -418,9 +439,21 @@ mod tests {
         }
     }
 
+    /// An invocation classified by these rules (the program is never run here).
+    fn ruled_by(permanent_exit_codes: Vec<i32>, on_exit: Rules) -> Invocation {
+        Invocation {
+            program: PathBuf::from("/bin/true"),
+            args: Vec::new(),
+            env: Vec::new(),
+            stdin: Stdin::Null,
+            timeout: Duration::from_secs(1),
+            permanent_exit_codes,
+            on_exit: Arc::new(on_exit),
+        }
+    }
+
     #[test]
     fn exits_are_classified_as_designed() {
-        let permanent = [65, 78];
         let transient = |error: &str| Err(HandlerError::transient(error));
         let cases = [
             (ExitStatus::from_raw(0), &b"noise"[..], Ok(())),
@@ -431,7 +464,47 @@ mod tests {
             (ExitStatus::from_raw(libc::SIGSEGV), b"oops", transient("killed by signal 11: oops")),
         ];
         for (status, stderr, expected) in cases {
-            assert_eq!(classify(status, stderr, &permanent), expected, "{status}");
+            assert_eq!(exit_result(status, stderr, &ruled_by(vec![65, 78], Rules::default())), expected, "{status}");
+        }
+    }
+
+    #[test]
+    fn on_exit_rules_override_the_defaults() {
+        use Action::{DeadLetter, Retry, Success};
+        let rules = Rules::new(std::collections::BTreeMap::from([
+            (Key::Code(75), Retry),
+            (Key::Code(65), DeadLetter),
+            (Key::Code(3), Success),
+            (Key::Code(0), Retry),
+        ]));
+        let permanent = [64];
+        let ruled = |action, code| Verdict { action, rule: Some(Key::Code(code)) };
+        let cases = [
+            (75, ruled(Retry, 75)),
+            (65, ruled(DeadLetter, 65)),
+            (3, ruled(Success, 3)),
+            (0, ruled(Retry, 0)),
+            // No rule: permanent_exit_codes, then the defaults.
+            (64, Verdict::default_is(DeadLetter)),
+            (1, Verdict::default_is(Retry)),
+            (255, Verdict::default_is(Retry)),
+        ];
+        for (code, expected) in cases {
+            assert_eq!(classify(code, &permanent, &rules), expected, "exit {code}");
+        }
+        assert_eq!(classify(0, &[], &Rules::default()), Verdict::default_is(Success));
+    }
+
+    #[test]
+    fn a_rule_driven_dead_letter_names_its_rule() {
+        let rules = Rules::new(std::collections::BTreeMap::from([(Key::Code(65), Action::DeadLetter)]));
+        let invocation = ruled_by(vec![64], rules);
+        let cases = [
+            (65, Err(HandlerError::permanent("exit 65 (on_exit \"65\": dead_letter): bad row 7"))),
+            (64, Err(HandlerError::permanent("exit 64: bad row 7"))),
+        ];
+        for (code, expected) in cases {
+            assert_eq!(exit_result(ExitStatus::from_raw(code << 8), b"bad row 7\n", &invocation), expected);
         }
     }
 

@@ -4,12 +4,14 @@
 //!
 //! Templates are compiled at validate time ([`template`]) and rendered per message into a
 //! ready call ([`call`]); [`webhook`] and [`command`] execute such calls and know nothing of
-//! config, envelopes or brokers. The runtime turns the [`HandlerError`] class into a
+//! config, envelopes or brokers. A call carries the queue's [`rules`] (`on_status`,
+//! `on_exit`), which override the default classification. The runtime turns the [`HandlerError`] class into a
 //! disposition. Error texts end up in logs and DLQ headers, so they stay short and never
 //! carry secrets.
 
 pub mod call;
 pub mod command;
+pub mod rules;
 pub mod template;
 pub mod webhook;
 
@@ -47,6 +49,15 @@ impl HandlerError {
     /// A transient failure that says the receiver is unwell.
     pub fn unwell(error: impl Into<String>, retry_after: Option<Duration>) -> Self {
         Self::Transient { error: error.into(), retry_after, unwell: true }
+    }
+
+    /// The same failure, saying whether the receiver is unwell (a transient one only: a
+    /// failure dead-lettered at once, by a rule or by its class, feeds no breaker).
+    pub fn with_unwell(self, unwell: bool) -> Self {
+        match self {
+            Self::Transient { error, retry_after, .. } => Self::Transient { error, retry_after, unwell },
+            permanent => permanent,
+        }
     }
 
     /// Whether the failure says the receiver is unwell.

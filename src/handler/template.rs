@@ -67,8 +67,11 @@ pub struct Template {
 /// Why a template cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
-    #[error("template syntax error: {0}")]
-    Syntax(String),
+    /// `offset`: where in the template (bytes) the fault is, for a caret.
+    #[error("template syntax error: {reason}")]
+    Syntax { reason: String, offset: usize },
+    #[error("{{{{{helper}}}}} takes {wanted}, as in {example}; here it has {given}")]
+    Arity { helper: String, wanted: &'static str, example: &'static str, given: usize },
     #[error("unknown variable \"{0}\": templates start from one of {roots}", roots = ROOTS.join(", "))]
     UnknownRoot(String),
     #[error("unknown helper \"{0}\": available helpers are json, urlencode and the Handlebars built-ins")]
@@ -82,7 +85,7 @@ pub enum TemplateError {
 impl Template {
     /// Compiles `source` and checks every variable it names.
     pub fn compile(source: &str, escape: Escape) -> Result<Template, TemplateError> {
-        let compiled = handlebars::Template::compile(source).map_err(syntax_error)?;
+        let compiled = handlebars::Template::compile(source).map_err(|e| syntax_error(source, &e))?;
         let mut env = Vec::new();
         check_elements(&compiled.elements, escape, true, &mut env)?;
         env.sort();
@@ -167,12 +170,146 @@ fn dot_segment(url: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-/// One line, as diagnostics are: handlebars' own Display spans several lines with a snippet.
-fn syntax_error(e: handlebars::TemplateError) -> TemplateError {
-    TemplateError::Syntax(match e.pos() {
-        Some((line, column)) => format!("{} (template line {line}, column {column})", e.reason()),
-        None => e.reason().to_string(),
+/// The plain `{{path}}` expressions of a JSON body template that stand outside any JSON
+/// string, with their offsets: each inserts its value's text bare, which is valid JSON only
+/// when the value is a number or a boolean. `{{json x}}`, helpers and blocks are not listed.
+pub fn bare_in_json(source: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let (mut in_string, mut escaped) = (false, false);
+    let mut at = 0;
+    while at < source.len() {
+        let rest = &source[at..];
+        if rest.starts_with("{{") {
+            let Some(end) = rest.find("}}") else { break };
+            let inner = rest[2..end].trim_matches('~').trim();
+            let plain = !inner.is_empty() && inner.chars().all(|c| c.is_alphanumeric() || "._-[]".contains(c));
+            if !in_string && plain && inner != "else" && inner != "this" {
+                out.push((at, inner.to_string()));
+            }
+            at += end + 2;
+            continue;
+        }
+        let c = rest.chars().next().unwrap_or_default();
+        match c {
+            '\\' if in_string => escaped = !escaped,
+            '"' if !escaped => in_string = !in_string,
+            _ => escaped = false,
+        }
+        if c != '\\' {
+            escaped = false;
+        }
+        at += c.len_utf8();
+    }
+    out
+}
+
+/// A syntax error in words, at the fault: the usual mistakes (an unclosed `{{`, a block end
+/// without a start or closing another block, a block never closed) are found by scanning the text; anything
+/// else is named by where handlebars stopped, without its grammar's rule names.
+fn syntax_error(source: &str, e: &handlebars::TemplateError) -> TemplateError {
+    if let Some((reason, offset)) = explain(source) {
+        return TemplateError::Syntax { reason, offset };
+    }
+    let offset = match e.pos() {
+        Some((line, column)) => offset_of(source, line, column),
+        None => 0,
+    };
+    TemplateError::Syntax { reason: format!("not a valid expression at {}", place(source, offset)), offset }
+}
+
+/// The usual syntax mistakes, with their offset.
+fn explain(source: &str) -> Option<(String, usize)> {
+    let mut blocks: Vec<(&str, usize)> = Vec::new();
+    let mut at = 0;
+    while at < source.len() {
+        let rest = &source[at..];
+        if rest.starts_with("{{") {
+            let (open, close) = match rest {
+                r if r.starts_with("{{!--") => ("{{!--", "--}}"),
+                r if r.starts_with("{{{") => ("{{{", "}}}"),
+                _ => ("{{", "}}"),
+            };
+            let inner_start = at + open.len();
+            let end = source[inner_start..].find(close).map(|e| inner_start + e);
+            // A `{{` before the close means this one was never closed.
+            let nested = source[inner_start..end.unwrap_or(source.len())].find("{{").filter(|_| open != "{{!--");
+            let Some(end) = end.filter(|_| nested.is_none()) else {
+                return Some((format!("unclosed `{open}` at {}: close it with `{close}`", place(source, at)), at));
+            };
+            let inner = source[inner_start..end].trim_matches('~').trim();
+            if let Some(block) = inner.strip_prefix('#') {
+                blocks.push((block.split_whitespace().next().unwrap_or_default(), at));
+            } else if let Some(name) = inner.strip_prefix('/') {
+                let name = name.trim();
+                match blocks.pop() {
+                    Some((opened, _)) if opened == name => {}
+                    Some((opened, start)) => {
+                        let reason = format!(
+                            "`{{{{/{name}}}}}` at {} closes `{{{{#{opened}}}}}` opened at {}",
+                            place(source, at),
+                            place(source, start)
+                        );
+                        return Some((reason, at));
+                    }
+                    None => {
+                        return Some((format!("`{{{{/{name}}}}}` at {} closes no block", place(source, at)), at));
+                    }
+                }
+            }
+            at = end + close.len();
+        } else {
+            at += rest.chars().next().map_or(1, char::len_utf8);
+        }
+    }
+    blocks.pop().map(|(name, start)| {
+        (format!("`{{{{#{name}}}}}` at {} is never closed: add `{{{{/{name}}}}}`", place(source, start)), start)
     })
+}
+
+/// `column 7`, or `line 2, column 7` in a template of several lines (1-based, in characters).
+fn place(source: &str, offset: usize) -> String {
+    let before = &source[..source.floor_char_boundary(offset)];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or_default().chars().count() + 1;
+    if source.contains('\n') { format!("line {line}, column {column}") } else { format!("column {column}") }
+}
+
+/// The byte offset of a 1-based line and 0-based character column (as handlebars counts).
+fn offset_of(source: &str, line: usize, column: usize) -> usize {
+    let start: usize = source.split_inclusive('\n').take(line.saturating_sub(1)).map(str::len).sum();
+    let rest = &source[start.min(source.len())..];
+    start + rest.char_indices().nth(column).map_or(rest.len(), |(i, _)| i)
+}
+
+/// How many values a helper takes, in words and as bounds, with an example.
+struct Takes {
+    min: usize,
+    max: usize,
+    wanted: &'static str,
+    example: &'static str,
+}
+
+/// What each helper takes; `None` for helpers that take anything.
+fn takes(helper: &str) -> Option<Takes> {
+    let (min, max, wanted, example) = match helper {
+        "json" => (1, 1, "one value", "{{json payload}}"),
+        "urlencode" => (1, 1, "one value", "{{urlencode payload.name}}"),
+        "if" | "unless" | "with" | "each" | "not" | "len" => (1, 1, "one value", "{{#if payload.x}}...{{/if}}"),
+        "lookup" => (2, 2, "two values", "{{lookup payload.map payload.key}}"),
+        "eq" | "ne" | "gt" | "gte" | "lt" | "lte" => (2, 2, "two values", "{{#if (eq payload.a 1)}}...{{/if}}"),
+        "and" | "or" => (1, usize::MAX, "at least one value", "{{#if (and payload.a payload.b)}}...{{/if}}"),
+        _ => return None,
+    };
+    Some(Takes { min, max, wanted, example })
+}
+
+fn check_arity(helper: &str, given: usize) -> Result<(), TemplateError> {
+    match takes(helper) {
+        Some(t) if !(t.min..=t.max).contains(&given) => {
+            Err(TemplateError::Arity { helper: helper.to_string(), wanted: t.wanted, example: t.example, given })
+        }
+        _ => Ok(()),
+    }
 }
 
 fn check_elements(
@@ -193,6 +330,7 @@ fn check_elements(
                     check_param(&h.name, roots, env)?;
                 } else {
                     check_helper(name)?;
+                    check_arity(name, h.params.len())?;
                 }
                 for p in h.params.iter().chain(h.hash.values()) {
                     check_param(p, roots, env)?;
@@ -201,6 +339,7 @@ fn check_elements(
             TemplateElement::HelperBlock(h) => {
                 let name = h.name.as_name().unwrap_or_default();
                 check_helper(name)?;
+                check_arity(name, h.params.len())?;
                 for p in h.params.iter().chain(h.hash.values()) {
                     check_param(p, roots, env)?;
                 }
@@ -413,13 +552,67 @@ mod tests {
         for (source, want) in cases {
             assert_eq!(Template::compile(source, Escape::Plain).map(|_| ()), *want, "{source}");
         }
-        assert!(matches!(Template::compile("{{#if}}", Escape::Plain), Err(TemplateError::Syntax(_))));
-        let Err(TemplateError::Syntax(message)) = Template::compile("x {{#if payload}}", Escape::Plain) else {
-            panic!("an unclosed block is a syntax error");
-        };
-        assert!(!message.contains('\n'), "{message}");
-        assert!(message.contains("(template line 1, column "), "{message}");
+        assert!(matches!(Template::compile("{{#if}}", Escape::Plain), Err(TemplateError::Syntax { .. })));
         assert_eq!(Template::compile("{{{payload.a}}}", Escape::Url).map(|_| ()), Err(TemplateError::RawInUrl));
+    }
+
+    // Issue 14: handlebars' parser names its grammar rules ("expected
+    // trailing_tilde_to_omit_whitespace"); a syntax error says what is wrong, and where.
+    #[test]
+    fn syntax_errors_say_what_and_where() {
+        let cases = [
+            ("http://h/x/{{payload.id", "unclosed `{{` at column 12: close it with `}}`", 11),
+            ("{{payload.a}} {{payload.b", "unclosed `{{` at column 15: close it with `}}`", 14),
+            ("a {{payload.a {{payload.b}}", "unclosed `{{` at column 3: close it with `}}`", 2),
+            ("{{{payload.a}}", "unclosed `{{{` at column 1: close it with `}}}`", 0),
+            ("x {{#if payload}}y", "`{{#if}}` at column 3 is never closed: add `{{/if}}`", 2),
+            ("{{#if a}}{{/each}}", "`{{/each}}` at column 10 closes `{{#if}}` opened at column 1", 9),
+            ("{{/if}}", "`{{/if}}` at column 1 closes no block", 0),
+            ("a\n{{#each payload}}", "`{{#each}}` at line 2, column 1 is never closed: add `{{/each}}`", 2),
+            ("{{payload.a b=}}", "not a valid expression at column 14", 13),
+            ("é{{", "unclosed `{{` at column 2: close it with `}}`", 2),
+        ];
+        for (source, reason, offset) in cases {
+            let got = Template::compile(source, Escape::Plain).map(|_| ());
+            assert_eq!(got, Err(TemplateError::Syntax { reason: reason.into(), offset }), "{source}");
+        }
+        // Comments may hold braces.
+        assert!(Template::compile("{{!-- }} {{ --}}ok", Escape::Plain).is_ok());
+    }
+
+    #[test]
+    fn expressions_outside_json_strings_are_found() {
+        let cases: &[(&str, &[(usize, &str)])] = &[
+            (r#"{"a": {{payload.a}}, "b": "{{payload.b}}"}"#, &[(6, "payload.a")]),
+            (r#"{"a": "x\"{{payload.a}}\"", "n": {{attempt}}}"#, &[(33, "attempt")]),
+            (r#"{"a": {{json payload.a}}, "b": [{{#each payload.x}}{{this}}{{/each}}]}"#, &[]),
+            (r#"{"a": "\\", "b": {{payload.b}}}"#, &[(17, "payload.b")]),
+        ];
+        for (source, want) in cases {
+            let got = bare_in_json(source);
+            let want: Vec<(usize, String)> = want.iter().map(|(o, p)| (*o, p.to_string())).collect();
+            assert_eq!(got, want, "{source}");
+        }
+    }
+
+    // Issue 14: `{{json}}` passed validate and dead-lettered every message.
+    #[test]
+    fn helpers_get_the_number_of_values_they_take() {
+        let cases = [
+            ("{{json}}", Some("{{json}} takes one value, as in {{json payload}}; here it has 0")),
+            ("{{json payload payload}}", Some("{{json}} takes one value, as in {{json payload}}; here it has 2")),
+            ("{{urlencode}}", Some("{{urlencode}} takes one value, as in {{urlencode payload.name}}; here it has 0")),
+            ("{{#if (eq payload.a)}}x{{/if}}", Some("{{eq}} takes two values")),
+            ("{{#each payload.a payload.b}}x{{/each}}", Some("{{each}} takes one value")),
+            ("{{json payload}}{{#if (eq payload.a 1)}}x{{/if}}{{#if (and payload.a payload.b)}}y{{/if}}", None),
+        ];
+        for (source, want) in cases {
+            match (Template::compile(source, Escape::Json), want) {
+                (Ok(_), None) => {}
+                (Err(e), Some(want)) => assert!(e.to_string().starts_with(want), "{source}: {e}"),
+                (got, want) => panic!("{source}: expected {want:?}, got {got:?}"),
+            }
+        }
     }
 
     #[test]

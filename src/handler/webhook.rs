@@ -1,5 +1,6 @@
 //! Webhook handler: sends one rendered HTTP request, classifies the response by DESIGN's
-//! Outcomes table, and signs bodies with Standard Webhooks signatures.
+//! Outcomes table and the queue's `on_status` rules, and signs bodies with Standard Webhooks
+//! signatures.
 //!
 //! It must not follow redirects (a 3xx is a permanent failure), buffer an unbounded
 //! response body, or put URLs, header values or signing secrets into error texts: rendered
@@ -11,11 +12,12 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use hmac::{Hmac, Mac as _};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
-use reqwest::{Method, StatusCode, Url};
+use reqwest::{Method, Url};
 use sha2::Sha256;
 use tokio::time::{Instant, timeout_at};
 
-use super::{HandlerError, head_excerpt, with_excerpt};
+use super::rules::{Action, Rules, Verdict};
+use super::{HandlerError, head_excerpt};
 
 /// How long establishing a TCP (and TLS) connection may take before it counts as a connect error.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -58,8 +60,14 @@ pub struct Request {
     pub body: bytes::Bytes,
 }
 
-/// Sends `request` and classifies the outcome; `timeout` bounds the whole exchange.
-pub async fn call(client: &reqwest::Client, request: Request, timeout: Duration) -> Result<(), HandlerError> {
+/// Sends `request` and classifies the response by `on_status`; `timeout` bounds the whole
+/// exchange. Failures without a response (connect errors, timeouts) are always retried.
+pub async fn call(
+    client: &reqwest::Client,
+    request: Request,
+    timeout: Duration,
+    on_status: &Rules,
+) -> Result<(), HandlerError> {
     let deadline = Instant::now() + timeout;
     let request = build(client, request)?;
     let mut response = match timeout_at(deadline, client.execute(request)).await {
@@ -80,13 +88,21 @@ pub async fn call(client: &reqwest::Client, request: Request, timeout: Duration)
     let _ = timeout_at(deadline, read_bounded(&mut response, &mut body)).await;
     drop(response);
 
-    let error = || with_excerpt(format!("HTTP {}", status.as_u16()), head_excerpt(&body));
-    match classify(status) {
-        Class::Success => Ok(()),
-        Class::Transient if says_unwell(status) => Err(HandlerError::unwell(error(), retry_after)),
-        Class::Transient => Err(HandlerError::Transient { error: error(), retry_after, unwell: false }),
-        Class::Permanent => Err(HandlerError::permanent(error())),
-    }
+    outcome(status.as_u16(), on_status, retry_after, &body)
+}
+
+/// How a response ends a call: by its status, through the queue's `on_status` rules or
+/// DESIGN's Outcomes table; a failure quotes the start of `body`. `sluice test` classifies its
+/// simulated responses here too.
+pub(crate) fn outcome(
+    status: u16,
+    on_status: &Rules,
+    retry_after: Option<Duration>,
+    body: &[u8],
+) -> Result<(), HandlerError> {
+    classify(status, on_status)
+        .result(format!("HTTP {status}"), "on_status", || head_excerpt(body), retry_after)
+        .map_err(|e| e.with_unwell(says_unwell(status)))
 }
 
 /// Turns the rendered parts into a request, rejecting what no retry could fix.
@@ -150,27 +166,25 @@ async fn read_bounded(response: &mut reqwest::Response, body: &mut Vec<u8>) {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Class {
-    Success,
-    Transient,
-    Permanent,
-}
-
-/// DESIGN's Outcomes table for a response status.
-fn classify(status: StatusCode) -> Class {
-    match status.as_u16() {
-        200..=299 => Class::Success,
-        408 | 425 | 429 | 500..=599 => Class::Transient,
-        // Other 4xx and 3xx, and 1xx, which reqwest never returns as a final response.
-        _ => Class::Permanent,
+/// What a response status means: the `on_status` rule for it (its own, else its class's),
+/// else DESIGN's Outcomes table. The one place statuses are classified, for `run` and
+/// `sluice test` alike.
+pub(crate) fn classify(status: u16, on_status: &Rules) -> Verdict {
+    if let Some((key, action)) = on_status.find(status) {
+        return Verdict { action, rule: Some(key) };
     }
+    Verdict::default_is(match status {
+        200..=299 => Action::Success,
+        408 | 425 | 429 | 500..=599 => Action::Retry,
+        // Other 4xx and 3xx, and 1xx, which reqwest never returns as a final response.
+        _ => Action::DeadLetter,
+    })
 }
 
 /// Statuses that say the receiver (or what stands in front of it) is overloaded or down,
 /// rather than that this one request failed.
-fn says_unwell(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 429 | 502 | 503 | 504)
+fn says_unwell(status: u16) -> bool {
+    matches!(status, 429 | 502 | 503 | 504)
 }
 
 /// Parses `Retry-After` (delta-seconds or an HTTP-date); a date already past is no hint.
@@ -278,26 +292,61 @@ mod tests {
 
     #[test]
     fn statuses_are_classified_as_designed() {
+        use Action::{DeadLetter, Retry, Success};
         let cases = [
-            (200, Class::Success),
-            (201, Class::Success),
-            (204, Class::Success),
-            (301, Class::Permanent),
-            (304, Class::Permanent),
-            (400, Class::Permanent),
-            (404, Class::Permanent),
-            (408, Class::Transient),
-            (409, Class::Permanent),
-            (422, Class::Permanent),
-            (425, Class::Transient),
-            (429, Class::Transient),
-            (500, Class::Transient),
-            (503, Class::Transient),
-            (599, Class::Transient),
+            (100, DeadLetter),
+            (200, Success),
+            (201, Success),
+            (204, Success),
+            (301, DeadLetter),
+            (304, DeadLetter),
+            (400, DeadLetter),
+            (404, DeadLetter),
+            (408, Retry),
+            (409, DeadLetter),
+            (422, DeadLetter),
+            (425, Retry),
+            (429, Retry),
+            (500, Retry),
+            (503, Retry),
+            (599, Retry),
         ];
-        for (code, expected) in cases {
-            let status = StatusCode::from_u16(code).expect("valid status");
-            assert_eq!(classify(status), expected, "status {code}");
+        for (status, action) in cases {
+            assert_eq!(classify(status, &Rules::default()), Verdict::default_is(action), "status {status}");
+        }
+    }
+
+    #[test]
+    fn on_status_rules_override_the_table_exact_codes_first() {
+        use super::super::rules::Key::{Class, Code};
+        use Action::{DeadLetter, Retry, Success};
+        let rules = Rules::new(std::collections::BTreeMap::from([
+            (Code(404), DeadLetter),
+            (Code(409), Success),
+            (Class(4), Retry),
+            (Class(3), Success),
+            (Class(5), DeadLetter),
+            (Code(503), Retry),
+            (Code(202), Retry),
+        ]));
+        let ruled = |action, key| Verdict { action, rule: Some(key) };
+        let cases = [
+            // An exact code beats its class, whichever way.
+            (404, ruled(DeadLetter, Code(404))),
+            (503, ruled(Retry, Code(503))),
+            // Exact codes and classes against the defaults.
+            (409, ruled(Success, Code(409))),
+            (202, ruled(Retry, Code(202))),
+            (422, ruled(Retry, Class(4))),
+            (429, ruled(Retry, Class(4))),
+            (302, ruled(Success, Class(3))),
+            (500, ruled(DeadLetter, Class(5))),
+            // No rule: the table.
+            (200, Verdict::default_is(Success)),
+            (101, Verdict::default_is(DeadLetter)),
+        ];
+        for (status, expected) in cases {
+            assert_eq!(classify(status, &rules), expected, "status {status}");
         }
     }
 
@@ -306,10 +355,10 @@ mod tests {
     #[test]
     fn unwell_statuses_are_overload_and_gateway_failures() {
         for code in [200, 400, 404, 408, 422, 425, 500, 501, 505, 599] {
-            assert!(!says_unwell(StatusCode::from_u16(code).expect("valid status")), "status {code}");
+            assert!(!says_unwell(code), "status {code}");
         }
         for code in [429, 502, 503, 504] {
-            assert!(says_unwell(StatusCode::from_u16(code).expect("valid status")), "status {code}");
+            assert!(says_unwell(code), "status {code}");
         }
     }
 

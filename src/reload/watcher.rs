@@ -21,6 +21,7 @@ use notify_debouncer_full::{DebounceEventResult, DebouncedEvent, Debouncer, NoCa
 use tracing::{debug, warn};
 
 use super::{Source, Trigger};
+use crate::config::source::is_pipeline_file;
 
 /// How long notify-debouncer-full holds an event back to merge it with its duplicates and the
 /// other half of a rename; short, because the burst debounce below does the real waiting.
@@ -369,11 +370,6 @@ fn changes<'a>(kind: &EventKind, paths: &'a [PathBuf]) -> Vec<(&'a Path, Change)
     }
 }
 
-/// What discovery in `config` loads from a directory.
-fn is_pipeline_file(path: &Path) -> bool {
-    matches!(path.extension().and_then(OsStr::to_str), Some("yaml" | "yml"))
-}
-
 /// Editor swap, backup, lock and probe files: never a reason to reload by themselves (a named
 /// path is checked before this, so naming one explicitly still works).
 fn is_scratch(name: &OsStr) -> bool {
@@ -492,6 +488,9 @@ mod tests {
             ("/p/pipes/deep/er/orders.yml", created_file, true),
             ("/p/pipes/orders.yaml", removed_file, true),
             ("/p/pipes/notes.txt", modified, false),
+            // Test files are `sluice test`'s, not pipelines (issue 14).
+            ("/p/pipes/orders.test.yaml", modified, false),
+            ("/p/pipes/deep/orders.test.yml", created_file, false),
             ("/p/pipes/orders.json", created_file, false),
             ("/p/pipes/orders.yaml.tmp", created_file, false),
             ("/p/pipes/orders.yaml~", modified, false),

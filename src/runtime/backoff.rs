@@ -1,5 +1,6 @@
-//! Retry delays: exponential (or fixed) backoff with full, equal or no jitter, at least the
-//! server's `Retry-After` and never above the policy's maximum. Also the reconnect backoff.
+//! Retry delays: exponential (or fixed) backoff with full, equal or no jitter, or the listed
+//! delays of a `schedule` exactly; at least the server's `Retry-After` and never above the
+//! policy's maximum (a schedule's longest delay). Also the reconnect backoff.
 
 use std::time::Duration;
 
@@ -77,6 +78,27 @@ mod tests {
         let p = policy(Jitter::Full);
         assert!(retry_delay(&p, 2, Some(Duration::from_secs(7)), &mut rng) >= Duration::from_secs(7));
         assert_eq!(retry_delay(&p, 2, Some(Duration::from_secs(3600)), &mut rng), Duration::from_secs(30));
+    }
+
+    /// Issue 13: a schedule's delays are used as listed, the last one repeating, with no jitter;
+    /// Retry-After is a floor capped at the longest delay.
+    #[test]
+    fn a_schedule_is_exact_and_caps_retry_after_at_its_longest_delay() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  q:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n    retry: {schedule: [1s, 30s, 5s], max_attempts: 6}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let validation = crate::config::load(&[dir.path().to_path_buf()]);
+        let config = validation.config.unwrap_or_else(|| panic!("invalid: {:?}", validation.diagnostics));
+        let p = &config.queues["q"].retry;
+        let mut rng = StdRng::seed_from_u64(11);
+        let secs = Duration::from_secs;
+        for _ in 0..20 {
+            let delays: Vec<Duration> = (2..=6).map(|next| retry_delay(p, next, None, &mut rng)).collect();
+            assert_eq!(delays, [secs(1), secs(30), secs(5), secs(5), secs(5)]);
+        }
+        assert_eq!(retry_delay(p, 2, Some(secs(7)), &mut rng), secs(7));
+        assert_eq!(retry_delay(p, 3, Some(secs(7)), &mut rng), secs(30));
+        assert_eq!(retry_delay(p, 2, Some(secs(3600)), &mut rng), secs(30));
     }
 
     #[test]

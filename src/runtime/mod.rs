@@ -11,6 +11,7 @@ pub mod backoff;
 mod breaker;
 mod events;
 pub mod gate;
+pub mod outcome;
 pub mod worker;
 
 use std::collections::BTreeMap;

@@ -22,15 +22,15 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, error, info, warn};
 
-use super::backoff;
 use super::events::{self, QueueEvents, Totals};
 use super::gate::{Admission, Changes, Gate, Mode, Pauses, Permit};
+use super::{backoff, outcome};
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
 use crate::dedup::{Claim, Store};
-use crate::envelope::{self, Envelope};
+use crate::envelope;
 use crate::handler::HandlerError;
-use crate::handler::call::{self, Call, Renderer};
+use crate::handler::call::{self, Call};
 use crate::trace;
 
 /// What a runner has under way, for telling when it is idle, and what it has done.
@@ -319,39 +319,16 @@ impl Worker {
     /// idempotency claim taken only once the rate limiter lets the handler run.
     async fn decide_unguarded<D: Delivery>(&self, delivery: &D, attempt: u32, message: &tracing::Span) -> Disposition {
         let q = self.queue();
-        let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
         let body = delivery.body();
-        if body.len() > q.max_message_bytes {
-            let error =
-                format!("{} bytes is over the queue's max_message_bytes of {}", body.len(), q.max_message_bytes);
-            return dead(Reason::TooLarge, error);
-        }
-        let envelope = match Envelope::decode(body) {
+        let envelope = match outcome::decode(q, body, attempt) {
             Ok(e) => e,
-            Err(e) => return dead(Reason::Malformed, e.to_string()),
+            Err(disposition) => return disposition,
         };
         events::decoded(message, &envelope, delivery.message_id().is_some());
-        if let Some(schema) = &q.payload_schema {
-            let payload = match envelope.payload_value() {
-                Ok(p) => p,
-                Err(e) => return dead(Reason::Malformed, e.to_string()),
-            };
-            if let Some(e) = schema.validator.iter_errors(&payload).next() {
-                return dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str()));
-            }
-        }
-        let renderer = match Renderer::new(q, &envelope, attempt, false) {
-            Ok(r) => r,
-            Err(e) => return dead(Reason::Malformed, e.to_string()),
-        };
-        let key = match renderer.key() {
-            Ok(k) => k,
-            Err(e) => return dead(Reason::Template, e.to_string()),
-        };
         let traceparent = trace::outgoing(trace::incoming(delivery)).to_string();
-        let call = match renderer.call(body, &key, Some(&traceparent)) {
-            Ok(c) => c,
-            Err(e) => return dead(Reason::Template, e.to_string()),
+        let (key, call) = match outcome::prepare(q, &envelope, body, attempt, Some(&traceparent)) {
+            Ok(prepared) => prepared,
+            Err(disposition) => return disposition,
         };
         // The waits hold no claim: a lease taken before them could run out while the message
         // waits, and let a duplicate run beside it.
@@ -411,25 +388,12 @@ impl Worker {
     /// Runs the handler's call under its gate permit, tells the gate how it went, and
     /// classifies the result.
     async fn handle(&self, call: Call, attempt: u32, permit: Permit<'_>) -> Disposition {
-        let q = self.queue();
         let started = Instant::now();
         let result = call::execute(call, &self.client).await;
         let rtt = started.elapsed();
         self.events.handler_ran(rtt);
         permit.finish(rtt, result.as_ref().is_err_and(HandlerError::is_unwell));
-        match result {
-            Ok(()) => Disposition::Ack,
-            Err(HandlerError::Permanent { error }) => {
-                Disposition::DeadLetter { reason: Reason::Permanent, error, attempts: attempt }
-            }
-            Err(HandlerError::Transient { error, .. }) if attempt >= q.retry.max_attempts.get() => {
-                Disposition::DeadLetter { reason: Reason::Exhausted, error, attempts: attempt }
-            }
-            Err(HandlerError::Transient { error, retry_after, .. }) => {
-                let after = backoff::retry_delay(&q.retry, attempt + 1, retry_after, &mut rand::rng());
-                Disposition::Retry { next: attempt + 1, after, error }
-            }
-        }
+        outcome::disposition(self.queue(), result, attempt)
     }
 
     /// Makes a disposition durable; true when the delivery may now be acked.

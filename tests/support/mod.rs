@@ -32,6 +32,149 @@ fn rabbitmqctl(args: &[&str]) {
     assert!(out.status.success(), "rabbitmqctl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// The broker a test runs `sluice` against, of its own so tests run in parallel and
+/// repeatedly: RabbitMQ in a vhost ([`Vhost`]) or the embedded broker in a directory
+/// ([`EmbeddedDir`]). One test body, generic over it, checks both (see [`on_both_brokers`]).
+pub trait Place: Send + Sync {
+    type Broker: Broker;
+
+    /// What `sluice --broker` takes.
+    fn url(&self) -> String;
+
+    /// A new session of the test's own.
+    fn connect(&self) -> impl std::future::Future<Output = Self::Broker> + Send;
+
+    /// Messages ready in `queue`, read through a fresh session.
+    fn depth(&self, queue: &str) -> impl std::future::Future<Output = u32> + Send {
+        async move {
+            let broker = self.connect().await;
+            let depth = broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"));
+            broker.close().await;
+            depth
+        }
+    }
+
+    /// Delayed copies not yet due.
+    fn delayed(&self) -> impl std::future::Future<Output = u32> + Send {
+        async move {
+            let broker = self.connect().await;
+            let delayed = broker.delayed().await.unwrap_or_else(|e| panic!("delayed copies: {e}"));
+            broker.close().await;
+            delayed
+        }
+    }
+
+    /// Every message in `queue`, in order, left in place: body and headers.
+    fn drain_queue(
+        &self,
+        queue: &str,
+    ) -> impl std::future::Future<Output = Vec<(Vec<u8>, std::collections::BTreeMap<String, HeaderValue>)>> + Send {
+        async move {
+            use futures_util::StreamExt as _;
+            use sluice::broker::{Consumer as _, Delivery as _};
+            let broker = self.connect().await;
+            let depth = broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"));
+            let (mut deliveries, consumer) = broker.browse(queue, u16::MAX).await.expect("browse");
+            let mut out = Vec::new();
+            while out.len() < depth as usize {
+                let next = tokio::time::timeout(Duration::from_secs(10), deliveries.next()).await;
+                let delivery = next.expect("the queue's messages arrive").expect("stream open").expect("delivery");
+                let headers = delivery
+                    .headers()
+                    .into_iter()
+                    .filter_map(|(k, v)| match v {
+                        serde_json::Value::String(s) => Some((k, HeaderValue::Str(s))),
+                        serde_json::Value::Number(n) => Some((k, HeaderValue::Int(n.as_i64()?))),
+                        _ => None,
+                    })
+                    .collect();
+                out.push((delivery.body().to_vec(), headers));
+            }
+            consumer.close().await;
+            broker.close().await;
+            out
+        }
+    }
+}
+
+/// A directory of its own holding an embedded broker.
+pub struct EmbeddedDir {
+    pub dir: tempfile::TempDir,
+}
+
+impl EmbeddedDir {
+    pub fn new() -> EmbeddedDir {
+        EmbeddedDir { dir: tempfile::tempdir().expect("tempdir") }
+    }
+}
+
+impl EmbeddedDir {
+    /// Counts rows of the broker's `messages` table matching `condition` (SQL with `?1` the
+    /// queue), read from the file directly.
+    pub fn count(&self, queue: &str, condition: &str) -> u32 {
+        let path = Path::new(&self.url()).join(sluice::broker::embedded::FILE);
+        let db = rusqlite::Connection::open(&path).expect("open the broker's file");
+        let sql = format!("SELECT count(*) FROM messages WHERE queue = ?1 AND ({condition})");
+        db.query_row(&sql, [queue], |r| r.get(0)).unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Messages of `queue` delivered and not acked, whether their consumer lives or not.
+    pub fn leased(&self, queue: &str) -> u32 {
+        self.count(queue, "lease_owner IS NOT NULL")
+    }
+}
+
+impl Place for EmbeddedDir {
+    type Broker = sluice::broker::embedded::Embedded;
+
+    fn url(&self) -> String {
+        self.dir.path().join("broker").display().to_string()
+    }
+
+    async fn connect(&self) -> Self::Broker {
+        sluice::broker::embedded::Embedded::open_dir(Path::new(&self.url())).expect("open the embedded broker")
+    }
+
+    /// Ready or leased: a killed runner's deliveries count until they are acked, as on
+    /// RabbitMQ, where they are ready again once its connection is gone. (Delayed copies not
+    /// yet due do not count, there as here.)
+    async fn depth(&self, queue: &str) -> u32 {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis();
+        self.count(queue, &format!("lease_owner IS NOT NULL OR visible_at <= {now}"))
+    }
+}
+
+impl Place for Vhost {
+    type Broker = Amqp;
+
+    fn url(&self) -> String {
+        Vhost::url(self)
+    }
+
+    async fn connect(&self) -> Amqp {
+        Vhost::connect(self).await
+    }
+}
+
+/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with two tests:
+/// `rabbitmq` (a vhost of its own) and `embedded` (a directory of its own).
+#[macro_export]
+macro_rules! on_both_brokers {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn rabbitmq() {
+                super::$name(super::support::Vhost::new()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn embedded() {
+                super::$name(super::support::EmbeddedDir::new()).await
+            }
+        }
+    )*};
+}
+
 /// A vhost of its own for one test, so tests run in parallel and repeatedly.
 pub struct Vhost {
     pub name: String,
@@ -52,23 +195,6 @@ impl Vhost {
 
     pub async fn connect(&self) -> Amqp {
         Amqp::connect(&self.url(), sluice::broker::amqp::CONNECT_TIMEOUT).await.expect("connect to the test vhost")
-    }
-
-    /// Messages ready in `queue` (a passive declare on a fresh connection, so it works after
-    /// the vhost's connections were closed).
-    pub async fn depth(&self, queue: &str) -> u32 {
-        let broker = self.connect().await;
-        let depth = broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"));
-        broker.close().await;
-        depth
-    }
-
-    /// Delayed copies waiting anywhere in the delay cascade.
-    pub async fn delayed(&self) -> u32 {
-        let broker = self.connect().await;
-        let delayed = broker.delayed().await.unwrap_or_else(|e| panic!("delay queues: {e}"));
-        broker.close().await;
-        delayed
     }
 
     /// Has the broker close every connection of this vhost (ours and the runner's); how many.
@@ -188,8 +314,8 @@ impl Drop for Sluice {
 }
 
 /// Publishes an envelope with the given idempotency key and payload.
-pub async fn publish(
-    broker: &Amqp,
+pub async fn publish<B: Broker>(
+    broker: &B,
     exchange: &str,
     routing_key: &str,
     key: &str,
@@ -201,7 +327,7 @@ pub async fn publish(
 }
 
 /// Publishes any body (e.g. a malformed one) with headers.
-pub async fn publish_raw(broker: &Amqp, exchange: &str, routing_key: &str, body: Vec<u8>, headers: Headers) {
+pub async fn publish_raw<B: Broker>(broker: &B, exchange: &str, routing_key: &str, body: Vec<u8>, headers: Headers) {
     let message = Outgoing { body, message_id: None, kind: None, timestamp: None, headers };
     broker.publish(exchange, routing_key, message).await.expect("publish confirmed");
 }
@@ -213,12 +339,7 @@ pub struct Drained {
     pub properties: lapin::BasicProperties,
 }
 
-/// Reads every message in `queue` (without removing them for good: they are nacked back).
-pub async fn drain_queue(url: &str, queue: &str) -> Vec<(Vec<u8>, std::collections::BTreeMap<String, HeaderValue>)> {
-    drain_messages(url, queue).await.into_iter().map(|m| (m.body, m.headers)).collect()
-}
-
-/// Like [`drain_queue`], with each message's AMQP properties.
+/// Every message in `queue` with its AMQP properties, left in place (nacked back).
 pub async fn drain_messages(url: &str, queue: &str) -> Vec<Drained> {
     use lapin::options::{BasicGetOptions, BasicNackOptions};
     let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await.expect("connect");
@@ -289,7 +410,7 @@ pub async fn keys_received(server: &wiremock::MockServer) -> Vec<String> {
 
 /// Declares the pipeline's topology the way `sluice run` does (idempotent), so a test can
 /// publish before the runner is up.
-pub async fn declare(dir: &Path, broker: &Amqp) {
+pub async fn declare<B: Broker>(dir: &Path, broker: &B) {
     let validation = sluice::config::load(&[dir.to_path_buf()]);
     let config = validation.config.unwrap_or_else(|| panic!("test pipeline invalid: {:?}", validation.diagnostics));
     broker.declare(&sluice::topology::plan(&config)).await.expect("declare topology");

@@ -14,6 +14,9 @@ use sluice::config::{Diagnostic, Severity};
 /// The committed JSON Schema of pipeline files.
 pub const SCHEMA: &str = "schemas/pipeline.schema.json";
 
+/// The committed JSON Schema of test files (`*.test.yaml`).
+pub const TEST_SCHEMA: &str = "schemas/test.schema.json";
+
 /// How every pipeline file in the repository starts, so that editors find the schema.
 pub const SCHEMA_HEADER: &str = "# yaml-language-server: $schema=";
 
@@ -48,20 +51,26 @@ pub fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// Whether `file` is a test file (`*.test.yaml`, `*.test.yml`) rather than a pipeline.
+pub fn is_test_file(file: &Path) -> bool {
+    sluice::config::source::is_test_file(file)
+}
+
 /// Checks that `file` starts with the schema header and that its relative path reaches the
-/// committed schema.
+/// committed schema: the test files' for a test file, else the pipelines'.
 pub fn check_schema_header(file: &Path) -> Result<(), String> {
+    let schema = if is_test_file(file) { TEST_SCHEMA } else { SCHEMA };
     let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
     let first = text.lines().next().unwrap_or_default();
     let Some(relative) = first.strip_prefix(SCHEMA_HEADER) else {
         return Err(format!("{}: first line is {first:?}, not {SCHEMA_HEADER}<path>", file.display()));
     };
     let target = file.parent().unwrap_or(Path::new(".")).join(relative.trim());
-    let same = match (target.canonicalize(), Path::new(SCHEMA).canonicalize()) {
+    let same = match (target.canonicalize(), Path::new(schema).canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     };
-    if same { Ok(()) } else { Err(format!("{}: {} is not {SCHEMA}", file.display(), target.display())) }
+    if same { Ok(()) } else { Err(format!("{}: {} is not {schema}", file.display(), target.display())) }
 }
 
 /// One line of an `.expected` file: a diagnostic that must be reported.
@@ -93,7 +102,8 @@ impl Expected {
         let severity = match severity {
             "error" => Severity::Error,
             "warning" => Severity::Warning,
-            other => return Err(format!("severity {other:?} is neither error nor warning")),
+            "note" => Severity::Note,
+            other => return Err(format!("severity {other:?} is not error, warning or note")),
         };
         let pointer = match pointer {
             "-" => String::new(),
@@ -126,9 +136,17 @@ impl fmt::Display for Expected {
         if let Some(file) = &self.file {
             write!(f, "{file}:")?;
         }
-        let severity = if self.severity == Severity::Error { "error" } else { "warning" };
         let pointer = if self.pointer.is_empty() { "-" } else { &self.pointer };
-        write!(f, "{}:{} {severity} {pointer} | {}", self.line, self.column, self.fragment)
+        write!(f, "{}:{} {} {pointer} | {}", self.line, self.column, severity_name(self.severity), self.fragment)
+    }
+}
+
+/// A severity as `sluice validate` prints it.
+pub fn severity_name(severity: Severity) -> &'static str {
+    match severity {
+        Severity::Error => "error",
+        Severity::Warning => "warning",
+        Severity::Note => "note",
     }
 }
 
@@ -143,9 +161,8 @@ impl fmt::Display for Shown<'_> {
         {
             write!(f, "{}:", relative.display())?;
         }
-        let severity = if d.severity == Severity::Error { "error" } else { "warning" };
         let pointer = if d.pointer.is_empty() { "-" } else { &d.pointer };
-        write!(f, "{}:{} {severity} {pointer} | {}", d.line, d.column, d.message)
+        write!(f, "{}:{} {} {pointer} | {}", d.line, d.column, severity_name(d.severity), d.message)
     }
 }
 
@@ -158,9 +175,9 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Whether the fixture only has warnings (so `validate` must succeed).
+    /// Whether the fixture only has warnings or notes (so `validate` must succeed).
     pub fn warnings_only(&self) -> bool {
-        self.expected.iter().all(|e| e.severity == Severity::Warning)
+        self.expected.iter().all(|e| e.severity != Severity::Error)
     }
 }
 

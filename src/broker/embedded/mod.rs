@@ -20,7 +20,8 @@
 //! auto-vacuum), so the file shrinks after a backlog drains.
 //!
 //! Limits: a delayed copy is delivered within [`POLL`] after it is due; `delayed()` scans the
-//! messages; `max_length` counts ready messages as RabbitMQ does (not those delivered, nor
+//! messages, and counts deliveries under a lease as not yet due back (a killed runner's are
+//! held until theirs runs out, so `run --exit-when-idle` waits for them); `max_length` counts ready messages as RabbitMQ does (not those delivered, nor
 //! delayed copies not yet due); a row corrupted in the file fails each claim of its queue (an
 //! error on the consumer's stream, never a panic) until it is removed. One machine only: the
 //! file must be on a local disk (SQLite's WAL needs shared memory between the processes).
@@ -78,11 +79,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The broker's file in the directory `--broker` names.
+pub const FILE: &str = "broker.db";
+
 impl Embedded {
     /// Opens the broker's file, creating it and its directory. Several processes may open
     /// the same file.
     pub fn open(path: &Path) -> Result<Embedded, BrokerError> {
         Embedded::open_with_lease(path, LEASE)
+    }
+
+    /// Opens the broker whose directory is `dir` (its [`FILE`]).
+    pub fn open_dir(dir: &Path) -> Result<Embedded, BrokerError> {
+        Embedded::open(&dir.join(FILE))
     }
 
     /// Opens with another lease than [`LEASE`].

@@ -503,12 +503,11 @@ impl Store {
         Ok(QueueStats { ready: self.ready(db, queue)?, consumers: u32::try_from(consumers).unwrap_or(u32::MAX) })
     }
 
-    /// Delayed copies not yet due, in every queue (a scan of the messages).
+    /// Messages not yet due back, in every queue (a scan of the messages): delayed copies,
+    /// and deliveries under a lease, whose consumer may have died with them.
     pub fn delayed(&self, db: &Connection) -> Result<u32, BrokerError> {
         let n: i64 = db
-            .query_row("SELECT count(*) FROM messages WHERE lease_owner IS NULL AND visible_at > ?1", [now_ms()], |r| {
-                r.get(0)
-            })
+            .query_row("SELECT count(*) FROM messages WHERE visible_at > ?1", [now_ms()], |r| r.get(0))
             .map_err(|e| self.error(e))?;
         Ok(u32::try_from(n).unwrap_or(u32::MAX))
     }
@@ -543,7 +542,7 @@ impl Store {
                 Some(existing) if existing != declared => drift.push(Drift::Conflict {
                     what: "queue".into(),
                     name: q.name.clone(),
-                    detail: format!("declared {declared} but current is {existing}"),
+                    detail: settings_differing(&declared, &existing),
                 }),
                 Some(_) => {}
             }
@@ -579,4 +578,22 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// The settings two queue declarations (as stored, JSON objects) differ in, each with both
+/// values: `max_length: declared 100 but current is 50`.
+fn settings_differing(declared: &str, existing: &str) -> String {
+    let object =
+        |text: &str| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text).unwrap_or_default();
+    let (declared, existing) = (object(declared), object(existing));
+    let names: std::collections::BTreeSet<&String> = declared.keys().chain(existing.keys()).collect();
+    let none = serde_json::Value::Null;
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let (d, e) = (declared.get(name).unwrap_or(&none), existing.get(name).unwrap_or(&none));
+            (d != e).then(|| format!("{name}: declared {d} but current is {e}"))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }

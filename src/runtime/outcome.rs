@@ -1,0 +1,65 @@
+//! What a delivery's outcome is, decided without a broker: the checks before a handler runs
+//! (size, envelope, payload schema, templates), and the disposition a handler's result leads
+//! to. The worker runs these around the real handler; `sluice test` runs them around a
+//! simulated one, so both classify every message the same way.
+//!
+//! No IO here: no broker, no idempotency store, no handler call.
+
+use bytes::Bytes;
+
+use super::backoff;
+use super::worker::{Disposition, Reason};
+use crate::config::Queue;
+use crate::envelope::Envelope;
+use crate::handler::HandlerError;
+use crate::handler::call::{Call, Renderer};
+
+/// Decodes a delivery's body; a body too large or not an envelope is dead-lettered.
+pub fn decode<'a>(q: &Queue, body: &'a Bytes, attempt: u32) -> Result<Envelope<'a>, Disposition> {
+    let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
+    if body.len() > q.max_message_bytes {
+        let error = format!("{} bytes is over the queue's max_message_bytes of {}", body.len(), q.max_message_bytes);
+        return Err(dead(Reason::TooLarge, error));
+    }
+    Envelope::decode(body).map_err(|e| dead(Reason::Malformed, e.to_string()))
+}
+
+/// Checks the payload against the queue's schema and renders the idempotency key and the
+/// handler's call; a message that fails either is dead-lettered.
+pub fn prepare(
+    q: &Queue,
+    envelope: &Envelope<'_>,
+    body: &Bytes,
+    attempt: u32,
+    traceparent: Option<&str>,
+) -> Result<(String, Call), Disposition> {
+    let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
+    if let Some(schema) = &q.payload_schema {
+        let payload = envelope.payload_value().map_err(|e| dead(Reason::Malformed, e.to_string()))?;
+        if let Some(e) = schema.validator.iter_errors(&payload).next() {
+            return Err(dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str())));
+        }
+    }
+    let renderer = Renderer::new(q, envelope, attempt, false).map_err(|e| dead(Reason::Malformed, e.to_string()))?;
+    let key = renderer.key().map_err(|e| dead(Reason::Template, e.to_string()))?;
+    let call = renderer.call(body, &key, traceparent).map_err(|e| dead(Reason::Template, e.to_string()))?;
+    Ok((key, call))
+}
+
+/// The disposition of a handler run that ended with `result` at `attempt`: success acks,
+/// permanent failures and the last attempt's transient one dead-letter, others retry later.
+pub fn disposition(q: &Queue, result: Result<(), HandlerError>, attempt: u32) -> Disposition {
+    match result {
+        Ok(()) => Disposition::Ack,
+        Err(HandlerError::Permanent { error }) => {
+            Disposition::DeadLetter { reason: Reason::Permanent, error, attempts: attempt }
+        }
+        Err(HandlerError::Transient { error, .. }) if attempt >= q.retry.max_attempts.get() => {
+            Disposition::DeadLetter { reason: Reason::Exhausted, error, attempts: attempt }
+        }
+        Err(HandlerError::Transient { error, retry_after, .. }) => {
+            let after = backoff::retry_delay(&q.retry, attempt + 1, retry_after, &mut rand::rng());
+            Disposition::Retry { next: attempt + 1, after, error }
+        }
+    }
+}

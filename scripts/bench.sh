@@ -8,7 +8,8 @@
 # Parts: the drain driver (benches/drain/, against the hand-written consumer in
 # benches/baseline_consumer.rs) and `sluice validate` on 1,000 generated pipeline files.
 # Needs RabbitMQ at 127.0.0.1:5672 (guest/guest), rabbitmqctl, jq; hyperfine if installed.
-# Results go to target/bench/ (a Markdown summary and raw JSON per run).
+# Results go to target/bench/ (a Markdown summary and raw JSON per run), or under
+# $CARGO_TARGET_DIR when that is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,14 +24,15 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-out=target/bench
+target=${CARGO_TARGET_DIR:-target}
+out=$target/bench
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$out"
 
 cargo build --release --bin sluice
 # `cargo bench` below builds the binary again with dev-dependency features unified in;
 # measure the plain release build.
-cp target/release/sluice "$out/sluice"
+cp "$target/release/sluice" "$out/sluice"
 
 if [ "$drain" = 1 ]; then
   declare -A exe

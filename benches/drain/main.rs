@@ -4,13 +4,17 @@
 //! even when the absolute figures wander. The throughput trials also run the baseline acking
 //! the way sluice does, which splits the difference into ack strategy and per-message work.
 //! Also the retry path, the command handler, and the memory of `sluice run` while a large
-//! backlog drains.
+//! backlog drains. The same trials run on the embedded broker (`--queues embedded`): sluice
+//! only (the baseline speaks AMQP), the same pipeline as on a quorum queue, and the broker's
+//! file sizes beside the memory.
 //!
 //! Run it through `scripts/bench.sh` (which builds both binaries and passes the baseline's
 //! path); BENCHMARKS.md describes the method and the latest figures. It needs RabbitMQ at
-//! 127.0.0.1:5672 (guest/guest) and `rabbitmqctl`, and makes and deletes one vhost per trial.
+//! 127.0.0.1:5672 (guest/guest) and `rabbitmqctl`, and makes and deletes one vhost per trial
+//! (for the embedded broker, one temporary directory).
 //! It asserts nothing about timings: it measures and reports.
 
+mod place;
 mod rabbit;
 mod sink;
 mod usage;
@@ -23,6 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, bail};
 use clap::{Parser, ValueEnum};
 
+use place::Place;
 use sink::{Mode, Sink};
 use usage::Sampler;
 
@@ -68,9 +73,18 @@ struct Args {
     /// Backlog drained while sampling sluice's memory.
     #[arg(long, default_value_t = 200_000)]
     backlog: u64,
+    /// Memory trials: sluice runs without `--exit-when-idle` and is stopped (SIGTERM) this many
+    /// seconds after the last message, so the samples show what the embedded broker's file
+    /// gives back once the backlog has drained.
+    #[arg(long, default_value_t = 0.0)]
+    linger: f64,
     /// Which parts to run (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Part>,
+    /// Queue types (brokers) for the throughput and retry trials; the memory trial runs on
+    /// quorum and embedded, whichever are given; the command trials on classic.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "classic,quorum")]
+    queues: Vec<QueueType>,
     /// Also write every trial as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -91,10 +105,12 @@ enum Part {
     Memory,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum QueueType {
     Classic,
     Quorum,
+    /// The embedded broker (a directory), with the quorum trials' pipeline.
+    Embedded,
 }
 
 impl QueueType {
@@ -102,6 +118,15 @@ impl QueueType {
         match self {
             QueueType::Classic => "classic",
             QueueType::Quorum => "quorum",
+            QueueType::Embedded => "embedded",
+        }
+    }
+
+    /// The queue's `type:` in the pipeline: the embedded broker keeps it but does not act on it.
+    fn declared(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum | QueueType::Embedded => "quorum",
         }
     }
 }
@@ -121,6 +146,11 @@ enum Consumer {
 }
 
 impl Consumer {
+    /// Whether it can consume from `queue`: the baseline speaks only AMQP.
+    fn drains(self, queue: QueueType) -> bool {
+        queue != QueueType::Embedded || !matches!(self, Consumer::Baseline | Consumer::BaselineBatched)
+    }
+
     fn name(self) -> &'static str {
         match self {
             Consumer::Baseline => "baseline",
@@ -165,6 +195,27 @@ struct Trial {
     cpu_ms_per_1k: f64,
     /// VmRSS at 10 %, 50 % and 90 % of the drain (webhook trials only).
     rss_mib_at: [Option<f64>; 3],
+    /// The embedded broker's files over the trial.
+    disk: Option<Disk>,
+}
+
+/// MiB of the embedded broker's files (`broker.db`, `-wal`, `-shm`) over a trial.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Disk {
+    /// After the backlog was published and the publishing session closed.
+    preloaded_mib: f64,
+    /// The largest sampled while the consumer ran.
+    peak_mib: f64,
+    /// At the first sample with every message handled; of which the write-ahead log.
+    drained_mib: f64,
+    drained_wal_mib: f64,
+    /// At the consumer's last sample (it exits once idle, or is stopped with `--linger`), and
+    /// how long after the drained sample that was; of which the write-ahead log.
+    last_mib: f64,
+    last_wal_mib: f64,
+    last_after_s: f64,
+    /// Once the consumer has exited.
+    exited_mib: f64,
 }
 
 struct Bench {
@@ -198,7 +249,7 @@ impl Bench {
 
     async fn run_all(&mut self) -> anyhow::Result<()> {
         let (n, runs, other_runs) = (self.args.messages, self.args.runs, self.args.other_runs);
-        let queues = [QueueType::Classic, QueueType::Quorum];
+        let mut queues = self.args.queues.clone();
         if self.wants(Part::Throughput) {
             let mut order = vec![Consumer::Baseline, Consumer::BaselineBatched, Consumer::Sluice];
             if self.args.candidate.is_some() {
@@ -208,18 +259,21 @@ impl Bench {
                 order.extend([Consumer::SluiceNoDedup, Consumer::SluiceRedis]);
             }
             for run in 1..=runs {
-                for queue in queues {
-                    for &consumer in &order {
+                for &queue in &queues {
+                    for &consumer in order.iter().filter(|c| c.drains(queue)) {
                         self.trial("throughput", run, queue, consumer, Handler::Webhook, n).await?;
                     }
                 }
-                // Who goes first changes every run, so drift on a noisy machine favours no one.
+                // Who goes first changes every run, so drift on a noisy machine favours no one;
+                // and which broker.
                 order.rotate_left(1);
+                queues.rotate_left(1);
             }
+            queues = self.args.queues.clone();
         }
         if self.wants(Part::Retry) {
             for run in 1..=other_runs {
-                for queue in queues {
+                for &queue in &queues {
                     let n = self.args.retry_messages;
                     self.trial("retry", run, queue, Consumer::Sluice, Handler::WebhookFailOnce, n).await?;
                 }
@@ -235,12 +289,14 @@ impl Bench {
         }
         if self.wants(Part::Memory) {
             let n = self.args.backlog;
-            self.trial("memory", 1, QueueType::Quorum, Consumer::Sluice, Handler::Webhook, n).await?;
+            for queue in queues.into_iter().filter(|q| *q != QueueType::Classic) {
+                self.trial("memory", 1, queue, Consumer::Sluice, Handler::Webhook, n).await?;
+            }
         }
         Ok(())
     }
 
-    /// Fresh vhost, topology, backlog of `n`; then one consumer drains it.
+    /// Fresh vhost (or embedded broker), topology, backlog of `n`; then one consumer drains it.
     async fn trial(
         &mut self,
         part: &'static str,
@@ -251,21 +307,20 @@ impl Bench {
         n: u64,
     ) -> anyhow::Result<()> {
         let label = format!("[{part} {} {} run {run}]", queue.name(), consumer.name());
-        let mut vhost = rabbit::Vhost::new()?;
+        let place = Place::new(queue == QueueType::Embedded)?;
         let dir = tempfile::tempdir()?;
         std::fs::write(dir.path().join("bench.yaml"), self.pipeline(queue, handler, consumer))?;
-        rabbit::declare(dir.path(), &vhost.url()).await?;
-        let started = Instant::now();
-        rabbit::preload(&vhost.url(), EXCHANGE, ROUTING_KEY, n).await?;
-        let preload_rate = n as f64 / started.elapsed().as_secs_f64();
+        let preload_rate = place.load(dir.path(), EXCHANGE, ROUTING_KEY, n).await?;
         eprintln!("{label} pre-loaded {n} messages at {preload_rate:.0} msg/s");
+        let preloaded = place.files().map(|f| place::disk_bytes(&f));
 
         self.sink.reset(if handler == Handler::WebhookFailOnce { Mode::FailOnce } else { Mode::Ok });
         let cpu_before = usage::reaped_children_cpu();
-        let mut child = self.spawn(consumer, handler, dir.path(), &vhost.url(), n)?;
+        let linger = (part == "memory" && self.args.linger > 0.0).then(|| Duration::from_secs_f64(self.args.linger));
+        let mut child = self.spawn(consumer, handler, dir.path(), &place.url(), n, linger.is_none())?;
         let sink = self.sink.clone();
-        let sampler = Sampler::start(child.id(), move || sink.snapshot().successes);
-        let waited = self.wait(&mut child, handler, n).await;
+        let sampler = Sampler::start(child.id(), move || sink.snapshot().successes, place.files());
+        let waited = self.wait(&mut child, handler, n, linger).await;
         let samples = sampler.finish();
         let cpu = usage::reaped_children_cpu() - cpu_before;
         if let Err(e) = waited {
@@ -274,11 +329,9 @@ impl Bench {
             let log = std::fs::read_to_string(dir.path().join("consumer.log")).unwrap_or_default();
             let lines: Vec<&str> = log.lines().collect();
             let tail = lines[lines.len().saturating_sub(20)..].join("\n");
-            vhost.keep();
-            let name = &vhost.name;
             bail!(
-                "{label} {e:#}\nconsumer log (tail):\n{tail}\nkept for inspection: vhost {name} \
-                 (rabbitmqctl list_queues -p {name}; rabbitmqctl delete_vhost {name}) and {}",
+                "{label} {e:#}\nconsumer log (tail):\n{tail}\nkept for inspection: {} and {}",
+                place.keep(),
                 dir.keep().display()
             );
         }
@@ -309,11 +362,15 @@ impl Bench {
             peak_rss_mib: usage::peak_mib(&samples),
             cpu_ms_per_1k: cpu.as_secs_f64() * 1e6 / n as f64,
             rss_mib_at: [0.1, 0.5, 0.9].map(|f| usage::rss_at(&samples, n, f)),
+            disk: preloaded.and_then(|preloaded| disk(preloaded, &samples, n, place.files()?)),
         };
         eprintln!(
             "{label} drained {n} in {:.2}s: {rate:.0} msg/s ({requests} requests), {:.0} CPU ms/1k msgs, peak RSS {:.1} MiB",
             trial.span, trial.cpu_ms_per_1k, trial.peak_rss_mib
         );
+        if let Some(d) = &trial.disk {
+            eprintln!("{label} broker files (MiB): {d:?}");
+        }
         self.trials.push(trial);
         Ok(())
     }
@@ -339,12 +396,20 @@ queues:
       {handler}
     retry: {{max_attempts: 3, backoff: fixed, initial: 100ms, max: 100ms}}
 {idempotency}",
-            queue.name(),
+            queue.declared(),
             self.args.concurrency
         )
     }
 
-    fn spawn(&self, consumer: Consumer, handler: Handler, dir: &Path, url: &str, n: u64) -> anyhow::Result<Child> {
+    fn spawn(
+        &self,
+        consumer: Consumer,
+        handler: Handler,
+        dir: &Path,
+        url: &str,
+        n: u64,
+        exit_when_idle: bool,
+    ) -> anyhow::Result<Child> {
         let log = std::fs::File::create(dir.join("consumer.log"))?;
         let mut command = match consumer {
             Consumer::Baseline | Consumer::BaselineBatched => {
@@ -365,7 +430,10 @@ queues:
                     _ => &self.args.sluice,
                 };
                 let mut c = Command::new(program);
-                c.arg("run").arg(dir).args(["--broker", url, "--exit-when-idle"]);
+                c.arg("run").arg(dir).args(["--broker", url]);
+                if exit_when_idle {
+                    c.arg("--exit-when-idle");
+                }
                 let dedup = match consumer {
                     Consumer::SluiceRedis => "redis://127.0.0.1:6379".to_string(),
                     _ => format!("file:{}", dir.join("dedup").display()),
@@ -388,10 +456,23 @@ queues:
     }
 
     /// Waits until the sink has seen all `n` messages succeed (webhooks) and the consumer has
-    /// exited on its own.
-    async fn wait(&self, child: &mut Child, handler: Handler, n: u64) -> anyhow::Result<()> {
+    /// exited on its own (or, with `linger`, been stopped that long after the last message).
+    async fn wait(&self, child: &mut Child, handler: Handler, n: u64, linger: Option<Duration>) -> anyhow::Result<()> {
         let start = Instant::now();
+        let (mut drained_at, mut stopped) = (None, false);
         loop {
+            if let Some(linger) = linger.filter(|_| !stopped) {
+                match drained_at {
+                    None if self.sink.snapshot().successes >= n => drained_at = Some(Instant::now()),
+                    Some(at) if at.elapsed() >= linger => {
+                        // SAFETY: kill only sends a signal, to a child this driver started and has
+                        // not reaped (so its pid is still its own).
+                        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                        stopped = true;
+                    }
+                    _ => {}
+                }
+            }
             if let Some(status) = child.try_wait()? {
                 let seen = self.sink.snapshot().successes;
                 if !status.success() {
@@ -458,7 +539,7 @@ queues:
                 "| queue | consumer | median msg/s | min – max | runs | CPU ms / 1k msgs (median) | peak RSS MiB (max) |"
             );
             let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: |");
-            for queue in ["classic", "quorum"] {
+            for queue in ["classic", "quorum", "embedded"] {
                 for consumer in
                     ["baseline", "baseline-batched", "sluice", "sluice-no-dedup", "sluice-redis", "candidate"]
                 {
@@ -491,7 +572,7 @@ queues:
                 ("sluice-no-dedup", "baseline"),
             ];
             for (ours, theirs) in comparisons {
-                for queue in ["classic", "quorum"] {
+                for queue in ["classic", "quorum", "embedded"] {
                     let (num, den) = (pick(part, queue, ours), pick(part, queue, theirs));
                     if num.is_empty() || den.is_empty() {
                         continue;
@@ -510,8 +591,27 @@ queues:
                     );
                 }
             }
+            // The same consumer on the embedded broker and on RabbitMQ's quorum queue.
+            for consumer in ["sluice", "sluice-no-dedup", "sluice-redis", "candidate"] {
+                let (num, den) = (pick(part, "embedded", consumer), pick(part, "quorum", consumer));
+                if num.is_empty() || den.is_empty() {
+                    continue;
+                }
+                let pairs: Vec<String> = den
+                    .iter()
+                    .filter_map(|d| num.iter().find(|n| n.run == d.run).map(|n| format!("{:.2}", n.rate / d.rate)))
+                    .collect();
+                let cpu = |ts: &[&Trial]| median_of(ts, |t| t.cpu_ms_per_1k);
+                let _ = writeln!(
+                    out,
+                    "- {consumer}: embedded / quorum throughput = **{:.2}** (ratio of medians; per run: {}); CPU per message of the consumer process {:.2}× (the embedded broker's work is in it)",
+                    median_of(&num, |t| t.rate) / median_of(&den, |t| t.rate),
+                    pairs.join(", "),
+                    cpu(&num) / cpu(&den)
+                );
+            }
             if part == "retry" {
-                for queue in ["classic", "quorum"] {
+                for queue in ["classic", "quorum", "embedded"] {
                     let (retry, happy) = (pick("retry", queue, "sluice"), pick("throughput", queue, "sluice"));
                     if retry.is_empty() || happy.is_empty() {
                         continue;
@@ -535,6 +635,22 @@ queues:
             let [a, b, c] = t.rss_mib_at;
             let (peak, rate, cpu) = (t.peak_rss_mib, t.rate, t.cpu_ms_per_1k);
             let _ = writeln!(out, "| {peak:.1} | {} | {} | {} | {rate:.0} | {cpu:.0} |\n", fmt(a), fmt(b), fmt(c));
+            if let Some(d) = &t.disk {
+                let _ = writeln!(
+                    out,
+                    "Embedded broker's files (broker.db + -wal + -shm), MiB: {:.1} after the preload, peak {:.1} \
+                     during the drain, {:.1} when drained (-wal {:.1}), {:.1} at the runner's last sample \
+                     ({:.1} s later; -wal {:.1}), {:.1} after it exited.\n",
+                    d.preloaded_mib,
+                    d.peak_mib,
+                    d.drained_mib,
+                    d.drained_wal_mib,
+                    d.last_mib,
+                    d.last_after_s,
+                    d.last_wal_mib,
+                    d.exited_mib
+                );
+            }
         }
         let preload: Vec<f64> = self.trials.iter().map(|t| t.preload_rate).collect();
         if !preload.is_empty() {
@@ -548,6 +664,24 @@ queues:
         let _ = writeln!(out, "_Run finished at Unix time {stamp}._");
         out
     }
+}
+
+/// The embedded broker's file sizes over a trial, from the samples taken while the consumer ran.
+fn disk(preloaded: u64, samples: &[usage::Sample], n: u64, db: std::path::PathBuf) -> Option<Disk> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let sized: Vec<(&usage::Sample, (u64, u64))> = samples.iter().filter_map(|s| Some((s, s.disk_bytes?))).collect();
+    let (drained, (drained_bytes, drained_wal)) = *sized.iter().find(|(s, _)| s.handled >= n)?;
+    let (last, (last_bytes, last_wal)) = *sized.last()?;
+    Some(Disk {
+        preloaded_mib: preloaded as f64 / MIB,
+        peak_mib: sized.iter().map(|(_, (b, _))| *b).max()? as f64 / MIB,
+        drained_mib: drained_bytes as f64 / MIB,
+        drained_wal_mib: drained_wal as f64 / MIB,
+        last_mib: last_bytes as f64 / MIB,
+        last_wal_mib: last_wal as f64 / MIB,
+        last_after_s: last.at.duration_since(drained.at).as_secs_f64(),
+        exited_mib: place::disk_bytes(&db) as f64 / MIB,
+    })
 }
 
 /// Count, first and last timestamp of sluice's `handled` debug lines.

@@ -2,21 +2,26 @@
 //! `VmRSS` now and `VmHWM` (the kernel's own peak), sampled with the progress of the drain
 //! so the curve shows whether memory grows with the backlog. CPU time comes from the
 //! kernel's account of reaped children, which is steadier than wall-clock rates on a busy
-//! machine.
+//! machine. For the embedded broker, each sample also takes the size of its files.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const EVERY: Duration = Duration::from_millis(50);
 
-/// One reading: messages handled so far, resident set and its peak, in KiB.
+/// One reading: messages handled so far, resident set and its peak, in KiB; when it was
+/// taken; and the bytes of the embedded broker's files and of its write-ahead log alone, if
+/// sampled.
 #[derive(Debug, Clone, Copy)]
 pub struct Sample {
     pub handled: u64,
     pub rss_kib: u64,
     pub hwm_kib: u64,
+    pub at: Instant,
+    pub disk_bytes: Option<(u64, u64)>,
 }
 
 /// Samples a process on a thread of its own until stopped or the process is gone.
@@ -26,7 +31,9 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn start(pid: u32, progress: impl Fn() -> u64 + Send + 'static) -> Sampler {
+    /// Samples `pid`, with `progress` and, if given, the size of the embedded broker whose
+    /// database is `disk`.
+    pub fn start(pid: u32, progress: impl Fn() -> u64 + Send + 'static, disk: Option<PathBuf>) -> Sampler {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::spawn(move || {
@@ -36,7 +43,8 @@ impl Sampler {
                 let (Some(rss_kib), Some(hwm_kib)) = (field(&status, "VmRSS:"), field(&status, "VmHWM:")) else {
                     break; // a zombie has no memory lines
                 };
-                samples.push(Sample { handled: progress(), rss_kib, hwm_kib });
+                let disk_bytes = disk.as_deref().map(|db| (crate::place::disk_bytes(db), crate::place::wal_bytes(db)));
+                samples.push(Sample { handled: progress(), rss_kib, hwm_kib, at: Instant::now(), disk_bytes });
                 std::thread::sleep(EVERY);
             }
             samples

@@ -21,6 +21,10 @@ use crate::topology::Plan;
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The size the write-ahead log is cut back to once a checkpoint has emptied it: about what
+/// SQLite's automatic checkpoint (every 1,000 pages) lets it grow to.
+pub const WAL_LIMIT: i64 = 4 << 20;
+
 /// Milliseconds since the epoch: the clock of `visible_at` and lease ends.
 pub(crate) fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
@@ -126,6 +130,9 @@ impl Store {
             return Err(fail(&format!("journal mode is {mode}, not wal")));
         }
         conn.execute_batch("PRAGMA synchronous = NORMAL;").map_err(|e| fail(&e))?;
+        // Without a limit the write-ahead log keeps the size of its largest batch of pages
+        // until the last connection closes; with it, each restart after a checkpoint cuts it.
+        conn.pragma_update(None, "journal_size_limit", WAL_LIMIT).map_err(|e| fail(&e))?;
         let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(|e| fail(&e))?;
         tx.execute_batch(
             "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -564,6 +571,20 @@ impl Store {
             }
         }
         Ok(drift)
+    }
+
+    /// Copies the write-ahead log into the file and cuts it to nothing, when the broker is idle:
+    /// otherwise it keeps up to [`WAL_LIMIT`] until the next write, or the size of the last
+    /// burst until the last connection closes. Skipped, not waited for, while another process
+    /// reads (the next idle moment tries again).
+    pub fn empty_log(&self, db: &Connection) {
+        let emptied = db
+            .busy_timeout(Duration::ZERO)
+            .and_then(|()| db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0)))
+            .and(db.busy_timeout(BUSY_TIMEOUT));
+        if let Err(e) = emptied {
+            tracing::debug!(error = %e, "embedded broker: the write-ahead log was not emptied");
+        }
     }
 
     /// Gives free pages back to the file system, a bounded number at a time, once acks have

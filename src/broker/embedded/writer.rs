@@ -133,12 +133,20 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
     let mut last_reclaim = Instant::now();
     // Acks left pages free since the last reclaim.
     let mut freed = false;
+    // Written since the write-ahead log was last emptied.
+    let mut logged = false;
     loop {
         let first = match receiver.recv_timeout(RECLAIM_EVERY) {
             Ok(op) => Some(op),
-            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if std::mem::take(&mut logged) {
+                    store.empty_log(&conn);
+                }
+                None
+            }
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
         };
+        logged |= first.is_some();
         if let Some(first) = first {
             let mut ops = vec![first];
             while ops.len() < BATCH {
@@ -153,6 +161,7 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
         if freed && last_reclaim.elapsed() >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
             freed = false;
+            logged = true;
             if let Err(e) = store.reclaim(&conn) {
                 tracing::warn!(%e, "embedded broker: reclaiming free pages failed");
             }

@@ -1,5 +1,6 @@
 //! The admin HTTP endpoint: `/metrics` (Prometheus text format), `/healthz` (the process is
-//! alive), `/readyz` (connected to the broker and consuming).
+//! alive), `/readyz` (connected to the broker and consuming), and `POST /queues/{name}/pause`
+//! and `/resume` (what `sluice pause|resume` call).
 //!
 //! It only reports and describes the metrics (their `# HELP` lines); they are recorded where
 //! the events happen (`runtime::events`, `reload::loader`).
@@ -8,11 +9,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
+use axum::extract::Path;
 use axum::http::StatusCode;
-use axum::routing::get;
+use axum::routing::{get, post};
 use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
+
+use crate::runtime::gate::Pauses;
 
 /// Whether the runner is connected and consuming; set by the runtime, read by `/readyz`.
 #[derive(Debug, Clone, Default)]
@@ -59,6 +63,22 @@ fn describe_metrics() {
     describe_gauge!("sluice_in_flight", "Deliveries being handled, by queue.");
     describe_counter!("sluice_retries_total", "Retry copies scheduled, by queue.");
     describe_counter!("sluice_config_reloads_total", "Reloads of the pipeline files, by result (applied, rejected).");
+    describe_gauge!("sluice_circuit_state", "The queue's circuit breaker: 0 closed, 1 half-open, 2 open.");
+    describe_gauge!(
+        "sluice_concurrency_limit",
+        "How many handlers of the queue may run at once (adaptive: the current limit)."
+    );
+    describe_gauge!("sluice_paused", "1 while the queue is paused by hand (sluice pause), else 0.");
+}
+
+/// Pauses or resumes a queue: 200 with what happened, 404 for a queue not running here.
+fn set_paused(pauses: &Pauses, queue: &str, paused: bool) -> (StatusCode, String) {
+    let verb = if paused { "paused" } else { "resumed" };
+    match pauses.set(queue, paused) {
+        Ok(true) => (StatusCode::OK, format!("{verb} \"{queue}\"\n")),
+        Ok(false) => (StatusCode::OK, format!("\"{queue}\" was already {verb}\n")),
+        Err(e) => (StatusCode::NOT_FOUND, format!("{e}\n")),
+    }
 }
 
 /// Serves the admin endpoints on `listener` until `shutdown`.
@@ -66,8 +86,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: PrometheusHandle,
     readiness: Readiness,
+    pauses: Pauses,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    let resumes = pauses.clone();
     let app = Router::new()
         .route("/metrics", get(move || std::future::ready(metrics.render())))
         .route("/healthz", get(|| std::future::ready("ok\n")))
@@ -81,9 +103,17 @@ pub async fn serve(
                     (StatusCode::SERVICE_UNAVAILABLE, "not connected to the broker\n")
                 })
             }),
+        )
+        .route(
+            "/queues/{name}/pause",
+            post(move |Path(name): Path<String>| std::future::ready(set_paused(&pauses, &name, true))),
+        )
+        .route(
+            "/queues/{name}/resume",
+            post(move |Path(name): Path<String>| std::future::ready(set_paused(&resumes, &name, false))),
         );
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "admin endpoint listening (/metrics, /healthz, /readyz)");
+        tracing::info!(%addr, "admin endpoint listening (/metrics, /healthz, /readyz, /queues/NAME/pause|resume)");
     }
     axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }

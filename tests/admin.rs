@@ -8,11 +8,6 @@ use std::time::Duration;
 use prometheus_parse::{LineInfo, SampleType, Scrape, Value};
 use support::*;
 
-/// A port nothing listens on right now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
 async fn get(url: &str) -> Option<(u16, String)> {
     let response = reqwest::get(url).await.ok()?;
     let status = response.status().as_u16();
@@ -52,7 +47,7 @@ async fn metrics_count_outcomes_and_probes_answer() {
 }
 
 /// Every metric sluice records, with its Prometheus type.
-const METRICS: [(&str, SampleType); 9] = [
+const METRICS: [(&str, SampleType); 12] = [
     ("sluice_messages_total", SampleType::Counter),
     ("sluice_handler_duration_seconds", SampleType::Histogram),
     ("sluice_consumer_lag_seconds", SampleType::Gauge),
@@ -62,6 +57,9 @@ const METRICS: [(&str, SampleType); 9] = [
     ("sluice_in_flight", SampleType::Gauge),
     ("sluice_retries_total", SampleType::Counter),
     ("sluice_config_reloads_total", SampleType::Counter),
+    ("sluice_circuit_state", SampleType::Gauge),
+    ("sluice_concurrency_limit", SampleType::Gauge),
+    ("sluice_paused", SampleType::Gauge),
 ];
 
 /// `/metrics` as a Prometheus text-format parser reads it: the scrape, and each metric's

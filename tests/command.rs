@@ -110,7 +110,7 @@ async fn a_timeout_kills_the_whole_process_group() {
     let started = Instant::now();
     let result = command::run(&invocation).await;
 
-    assert_eq!(result, Err(HandlerError::transient("timeout after 500ms")));
+    assert_eq!(result, Err(HandlerError::unwell("timeout after 500ms", None)));
     assert!(started.elapsed() < Duration::from_secs(10), "run ended late");
     let pid = read_pid(&pidfile).expect("the script wrote the grandchild's pid");
     wait_until(Duration::from_secs(5), "the grandchild is gone", || !is_running(pid)).await;

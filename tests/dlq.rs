@@ -66,7 +66,12 @@ async fn messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_
     let flag = down.clone();
     let receiver =
         Receiver::start(move |_, _| if flag.load(Ordering::SeqCst) { Reply::status(503) } else { Reply::ok() }).await;
-    let dir = support::webhook_pipeline(&receiver, "    retry: {max_attempts: 2, initial: 100ms, max: 200ms}\n");
+    // Without the breaker, which would rightly stop consuming (and so dead-letter nothing)
+    // while every call fails: this is about redriving what was dead-lettered.
+    let dir = support::webhook_pipeline(
+        &receiver,
+        "    retry: {max_attempts: 2, initial: 100ms, max: 200ms}\n    circuit_breaker: {enabled: false}\n",
+    );
     let broker = place.connect().await;
     support::declare(dir.path(), &broker).await;
     let keys: Vec<String> = (0..20).map(|n| format!("down-{n}")).collect();
@@ -210,8 +215,9 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json<P: Place>(p
     let lines: Vec<&str> = ok(&table).lines().collect();
     assert_eq!(
         lines[0].split_whitespace().collect::<Vec<_>>(),
-        ["QUEUE", "READY", "UNACKED", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"]
+        ["QUEUE", "READY", "UNACKED", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER", "CIRCUIT"]
     );
+    assert_eq!(row["circuit"], Value::Null, "no runner named");
     assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..5], ["work", "2", "-", "0", "1"]);
     assert!(table.stdout.contains("retries waiting (all queues): 0"), "{}", table.stdout);
     // Reading changed nothing.
@@ -356,12 +362,13 @@ async fn status_counts_what_the_named_runners_hold_as_unacked<P: Place>(place: P
     support::wait_until(Duration::from_secs(30), "unacked 3, ready 7, one consumer", || async {
         let status = cli(&["status", d, "--admin", &admin, "--format", "json"], &url).await;
         let row = serde_json::from_str::<Value>(ok(&status)).expect("json")["queues"][0].clone();
-        row["unacked"] == 3 && row["ready"] == 7 && row["consumers"] == 1
+        row["unacked"] == 3 && row["ready"] == 7 && row["consumers"] == 1 && row["circuit"] == "closed"
     })
     .await;
     let table = cli(&["status", d, "--admin", &admin], &url).await;
     let lines: Vec<&str> = ok(&table).lines().collect();
     assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..4], ["work", "7", "3", "1"], "{}", table.stdout);
+    assert_eq!(lines[1].split_whitespace().last(), Some("closed"), "{}", table.stdout);
     let without = cli(&["status", d], &url).await;
     assert!(ok(&without).contains("UNACKED: name the runners with --admin"), "{}", without.stdout);
     let down = cli(&["status", d, "--admin", "127.0.0.1:9"], &url).await;

@@ -27,6 +27,9 @@ const SCALARS: &[&str] = &[
     "sluice_retries_total",
     "sluice_config_reloads_total",
     "sluice_queue_consumers",
+    "sluice_circuit_state",
+    "sluice_concurrency_limit",
+    "sluice_paused",
 ];
 
 /// Histograms: queried only through their `_bucket`, `_count` and `_sum` series.

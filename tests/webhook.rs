@@ -100,17 +100,20 @@ async fn on_status_rules_decide_by_code_then_class() {
             .await;
     }
     let client = webhook::client().expect("client builds");
-    let retry =
-        |error: &str| Err(HandlerError::Transient { error: error.into(), retry_after: Some(Duration::from_secs(7)) });
+    // A retried 503 still says the receiver is unwell (issue 13's breaker counts it); a 4xx
+    // retried by a rule does not.
+    let retry = |error: &str, unwell: bool| {
+        Err(HandlerError::Transient { error: error.into(), retry_after: Some(Duration::from_secs(7)), unwell })
+    };
     let dead = |error: &str| Err(HandlerError::permanent(error));
     let cases = [
         (409, Ok(())),
         (302, Ok(())),
-        (202, retry("HTTP 202 (on_status \"202\": retry): no")),
-        (422, retry("HTTP 422 (on_status \"4xx\": retry): no")),
+        (202, retry("HTTP 202 (on_status \"202\": retry): no", false)),
+        (422, retry("HTTP 422 (on_status \"4xx\": retry): no", false)),
         (404, dead("HTTP 404 (on_status \"404\": dead_letter): no")),
         (500, dead("HTTP 500 (on_status \"5xx\": dead_letter): no")),
-        (503, retry("HTTP 503 (on_status \"503\": retry): no")),
+        (503, retry("HTTP 503 (on_status \"503\": retry): no", true)),
         (200, Ok(())),
     ];
     for (status, expected) in cases {
@@ -151,7 +154,11 @@ async fn retry_after_in_seconds_is_passed_on() {
     let result = call_with(ResponseTemplate::new(429).insert_header("Retry-After", "7")).await;
     assert_eq!(
         result,
-        Err(HandlerError::Transient { error: "HTTP 429".to_owned(), retry_after: Some(Duration::from_secs(7)) })
+        Err(HandlerError::Transient {
+            error: "HTTP 429".to_owned(),
+            retry_after: Some(Duration::from_secs(7)),
+            unwell: true
+        })
     );
 }
 
@@ -173,7 +180,7 @@ async fn unusable_retry_after_is_ignored() {
         let result = call_with(ResponseTemplate::new(503).insert_header("Retry-After", value)).await;
         assert_eq!(
             result,
-            Err(HandlerError::Transient { error: "HTTP 503".to_owned(), retry_after: None }),
+            Err(HandlerError::Transient { error: "HTTP 503".to_owned(), retry_after: None, unwell: true }),
             "Retry-After {value:?}"
         );
     }
@@ -192,7 +199,7 @@ async fn a_slow_server_is_a_transient_timeout() {
     .await
     .expect("call honours its own timeout");
 
-    assert_eq!(result, Err(HandlerError::transient("timeout after 200ms")), "{result:?}");
+    assert_eq!(result, Err(HandlerError::unwell("timeout after 200ms", None)), "{result:?}");
 }
 
 #[tokio::test]

@@ -304,9 +304,9 @@ fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
 /// Runs `sluice status`; `admin` names the runners whose held deliveries fill UNACKED.
 pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], format: Format) -> anyhow::Result<()> {
     let config = load(paths)?;
-    let in_flight = if admin.is_empty() { None } else { Some(runners_in_flight(admin).await?) };
+    let runners = if admin.is_empty() { None } else { Some(runners(admin).await?) };
     let status = with_broker!(&broker, |session| {
-        let read = status::read(&session, &config, in_flight.as_ref()).await;
+        let read = status::read(&session, &config, runners.as_ref()).await;
         session.close().await;
         read?
     });
@@ -317,8 +317,8 @@ pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], form
     Ok(())
 }
 
-/// The deliveries each runner holds, by queue, summed over the runners' `/metrics`.
-async fn runners_in_flight(admin: &[String]) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+/// What the runners say of each queue (held deliveries, breaker, pause), over their `/metrics`.
+async fn runners(admin: &[String]) -> anyhow::Result<std::collections::BTreeMap<String, status::Held>> {
     let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
     let mut held = std::collections::BTreeMap::new();
     for addr in admin {
@@ -327,14 +327,14 @@ async fn runners_in_flight(admin: &[String]) -> anyhow::Result<std::collections:
             async { client.get(&url).send().await?.error_for_status()?.text().await }.await.with_context(|| {
                 format!("cannot read the runner's metrics at {url} (is `sluice run --admin {addr}` running?)")
             })?;
-        status::add_in_flight(&text, &mut held);
+        status::add_runner(&text, &mut held);
     }
     Ok(held)
 }
 
 fn status_table(status: &Status) -> String {
-    let header = ["QUEUE", "READY", "UNACKED", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER"];
-    let rows: Vec<[String; 6]> = status
+    let header = ["QUEUE", "READY", "UNACKED", "CONSUMERS", "DEAD-LETTERED", "OLDEST-DEAD-LETTER", "CIRCUIT"];
+    let rows: Vec<[String; 7]> = status
         .queues
         .iter()
         .map(|r| {
@@ -345,6 +345,11 @@ fn status_table(status: &Status) -> String {
                 r.consumers.to_string(),
                 r.dead_lettered.to_string(),
                 r.oldest_dead_letter_age_seconds.map_or("-".into(), age),
+                match (r.circuit, r.paused) {
+                    (_, Some(true)) => "paused".into(),
+                    (Some(circuit), _) => circuit.into(),
+                    (None, _) => "-".into(),
+                },
             ]
         })
         .collect();

@@ -3,6 +3,7 @@
 
 mod dlq;
 mod output;
+mod pause;
 mod publish;
 
 use std::future::Future;
@@ -25,6 +26,7 @@ use crate::dedup::{Location, Store};
 use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
+use crate::runtime::gate::Pauses;
 use crate::topology;
 use crate::{reload, runtime, testing};
 
@@ -125,6 +127,21 @@ enum Command {
         #[arg(long, value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
     },
+    /// Stop consuming a queue in a running runner (in-flight messages finish; the rest wait
+    /// on the broker) until `sluice resume`; kept across reloads.
+    Pause {
+        /// The pipeline queue.
+        queue: String,
+        #[command(flatten)]
+        admin: AdminArg,
+    },
+    /// Consume a paused queue again.
+    Resume {
+        /// The pipeline queue.
+        queue: String,
+        #[command(flatten)]
+        admin: AdminArg,
+    },
     /// Publish messages (JSON envelopes) and wait for the broker to confirm each.
     Publish(publish::Args),
     /// Dry run: print the HTTP request or the command a message would produce.
@@ -141,6 +158,14 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         attempt: u32,
     },
+}
+
+/// Where the running runner's admin endpoint is.
+#[derive(Debug, clap::Args)]
+pub struct AdminArg {
+    /// The runner's admin address (`sluice run --admin HOST:PORT`).
+    #[arg(long = "admin", env = "SLUICE_ADMIN", default_value = "127.0.0.1:9464", value_parser = parse_host_port)]
+    pub addr: String,
 }
 
 /// Where the broker is.
@@ -255,10 +280,21 @@ pub fn main() -> ExitCode {
         }
         Command::Test { paths, format } => test(&paths, format),
         Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads, log_format } => {
-            let options = runtime::Options { shutdown_grace, exit_when_idle, readiness: Readiness::default() };
+            let options = runtime::Options {
+                shutdown_grace,
+                exit_when_idle,
+                readiness: Readiness::default(),
+                pauses: Pauses::default(),
+            };
             let watch = !no_watch;
             let run = run(paths, watch, broker, Location::parse(&dedup), admin, options);
             exit(block_on(threads, log_format, run))
+        }
+        Command::Pause { queue, admin } => {
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, pause::pause(&admin.addr, &queue, true)))
+        }
+        Command::Resume { queue, admin } => {
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, pause::pause(&admin.addr, &queue, false)))
         }
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, publish::publish(args))),
         Command::Render { paths, queue, message, attempt } => {
@@ -362,9 +398,9 @@ async fn run(
         let listener = tokio::net::TcpListener::bind(addr.as_str())
             .await
             .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
-        let (readiness, stop) = (options.readiness.clone(), shutdown.clone());
+        let (readiness, pauses, stop) = (options.readiness.clone(), options.pauses.clone(), shutdown.clone());
         tokio::spawn(async move {
-            if let Err(e) = crate::admin::serve(listener, metrics, readiness, stop).await {
+            if let Err(e) = crate::admin::serve(listener, metrics, readiness, pauses, stop).await {
                 tracing::error!(error = %e, "admin endpoint failed");
             }
         });

@@ -10,8 +10,9 @@ use std::time::Duration;
 use super::diagnostic::{Diagnostic, Severity};
 use super::source::{self, SourceFile, escape_token};
 use super::{
-    Backoff, Binding, CONSUMER_TIMEOUT, Command, Config, Exchange, ExchangeKind, Handler, Idempotency, Jitter,
-    MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook, raw,
+    Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
+    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook,
+    raw,
 };
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
@@ -380,7 +381,16 @@ impl Compiler<'_> {
             bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
         }
 
-        let concurrency = match (q.concurrency, q.ordered) {
+        let (concurrency, adaptive) = match q.concurrency {
+            None => (None, false),
+            Some(raw::Concurrency::Fixed(n)) => (Some(n), false),
+            Some(raw::Concurrency::Limit(l)) => (Some(l.max), l.adaptive),
+        };
+        if adaptive && q.ordered {
+            let message = "an ordered queue handles one message at a time; it cannot have adaptive concurrency";
+            self.error(file, &format!("{base}/concurrency/adaptive"), message);
+        }
+        let concurrency = match (concurrency, q.ordered) {
             (Some(n), true) if n > 1 => {
                 self.error(
                     file,
@@ -393,6 +403,8 @@ impl Compiler<'_> {
             (n, false) => NonZeroU16::new(n.unwrap_or(4)).unwrap_or(NonZeroU16::MIN),
             (Some(n), true) => NonZeroU16::new(n).unwrap_or(NonZeroU16::MIN),
         };
+
+        let circuit_breaker = self.circuit_breaker(file, &format!("{base}/circuit_breaker"), q.circuit_breaker);
 
         let rate_limit = q.rate_limit.as_deref().and_then(|text| {
             // The schema has checked the shape: what fails here is a count past u32::MAX.
@@ -449,6 +461,8 @@ impl Compiler<'_> {
             max_message_bytes,
             payload_schema,
             concurrency,
+            adaptive,
+            circuit_breaker,
             rate_limit,
             ordered: q.ordered,
             handler,
@@ -462,6 +476,31 @@ impl Compiler<'_> {
                 "program": program_source,
             }),
         })
+    }
+
+    /// The breaker's settings, the defaults for those not given; `None` when turned off.
+    fn circuit_breaker(
+        &mut self,
+        file: &SourceFile,
+        base: &str,
+        raw: Option<raw::CircuitBreaker>,
+    ) -> Option<CircuitBreaker> {
+        let d = CircuitBreaker::default();
+        let Some(raw) = raw else { return Some(d) };
+        // The schema has checked the shape (1% to 100%).
+        let failure_rate = raw
+            .failure_rate
+            .as_deref()
+            .and_then(|t| t.strip_suffix('%'))
+            .and_then(|t| t.parse::<u8>().ok())
+            .map_or(d.failure_rate, |percent| f64::from(percent) / 100.0);
+        let breaker = CircuitBreaker {
+            failure_rate,
+            min_calls: raw.min_calls.filter(|n| *n > 0).unwrap_or(d.min_calls),
+            window: self.duration(file, &format!("{base}/window"), raw.window.as_deref(), d.window),
+            open_for: self.duration(file, &format!("{base}/open_for"), raw.open_for.as_deref(), d.open_for),
+        };
+        raw.enabled.unwrap_or(true).then_some(breaker)
     }
 
     /// Warns of each `{{x}}` standing bare in a JSON body where `x` may be a string: the body
@@ -832,5 +871,46 @@ mod tests {
         integral_floats_as_integers(&mut v);
         assert_eq!(v, serde_json::json!({"a": 8, "b": [2.5, 1000], "c": 1e30, "d": 7, "e": "8.0"}));
         assert!(v["a"].is_i64());
+    }
+
+    /// Issue 13: the breaker is on with its defaults unless turned off; given values replace
+    /// the defaults one by one; concurrency is a number or {max, adaptive}.
+    #[test]
+    fn circuit_breaker_and_concurrency_forms() {
+        let d = CircuitBreaker::default();
+        let s = Duration::from_secs;
+        let cases = [
+            ("", Some(d), 4, false),
+            ("    circuit_breaker: {enabled: false}\n", None, 4, false),
+            (
+                "    circuit_breaker: {failure_rate: 25%, window: 1m}\n",
+                Some(CircuitBreaker { failure_rate: 0.25, window: s(60), ..d }),
+                4,
+                false,
+            ),
+            (
+                "    circuit_breaker: {enabled: true, min_calls: 5, open_for: 5s}\n",
+                Some(CircuitBreaker { min_calls: 5, open_for: s(5), ..d }),
+                4,
+                false,
+            ),
+            ("    concurrency: 8\n", Some(d), 8, false),
+            ("    concurrency: {max: 64, adaptive: true}\n", Some(d), 64, true),
+            ("    concurrency: {max: 16}\n", Some(d), 16, false),
+        ];
+        for (extra, breaker, concurrency, adaptive) in cases {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let yaml =
+                format!("version: 1\nqueues:\n  work:\n    handler: {{webhook: {{url: \"http://h/x\"}}}}\n{extra}");
+            std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+            let validation = super::super::load(&[dir.path().to_path_buf()]);
+            let config = validation.config.unwrap_or_else(|| panic!("{extra}: {:?}", validation.diagnostics));
+            let q = &config.queues["work"];
+            assert_eq!(
+                (q.circuit_breaker, q.concurrency.get(), q.adaptive),
+                (breaker, concurrency, adaptive),
+                "{extra}"
+            );
+        }
     }
 }

@@ -104,7 +104,12 @@ pub struct Queue {
     /// A bigger body is dead-lettered as `too_large`, unparsed.
     pub max_message_bytes: usize,
     pub payload_schema: Option<PayloadSchema>,
+    /// Prefetch, and the most handlers in flight at once.
     pub concurrency: NonZeroU16,
+    /// The in-flight limit follows the receiver (AIMD), up to `concurrency`.
+    pub adaptive: bool,
+    /// `None` when turned off (`enabled: false`).
+    pub circuit_breaker: Option<CircuitBreaker>,
     pub rate_limit: Option<RateLimit>,
     pub ordered: bool,
     pub handler: Handler,
@@ -132,6 +137,29 @@ pub struct PayloadSchema {
 impl std::fmt::Debug for PayloadSchema {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PayloadSchema").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+/// When a queue stops consuming because its receiver is unwell.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CircuitBreaker {
+    /// The share (0 to 1) of calls in the window that must say "unwell" to open.
+    pub failure_rate: f64,
+    /// Calls in the window before it may open.
+    pub min_calls: u32,
+    pub window: Duration,
+    /// How long it stays open the first time; doubled on each failed probe, up to ten times.
+    pub open_for: Duration,
+}
+
+impl Default for CircuitBreaker {
+    fn default() -> Self {
+        CircuitBreaker {
+            failure_rate: 0.5,
+            min_calls: 20,
+            window: Duration::from_secs(30),
+            open_for: Duration::from_secs(30),
+        }
     }
 }
 

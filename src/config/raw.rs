@@ -48,7 +48,8 @@ pub struct Queue {
     /// Bytes as an integer, or text with a unit (`16MiB`).
     pub max_message_bytes: Option<serde_json::Value>,
     pub payload_schema: Option<String>,
-    pub concurrency: Option<u16>,
+    pub concurrency: Option<Concurrency>,
+    pub circuit_breaker: Option<CircuitBreaker>,
     pub rate_limit: Option<String>,
     #[serde(default)]
     pub ordered: bool,
@@ -62,6 +63,33 @@ pub struct Queue {
     pub idempotency: Idempotency,
     #[serde(default)]
     pub dead_letter: DeadLetter,
+}
+
+/// `concurrency: 8`, or `concurrency: {max: 64, adaptive: true}`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Concurrency {
+    Fixed(u16),
+    Limit(ConcurrencyLimit),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConcurrencyLimit {
+    pub max: u16,
+    #[serde(default)]
+    pub adaptive: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitBreaker {
+    pub enabled: Option<bool>,
+    /// `50%`.
+    pub failure_rate: Option<String>,
+    pub min_calls: Option<u32>,
+    pub window: Option<String>,
+    pub open_for: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

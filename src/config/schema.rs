@@ -145,6 +145,10 @@ fn diagnostics(schema: &Value, file: &SourceFile, error: &ValidationError<'_>) -
             }
             vec![file.diag(Severity::Error, &pointer, message)]
         }
+        ValidationErrorKind::Pattern { .. } if schema_path.contains("failure_rate") => {
+            let message = format!("{} is not a percentage from 1% to 100%", error.instance());
+            vec![file.diag(Severity::Error, &pointer, message)]
+        }
         ValidationErrorKind::Required { property } => {
             let message = format!("missing required key {property}");
             vec![file.diag(Severity::Error, &pointer, message)]

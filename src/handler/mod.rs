@@ -27,6 +27,10 @@ pub enum HandlerError {
         error: String,
         /// The earliest the server wants to hear from us again.
         retry_after: Option<Duration>,
+        /// The failure says the receiver itself is unwell (no connection, a timeout, 429, 502,
+        /// 503, 504) rather than that this one message failed: what the circuit breaker and
+        /// adaptive concurrency count.
+        unwell: bool,
     },
     /// Retrying cannot help: dead-letter at once.
     #[error("{error}")]
@@ -37,9 +41,28 @@ pub enum HandlerError {
 }
 
 impl HandlerError {
-    /// A transient failure without a server hint.
+    /// A transient failure of this call alone, without a server hint.
     pub fn transient(error: impl Into<String>) -> Self {
-        Self::Transient { error: error.into(), retry_after: None }
+        Self::Transient { error: error.into(), retry_after: None, unwell: false }
+    }
+
+    /// A transient failure that says the receiver is unwell.
+    pub fn unwell(error: impl Into<String>, retry_after: Option<Duration>) -> Self {
+        Self::Transient { error: error.into(), retry_after, unwell: true }
+    }
+
+    /// The same failure, saying whether the receiver is unwell (a transient one only: a
+    /// failure dead-lettered at once, by a rule or by its class, feeds no breaker).
+    pub fn with_unwell(self, unwell: bool) -> Self {
+        match self {
+            Self::Transient { error, retry_after, .. } => Self::Transient { error, retry_after, unwell },
+            permanent => permanent,
+        }
+    }
+
+    /// Whether the failure says the receiver is unwell.
+    pub fn is_unwell(&self) -> bool {
+        matches!(self, Self::Transient { unwell: true, .. })
     }
 
     /// A permanent failure.
@@ -50,7 +73,7 @@ impl HandlerError {
     /// The handler did not finish within `timeout`: always worth another try.
     pub fn timeout(timeout: Duration) -> Self {
         // Debug prints durations as written in config: `60s`, `250ms`, `1.5s`.
-        Self::transient(format!("timeout after {timeout:?}"))
+        Self::unwell(format!("timeout after {timeout:?}"), None)
     }
 }
 

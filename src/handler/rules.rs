@@ -100,7 +100,7 @@ impl Verdict {
         let error = || with_excerpt(prefix, excerpt());
         match self.action {
             Action::Success => Ok(()),
-            Action::Retry => Err(HandlerError::Transient { error: error(), retry_after }),
+            Action::Retry => Err(HandlerError::Transient { error: error(), retry_after, unwell: false }),
             Action::DeadLetter => Err(HandlerError::permanent(error())),
         }
     }
@@ -154,6 +154,7 @@ mod tests {
                 Err(HandlerError::Transient {
                     error: "HTTP 404 (on_status \"4xx\": retry): not here".into(),
                     retry_after: hint,
+                    unwell: false,
                 }),
             ),
         ];

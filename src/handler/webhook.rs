@@ -100,7 +100,9 @@ pub(crate) fn outcome(
     retry_after: Option<Duration>,
     body: &[u8],
 ) -> Result<(), HandlerError> {
-    classify(status, on_status).result(format!("HTTP {status}"), "on_status", || head_excerpt(body), retry_after)
+    classify(status, on_status)
+        .result(format!("HTTP {status}"), "on_status", || head_excerpt(body), retry_after)
+        .map_err(|e| e.with_unwell(says_unwell(status)))
 }
 
 /// Turns the rendered parts into a request, rejecting what no retry could fix.
@@ -131,9 +133,10 @@ fn send_error(error: &reqwest::Error) -> HandlerError {
     if error.is_builder() {
         HandlerError::permanent(format!("invalid request: {}", cause(error)))
     } else if error.is_connect() {
-        HandlerError::transient(format!("connect error: {}", cause(error)))
+        HandlerError::unwell(format!("connect error: {}", cause(error)), None)
     } else {
-        HandlerError::transient(format!("request error: {}", cause(error)))
+        // The connection broke mid-exchange: as much the receiver's trouble as a refused one.
+        HandlerError::unwell(format!("request error: {}", cause(error)), None)
     }
 }
 
@@ -176,6 +179,12 @@ pub(crate) fn classify(status: u16, on_status: &Rules) -> Verdict {
         // Other 4xx and 3xx, and 1xx, which reqwest never returns as a final response.
         _ => Action::DeadLetter,
     })
+}
+
+/// Statuses that say the receiver (or what stands in front of it) is overloaded or down,
+/// rather than that this one request failed.
+fn says_unwell(status: u16) -> bool {
+    matches!(status, 429 | 502 | 503 | 504)
 }
 
 /// Parses `Retry-After` (delta-seconds or an HTTP-date); a date already past is no hint.
@@ -338,6 +347,18 @@ mod tests {
         ];
         for (status, expected) in cases {
             assert_eq!(classify(status, &rules), expected, "status {status}");
+        }
+    }
+
+    /// Issue 13: only statuses that say the receiver is unwell feed the circuit breaker; a
+    /// 4xx for one bad message, or a 500 from one that crashed its handler, does not.
+    #[test]
+    fn unwell_statuses_are_overload_and_gateway_failures() {
+        for code in [200, 400, 404, 408, 422, 425, 500, 501, 505, 599] {
+            assert!(!says_unwell(code), "status {code}");
+        }
+        for code in [429, 502, 503, 504] {
+            assert!(says_unwell(code), "status {code}");
         }
     }
 

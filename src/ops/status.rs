@@ -2,7 +2,8 @@
 //! plugin needed): ready messages, consumers, the dead-letter queue's depth and how long its
 //! oldest message has waited, and the retries waiting in the shared delay queues. RabbitMQ
 //! does not tell unacknowledged counts over AMQP: those come from the runners themselves,
-//! the `sluice_in_flight` gauge of each `/metrics` named with `--admin`.
+//! the `sluice_in_flight` gauge of each `/metrics` named with `--admin`, as do each queue's
+//! circuit breaker state (`sluice_circuit_state`) and whether it is paused (`sluice_paused`).
 
 use std::collections::BTreeMap;
 
@@ -24,6 +25,31 @@ pub struct Row {
     pub dead_lettered: u32,
     /// Seconds since the oldest dead-lettered message failed.
     pub oldest_dead_letter_age_seconds: Option<u64>,
+    /// The circuit breaker (closed, half-open, open; the worst of the named runners'); None
+    /// without runners.
+    pub circuit: Option<&'static str>,
+    /// Paused by hand in any of the named runners; None without runners.
+    pub paused: Option<bool>,
+}
+
+/// What the named runners say of one queue, summed or worst over them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Held {
+    /// Deliveries held (received, not yet acked).
+    pub in_flight: u64,
+    /// The highest `sluice_circuit_state` (0 closed, 1 half-open, 2 open).
+    pub circuit: f64,
+    pub paused: bool,
+}
+
+impl Held {
+    fn circuit_name(&self) -> &'static str {
+        match self.circuit {
+            c if c >= 2.0 => "open",
+            c if c >= 1.0 => "half-open",
+            _ => "closed",
+        }
+    }
 }
 
 /// Every queue, and the retries waiting (RabbitMQ holds them in delay queues shared by all
@@ -34,12 +60,12 @@ pub struct Status {
     pub retries_waiting: u32,
 }
 
-/// Reads the status of every queue in `config`; `in_flight` is what the runners hold, by queue
+/// Reads the status of every queue in `config`; `runners` is what the runners say, by queue
 /// (None when no runner was asked).
 pub async fn read<B: Broker>(
     broker: &B,
     config: &Config,
-    in_flight: Option<&BTreeMap<String, u64>>,
+    runners: Option<&BTreeMap<String, Held>>,
 ) -> Result<Status, BrokerError> {
     let mut queues = Vec::new();
     for q in config.queues.values() {
@@ -49,29 +75,41 @@ pub async fn read<B: Broker>(
             0 => None,
             _ => dlq::head(broker, &q.dead_letter).await?.and_then(|e| e.age_seconds),
         };
+        let held = runners.map(|r| r.get(&q.name).copied().unwrap_or_default());
         queues.push(Row {
             queue: q.name.clone(),
             ready: stats.ready,
             consumers: stats.consumers,
-            unacked: in_flight.map(|held| held.get(&q.name).copied().unwrap_or(0)),
+            unacked: held.map(|h| h.in_flight),
             dead_letter_queue: q.dead_letter.clone(),
             dead_lettered,
             oldest_dead_letter_age_seconds: oldest,
+            circuit: held.map(|h| h.circuit_name()),
+            paused: held.map(|h| h.paused),
         });
     }
     Ok(Status { queues, retries_waiting: broker.delayed().await? })
 }
 
-/// Adds the `sluice_in_flight{queue="..."}` samples of one runner's `/metrics` text to `held`.
-/// Queue names are plain (validate allows no quotes or backslashes), so no label unescaping.
-pub fn add_in_flight(metrics: &str, held: &mut BTreeMap<String, u64>) {
+/// Adds what one runner's `/metrics` text says of each queue (`sluice_in_flight`,
+/// `sluice_circuit_state`, `sluice_paused`) to `held`. Queue names are plain (validate allows
+/// no quotes or backslashes), so no label unescaping.
+pub fn add_runner(metrics: &str, held: &mut BTreeMap<String, Held>) {
     for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix("sluice_in_flight{") else { continue };
+        let Some((name, rest)) = line.split_once('{') else { continue };
         let Some((labels, value)) = rest.rsplit_once("} ") else { continue };
         let queue = labels.split(',').find_map(|l| l.strip_prefix("queue=\"")?.strip_suffix('"'));
-        if let (Some(queue), Ok(value)) = (queue, value.trim().parse::<f64>()) {
+        let (Some(queue), Ok(value)) = (queue, value.trim().parse::<f64>()) else { continue };
+        if !matches!(name, "sluice_in_flight" | "sluice_circuit_state" | "sluice_paused") {
+            continue;
+        }
+        let entry = held.entry(queue.to_string()).or_default();
+        match name {
             // A gauge of whole deliveries; a negative or fractional value would be a bug upstream.
-            *held.entry(queue.to_string()).or_default() += value.max(0.0) as u64;
+            "sluice_in_flight" => entry.in_flight += value.max(0.0) as u64,
+            "sluice_circuit_state" => entry.circuit = entry.circuit.max(value),
+            "sluice_paused" => entry.paused |= value >= 1.0,
+            _ => {}
         }
     }
 }
@@ -80,15 +118,22 @@ pub fn add_in_flight(metrics: &str, held: &mut BTreeMap<String, u64>) {
 mod tests {
     use std::collections::BTreeMap;
 
+    use super::Held;
+
     #[test]
-    fn in_flight_is_summed_by_queue_across_runners() {
+    fn runners_are_summed_or_worst_by_queue() {
         let a = "# HELP sluice_in_flight Deliveries being handled.\n# TYPE sluice_in_flight gauge\n\
                  sluice_in_flight{queue=\"orders.charge\"} 3\nsluice_in_flight{queue=\"orders.email\"} 0\n\
-                 sluice_in_flight_other{queue=\"x\"} 9\nsluice_queue_depth{queue=\"orders.charge\"} 7\n";
-        let b = "sluice_in_flight{queue=\"orders.charge\"} 2\nsluice_in_flight{queue=\"broken\"} nonsense\n";
+                 sluice_in_flight_other{queue=\"x\"} 9\nsluice_queue_depth{queue=\"orders.charge\"} 7\n\
+                 sluice_circuit_state{queue=\"orders.charge\"} 1\nsluice_paused{queue=\"orders.email\"} 0\n";
+        let b = "sluice_in_flight{queue=\"orders.charge\"} 2\nsluice_in_flight{queue=\"broken\"} nonsense\n\
+                 sluice_circuit_state{queue=\"orders.charge\"} 2\nsluice_paused{queue=\"orders.email\"} 1\n";
         let mut held = BTreeMap::new();
-        super::add_in_flight(a, &mut held);
-        super::add_in_flight(b, &mut held);
-        assert_eq!(held, BTreeMap::from([("orders.charge".to_string(), 5), ("orders.email".to_string(), 0)]));
+        super::add_runner(a, &mut held);
+        super::add_runner(b, &mut held);
+        let charge = Held { in_flight: 5, circuit: 2.0, paused: false };
+        let email = Held { in_flight: 0, circuit: 0.0, paused: true };
+        assert_eq!(held, BTreeMap::from([("orders.charge".to_string(), charge), ("orders.email".to_string(), email)]));
+        assert_eq!((charge.circuit_name(), email.circuit_name()), ("open", "closed"));
     }
 }

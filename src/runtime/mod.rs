@@ -6,8 +6,11 @@
 //!
 //! Generic over [`Broker`]: nothing here knows RabbitMQ.
 
+mod aimd;
 pub mod backoff;
+mod breaker;
 mod events;
+pub mod gate;
 pub mod outcome;
 pub mod worker;
 
@@ -28,6 +31,7 @@ use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
+use gate::Pauses;
 use worker::{Activity, Worker};
 
 /// How `run` behaves beyond the config.
@@ -39,6 +43,8 @@ pub struct Options {
     pub exit_when_idle: bool,
     /// Set while connected and consuming (`/readyz`).
     pub readiness: Readiness,
+    /// The queues paused by hand (through the admin endpoint); kept across reloads.
+    pub pauses: Pauses,
 }
 
 /// Why `run` stopped with an error.
@@ -63,6 +69,7 @@ struct Shared {
     activity: Arc<Activity>,
     store: Option<Store>,
     grace: Duration,
+    pauses: Pauses,
 }
 
 /// A queue being consumed: its worker task and the token that stops it.
@@ -97,6 +104,8 @@ impl<B: Broker> Running<B> {
         self.broker.declare(&topology::plan(&new)).await?;
         let stopping: Vec<RunningQueue> = diff.to_stop().filter_map(|name| self.queues.remove(name)).collect();
         futures_util::future::join_all(stopping.into_iter().map(RunningQueue::drain)).await;
+        // Pauses outlive the workers: a reload keeps a paused queue paused.
+        self.shared.pauses.keep(new.queues.keys());
         for name in diff.to_start() {
             let worker = Arc::new(Worker::new(
                 new.clone(),
@@ -104,6 +113,7 @@ impl<B: Broker> Running<B> {
                 self.shared.client.clone(),
                 self.shared.activity.clone(),
                 self.shared.store.clone(),
+                &self.shared.pauses,
             ));
             let stop = CancellationToken::new();
             let (broker, lost, token, grace) =
@@ -150,7 +160,13 @@ where
 {
     let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
     let activity = Arc::new(Activity::default());
-    let shared = Arc::new(Shared { client, activity: activity.clone(), store, grace: options.shutdown_grace });
+    let shared = Arc::new(Shared {
+        client,
+        activity: activity.clone(),
+        store,
+        grace: options.shutdown_grace,
+        pauses: options.pauses.clone(),
+    });
     let (current, _) = watch::channel(config);
     // Across sessions, so that a reconnect does not repeat the warning about a dead-letter queue.
     let depth_events = Arc::new(std::sync::Mutex::new(events::DepthEvents::new(events::DLQ_WARN_INTERVAL)));

@@ -57,7 +57,7 @@ pub fn disposition(q: &Queue, result: Result<(), HandlerError>, attempt: u32) ->
         Err(HandlerError::Transient { error, .. }) if attempt >= q.retry.max_attempts.get() => {
             Disposition::DeadLetter { reason: Reason::Exhausted, error, attempts: attempt }
         }
-        Err(HandlerError::Transient { error, retry_after }) => {
+        Err(HandlerError::Transient { error, retry_after, .. }) => {
             let after = backoff::retry_delay(&q.retry, attempt + 1, retry_after, &mut rand::rng());
             Disposition::Retry { next: attempt + 1, after, error }
         }

@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::gate::{self, Pauses};
 use super::{Options, Reload, RunError, run};
 use crate::admin::Readiness;
 use crate::broker::embedded::Embedded;
@@ -214,6 +215,7 @@ struct Runner<B: Broker = Memory> {
     reloads: mpsc::UnboundedSender<Reload>,
     shutdown: CancellationToken,
     readiness: Readiness,
+    pauses: Pauses,
     task: JoinHandle<Result<(), RunError>>,
 }
 
@@ -238,7 +240,13 @@ impl<B: Broker> Runner<B> {
         let (reloads, received) = mpsc::unbounded_channel();
         let shutdown = CancellationToken::new();
         let readiness = Readiness::default();
-        let options = Options { shutdown_grace: grace, exit_when_idle: false, readiness: readiness.clone() };
+        let pauses = Pauses::default();
+        let options = Options {
+            shutdown_grace: grace,
+            exit_when_idle: false,
+            readiness: readiness.clone(),
+            pauses: pauses.clone(),
+        };
         let session = broker.clone();
         let connect = move || {
             let session = session.clone();
@@ -246,7 +254,7 @@ impl<B: Broker> Runner<B> {
         };
         let task = tokio::spawn(run(config, connect, store, options, received, shutdown.clone()));
         wait_until("every queue has a consumer", || queues.iter().all(|q| look.consumers(q) == 1)).await;
-        Runner { memory: broker, look, reloads, shutdown, readiness, task }
+        Runner { memory: broker, look, reloads, shutdown, readiness, pauses, task }
     }
 
     async fn publish(&self, queue: &str, body: Vec<u8>) {
@@ -680,4 +688,64 @@ async fn shutdown<B: Broker>(new: NewBroker<B>) {
         );
         assert!(look.messages("work.dlq").is_empty(), "{what}: nothing dead-lettered");
     }
+}
+
+/// Issue 13: when the breaker opens, the queue stops consuming; what the worker had taken and
+/// not started goes back unattempted (a delayed copy, same attempt), the calls already made
+/// are retried as usual, and nothing is dead-lettered or lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_stops_consuming_and_hands_back_unattempted() {
+    let pipeline = Pipeline::new();
+    // Port 9 refuses connections: every call says the receiver is unwell.
+    let queue = "    concurrency: 4\n    circuit_breaker: {failure_rate: 100%, min_calls: 1, open_for: 1h}\n    \
+                 retry: {max_attempts: 3, initial: 1ms, max: 5ms}\n    \
+                 handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n"
+        .to_string();
+    let runner = Runner::start(pipeline.config(&[("work", queue)]), None, GRACE).await;
+    for i in 0..10 {
+        runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
+    }
+    wait_until("the consumer is gone and nothing is held", || {
+        runner.look.consumers("work") == 0 && runner.look.unacked("work") == 0
+    })
+    .await;
+    // Retries of the calls made come back at once (5 ms); hand-backs wait out the opening.
+    let attempt = |m: &Message| m.header("x-sluice-attempt").unwrap_or_default();
+    wait_until("the call that opened it is back in the queue as a retry", || {
+        let ready = runner.look.messages("work");
+        ready.len() + runner.look.delayed() as usize == 10 && ready.iter().any(|m| attempt(m) == "2")
+    })
+    .await;
+    let attempts: Vec<String> = runner.look.messages("work").iter().map(attempt).collect();
+    let retried = attempts.iter().filter(|a| a.as_str() == "2").count();
+    assert!((1..=4).contains(&retried), "at most one call per slot before it opened: {attempts:?}");
+    assert!(attempts.iter().all(|a| a.as_str() != "3"), "{attempts:?}");
+    assert!(runner.look.messages("work.dlq").is_empty());
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok());
+}
+
+/// Issue 13: a queue paused by hand stops consuming, stays paused through a reload that
+/// restarts its worker, and handles everything once resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_queue_stays_paused_across_a_reload_and_resumes() {
+    let pipeline = Pipeline::new();
+    let runs = pipeline.file("runs");
+    let queue = |concurrency: u16| command(RECORD, &[&runs], &format!("    concurrency: {concurrency}\n"));
+    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), None, GRACE).await;
+    assert_eq!(runner.pauses.set("work", true), Ok(true));
+    assert_eq!(runner.pauses.set("nope", true), Err(gate::UnknownQueue("nope".into())));
+    wait_until("the consumer is gone", || runner.look.consumers("work") == 0).await;
+    for i in 0..5 {
+        runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
+    }
+    let diff = runner.reload(pipeline.config(&[("work", queue(3))])).await.expect("reload");
+    assert_eq!(diff.changed, names(&["work"]));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!((runner.look.consumers("work"), runner.depth("work")), (0, 5));
+    assert!(pipeline.lines("runs").is_empty());
+    assert_eq!(runner.pauses.set("work", false), Ok(true));
+    wait_until("all five handled", || runner.settled("work") && pipeline.lines("runs").len() == 5).await;
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok());
 }

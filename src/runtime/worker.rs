@@ -1,5 +1,6 @@
-//! One worker per queue: consume with prefetch = concurrency, run each delivery through
-//! decode → schema → render → rate limit → handler, turn the result into exactly one
+//! One worker per queue: consume with prefetch = concurrency (none while paused or its
+//! circuit breaker is open, one while half-open), run each delivery through decode → schema →
+//! render → gate (pause, breaker, in-flight limit) → rate limit → handler, turn the result into exactly one
 //! [`Disposition`], make it durable (a confirmed retry or dead-letter copy), then ack.
 //!
 //! A delivery whose copy is not confirmed is never acked: the worker keeps retrying the
@@ -22,11 +23,13 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, error, info, warn};
 
 use super::events::{self, QueueEvents, Totals};
+use super::gate::{Admission, Changes, Gate, Mode, Pauses, Permit};
 use super::{backoff, outcome};
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
 use crate::dedup::{Claim, Store};
 use crate::envelope;
+use crate::handler::HandlerError;
 use crate::handler::call::{self, Call};
 use crate::trace;
 
@@ -133,6 +136,8 @@ pub struct Worker {
     activity: Arc<Activity>,
     store: Option<Store>,
     events: QueueEvents,
+    /// Whether to consume, and how many handlers may run.
+    gate: Gate,
 }
 
 impl Worker {
@@ -143,13 +148,16 @@ impl Worker {
         client: reqwest::Client,
         activity: Arc<Activity>,
         store: Option<Store>,
+        pauses: &Pauses,
     ) -> Worker {
         let limiter = config.queues.get(name).and_then(|q| q.rate_limit).and_then(|r| {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
         let events = QueueEvents::new(name, activity.clone());
-        Worker { config, name: name.to_string(), limiter, client, activity, store, events }
+        // Workers are only made for queues of their config.
+        let gate = Gate::new(&config.queues[name], pauses);
+        Worker { config, name: name.to_string(), limiter, client, activity, store, events, gate }
     }
 
     fn queue(&self) -> &Queue {
@@ -159,26 +167,74 @@ impl Worker {
 
     /// Consumes until `stop`, then drains: no new deliveries, those already delivered are
     /// finished within `grace` (counted from `stop`), and whatever is still unsettled then is
-    /// handed back to the broker. Returns an error only when the session is lost.
+    /// handed back to the broker. While the queue is paused or its breaker open it does not
+    /// consume at all. Returns an error only when the session is lost.
     pub async fn run<B: Broker>(
         self: Arc<Self>,
         broker: B,
         stop: CancellationToken,
         grace: Duration,
     ) -> Result<(), BrokerError> {
+        let mut changes = self.gate.changes();
+        loop {
+            match self.gate.mode() {
+                Mode::Consume { prefetch } => {
+                    if self.clone().consume(&broker, prefetch, &stop, grace, &mut changes).await? {
+                        return Ok(());
+                    }
+                }
+                Mode::Idle { until } => {
+                    let opening_ends = async {
+                        match until {
+                            Some(at) => tokio::time::sleep_until(at).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        _ = stop.cancelled() => return Ok(()),
+                        () = changes.next() => {}
+                        () = opening_ends => self.gate.tick(),
+                    }
+                }
+            }
+        }
+    }
+
+    /// One consumer with `prefetch`, until `stop` (true) or until the gate's mode changes
+    /// (false); drains either way.
+    async fn consume<B: Broker>(
+        self: Arc<Self>,
+        broker: &B,
+        prefetch: u16,
+        stop: &CancellationToken,
+        grace: Duration,
+        changes: &mut Changes,
+    ) -> Result<bool, BrokerError> {
         let queue = self.queue();
-        let (mut deliveries, consumer) = broker.consume(&queue.name, queue.concurrency.get()).await?;
-        info!(queue = %queue.name, concurrency = queue.concurrency.get(), "consuming");
+        let (mut deliveries, consumer) = broker.consume(&queue.name, prefetch).await?;
+        info!(queue = %queue.name, prefetch, adaptive = queue.adaptive, "consuming");
         let tracker = TaskTracker::new();
         let (acks, ack_events) = mpsc::unbounded_channel();
         let acker = tokio::spawn(self.clone().ack_loop(consumer.clone(), ack_events));
         let mut deadline = None;
+        let mut cancelled = false;
         let result = loop {
             tokio::select! {
                 _ = stop.cancelled(), if deadline.is_none() => {
                     deadline = Some(tokio::time::Instant::now() + grace);
-                    if let Err(e) = consumer.cancel().await {
-                        break Err(e);
+                    if !cancelled {
+                        cancelled = true;
+                        if let Err(e) = consumer.cancel().await {
+                            break Err(e);
+                        }
+                    }
+                }
+                () = changes.next(), if !cancelled => {
+                    if self.gate.mode() != (Mode::Consume { prefetch }) {
+                        cancelled = true;
+                        if let Err(e) = consumer.cancel().await {
+                            break Err(e);
+                        }
                     }
                 }
                 item = deliveries.next() => match item {
@@ -207,24 +263,38 @@ impl Worker {
                         }.instrument(exported).instrument(logged));
                     }
                     Some(Err(e)) => break Err(e),
-                    None if deadline.is_some() => break Ok(()),
+                    None if cancelled => break Ok(()),
                     None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name))),
                 }
             }
         };
         drop(acks);
-        if let (Ok(()), Some(deadline)) = (&result, deadline) {
+        if result.is_ok() {
             tracker.close();
-            if tokio::time::timeout_at(deadline, tracker.wait()).await.is_err() {
-                warn!(queue = %queue.name, ?grace, "grace expired with handlers still running; their messages go back to the broker");
-            }
+            // Without a stop, in-flight handlers finish in their own time (their timeout bounds
+            // it); once stopped, within the grace.
+            let expired = async {
+                stop.cancelled().await;
+                tokio::time::sleep_until(deadline.unwrap_or_else(|| tokio::time::Instant::now() + grace)).await;
+            };
+            tokio::pin!(expired);
+            let in_time = tokio::select! {
+                () = tracker.wait() => true,
+                () = &mut expired => {
+                    warn!(queue = %queue.name, ?grace, "grace expired with handlers still running; their messages go back to the broker");
+                    false
+                }
+            };
             // The acks of what finished go out before the rest is handed back.
-            if tokio::time::timeout_at(deadline, acker).await.is_err() {
-                warn!(queue = %queue.name, "acks not sent within the grace; those messages go back to the broker");
+            if in_time {
+                tokio::select! {
+                    _ = acker => {}
+                    () = &mut expired => warn!(queue = %queue.name, "acks not sent within the grace; those messages go back to the broker"),
+                }
             }
         }
         consumer.close().await;
-        result
+        result.map(|()| stop.is_cancelled())
     }
 
     /// Decides what happens to a delivery. Whatever goes wrong in here, a panic included, ends
@@ -260,13 +330,17 @@ impl Worker {
             Ok(prepared) => prepared,
             Err(disposition) => return disposition,
         };
-        // The wait holds no claim: a lease taken before it could run out while the message
+        // The waits hold no claim: a lease taken before them could run out while the message
         // waits, and let a duplicate run beside it.
+        let permit = match self.gate.admit().await {
+            Admission::Run(permit) => permit,
+            Admission::HandBack { after, why } => return Disposition::Wait { attempt, after, why: why.into() },
+        };
         if let Some(limiter) = &self.limiter {
             limiter.until_ready().await;
         }
         let (Some(_), Some(store)) = (&q.idempotency, &self.store) else {
-            return self.handle(call, attempt).await;
+            return self.handle(call, attempt, permit).await;
         };
         match store.claim(&q.name, &key, lease(q)).await {
             Ok(Claim::Claimed) => {}
@@ -280,7 +354,7 @@ impl Worker {
                 return Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") };
             }
         }
-        match self.handle(call, attempt).await {
+        match self.handle(call, attempt, permit).await {
             Disposition::Ack => Disposition::Completed { key },
             other => {
                 if let Err(e) = store.release(&q.name, &key).await {
@@ -311,11 +385,14 @@ impl Worker {
         }
     }
 
-    /// Runs the handler's call and classifies the result.
-    async fn handle(&self, call: Call, attempt: u32) -> Disposition {
+    /// Runs the handler's call under its gate permit, tells the gate how it went, and
+    /// classifies the result.
+    async fn handle(&self, call: Call, attempt: u32, permit: Permit<'_>) -> Disposition {
         let started = Instant::now();
         let result = call::execute(call, &self.client).await;
-        self.events.handler_ran(started.elapsed());
+        let rtt = started.elapsed();
+        self.events.handler_ran(rtt);
+        permit.finish(rtt, result.as_ref().is_err_and(HandlerError::is_unwell));
         outcome::disposition(self.queue(), result, attempt)
     }
 
@@ -453,7 +530,7 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
         let client = crate::handler::webhook::client().expect("client");
-        let worker = Worker::new(Arc::new(config), "work", client, Arc::default(), None);
+        let worker = Worker::new(Arc::new(config), "work", client, Arc::default(), None, &Pauses::default());
         let disposition = worker.decide(&Panicking, &tracing::Span::none()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {
             panic!("not dead-lettered: {disposition:?}");

@@ -371,6 +371,19 @@ pub async fn drain_messages(url: &str, queue: &str) -> Vec<Drained> {
     out
 }
 
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// A runner's gauge `metric{queue="QUEUE"}` from its `/metrics` at `admin` (HOST:PORT); None
+/// while the endpoint or the sample is not there.
+pub async fn gauge(admin: &str, metric: &str, queue: &str) -> Option<f64> {
+    let text = reqwest::get(format!("http://{admin}/metrics")).await.ok()?.text().await.ok()?;
+    let prefix = format!("{metric}{{queue=\"{queue}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+}
+
 /// Polls `check` until it returns true or the deadline passes (then panics with `what`).
 pub async fn wait_until<F, Fut>(deadline: Duration, what: &str, mut check: F)
 where
@@ -519,6 +532,8 @@ pub struct Hit {
     pub body: Vec<u8>,
     /// The status it was (or, while a delayed reply is pending, will be) answered with.
     pub status: u16,
+    /// Requests in flight at the receiver when it arrived, itself included.
+    pub in_flight: usize,
 }
 
 impl Hit {
@@ -583,6 +598,9 @@ type Responder = dyn Fn(&Hit, usize) -> Reply + Send + Sync;
 
 struct ReceiverState {
     hits: Mutex<Vec<Hit>>,
+    /// Requests so far per `Idempotency-Key` (a scan of `hits` per request would make a long
+    /// run quadratic).
+    per_key: Mutex<std::collections::HashMap<String, usize>>,
     in_flight: std::sync::atomic::AtomicUsize,
     max_in_flight: std::sync::atomic::AtomicUsize,
     respond: Box<Responder>,
@@ -607,6 +625,7 @@ impl Receiver {
         let uri = format!("http://{}", listener.local_addr().expect("local addr"));
         let state = Arc::new(ReceiverState {
             hits: Default::default(),
+            per_key: Default::default(),
             in_flight: Default::default(),
             max_in_flight: Default::default(),
             respond: Box::new(respond),
@@ -696,10 +715,16 @@ impl ReceiverState {
                 .collect(),
             body,
             status: 0,
+            in_flight: now,
         };
         let reply = {
             let mut hits = self.hits.lock().expect("hits lock");
-            let earlier = hits.iter().filter(|h| h.key() == hit.key()).count();
+            let earlier = {
+                let mut per_key = self.per_key.lock().expect("per-key lock");
+                let count = per_key.entry(hit.key().to_string()).or_default();
+                *count += 1;
+                *count - 1
+            };
             let reply = (self.respond)(&hit, earlier);
             hit.status = reply.status;
             hits.push(hit);

@@ -1,0 +1,340 @@
+//! What decides whether one queue consumes, and how many of its deliveries run at once: the
+//! hand-set pause ([`Pauses`], kept by the runner across reloads), the circuit breaker
+//! ([`breaker`](super::breaker)) and the in-flight limit, fixed or adaptive
+//! ([`aimd`](super::aimd)).
+//!
+//! The worker asks [`Gate::mode`] whether to consume (and with what prefetch) and waits on
+//! [`Gate::changes`]; each delivery asks [`Gate::admit`] before its handler runs and reports
+//! how the call went through its [`Permit`]. A delivery refused here is handed back
+//! unattempted (the worker publishes it again for later, same attempt): a paused or open
+//! queue spends no attempts and dead-letters nothing. The gate holds no messages itself.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use metrics::{Gauge, gauge};
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::aimd::Aimd;
+use super::breaker::{Admit, Breaker, State, Verdict};
+use crate::config::Queue;
+
+/// The queues a runner has paused by hand. Lives as long as the runner: reloads and
+/// reconnects replace workers, not this. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Pauses(Arc<Mutex<BTreeMap<String, watch::Sender<bool>>>>);
+
+/// A pause or resume named a queue the runner does not run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no queue \"{0}\" is running here")]
+pub struct UnknownQueue(pub String);
+
+impl Pauses {
+    /// Pauses (`true`) or resumes a running queue; whether that changed anything.
+    pub fn set(&self, queue: &str, paused: bool) -> Result<bool, UnknownQueue> {
+        let queues = self.lock();
+        let flag = queues.get(queue).ok_or_else(|| UnknownQueue(queue.to_string()))?;
+        let changed = flag.send_if_modified(|p| std::mem::replace(p, paused) != paused);
+        if changed {
+            gauge!("sluice_paused", "queue" => queue.to_string()).set(if paused { 1.0 } else { 0.0 });
+            if paused {
+                info!(queue, command = %format_args!("sluice resume {queue}"), "paused by hand: consuming stops, in-flight messages finish");
+            } else {
+                info!(queue, "resumed by hand: consuming again");
+            }
+        }
+        Ok(changed)
+    }
+
+    /// The queues of a new config: flags of queues it keeps stay as they are, new ones start
+    /// unpaused, those of removed queues go.
+    pub(super) fn keep<'a>(&self, queues: impl Iterator<Item = &'a String>) {
+        let mut flags = self.lock();
+        let mut kept = BTreeMap::new();
+        for name in queues {
+            let flag = flags.remove(name).unwrap_or_else(|| unpaused(name));
+            kept.insert(name.clone(), flag);
+        }
+        *flags = kept;
+    }
+
+    fn subscribe(&self, queue: &str) -> watch::Receiver<bool> {
+        self.lock().entry(queue.to_string()).or_insert_with(|| unpaused(queue)).subscribe()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, watch::Sender<bool>>> {
+        // Nothing panics while holding it; a poisoned map is still a valid map.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A new queue's flag, not paused (and its gauge saying so).
+fn unpaused(queue: &str) -> watch::Sender<bool> {
+    gauge!("sluice_paused", "queue" => queue.to_string()).set(0.0);
+    watch::Sender::new(false)
+}
+
+/// Whether the worker should be consuming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Consume {
+        prefetch: u16,
+    },
+    /// Not consuming; `until` the breaker's opening ends (None: until resumed).
+    Idle {
+        until: Option<Instant>,
+    },
+}
+
+/// What a delivery may do now.
+pub enum Admission<'a> {
+    Run(Permit<'a>),
+    /// Hand it back unattempted, to come again after `after`.
+    HandBack {
+        after: Duration,
+        why: &'static str,
+    },
+}
+
+/// How a paused queue's handed-back deliveries wait before they are back in the queue (where
+/// they then stay until it is resumed).
+const PAUSED_HANDBACK: Duration = Duration::from_secs(1);
+
+/// The in-flight limit.
+#[derive(Debug)]
+enum Limit {
+    Fixed(usize),
+    Adaptive(Aimd),
+}
+
+impl Limit {
+    fn get(&self) -> usize {
+        match self {
+            Limit::Fixed(n) => *n,
+            Limit::Adaptive(aimd) => aimd.limit(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    breaker: Option<Breaker>,
+    limit: Limit,
+    in_flight: usize,
+}
+
+/// One queue's gate.
+pub struct Gate {
+    queue: String,
+    prefetch: u16,
+    inner: Mutex<Inner>,
+    /// Wakes deliveries waiting for a slot or for the probe's verdict.
+    slots: Notify,
+    paused: watch::Receiver<bool>,
+    /// Bumped on every breaker transition.
+    transitions: watch::Sender<()>,
+    circuit: Gauge,
+    limit_gauge: Gauge,
+}
+
+impl Gate {
+    /// The gate of `queue`, paused as `pauses` says.
+    pub fn new(queue: &Queue, pauses: &Pauses) -> Gate {
+        let prefetch = queue.concurrency.get();
+        let limit = if queue.adaptive {
+            Limit::Adaptive(Aimd::new(prefetch, Instant::now().into_std()))
+        } else {
+            Limit::Fixed(usize::from(prefetch))
+        };
+        let circuit = gauge!("sluice_circuit_state", "queue" => queue.name.clone());
+        circuit.set(State::Closed.gauge());
+        let limit_gauge = gauge!("sluice_concurrency_limit", "queue" => queue.name.clone());
+        limit_gauge.set(limit.get() as f64);
+        Gate {
+            queue: queue.name.clone(),
+            prefetch,
+            inner: Mutex::new(Inner { breaker: queue.circuit_breaker.map(Breaker::new), limit, in_flight: 0 }),
+            slots: Notify::new(),
+            paused: pauses.subscribe(&queue.name),
+            transitions: watch::Sender::new(()),
+            circuit,
+            limit_gauge,
+        }
+    }
+
+    /// Whether to consume now, and with what prefetch: none while paused or open, one message
+    /// while half-open (its probe), the queue's concurrency otherwise.
+    pub fn mode(&self) -> Mode {
+        let state = self.lock().breaker.as_ref().map_or(State::Closed, Breaker::state);
+        let until = match state {
+            State::Open { until } => Some(Instant::from_std(until)),
+            _ => None,
+        };
+        match (*self.paused.borrow(), state) {
+            (true, _) | (false, State::Open { .. }) => Mode::Idle { until },
+            (false, State::HalfOpen) => Mode::Consume { prefetch: 1 },
+            (false, State::Closed) => Mode::Consume { prefetch: self.prefetch },
+        }
+    }
+
+    /// What may change [`Gate::mode`]: a pause or resume, a breaker transition.
+    pub fn changes(&self) -> Changes {
+        Changes { paused: self.paused.clone(), transitions: self.transitions.subscribe() }
+    }
+
+    /// Ends an opening that is over (half-open: probing starts).
+    pub fn tick(&self) {
+        let mut inner = self.lock();
+        let now = std::time::Instant::now();
+        if let Some(state) = inner.breaker.as_mut().and_then(|b| b.tick(now)) {
+            drop(inner);
+            self.transition(state, now);
+        }
+    }
+
+    /// Waits until the delivery may run (a free slot; half-open: the probe's turn), or says to
+    /// hand it back (paused, open).
+    pub async fn admit(&self) -> Admission<'_> {
+        loop {
+            let notified = self.slots.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut guard = self.lock();
+                let inner = &mut *guard;
+                if *self.paused.borrow() {
+                    return Admission::HandBack { after: PAUSED_HANDBACK, why: "the queue is paused" };
+                }
+                let limit = inner.limit.get();
+                let full = inner.in_flight >= limit;
+                if let Limit::Adaptive(aimd) = &mut inner.limit
+                    && inner.in_flight + 1 >= limit
+                {
+                    aimd.saturated();
+                }
+                let admit = match &mut inner.breaker {
+                    Some(breaker) if !full => breaker.admit(),
+                    Some(breaker) => match breaker.state() {
+                        State::Open { until } => Admit::Refuse { until },
+                        _ => Admit::Wait,
+                    },
+                    None if full => Admit::Wait,
+                    None => Admit::Run { probe: false },
+                };
+                match admit {
+                    Admit::Run { probe } => {
+                        inner.in_flight += 1;
+                        return Admission::Run(Permit { gate: self, probe, done: false });
+                    }
+                    Admit::Refuse { until } => {
+                        let left = until.saturating_duration_since(std::time::Instant::now());
+                        let after = left.max(Duration::from_millis(100));
+                        return Admission::HandBack { after, why: "the circuit breaker is open" };
+                    }
+                    Admit::Wait => {}
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// A breaker transition: its one log line, its gauge, and whoever waits on it.
+    fn transition(&self, state: State, now: std::time::Instant) {
+        self.circuit.set(state.gauge());
+        let queue = self.queue.as_str();
+        match state {
+            State::Open { until } => {
+                let open_for = until.saturating_duration_since(now);
+                warn!(
+                    queue,
+                    state = state.as_str(),
+                    ?open_for,
+                    "circuit breaker opened: the receiver is unwell; consuming stops, no attempts are spent"
+                );
+            }
+            State::HalfOpen => {
+                info!(queue, state = state.as_str(), "circuit breaker half-open: probing with one message")
+            }
+            State::Closed => {
+                info!(queue, state = state.as_str(), "circuit breaker closed: the receiver answers; consuming again")
+            }
+        }
+        self.transitions.send_replace(());
+        self.slots.notify_waiters();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Nothing panics while holding it; the counts stay valid.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// What may change a gate's mode, to wait on.
+pub struct Changes {
+    paused: watch::Receiver<bool>,
+    transitions: watch::Receiver<()>,
+}
+
+impl Changes {
+    /// Returns at the next change.
+    pub async fn next(&mut self) {
+        let changed = tokio::select! {
+            r = self.paused.changed() => r.is_ok(),
+            r = self.transitions.changed() => r.is_ok(),
+        };
+        if !changed {
+            // The runner dropped the queue's flag: its worker is being stopped anyway.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// A delivery's slot while its handler runs. Reported with [`Permit::finish`]; dropped
+/// unreported (a duplicate, a busy key, a panic), it only frees the slot.
+pub struct Permit<'a> {
+    gate: &'a Gate,
+    probe: bool,
+    done: bool,
+}
+
+impl Permit<'_> {
+    /// The handler call took `rtt`; `unwell` when its failure said the receiver is unwell.
+    pub fn finish(mut self, rtt: Duration, unwell: bool) {
+        self.done = true;
+        let now = std::time::Instant::now();
+        let verdict = if unwell { Verdict::Unwell } else { Verdict::Answered };
+        let mut inner = self.gate.lock();
+        inner.in_flight = inner.in_flight.saturating_sub(1);
+        let transition = inner.breaker.as_mut().and_then(|b| b.record(now, self.probe, verdict));
+        let limit = match &mut inner.limit {
+            Limit::Adaptive(aimd) => aimd.record(now, rtt, unwell),
+            Limit::Fixed(_) => None,
+        };
+        drop(inner);
+        if let Some(limit) = limit {
+            self.gate.limit_gauge.set(limit as f64);
+        }
+        match transition {
+            Some(state) => self.gate.transition(state, now),
+            None => self.gate.slots.notify_waiters(),
+        }
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut inner = self.gate.lock();
+        inner.in_flight = inner.in_flight.saturating_sub(1);
+        if let Some(breaker) = &mut inner.breaker {
+            breaker.withdraw(self.probe);
+        }
+        drop(inner);
+        self.gate.slots.notify_waiters();
+    }
+}

@@ -27,6 +27,17 @@ async fn run_with_admin(dir: &std::path::Path, vhost: &Vhost) -> (Sluice, String
 }
 
 /// How many requests each key's successful calls number (every key should have exactly one).
+/// Publishes `n` messages keyed `m-0`, `m-1`, ... to `ev`, one every `every`, on a task.
+async fn publish_steadily(vhost: &Vhost, n: usize, every: Duration) -> tokio::task::JoinHandle<()> {
+    let broker = vhost.connect().await;
+    tokio::spawn(async move {
+        for i in 0..n {
+            publish(&broker, "ev", "x", &format!("m-{i}"), serde_json::json!({"i": i})).await;
+            tokio::time::sleep(every).await;
+        }
+    })
+}
+
 fn successes_per_key(receiver: &Receiver) -> BTreeMap<String, usize> {
     counts(receiver.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()))
 }
@@ -52,15 +63,7 @@ async fn an_outage_opens_the_breaker_and_loses_nothing() {
     let (sluice, admin) = run_with_admin(dir.path(), &vhost).await;
 
     // 500 messages, one every 50 ms (25 s); the receiver is down from 2 s to 22 s.
-    let publisher = tokio::spawn({
-        let broker = vhost.connect().await;
-        async move {
-            for i in 0..500 {
-                publish(&broker, "ev", "x", &format!("m-{i}"), serde_json::json!({"i": i})).await;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    });
+    let publisher = publish_steadily(&vhost, 500, Duration::from_millis(50)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     down.store(true, Ordering::SeqCst);
     let outage = Instant::now();
@@ -143,15 +146,7 @@ async fn pause_and_resume_by_cli_while_messages_flow() {
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let (sluice, admin) = run_with_admin(dir.path(), &vhost).await;
-    let publisher = tokio::spawn({
-        let broker = vhost.connect().await;
-        async move {
-            for i in 0..300 {
-                publish(&broker, "ev", "x", &format!("m-{i}"), serde_json::json!({"i": i})).await;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    });
+    let publisher = publish_steadily(&vhost, 300, Duration::from_millis(20)).await;
     receiver.wait_for(50, Duration::from_secs(30)).await;
     assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0));
     let paused = sluice_cli(&["pause", "work", "--admin", &admin], &[], Duration::from_secs(30));

@@ -577,17 +577,10 @@ queues:
                     if num.is_empty() || den.is_empty() {
                         continue;
                     }
-                    let pairs: Vec<String> = den
-                        .iter()
-                        .filter_map(|d| num.iter().find(|n| n.run == d.run).map(|n| format!("{:.2}", n.rate / d.rate)))
-                        .collect();
-                    let cpu = |ts: &[&Trial]| median_of(ts, |t| t.cpu_ms_per_1k);
+                    let (rate, per_run, cpu) = compare(&num, &den);
                     let _ = writeln!(
                         out,
-                        "- {queue}: {ours} / {theirs} throughput = **{:.2}** (ratio of medians; per run: {}); CPU per message {:.2}×",
-                        median_of(&num, |t| t.rate) / median_of(&den, |t| t.rate),
-                        pairs.join(", "),
-                        cpu(&num) / cpu(&den)
+                        "- {queue}: {ours} / {theirs} throughput = **{rate:.2}** (ratio of medians; per run: {per_run}); CPU per message {cpu:.2}×"
                     );
                 }
             }
@@ -597,17 +590,10 @@ queues:
                 if num.is_empty() || den.is_empty() {
                     continue;
                 }
-                let pairs: Vec<String> = den
-                    .iter()
-                    .filter_map(|d| num.iter().find(|n| n.run == d.run).map(|n| format!("{:.2}", n.rate / d.rate)))
-                    .collect();
-                let cpu = |ts: &[&Trial]| median_of(ts, |t| t.cpu_ms_per_1k);
+                let (rate, per_run, cpu) = compare(&num, &den);
                 let _ = writeln!(
                     out,
-                    "- {consumer}: embedded / quorum throughput = **{:.2}** (ratio of medians; per run: {}); CPU per message of the consumer process {:.2}× (the embedded broker's work is in it)",
-                    median_of(&num, |t| t.rate) / median_of(&den, |t| t.rate),
-                    pairs.join(", "),
-                    cpu(&num) / cpu(&den)
+                    "- {consumer}: embedded / quorum throughput = **{rate:.2}** (ratio of medians; per run: {per_run}); CPU per message of the consumer process {cpu:.2}× (the embedded broker's work is in it)"
                 );
             }
             if part == "retry" {
@@ -696,6 +682,17 @@ fn handled_times(log: &str) -> (u64, Option<SystemTime>, Option<SystemTime>) {
         last = Some(last.map_or(t, |l: SystemTime| l.max(t)));
     }
     (count, first, last)
+}
+
+/// `num` against `den`: the ratio of their median rates, the ratio of each run's pair, and
+/// the ratio of their median CPU per message.
+fn compare(num: &[&Trial], den: &[&Trial]) -> (f64, String, f64) {
+    let per_run: Vec<String> = den
+        .iter()
+        .filter_map(|d| num.iter().find(|n| n.run == d.run).map(|n| format!("{:.2}", n.rate / d.rate)))
+        .collect();
+    let cpu = |ts: &[&Trial]| median_of(ts, |t| t.cpu_ms_per_1k);
+    (median_of(num, |t| t.rate) / median_of(den, |t| t.rate), per_run.join(", "), cpu(num) / cpu(den))
 }
 
 fn median(values: &[f64]) -> f64 {

@@ -30,16 +30,7 @@ here=$(dirname "$(realpath "$0")")
 runs=${RUNS:-3} fixed=${FIXED:-"5 10 20 30 40"} capacity=${CAPACITY:-20} service=${SERVICE_MS:-100}
 backlog=${BACKLOG:-8000} settle=${SETTLE:-10} measure=${MEASURE:-15}
 
-tmp=$(mktemp -d)
-vhost="" receiver="" runner=""
-cleanup() {
-  if [ -n "$runner" ]; then kill "$runner" 2>/dev/null || true; wait "$runner" 2>/dev/null || true; fi
-  if [ -n "$receiver" ]; then kill "$receiver" 2>/dev/null || true; fi
-  if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+source "$(dirname "$(realpath "$0")")/bench-lib.sh"
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 stat() { # FIELD [SINCE]: one field of the receiver's /stats
@@ -57,10 +48,7 @@ start_receiver() { # [CAPACITY SERVICE_MS]
 }
 stop_receiver() { kill "$receiver"; wait "$receiver" 2>/dev/null || true; receiver=""; }
 new_vhost() { # NAME QUEUE-YAML: a vhost and a pipeline with exchange ev and queue work
-  vhost="sluice-bench-downstream-$$-$1"
-  rabbitmqctl -q add_vhost "$vhost" >/dev/null
-  rabbitmqctl -q set_permissions -p "$vhost" guest '.*' '.*' '.*' >/dev/null
-  url="amqp://guest:guest@127.0.0.1:5672/$vhost"
+  make_vhost "sluice-bench-downstream-$$-$1"
   rm -rf "$tmp/p" "$tmp/dedup" && mkdir -p "$tmp/p"
   printf 'version: 1\nexchanges:\n  ev: {type: topic}\nqueues:\n  work:\n    bind: [{exchange: ev, routing_key: "#"}]\n    handler:\n      webhook: {url: "http://127.0.0.1:%s/hook"}\n%s' \
     "$rport" "$2" >"$tmp/p/pipeline.yaml"
@@ -71,7 +59,6 @@ start_runner() {
   runner=$!
 }
 stop_runner() { kill "$runner"; wait "$runner" 2>/dev/null || true; runner=""; }
-drop_vhost() { rabbitmqctl -q delete_vhost "$vhost" >/dev/null; vhost=""; }
 median() { python3 -c "import statistics,sys; print(statistics.median(map(float, sys.argv[1:])))" "$@"; }
 
 # Outage.

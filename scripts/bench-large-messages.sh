@@ -33,15 +33,7 @@ for b in "$@"; do
 done
 [ -x /usr/bin/time ] || { echo "/usr/bin/time is missing (apt-get install time)" >&2; exit 2; }
 
-tmp=$(mktemp -d)
-vhost="" receiver=""
-cleanup() {
-  if [ -n "$receiver" ]; then kill "$receiver" 2>/dev/null || true; fi
-  if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+source "$(dirname "$(realpath "$0")")/bench-lib.sh"
 
 # The receiver: one thread per request, so all CONCURRENCY requests are held at once.
 # GET /stats answers the request count, the distinct envelope ids, the most requests held at
@@ -144,10 +136,7 @@ declare -A rss wall
 for ((run = 1; run <= runs; run++)); do
   for i in "${!binaries[@]}"; do
     bin=${binaries[$i]} name=$(label "$i")
-    vhost="sluice-bench-large-$$-$run-$name"
-    rabbitmqctl -q add_vhost "$vhost" >/dev/null
-    rabbitmqctl -q set_permissions -p "$vhost" guest ".*" ".*" ".*" >/dev/null
-    url="amqp://guest:guest@127.0.0.1:5672/$vhost"
+    make_vhost "sluice-bench-large-$$-$run-$name"
 
     python3 "$tmp/receiver.py" "$delay" >"$tmp/port" &
     receiver=$!
@@ -205,8 +194,7 @@ YAML
 
     kill "$receiver" && wait "$receiver" 2>/dev/null || true
     receiver=""
-    rabbitmqctl -q delete_vhost "$vhost" >/dev/null
-    vhost=""
+    drop_vhost
   done
 done
 

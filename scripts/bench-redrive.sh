@@ -26,14 +26,7 @@ fi
 sluice=$(realpath "$1")
 runs=${RUNS:-5} messages=${MESSAGES:-10000}
 
-tmp=$(mktemp -d)
-vhost=""
-cleanup() {
-  if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+source "$(dirname "$(realpath "$0")")/bench-lib.sh"
 
 pad=$(head -c 1000 /dev/zero | tr '\0' x)
 for i in $(seq "$messages"); do printf '{"n": %d, "pad": "%s"}\n' "$i" "$pad"; done >"$tmp/payloads.jsonl"
@@ -46,10 +39,7 @@ depth() { # QUEUE: ready messages, from `sluice status --format json`
 declare -A rates fills
 for run in $(seq "$runs"); do
   for kind in classic quorum; do
-    vhost="sluice-bench-redrive-$$-$run-$kind"
-    rabbitmqctl -q add_vhost "$vhost" >/dev/null
-    rabbitmqctl -q set_permissions -p "$vhost" guest '.*' '.*' '.*' >/dev/null
-    url="amqp://guest:guest@127.0.0.1:5672/$vhost"
+    make_vhost "sluice-bench-redrive-$$-$run-$kind"
     rm -rf "$tmp/p" && mkdir -p "$tmp/p"
     cat >"$tmp/p/pipeline.yaml" <<YAML
 version: 1
@@ -78,8 +68,7 @@ YAML
     echo "run $run $kind: redrive $messages in $(python3 -c "print(round($end - $start, 3))") s = $rate msg/s; publish $fill msg/s"
     rates[$kind]+="$rate "
     fills[$kind]+="$fill "
-    rabbitmqctl -q delete_vhost "$vhost" >/dev/null
-    vhost=""
+    drop_vhost
   done
 done
 for kind in classic quorum; do

@@ -62,16 +62,7 @@ fi
 [ -x "$bin" ] || { echo "not an executable: $bin" >&2; exit 2; }
 bin=$(realpath "$bin")
 
-tmp=$(mktemp -d)
-vhost="" receiver="" runner=""
-cleanup() {
-  if [ -n "$runner" ]; then kill "$runner" 2>/dev/null || true; wait "$runner" 2>/dev/null || true; fi
-  if [ -n "$receiver" ]; then kill "$receiver" 2>/dev/null || true; fi
-  if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+source "$(dirname "$(realpath "$0")")/bench-lib.sh"
 
 # The receiver: two ports, one thread per connection. GET /stats answers the request count,
 # the distinct idempotency keys, the first and last arrival, and per port the count and last
@@ -242,10 +233,7 @@ median() { sort -n | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]
 # start_run NAME DELAY: a vhost, the receiver, the pipeline directory; sets url, port_a,
 # port_b, receiver_url, dir, admin.
 start_run() {
-  vhost="sluice-bench-reload-$$-$1"
-  rabbitmqctl -q add_vhost "$vhost" >/dev/null
-  rabbitmqctl -q set_permissions -p "$vhost" guest ".*" ".*" ".*" >/dev/null
-  url="amqp://guest:guest@127.0.0.1:5672/$vhost"
+  make_vhost "sluice-bench-reload-$$-$1"
   : >"$tmp/ports"
   python3 "$tmp/receiver.py" "$2" >"$tmp/ports" &
   receiver=$!
@@ -304,8 +292,7 @@ stop_run() {
 }
 
 end_run() {
-  rabbitmqctl -q delete_vhost "$vhost" >/dev/null
-  vhost=""
+  drop_vhost
 }
 
 # Messages left in any queue of the vhost (ready + unacked).

@@ -106,6 +106,7 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             FieldTable::default(),
         )
         .await?;
+    sluice::install_tls_provider();
     let client = reqwest::Client::new();
     let handler = Arc::new(args.handler);
     let progress = Arc::new(Mutex::new(Progress::default()));

@@ -8,7 +8,9 @@ CAPACITY are already in service gets 503 at once. POST /control/down makes it an
 everything until POST /control/up. GET /stats?since=EPOCH_SECONDS prints JSON: calls, calls
 while down, 503s for capacity, successes, distinct keys succeeded, successes beyond the first
 per key, when it last went up, and when a key first succeeded last (all since `since` where it
-applies). HTTP/1.1 keep-alive, a thread per connection.
+applies). GET /calls prints every call as [idempotency key, payload "k" of the JSON body (the
+envelope; null without one), status, arrival time] in arrival order (scripts/soak.sh keeps its ledger with it).
+HTTP/1.1 keep-alive, a thread per connection.
 """
 
 import json
@@ -26,6 +28,15 @@ lock = threading.Lock()
 state = {"down": False, "in_service": 0, "went_up": None, "last_first_success": None}
 events = []  # (time, kind) with kind in call, down, rejected, success
 succeeded = {}  # key -> successes
+calls = []  # [key, payload k, status]
+
+
+def payload_k(body):
+    try:
+        payload = json.loads(body).get("payload")
+        return payload.get("k") if isinstance(payload, dict) else None
+    except (ValueError, AttributeError):
+        return None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -41,6 +52,10 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        if self.path == "/calls":
+            with lock:
+                data = json.dumps(calls).encode()
+            return self.reply(200, data)
         since = float(parse_qs(urlparse(self.path).query).get("since", ["0"])[0])
         with lock:
             recent = [kind for at, kind in events if at >= since]
@@ -59,8 +74,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         length = int(self.headers.get("content-length", "0"))
-        if length:
-            self.rfile.read(length)
+        body = self.rfile.read(length) if length else b""
         if self.path.startswith("/control/"):
             with lock:
                 state["down"] = self.path.endswith("/down")
@@ -80,6 +94,8 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 state["in_service"] += 1
                 status = 200
+        with lock:
+            calls.append([key, payload_k(body), status, now])
         if status == 200:
             if SERVICE:
                 time.sleep(SERVICE)

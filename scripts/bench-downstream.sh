@@ -49,13 +49,13 @@ start_receiver() { # [CAPACITY SERVICE_MS]
 stop_receiver() { kill "$receiver"; wait "$receiver" 2>/dev/null || true; receiver=""; }
 new_vhost() { # NAME QUEUE-YAML: a vhost and a pipeline with exchange ev and queue work
   make_vhost "sluice-bench-downstream-$$-$1"
-  rm -rf "$tmp/p" "$tmp/dedup" && mkdir -p "$tmp/p"
+  rm -rf "$tmp/p" "$tmp/state" && mkdir -p "$tmp/p"
   printf 'version: 1\nexchanges:\n  ev: {type: topic}\nqueues:\n  work:\n    bind: [{exchange: ev, routing_key: "#"}]\n    handler:\n      webhook: {url: "http://127.0.0.1:%s/hook"}\n%s' \
     "$rport" "$2" >"$tmp/p/pipeline.yaml"
-  "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle --dedup "$tmp/dedup" 2>/dev/null
+  "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle --dedup "$tmp/state" 2>/dev/null
 }
 start_runner() {
-  "$sluice" run "$tmp/p" --broker "$url" --dedup "$tmp/dedup" --no-watch 2>"$tmp/run.log" &
+  "$sluice" run "$tmp/p" --broker "$url" --dedup "$tmp/state" --no-watch 2>"$tmp/run.log" &
   runner=$!
 }
 stop_runner() { kill "$runner"; wait "$runner" 2>/dev/null || true; runner=""; }

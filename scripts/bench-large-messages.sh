@@ -168,14 +168,14 @@ YAML
       "$bin" validate "$dir" >/dev/null
     fi
 
-    "$bin" run "$dir" --broker "$url" --exit-when-idle --dedup "$tmp/declare-dedup-$run-$name" 2>"$tmp/declare.log" ||
+    "$bin" run "$dir" --broker "$url" --exit-when-idle --dedup "$tmp/declare-state-$run-$name" 2>"$tmp/declare.log" ||
       { cat "$tmp/declare.log" >&2; exit 1; }
     "$bin" publish --exchange ev --routing-key k --type t --jsonl "$tmp/payloads.jsonl" --broker "$url" 2>"$tmp/publish.log" ||
       { cat "$tmp/publish.log" >&2; exit 1; }
 
     status=0
     /usr/bin/time -v -o "$tmp/time.txt" \
-      "$bin" run "$dir" --broker "$url" --exit-when-idle --dedup "$dir/.dedup" 2>"$tmp/run.log" || status=$?
+      "$bin" run "$dir" --broker "$url" --exit-when-idle --dedup "$dir/.state" 2>"$tmp/run.log" || status=$?
     if [ "$status" != 0 ]; then
       echo "run $run $name: sluice run exited $status" >&2
       tail -20 "$tmp/run.log" >&2

@@ -52,7 +52,7 @@ queues:
     handler:
       webhook: {url: "http://127.0.0.1:9/never-called"}
 YAML
-    "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle --dedup "$tmp/dedup" 2>/dev/null
+    "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle --dedup "$tmp/state" 2>/dev/null
     fill_start=$(date +%s.%N)
     "$sluice" publish --exchange "" --routing-key work.dlq --type bench.event \
       --jsonl "$tmp/payloads.jsonl" --broker "$url" 2>/dev/null

@@ -263,7 +263,7 @@ YAML
 declare_and_publish() {
   sed -e "s/@PORT@/$port_a/" -e "s/@CONCURRENCY@/$2/" "$tmp/template.yaml" >"$dir/reload.yaml"
   "$bin" validate "$dir" >"$tmp/validate.log" 2>&1 || { cat "$tmp/validate.log" >&2; exit 1; }
-  "$bin" run "$dir" --broker "$url" --exit-when-idle --no-watch --dedup "$tmp/declare-dedup-$vhost" 2>"$tmp/declare.log" ||
+  "$bin" run "$dir" --broker "$url" --exit-when-idle --no-watch --dedup "$tmp/declare-state-$vhost" 2>"$tmp/declare.log" ||
     { cat "$tmp/declare.log" >&2; exit 1; }
   "$bin" publish --exchange ev --routing-key k --type t --jsonl "$1" --broker "$url" 2>"$tmp/publish.log" ||
     { cat "$tmp/publish.log" >&2; exit 1; }
@@ -273,7 +273,7 @@ declare_and_publish() {
 # under DIR (the store's) for a change and reloads once, a no-op, as the runner starts.
 start_runner() {
   runlog="$tmp/run-$vhost.log"
-  "$bin" run "$dir" --broker "$url" --dedup "$tmp/dedup-$vhost" --admin "$admin" 2>"$runlog" &
+  "$bin" run "$dir" --broker "$url" --dedup "$tmp/state-$vhost" --admin "$admin" 2>"$runlog" &
   runner=$!
 }
 

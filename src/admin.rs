@@ -1,34 +1,118 @@
 //! The admin HTTP endpoint: `/metrics` (Prometheus text format), `/healthz` (the process is
-//! alive), `/readyz` (connected to the broker and consuming), and `POST /queues/{name}/pause`
-//! and `/resume` (what `sluice pause|resume` call).
+//! alive), `/readyz` (connected to the broker and consuming, and no queue's acks failing; else
+//! 503 saying which), and `POST /queues/{name}/pause` and `/resume` (what `sluice
+//! pause|resume` call).
+//!
+//! Reads (GET, HEAD) are open to whoever reaches the port. Every other request is a write: it
+//! needs `Authorization: Bearer` with the runner's [`token`], and is refused when it carries an
+//! `Origin` other than the port's own (a page of another site in the operator's browser). A
+//! write route logs what it did once, naming the remote address; a refused one is logged here.
+//! No cookie is ever set or read, so a browser adds no credentials of its own.
+//!
+//! The port must never cost the data path its file descriptors or its time: it holds at most
+//! [`MAX_CONNECTIONS`] connections and closes more as they come, and a connection that sends
+//! no complete request head within [`HEAD_TIMEOUT`] (idle ones included) is closed.
 //!
 //! It only reports and describes the metrics (their `# HELP` lines); they are recorded where
 //! the events happen (`runtime::events`, `reload::loader`).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+pub mod token;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::Path;
-use axum::http::StatusCode;
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse as _, Response};
 use axum::routing::{get, post};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
 
 use crate::runtime::gate::Pauses;
+use token::{Source, Token};
 
-/// Whether the runner is connected and consuming; set by the runtime, read by `/readyz`.
+/// At most this many admin connections are open at once; more are closed as they come.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// How long a connection may take to send a request's head, and may stay idle before one.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a connection may last at all, whatever it does (a body sent or an answer read
+/// slowly): every answer here is small and immediate.
+const LIFETIME: Duration = Duration::from_secs(30);
+
+/// How often a full admin port says so in the log.
+const CROWDED_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether the runner is ready: connected to the broker and consuming, with every queue able to
+/// settle (ack) what it handled. Set by the runtime, read by `/readyz`.
 #[derive(Debug, Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness(Arc<Mutex<Ready>>);
+
+#[derive(Debug, Default)]
+struct Ready {
+    connected: bool,
+    /// Per queue, its batches whose acks are failing ([`AcksFailing`] guards alive).
+    acks_failing: BTreeMap<String, usize>,
+}
 
 impl Readiness {
-    pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::SeqCst);
+    fn lock(&self) -> MutexGuard<'_, Ready> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Connected and consuming, or not (set by the runtime per session, and by a worker
+    /// ending its session).
+    pub fn set(&self, connected: bool) {
+        self.lock().connected = connected;
+    }
+
+    /// Reports `queue` unable to settle what it handled until the guard is dropped.
+    pub fn acks_failing(&self, queue: &str) -> AcksFailing {
+        *self.lock().acks_failing.entry(queue.to_string()).or_default() += 1;
+        AcksFailing { readiness: self.clone(), queue: queue.to_string() }
+    }
+
+    /// Whether the runner is ready.
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.why_not().is_none()
+    }
+
+    /// Why the runner is not ready; `None` when it is.
+    pub fn why_not(&self) -> Option<String> {
+        let ready = self.lock();
+        if !ready.connected {
+            return Some("not connected to the broker".into());
+        }
+        let failing: Vec<String> = ready.acks_failing.keys().map(|q| format!("\"{q}\"")).collect();
+        (!failing.is_empty())
+            .then(|| format!("acks failing on {}: messages handled but not settled (retrying)", failing.join(", ")))
+    }
+}
+
+/// A queue's acks are failing while this lives (see [`Readiness::acks_failing`]).
+#[derive(Debug)]
+pub struct AcksFailing {
+    readiness: Readiness,
+    queue: String,
+}
+
+impl Drop for AcksFailing {
+    fn drop(&mut self) {
+        let mut ready = self.readiness.lock();
+        if let Some(n) = ready.acks_failing.get_mut(&self.queue) {
+            *n -= 1;
+            if *n == 0 {
+                ready.acks_failing.remove(&self.queue);
+            }
+        }
     }
 }
 
@@ -68,52 +152,261 @@ fn describe_metrics() {
         "sluice_concurrency_limit",
         "How many handlers of the queue may run at once (adaptive: the current limit)."
     );
+    describe_gauge!(
+        "sluice_broker_connected",
+        "1 for the broker node the runner's session is with, 0 for the other nodes it was given."
+    );
     describe_gauge!("sluice_paused", "1 while the queue is paused by hand (sluice pause), else 0.");
 }
 
-/// Pauses or resumes a queue: 200 with what happened, 404 for a queue not running here.
-fn set_paused(pauses: &Pauses, queue: &str, paused: bool) -> (StatusCode, String) {
+/// Pauses or resumes a queue for `remote`: 200 with what happened, 404 for a queue not running
+/// here. Logged once, whatever happened.
+fn set_paused(pauses: &Pauses, queue: &str, paused: bool, remote: SocketAddr) -> (StatusCode, String) {
     let verb = if paused { "paused" } else { "resumed" };
     match pauses.set(queue, paused) {
-        Ok(true) => (StatusCode::OK, format!("{verb} \"{queue}\"\n")),
-        Ok(false) => (StatusCode::OK, format!("\"{queue}\" was already {verb}\n")),
-        Err(e) => (StatusCode::NOT_FOUND, format!("{e}\n")),
+        Ok(true) => {
+            if paused {
+                let command = format!("sluice resume {queue}");
+                tracing::info!(queue, %remote, command, "paused by hand: consuming stops, in-flight messages finish");
+            } else {
+                tracing::info!(queue, %remote, "resumed by hand: consuming again");
+            }
+            (StatusCode::OK, format!("{verb} \"{queue}\"\n"))
+        }
+        Ok(false) => {
+            tracing::info!(queue, %remote, "{verb} by hand, as it already was");
+            (StatusCode::OK, format!("\"{queue}\" was already {verb}\n"))
+        }
+        Err(e) => {
+            // The name is the request's, escapes and all: `?` writes it escaped.
+            tracing::info!(queue = ?queue, %remote, "asked to be {verb}, but not running here");
+            (StatusCode::NOT_FOUND, format!("{}\n", crate::terminal::visible(&e.to_string())))
+        }
     }
 }
 
-/// Serves the admin endpoints on `listener` until `shutdown`.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    metrics: PrometheusHandle,
-    readiness: Readiness,
-    pauses: Pauses,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
+/// Why a write was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// An `Origin` other than the port's own: a page of another site.
+    ForeignOrigin,
+    /// No `Authorization: Bearer`.
+    NoToken,
+    /// A bearer token that is not the runner's.
+    WrongToken,
+}
+
+impl Refusal {
+    fn status(self) -> StatusCode {
+        match self {
+            Refusal::ForeignOrigin => StatusCode::FORBIDDEN,
+            Refusal::NoToken | Refusal::WrongToken => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    fn why(self) -> &'static str {
+        match self {
+            Refusal::ForeignOrigin => "writes are not taken from a page of another origin",
+            Refusal::NoToken => "writes need Authorization: Bearer with the runner's admin token",
+            Refusal::WrongToken => "that is not the runner's admin token",
+        }
+    }
+}
+
+/// Whether a write with these headers may go ahead: from no page or a page of the port's own
+/// origin (`http://` and the `Host` asked for), with the runner's token.
+fn check(token: &Token, headers: &HeaderMap) -> Result<(), Refusal> {
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let own = headers.get(header::HOST).map(|host| [b"http://", host.as_bytes()].concat());
+        if own.is_none_or(|own| !origin.as_bytes().eq_ignore_ascii_case(&own)) {
+            return Err(Refusal::ForeignOrigin);
+        }
+    }
+    let value = headers.get(header::AUTHORIZATION).ok_or(Refusal::NoToken)?.as_bytes();
+    let (scheme, presented) = value.split_at(value.iter().position(|b| *b == b' ').unwrap_or(value.len()));
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return Err(Refusal::NoToken);
+    }
+    if token.matches(presented.trim_ascii()) { Ok(()) } else { Err(Refusal::WrongToken) }
+}
+
+/// Lets reads through, and writes that pass [`check`]; answers and logs the others.
+async fn guard_writes(
+    State(token): State<Token>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if matches!(*request.method(), Method::GET | Method::HEAD) {
+        return next.run(request).await;
+    }
+    let Err(refusal) = check(&token, request.headers()) else {
+        return next.run(request).await;
+    };
+    let (method, path) = (request.method(), request.uri().path());
+    tracing::warn!(%remote, %method, path, reason = refusal.why(), "admin write refused");
+    let mut response = (refusal.status(), format!("{}\n", refusal.why())).into_response();
+    if refusal.status() == StatusCode::UNAUTHORIZED {
+        response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    response
+}
+
+/// The routes, writes guarded.
+fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token: Token) -> Router {
     let resumes = pauses.clone();
-    let app = Router::new()
+    Router::new()
         .route("/metrics", get(move || std::future::ready(metrics.render())))
         .route("/healthz", get(|| std::future::ready("ok\n")))
         .route(
             "/readyz",
             get(move || {
-                let ready = readiness.get();
-                std::future::ready(if ready {
-                    (StatusCode::OK, "ready\n")
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not connected to the broker\n")
+                std::future::ready(match readiness.why_not() {
+                    None => (StatusCode::OK, "ready\n".to_string()),
+                    Some(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
                 })
             }),
         )
         .route(
             "/queues/{name}/pause",
-            post(move |Path(name): Path<String>| std::future::ready(set_paused(&pauses, &name, true))),
+            post(move |ConnectInfo(remote), Path(name): Path<String>| {
+                std::future::ready(set_paused(&pauses, &name, true, remote))
+            }),
         )
         .route(
             "/queues/{name}/resume",
-            post(move |Path(name): Path<String>| std::future::ready(set_paused(&resumes, &name, false))),
+            post(move |ConnectInfo(remote), Path(name): Path<String>| {
+                std::future::ready(set_paused(&resumes, &name, false, remote))
+            }),
+        )
+        .layer(axum::middleware::from_fn_with_state(token, guard_writes))
+}
+
+/// Serves the admin endpoints on `listener` until `shutdown`; writes need `token` (from
+/// `source`, named in the log).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: PrometheusHandle,
+    readiness: Readiness,
+    pauses: Pauses,
+    (token, source): (Token, Source),
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = routes(metrics, readiness, pauses, token);
+    let addr = listener.local_addr()?;
+    tracing::info!(
+        %addr,
+        token = %source,
+        "admin endpoint listening (/metrics, /healthz, /readyz, /queues/NAME/pause|resume); writes need the token"
+    );
+    if !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "the admin endpoint is open to the network: whoever reaches it reads the metrics, health and queue names (writes still need the token)"
         );
-    if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "admin endpoint listening (/metrics, /healthz, /readyz, /queues/NAME/pause|resume)");
     }
-    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT);
+    let (mut crowded, mut warned) = (0u64, None::<Instant>);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shutdown.cancelled() => return Ok(()),
+        };
+        let (stream, remote) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                // Out of file descriptors, most likely: wait for some to be closed.
+                tracing::warn!(error = %e, "admin endpoint cannot accept a connection");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    () = shutdown.cancelled() => return Ok(()),
+                }
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Dropping the stream closes it.
+            crowded += 1;
+            if warned.is_none_or(|at| at.elapsed() >= CROWDED_EVERY) {
+                tracing::warn!(
+                    limit = MAX_CONNECTIONS,
+                    closed = crowded,
+                    "admin endpoint full: closing new connections until some end"
+                );
+                (crowded, warned) = (0, Some(Instant::now()));
+            }
+            continue;
+        };
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(remote));
+            app.clone().oneshot(request.map(axum::body::Body::new))
+        });
+        let connection = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            let _slot = slot;
+            // Ended by the client, a timeout, or its lifetime: nothing to report.
+            let _ = tokio::time::timeout(LIFETIME, connection).await;
+        });
+    }
+}
+
+/// An accept error that concerns one connection only, not the listener.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request's headers, by name and value.
+    type Headers = &'static [(&'static str, &'static str)];
+
+    #[test]
+    fn writes_need_the_token_and_no_foreign_origin() {
+        let token = token::Given { file: None, env: Some("s3cret".into()) }
+            .for_runner(std::path::Path::new("/nonexistent"))
+            .expect("token")
+            .0;
+        const HOST: (&str, &str) = ("host", "127.0.0.1:9464");
+        let cases: &[(Headers, Result<(), Refusal>)] = &[
+            (&[HOST], Err(Refusal::NoToken)),
+            (&[HOST, ("authorization", "Bearer s3cret")], Ok(())),
+            (&[HOST, ("authorization", "bearer   s3cret ")], Ok(())),
+            (&[HOST, ("authorization", "Bearer s3cre")], Err(Refusal::WrongToken)),
+            (&[HOST, ("authorization", "Bearer s3cret2")], Err(Refusal::WrongToken)),
+            (&[HOST, ("authorization", "Bearer")], Err(Refusal::WrongToken)),
+            (&[HOST, ("authorization", "s3cret")], Err(Refusal::NoToken)),
+            (&[HOST, ("authorization", "Basic s3cret")], Err(Refusal::NoToken)),
+            (&[HOST, ("cookie", "token=s3cret")], Err(Refusal::NoToken)),
+            (&[HOST, ("authorization", "Bearer s3cret"), ("origin", "http://127.0.0.1:9464")], Ok(())),
+            (&[HOST, ("authorization", "Bearer s3cret"), ("origin", "HTTP://127.0.0.1:9464")], Ok(())),
+            (
+                &[HOST, ("authorization", "Bearer s3cret"), ("origin", "http://evil.example")],
+                Err(Refusal::ForeignOrigin),
+            ),
+            (
+                &[HOST, ("authorization", "Bearer s3cret"), ("origin", "http://127.0.0.1:9465")],
+                Err(Refusal::ForeignOrigin),
+            ),
+            (
+                &[HOST, ("authorization", "Bearer s3cret"), ("origin", "https://127.0.0.1:9464")],
+                Err(Refusal::ForeignOrigin),
+            ),
+            (&[HOST, ("authorization", "Bearer s3cret"), ("origin", "null")], Err(Refusal::ForeignOrigin)),
+            (&[("authorization", "Bearer s3cret"), ("origin", "http://127.0.0.1:9464")], Err(Refusal::ForeignOrigin)),
+            (&[HOST, ("origin", "http://evil.example")], Err(Refusal::ForeignOrigin)),
+        ];
+        for (headers, expected) in cases {
+            let mut map = HeaderMap::new();
+            for (name, value) in *headers {
+                map.append(*name, HeaderValue::from_static(value));
+            }
+            assert_eq!(check(&token, &map), *expected, "{headers:?}");
+        }
+    }
 }

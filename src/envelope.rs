@@ -37,7 +37,7 @@ pub struct Envelope<'a> {
     pub version: u32,
     #[serde(default)]
     pub occurred_at: Option<String>,
-    /// Defaults to `id` when the producer sets none.
+    /// Defaults to `id` when the producer sets none, or an empty or blank one.
     #[serde(default)]
     pub idempotency_key: Option<String>,
     /// As the producer sent it (checked to be JSON that parses into a value): most handlers
@@ -103,6 +103,11 @@ impl<'de> Visitor<'de> for Parses {
     }
 }
 
+/// Whether an idempotency key (or id) is empty or only white space: no key at all.
+pub fn is_blank(key: &str) -> bool {
+    key.trim().is_empty()
+}
+
 fn default_version() -> u32 {
     1
 }
@@ -131,8 +136,9 @@ impl Envelope<'_> {
     /// Decodes a message body; the payload is borrowed from it.
     pub fn decode(body: &[u8]) -> Result<Envelope<'_>, Malformed> {
         let envelope: Envelope = serde_json::from_slice(body)?;
-        if envelope.id.is_empty() {
-            return Err(Malformed(de::Error::custom("\"id\" is empty")));
+        // The id keys a message without its own key: a blank one would be shared by many.
+        if is_blank(&envelope.id) {
+            return Err(Malformed(de::Error::custom("\"id\" is empty or blank")));
         }
         serde_json::from_str::<Parses>(envelope.payload.get())
             .map_err(|e| Malformed(de::Error::custom(format_args!("payload: {e}"))))?;
@@ -144,9 +150,10 @@ impl Envelope<'_> {
         Ok(serde_json::from_str(self.payload.get())?)
     }
 
-    /// The producer's idempotency key, or the id.
+    /// The producer's idempotency key, or the id when it set none or a blank one: a blank key
+    /// shared by many messages would make each a duplicate of the first.
     pub fn idempotency_key(&self) -> &str {
-        self.idempotency_key.as_deref().unwrap_or(&self.id)
+        self.idempotency_key.as_deref().filter(|key| !is_blank(key)).unwrap_or(&self.id)
     }
 
     /// The JSON body.
@@ -167,6 +174,9 @@ mod tests {
             (r#"{"id":"1","type":"t","payload":null,"extra":[1]}"#, true),
             (r#"{"id":"1","type":"t"}"#, false),
             (r#"{"id":"","type":"t","payload":1}"#, false),
+            // Found by the envelope_decode fuzz target's checks: a blank id keyed a message
+            // without its own key, and so every such message alike.
+            (r#"{"id":" \t","type":"t","payload":1}"#, false),
             (r#"{"type":"t","payload":1}"#, false),
             ("not json", false),
             ("", false),
@@ -202,6 +212,11 @@ mod tests {
     fn key_defaults_to_id_and_round_trips() {
         let e = Envelope::decode(br#"{"id":"abc","type":"t","payload":{"a":1}}"#).unwrap();
         assert_eq!(e.idempotency_key(), "abc");
+        // Issue 19: an empty or blank key is no key, never one shared by many messages.
+        for key in ["", "  ", "\t\n"] {
+            let body = serde_json::json!({"id": "abc", "type": "t", "idempotency_key": key, "payload": 1}).to_string();
+            assert_eq!(Envelope::decode(body.as_bytes()).unwrap().idempotency_key(), "abc", "{key:?}");
+        }
         assert_eq!(e.version, 1);
         let n = Envelope::new("t", &serde_json::json!({"a": 1}), Some("k".into()));
         let encoded = n.encode();

@@ -14,6 +14,15 @@ pub mod handler;
 pub mod ops;
 pub mod reload;
 pub mod runtime;
+pub mod terminal;
 pub mod testing;
 pub mod topology;
 pub mod trace;
+
+/// Makes ring the process's TLS crypto provider (rustls is built with ring alone, for lapin and
+/// reqwest both: aws-lc's C build cost five times ring's CPU). reqwest needs it installed before
+/// it builds a client; installing it again is harmless.
+pub fn install_tls_provider() {
+    // Err only when a provider is installed already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

@@ -1,7 +1,7 @@
 //! `sluice run --admin`: Prometheus metrics, liveness and readiness over HTTP; the address
 //! as a host name, and one that cannot be bound.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use prometheus_parse::{LineInfo, SampleType, Scrape, Value};
 use support::*;
 
 async fn get(url: &str) -> Option<(u16, String)> {
-    let response = reqwest::get(url).await.ok()?;
+    let response = http().get(url).send().await.ok()?;
     let status = response.status().as_u16();
     Some((status, response.text().await.ok()?))
 }
@@ -27,7 +27,7 @@ async fn metrics_count_outcomes_and_probes_answer() {
     publish(&broker, "ev", "a", "good", serde_json::json!({})).await;
     publish(&broker, "ev", "a", "bad", serde_json::json!({})).await;
     let admin = format!("127.0.0.1:{}", free_port());
-    let dedup = format!("file:{}", dir.path().join("dedup").display());
+    let dedup = format!("file:{}", dir.path().join("state").display());
     let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--admin", &admin, "--dedup", &dedup]);
     let base = format!("http://{admin}");
     wait_until(Duration::from_secs(30), "both outcomes counted", || async {
@@ -144,7 +144,7 @@ fn an_admin_address_that_cannot_be_bound_is_a_clear_error() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = taken.local_addr().expect("addr").to_string();
     let dir = pipeline("version: 1\nqueues:\n  work:\n    handler: {command: {program: /bin/true}}\n");
-    let dedup = dir.path().join("dedup");
+    let dedup = dir.path().join("state");
     let args = ["run", path(dir.path()), "--admin", &addr, "--dedup", path(&dedup), "--no-watch"];
     let finished = sluice_cli(&args, &[], Duration::from_secs(30));
     assert_eq!(finished.code, Some(1), "{finished:?}");
@@ -154,4 +154,18 @@ fn an_admin_address_that_cannot_be_bound_is_a_clear_error() {
 
 fn path(path: &std::path::Path) -> &str {
     path.to_str().expect("utf-8 path")
+}
+
+/// Issue 21: `run` takes its admin address from `$SLUICE_ADMIN` when `--admin` is not given,
+/// as `pause` and `resume` do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_takes_the_admin_address_from_sluice_admin() {
+    let dir = work_pipeline("    handler:\n      command: {program: /bin/true}\n");
+    let admin = format!("127.0.0.1:{}", free_port());
+    let state = dir.path().join("broker");
+    let _sluice = Sluice::run_with_env(dir.path(), &state.display().to_string(), &[], &[("SLUICE_ADMIN", &admin)]);
+    wait_until(Duration::from_secs(30), "the admin endpoint at $SLUICE_ADMIN", || async {
+        matches!(get(&format!("http://{admin}/healthz")).await, Some((200, _)))
+    })
+    .await;
 }

@@ -1,7 +1,7 @@
 //! The `sluice` binary: `validate` exit codes and output formats, `schema`, `plan`, and the
 //! pipeline files shipped in the repository.
 
-mod util;
+use crate::util;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -347,4 +347,42 @@ fn a_closed_stdout_ends_every_command_quietly() {
             assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{args:?}: {stderr}");
         }
     }
+}
+
+/// Issue 20: a classic queue lives on one node of a cluster: `validate` says so when the broker
+/// is several nodes (`--broker` or `$SLUICE_BROKER`), and only then.
+#[test]
+fn validate_warns_about_classic_queues_on_a_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = "version: 1\nqueues:\n  jobs:\n    type: classic\n    handler: {command: {program: /bin/true}}\n";
+    std::fs::write(dir.path().join("p.yaml"), yaml).unwrap();
+    let warning = "p.yaml:4:11: warning: /queues/jobs/type: queue \"jobs\" is a classic queue, which lives on one node of a cluster";
+    let single = sluice().arg("validate").arg(dir.path()).env_remove("SLUICE_BROKER").output().unwrap();
+    assert_eq!(single.status.code(), Some(0), "{single:?}");
+    assert!(!String::from_utf8_lossy(&single.stdout).contains("classic"), "{single:?}");
+    let nodes = "amqp://rabbit-1:5672/%2f,amqp://rabbit-2:5672/%2f";
+    let flag = sluice().args(["validate", "--broker", nodes]).arg(dir.path()).output().unwrap();
+    let env = sluice().arg("validate").arg(dir.path()).env("SLUICE_BROKER", nodes).output().unwrap();
+    for cluster in [flag, env] {
+        assert_eq!(cluster.status.code(), Some(0), "warnings alone exit 0: {cluster:?}");
+        assert!(String::from_utf8_lossy(&cluster.stdout).contains(warning), "{cluster:?}");
+    }
+}
+
+/// Issue 21: `plan` takes the broker from `$SLUICE_BROKER` as the other commands do: the
+/// drift against it follows the plan (here an embedded broker not created yet, compared as an
+/// empty one); without it, the plan alone.
+#[test]
+fn plan_compares_with_the_broker_named_by_sluice_broker() {
+    let state = tempfile::tempdir().unwrap();
+    let broker = state.path().join("broker");
+    let alone = sluice().args(["plan", "pipelines"]).env_remove("SLUICE_BROKER").output().unwrap();
+    assert_eq!(alone.status.code(), Some(0), "{alone:?}");
+    assert!(!String::from_utf8_lossy(&alone.stdout).contains("missing"), "{alone:?}");
+    let env = sluice().args(["plan", "pipelines"]).env("SLUICE_BROKER", &broker).output().unwrap();
+    assert_eq!(env.status.code(), Some(0), "{env:?}");
+    let stdout = String::from_utf8_lossy(&env.stdout);
+    assert!(stdout.starts_with(&*String::from_utf8_lossy(&alone.stdout)), "the plan first: {env:?}");
+    assert!(stdout.contains("missing exchange \"orders\""), "{env:?}");
+    assert!(!broker.exists(), "plan created the broker");
 }

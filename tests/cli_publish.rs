@@ -2,7 +2,7 @@
 //! lands, and every way it refuses) and `sluice render` (the request or command a message
 //! makes, secrets masked).
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -169,6 +169,29 @@ fn publish_rejects_a_payload_that_is_not_json() {
     );
     assert_eq!(run.code, Some(1), "{run:?}");
     assert!(run.stderr.contains("--payload is not JSON"), "{}", run.stderr);
+}
+
+/// Issue 19 (a footgun): `--broker 127.0.0.1:5672` (or `SLUICE_BROKER=rabbitmq:5672`) ran a
+/// private embedded broker in a directory of that name, and said nothing.
+#[test]
+fn a_broker_that_looks_like_host_port_is_refused_naming_the_fix() {
+    for (value, from_env) in [("127.0.0.1:5672", false), ("rabbitmq:5672", true), ("[::1]:5672", false)] {
+        let run = if from_env {
+            let args = ["publish", "--exchange", "ev", "--type", "t", "--payload", "{}"];
+            sluice_cli(&args, &[("SLUICE_BROKER", value)], DEADLINE)
+        } else {
+            let args = ["publish", "--broker", value, "--exchange", "ev", "--type", "t", "--payload", "{}"];
+            sluice_cli(&args, &[], DEADLINE)
+        };
+        assert_eq!(run.code, Some(1), "{value}: {run:?}");
+        let fix = format!("looks like HOST:PORT; for RabbitMQ write amqp://USER:PASSWORD@{value}/%2f");
+        assert!(run.stderr.contains(&fix), "{value}: {}", run.stderr);
+        assert!(!std::path::Path::new(value).exists(), "{value}: a directory was made");
+    }
+    // Several values are the nodes of one cluster: a directory among them is refused too.
+    let run = sluice_cli(&["status", "--broker", "amqp://127.0.0.1:1,some-dir", "tests/fixtures/valid"], &[], DEADLINE);
+    assert_eq!(run.code, Some(1), "{run:?}");
+    assert!(run.stderr.contains("--broker mixes amqp:// URLs and directories"), "{}", run.stderr);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! `sluice run` as a process: how it ends (a declaration conflict at start-up,
 //! `--exit-when-idle`) and what it leaves behind.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

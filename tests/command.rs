@@ -1,7 +1,7 @@
 //! The command handler with real subprocesses. `/bin/sh -c` is only the program under
 //! test here; the handler itself never goes through a shell.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

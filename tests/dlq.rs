@@ -3,8 +3,7 @@
 //! the filters select, a `kill -9` in the middle of a redrive, and the tables and JSON the
 //! commands print for a known state.
 
-#[macro_use]
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -34,7 +33,7 @@ fn ok(finished: &Finished) -> &str {
 }
 
 /// A dead-letter copy as the runner writes it, published straight into `work.dlq`.
-async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str, reason: &str, failed: Duration) -> String {
+pub async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str, reason: &str, failed: Duration) -> String {
     let envelope = Envelope::new("test.event", &json!({"n": key}), Some(key.to_string()));
     let failed_at = humantime::format_rfc3339_seconds(SystemTime::now() - failed).to_string();
     let headers = Headers::from([
@@ -340,6 +339,51 @@ async fn a_redrive_of_thousands_at_full_speed_leaves_none_behind<P: Place>(place
     assert_eq!((place.depth("work").await, place.depth("work.dlq").await), (5000, 0));
 }
 
+async fn a_redrive_into_a_full_queue_waits_for_room_before_it_gives_up<P: Place>(place: P) {
+    // A full queue (max_length, reject-publish) refuses copies, as a quorum queue electing a
+    // leader after a node loss does for a few seconds: the redrive tries them again. (A classic
+    // queue: a quorum queue applies its limit a little late, after some copies went in.)
+    let receiver = Receiver::ok().await;
+    let dir = support::webhook_pipeline(&receiver, "    type: classic\n    max_length: 5\n");
+    let broker = place.connect().await;
+    support::declare(dir.path(), &broker).await;
+    for n in 0..5 {
+        support::publish(&broker, "ev", "x", &format!("full-{n}"), json!({})).await;
+    }
+    for n in 0..10 {
+        plant(&broker, &format!("dead-{n}"), "exhausted", Duration::from_secs(10)).await;
+    }
+    broker.close().await;
+    let d = dir.path().to_str().expect("utf-8 path");
+    let log = dir.path().join("redrive.log");
+    let redrive = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["dlq", "redrive", "work", "--pipelines", d, "--broker", &place.url()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn redrive");
+    support::wait_until(Duration::from_secs(30), "a copy refused by the full queue", || async {
+        std::fs::read_to_string(&log).unwrap_or_default().contains("the broker refused copies")
+    })
+    .await;
+    // Room appears: a runner takes what is in the queue.
+    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
+    let finished =
+        tokio::task::spawn_blocking(move || redrive.wait_with_output().expect("redrive")).await.expect("redrive task");
+    let stdout = String::from_utf8_lossy(&finished.stdout).to_string();
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(finished.status.code(), Some(0), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stdout.starts_with("10 message(s) redriven to work"), "{stdout}");
+    support::wait_until(Duration::from_secs(60), "every message handled", || async {
+        receiver.succeeded_keys().len() == 15
+    })
+    .await;
+    assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
+    let each = support::counts(receiver.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()));
+    assert!(each.values().all(|n| *n == 1), "a side effect twice: {each:?}");
+    assert_eq!(place.depth("work.dlq").await, 0);
+}
+
 async fn status_counts_what_the_named_runners_hold_as_unacked<P: Place>(place: P) {
     // Holds every request 20 s: the runner's 3 deliveries stay unacked meanwhile.
     let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_secs(20))).await;
@@ -384,4 +428,5 @@ on_both_brokers!(
     kill_9_in_the_middle_of_a_redrive_of_1000_loses_nothing,
     a_redrive_of_thousands_at_full_speed_leaves_none_behind,
     status_counts_what_the_named_runners_hold_as_unacked,
+    a_redrive_into_a_full_queue_waits_for_room_before_it_gives_up,
 );

@@ -5,7 +5,7 @@
 //!
 //! Timings are never asserted as such: counts and shares, with generous windows.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,18 +13,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use support::*;
-
-/// Starts `sluice run` on `dir` with an admin endpoint; returns it and the endpoint's address,
-/// once the queue's breaker gauge is there (the worker is consuming).
-async fn run_with_admin(dir: &std::path::Path, vhost: &Vhost) -> (Sluice, String) {
-    let admin = format!("127.0.0.1:{}", free_port());
-    let sluice = Sluice::run(dir, &vhost.url(), &["--admin", &admin]);
-    wait_until(Duration::from_secs(30), "the runner's breaker gauge", || async {
-        gauge(&admin, "sluice_circuit_state", "work").await.is_some()
-    })
-    .await;
-    (sluice, admin)
-}
 
 /// How many requests each key's successful calls number (every key should have exactly one).
 /// Publishes `n` messages keyed `m-0`, `m-1`, ... to `ev`, one every `every`, on a task.
@@ -60,7 +48,7 @@ async fn an_outage_opens_the_breaker_and_loses_nothing() {
     );
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
-    let (sluice, admin) = run_with_admin(dir.path(), &vhost).await;
+    let (sluice, admin) = run_with_admin(dir.path(), &vhost.url(), "work").await;
 
     // 500 messages, one every 50 ms (25 s); the receiver is down from 2 s to 22 s.
     let publisher = publish_steadily(&vhost, 500, Duration::from_millis(50)).await;
@@ -118,7 +106,7 @@ async fn one_bad_message_does_not_open_the_breaker() {
     let dir = webhook_pipeline(&receiver, "    circuit_breaker: {failure_rate: 1%, min_calls: 1}\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
-    let (sluice, admin) = run_with_admin(dir.path(), &vhost).await;
+    let (sluice, admin) = run_with_admin(dir.path(), &vhost.url(), "work").await;
     for i in 0..20 {
         let key = if i == 10 { "bad".to_string() } else { format!("good-{i}") };
         publish(&broker, "ev", "x", &key, serde_json::json!({})).await;
@@ -145,7 +133,7 @@ async fn pause_and_resume_by_cli_while_messages_flow() {
     let dir = webhook_pipeline(&receiver, "    concurrency: 4\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
-    let (sluice, admin) = run_with_admin(dir.path(), &vhost).await;
+    let (sluice, admin) = run_with_admin(dir.path(), &vhost.url(), "work").await;
     let publisher = publish_steadily(&vhost, 300, Duration::from_millis(20)).await;
     receiver.wait_for(50, Duration::from_secs(30)).await;
     assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0));
@@ -214,7 +202,7 @@ impl Stretch {
         settle: Duration,
         measure: Duration,
     ) -> Stretch {
-        let (mut sluice, admin) = run_with_admin(dir, vhost).await;
+        let (mut sluice, admin) = run_with_admin(dir, &vhost.url(), "work").await;
         tokio::time::sleep(settle).await;
         let from = Instant::now();
         let mut limits = Vec::new();

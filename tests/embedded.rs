@@ -2,7 +2,7 @@
 //! runner killed under load, and routing compared with the real RabbitMQ. (The runtime's
 //! behaviour on it is checked by the same test bodies as on RabbitMQ: see `on_both_brokers!`.)
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -70,8 +70,11 @@ async fn a_publisher_process_and_a_runner_process_share_one_state_directory() {
 fn leased_keys(place: &EmbeddedDir, queue: &str) -> BTreeSet<String> {
     let path = Path::new(&place.url()).join(sluice::broker::embedded::FILE);
     let db = rusqlite::Connection::open(&path).expect("open the broker's file");
-    let mut statement =
-        db.prepare("SELECT body FROM messages WHERE queue = ?1 AND lease_owner IS NOT NULL").expect("prepare");
+    let mut statement = db
+        .prepare(
+            "SELECT b.data FROM messages m JOIN bodies b ON b.id = m.body WHERE m.queue = ?1 AND m.lease_owner IS NOT NULL",
+        )
+        .expect("prepare");
     let bodies = statement.query_map([queue], |r| r.get::<_, Vec<u8>>(0)).expect("query");
     bodies
         .map(|body| {

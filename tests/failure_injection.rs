@@ -4,7 +4,7 @@
 //! receiver, by Idempotency-Key; a file a command appends `$SLUICE_IDEMPOTENCY_KEY` to) or
 //! reads the broker, never the runner's log.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant, SystemTime};

@@ -4,7 +4,7 @@
 //! the receiver, dead-lettered, still queued, waiting in the delay cascade). Assertions read the
 //! receiver (by Idempotency-Key), the queues and the exit codes, never the runner's log.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -715,7 +715,7 @@ async fn run_against_a_broker_that_never_answers_keeps_retrying_with_a_timeout()
 /// after 15 s), with an idempotency store in `dir` and the log filter sluice chooses by default
 /// (`RUST_LOG` removed, whatever the test's environment holds).
 fn run_to_exit(dir: &Path, url: &str) -> Finished {
-    let dedup = format!("file:{}", dir.join(".sluice/dedup").display());
+    let dedup = format!("file:{}", dir.join(".sluice").display());
     let dir = dir.to_str().expect("a UTF-8 temporary directory");
     sluice_cli(&["run", dir, "--broker", url, "--dedup", &dedup], &[], Duration::from_secs(15))
 }
@@ -758,7 +758,7 @@ fn messages_total(metrics: &str, outcome: &str) -> u64 {
 }
 
 async fn get_metrics(admin: &str) -> Option<String> {
-    let response = reqwest::get(format!("http://{admin}/metrics")).await.ok()?;
+    let response = http().get(format!("http://{admin}/metrics")).send().await.ok()?;
     response.status().is_success().then_some(())?;
     response.text().await.ok()
 }

@@ -3,7 +3,7 @@
 //! stdout, and a payload value that would walk up a webhook's path. Each test keeps a ledger of
 //! what was published and where it ended.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! memory, read outside the given paths, print what it read there, or forge an annotation.
 //! The binary is driven as CI drives it; the loader itself is also run over random trees.
 
-mod util;
+use crate::util;
 
 use std::collections::BTreeSet;
 use std::os::unix::fs::symlink;

@@ -2,7 +2,7 @@
 //! idempotency key. Real RabbitMQ, real Redis (a private server where a test stops it), real
 //! `sluice` processes.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -24,7 +24,7 @@ fn mock_webhook_pipeline(url: &str, concurrency: u32) -> tempfile::TempDir {
 }
 
 fn dedup_file(dir: &Path) -> String {
-    format!("file:{}", dir.join("state/dedup").display())
+    format!("file:{}", dir.join("state").display())
 }
 
 async fn duplicate_sent_twice_in_a_row_is_handled_once<P: Place>(place: P) {
@@ -48,15 +48,21 @@ async fn duplicate_sent_twice_in_a_row_is_handled_once<P: Place>(place: P) {
     assert!(place.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
-    let vhost = Vhost::new();
+/// A webhook server that answers 200 after 800 ms: slow enough that copies of one key are in
+/// flight in two runners at once.
+async fn slow_server() -> MockServer {
     let server = MockServer::start().await;
-    // Slow enough that both copies are in flight at once.
     Mock::given(method("POST"))
         .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(800)))
         .mount(&server)
         .await;
+    server
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
+    let vhost = Vhost::new();
+    let server = slow_server().await;
     let dir = mock_webhook_pipeline(&server.uri(), 4);
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
@@ -76,6 +82,57 @@ async fn duplicates_racing_on_two_runners_sharing_redis_are_handled_once() {
     assert_eq!(b.wait(Duration::from_secs(60)), Some(0), "{}", b.log());
     assert!(vhost.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
     assert_eq!(keys_received(&server).await, [key], "four copies, two runners, one call\n{}\n{}", a.log(), b.log());
+}
+
+async fn duplicates_racing_on_two_runners_sharing_a_state_directory_are_handled_once<P: Place>(place: P) {
+    let server = slow_server().await;
+    let dir = mock_webhook_pipeline(&server.uri(), 4);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let keys: Vec<String> = (0..5).map(|n| format!("shared-{n}")).collect();
+    for key in &keys {
+        for _ in 0..4 {
+            publish(&broker, "ev", "a", key, serde_json::json!({})).await;
+        }
+    }
+    // Beside RabbitMQ both name one state directory; with the embedded broker both use its
+    // directory, the default, where the keys ride on the acks.
+    let state = dedup_file(dir.path());
+    let shared: &[&str] = if place.url().starts_with("amqp") { &["--dedup", &state] } else { &[] };
+    let runner =
+        |extra: &[&str]| Sluice::run(dir.path(), &place.url(), &[shared, &["--exit-when-idle"], extra].concat());
+    let (mut a, mut b) = (runner(&[]), runner(&["--threads", "2"]));
+    assert_eq!(a.wait(Duration::from_secs(60)), Some(0), "{}", a.log());
+    assert_eq!(b.wait(Duration::from_secs(60)), Some(0), "{}", b.log());
+    assert!(place.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
+    let mut received = keys_received(&server).await;
+    received.sort();
+    assert_eq!(received, keys, "four copies of each key, two runners, one call each\n{}\n{}", a.log(), b.log());
+}
+
+async fn an_earlier_sluices_idempotency_store_is_named_with_what_to_do<P: Place>(place: P) {
+    let dir = work_pipeline("    handler:\n      command: {program: /bin/true}\n");
+    // What sluice 0.1 left in its state directory: a fjall store.
+    let old = dir.path().join("state/dedup");
+    std::fs::create_dir_all(old.join("keyspaces")).expect("mkdir");
+    std::fs::write(old.join("version"), b"\x03").expect("write");
+    let pipelines = dir.path().to_str().expect("utf-8");
+    let named = sluice_cli(
+        &["run", pipelines, "--broker", &place.url(), "--dedup", old.to_str().expect("utf-8"), "--exit-when-idle"],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(named.code, Some(1), "{}", named.stderr);
+    assert!(named.stderr.contains("idempotency store of an earlier sluice"), "{}", named.stderr);
+    assert!(named.stderr.contains("Delete"), "says what to do: {}", named.stderr);
+    let state = dir.path().join("state");
+    let beside = sluice_cli(
+        &["run", pipelines, "--broker", &place.url(), "--dedup", state.to_str().expect("utf-8"), "--exit-when-idle"],
+        &[],
+        Duration::from_secs(30),
+    );
+    assert_eq!(beside.code, Some(0), "runs, and warns: {}", beside.stderr);
+    assert!(beside.stderr.contains(&format!("{} is the idempotency store of an earlier sluice", old.display())));
 }
 
 /// A command handler that records `start KEY`, works for a while, records `end KEY`.
@@ -189,7 +246,8 @@ async fn a_key_can_run_again_after_its_ttl<P: Place>(place: P) {
     // Concurrency 4: the sentinel may overtake the duplicate, so wait for it to be acked.
     wait_until(Duration::from_secs(20), "queue drained", || async { place.drain_queue("work").await.is_empty() }).await;
     assert_eq!(counts(keys_received(&server).await)["again"], 1, "within the TTL: a duplicate");
-    tokio::time::sleep(Duration::from_millis(2500)).await; // let the 2s TTL pass
+    // The key's 2 s TTL must run out: time passing is this test's point, and nothing shows it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     publish(&broker, "ev", "a", "again", serde_json::json!({})).await;
     wait_until(Duration::from_secs(20), "the key handled again", || async {
         counts(keys_received(&server).await)["again"] == 2
@@ -244,7 +302,7 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let url = format!("redis://127.0.0.1:{port}");
-    let _sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &url]);
+    let sluice = Sluice::run(dir.path(), &vhost.url(), &["--dedup", &url]);
     let keys: Vec<String> = (0..60).map(|i| format!("r{i:02}")).collect();
     for k in &keys[..20] {
         publish(&broker, "ev", "a", k, serde_json::json!({})).await;
@@ -254,8 +312,14 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
     for k in &keys[20..] {
         publish(&broker, "ev", "a", k, serde_json::json!({})).await;
     }
-    // While the store is down, no handler may run: nothing past the first batch arrives.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // While the store is down, no handler may run: each later message is turned back for want
+    // of a claim, and nothing past the first batch arrives.
+    wait_until(Duration::from_secs(30), "every later message turned back without a claim", || async {
+        let log = sluice.log();
+        let turned_back: Vec<&str> = log.lines().filter(|l| l.contains("no claim, so no handler run")).collect();
+        keys[20..].iter().all(|k| turned_back.iter().any(|l| l.contains(&format!("idempotency_key=\"{k}\""))))
+    })
+    .await;
     assert_eq!(keys_received(&server).await.len(), 20, "a handler ran without a claim");
     let _redis = PrivateRedis::start(port);
     wait_until(Duration::from_secs(60), "every message after Redis came back", || async {
@@ -270,6 +334,8 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
 
 on_both_brokers!(
     duplicate_sent_twice_in_a_row_is_handled_once,
+    duplicates_racing_on_two_runners_sharing_a_state_directory_are_handled_once,
+    an_earlier_sluices_idempotency_store_is_named_with_what_to_do,
     kill_9_mid_run_then_restart_loses_nothing_and_repeats_only_in_flight_work,
     a_key_can_run_again_after_its_ttl,
 );

@@ -5,7 +5,7 @@
 //! or text, without colour codes when stderr is no terminal; and a second signal during the
 //! graceful shutdown stopping at once.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -71,7 +71,7 @@ async fn json_logs_follow_each_message_from_start_to_end() {
     let url = vhost.url().replace("guest:guest@", "guest:***@");
     assert_eq!(start["fields"]["broker"], url.as_str(), "password not masked: {start}");
     assert_eq!(start["fields"]["queues"], "work");
-    assert_eq!(start["fields"]["dedup"], dir.path().join(".sluice/dedup").display().to_string());
+    assert_eq!(start["fields"]["dedup"], dir.path().join(".sluice").display().to_string());
 
     let handled = message_span(line(&lines, "handled", &[]));
     assert_eq!(handled["message_id"], good.id.as_str());
@@ -126,7 +126,7 @@ async fn a_second_signal_during_the_graceful_shutdown_stops_at_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pidfile = dir.path().join("handler.pid");
     let yaml = format!(
-        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      command: {{program: /bin/sh, args: [\"-c\", \"echo $$ > {}; exec sleep 60\"], timeout: 120s}}\n",
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      command: {{program: /bin/sh, args: [\"-c\", \"echo $$$$ > {}; exec sleep 60\"], timeout: 120s}}\n",
         pidfile.display()
     );
     std::fs::write(dir.path().join("pipeline.yaml"), yaml).expect("write pipeline");

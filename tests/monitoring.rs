@@ -30,6 +30,7 @@ const SCALARS: &[&str] = &[
     "sluice_circuit_state",
     "sluice_concurrency_limit",
     "sluice_paused",
+    "sluice_broker_connected",
 ];
 
 /// Histograms: queried only through their `_bucket`, `_count` and `_sum` series.

@@ -5,7 +5,7 @@
 //! happened is read from `sluice_config_reloads_total{result}` on the admin endpoint; what it
 //! did is read from the receivers (calls by `Idempotency-Key`) and the broker's queues.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -30,6 +30,7 @@ struct Admin {
 impl Admin {
     fn new() -> Admin {
         let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        sluice::install_tls_provider();
         let client = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().expect("http client");
         Admin { addr: format!("127.0.0.1:{port}"), client }
     }
@@ -128,7 +129,7 @@ async fn start_in(pipelines: &Path, state: &Path, vhost: &Vhost, admin: &Admin, 
         .args(extra)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
-        .env("SLUICE_DEDUP", state.join("dedup"))
+        .env("SLUICE_DEDUP", state)
         .stdout(std::process::Stdio::null())
         .stderr(file)
         .spawn()
@@ -156,15 +157,6 @@ async fn wait_reloads(sluice: &mut Sluice, admin: &Admin, result: &str, n: u64) 
 async fn wait_handled(sluice: &mut Sluice, receiver: &Receiver, key: &str, name: &str) {
     let what = format!("a call for {key:?} at receiver {name}");
     wait_for(sluice, DEADLINE, &what, || async { receiver.hits_for(key).iter().any(Hit::succeeded) }).await;
-}
-
-/// The `work` pipeline (topic exchange `ev`, every key bound) calling `{receiver}/hook`, with
-/// `extra` lines (four-space indented) added to the queue.
-fn work_yaml(receiver: &Receiver, extra: &str) -> String {
-    format!(
-        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}",
-        receiver.uri()
-    )
 }
 
 /// Publishes `{prefix}-N` to `ev` every `every` until `total` has passed; each key with the
@@ -257,7 +249,7 @@ async fn queue_state(url: &str, queue: &str) -> Option<(u32, u32)> {
 async fn reload_under_load_loses_and_repeats_nothing() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    concurrency: 4\n"))]);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, "    concurrency: 4\n"))]);
     let broker = vhost.connect().await;
     declare(&files.dir(), &broker).await;
     let admin = Admin::new();
@@ -265,7 +257,7 @@ async fn reload_under_load_loses_and_repeats_nothing() {
 
     let publisher = spawn_publisher(broker.clone(), "load", Duration::from_millis(20), Duration::from_secs(8));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    files.save("pipeline.yaml", &work_yaml(&b, "    concurrency: 8\n"));
+    files.save("pipeline.yaml", &webhook_yaml(&b, "    concurrency: 8\n"));
     let saved = Instant::now();
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
 
@@ -296,7 +288,7 @@ async fn reload_under_load_loses_and_repeats_nothing() {
 async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    concurrency: 4\n"))]);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, "    concurrency: 4\n"))]);
     let broker = vhost.connect().await;
     declare(&files.dir(), &broker).await;
     let admin = Admin::new();
@@ -305,7 +297,7 @@ async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     let publisher = spawn_publisher(broker.clone(), "load", Duration::from_millis(20), Duration::from_secs(8));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // Pointed at B, but invalid: none of it may be applied.
-    files.save("pipeline.yaml", &work_yaml(&b, "    concurrency: 0\n"));
+    files.save("pipeline.yaml", &webhook_yaml(&b, "    concurrency: 0\n"));
     wait_reloads(&mut sluice, &admin, "rejected", 1).await;
     let rejected_at = Instant::now();
     assert_eq!(admin.applied().await, 0, "the invalid edit was not applied; log tail:\n{}", tail(&sluice.log()));
@@ -316,7 +308,7 @@ async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
     .await;
     assert!(b.hits().is_empty(), "the rejected config (pointing at B) never ran: {:?}", b.succeeded_keys());
 
-    files.save("pipeline.yaml", &work_yaml(&b, "    concurrency: 8\n"));
+    files.save("pipeline.yaml", &webhook_yaml(&b, "    concurrency: 8\n"));
     wait_reloads(&mut sluice, &admin, "applied", 1).await;
     let applied_at = Instant::now();
 
@@ -338,7 +330,8 @@ async fn invalid_edit_keeps_the_running_config_until_a_valid_one() {
 }
 
 /// Issue 10: deleting a pipeline file stops its queue's consumer but leaves the queue and its
-/// messages on the broker; a new file's queue is declared and consumed.
+/// messages on the broker; a new file's queue is declared and consumed. Issue 19: the removed
+/// queue is unbound, so it takes no new messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adding_and_removing_files_adds_and_removes_queues() {
     let vhost = Vhost::new();
@@ -366,15 +359,10 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
     publish(&broker, "ev", "b", "b-1", json!({})).await;
     wait_handled(&mut sluice, &receiver, "a-1", "qa").await;
     wait_handled(&mut sluice, &receiver, "b-1", "qb").await;
-
-    std::fs::remove_file(files.dir().join("b.yaml")).expect("delete b.yaml");
-    files.save("c.yaml", &queue("qc", "c"));
-    wait_reloads(&mut sluice, &admin, "applied", 1).await;
+    // Paused, qb keeps what arrives next: the messages a removed queue holds.
+    let paused = sluice_cli(&["pause", "qb", "--admin", &admin.addr], &[], DEADLINE);
+    assert_eq!(paused.code, Some(0), "{paused:?}");
     let url = vhost.url();
-    // Should the two edits come as two reloads, qc is bound by the second.
-    wait_for(&mut sluice, DEADLINE, "a message to key c routed", || publish_if_routable(&broker, "c", "c-1")).await;
-    wait_handled(&mut sluice, &receiver, "c-1", "qc").await;
-
     wait_for(&mut sluice, DEADLINE, "qb without consumers", || async {
         queue_state(&url, "qb").await.is_some_and(|(_, consumers)| consumers == 0)
     })
@@ -385,7 +373,18 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
         queue_state(&url, "qb").await == Some((2, 0))
     })
     .await;
-    // The runner is alive and consuming its other queues after the messages to qb arrived.
+
+    std::fs::remove_file(files.dir().join("b.yaml")).expect("delete b.yaml");
+    files.save("c.yaml", &queue("qc", "c"));
+    wait_reloads(&mut sluice, &admin, "applied", 1).await;
+    // Should the two edits come as two reloads, qc is bound by the second.
+    wait_for(&mut sluice, DEADLINE, "a message to key c routed", || publish_if_routable(&broker, "c", "c-1")).await;
+    wait_handled(&mut sluice, &receiver, "c-1", "qc").await;
+    wait_for(&mut sluice, DEADLINE, "key b unroutable: qb unbound", || async {
+        !publish_if_routable(&broker, "b", "b-4").await
+    })
+    .await;
+    // The runner is alive and consuming its other queues.
     publish(&broker, "ev", "a", "a-2", json!({})).await;
     publish(&broker, "ev", "c", "c-2", json!({})).await;
     wait_handled(&mut sluice, &receiver, "a-2", "qa").await;
@@ -406,7 +405,7 @@ async fn adding_and_removing_files_adds_and_removes_queues() {
 async fn reload_refused_by_the_broker_keeps_the_running_config() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    type: classic\n"))]);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, "    type: classic\n"))]);
     let broker = vhost.connect().await;
     declare(&files.dir(), &broker).await;
     let admin = Admin::new();
@@ -415,7 +414,7 @@ async fn reload_refused_by_the_broker_keeps_the_running_config() {
     wait_handled(&mut sluice, &a, "before", "A").await;
 
     // Valid on disk, refused by RabbitMQ (PRECONDITION_FAILED on x-queue-type).
-    files.save("pipeline.yaml", &work_yaml(&b, "    type: quorum\n"));
+    files.save("pipeline.yaml", &webhook_yaml(&b, "    type: quorum\n"));
     wait_reloads(&mut sluice, &admin, "rejected", 1).await;
     publish(&broker, "ev", "x", "after", json!({})).await;
     wait_handled(&mut sluice, &a, "after", "A").await;
@@ -427,7 +426,7 @@ async fn reload_refused_by_the_broker_keeps_the_running_config() {
     let published = BTreeSet::from(["before".to_string(), "after".to_string()]);
     assert_each_handled_once(&published, &[&a, &b]);
     // The queue is still the classic one: a classic redeclaration is still accepted.
-    let probe = pipeline(&work_yaml(&a, "    type: classic\n"));
+    let probe = pipeline(&webhook_yaml(&a, "    type: classic\n"));
     declare(probe.path(), &broker).await;
 }
 
@@ -436,7 +435,7 @@ async fn reload_refused_by_the_broker_keeps_the_running_config() {
 async fn sighup_reloads_when_the_watcher_is_off() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, ""))]);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, ""))]);
     let broker = vhost.connect().await;
     declare(&files.dir(), &broker).await;
     let admin = Admin::new();
@@ -444,7 +443,7 @@ async fn sighup_reloads_when_the_watcher_is_off() {
     publish(&broker, "ev", "x", "k-1", json!({})).await;
     wait_handled(&mut sluice, &a, "k-1", "A").await;
 
-    files.save("pipeline.yaml", &work_yaml(&b, ""));
+    files.save("pipeline.yaml", &webhook_yaml(&b, ""));
     // Proving that nothing happens takes a window: eight times the watcher's debounce.
     tokio::time::sleep(Duration::from_secs(2)).await;
     publish(&broker, "ev", "x", "k-2", json!({})).await;
@@ -470,7 +469,7 @@ async fn sighup_reloads_when_the_watcher_is_off() {
 async fn a_burst_of_saves_is_debounced() {
     let vhost = Vhost::new();
     let (a, b) = (Receiver::ok().await, Receiver::ok().await);
-    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, "    concurrency: 4\n"))]);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, "    concurrency: 4\n"))]);
     let broker = vhost.connect().await;
     declare(&files.dir(), &broker).await;
     let admin = Admin::new();
@@ -481,7 +480,7 @@ async fn a_burst_of_saves_is_debounced() {
     // Ten saves in under a second, 100 ms apart; only the last points at B.
     for concurrency in 1..=10 {
         let receiver = if concurrency == 10 { &b } else { &a };
-        files.save("pipeline.yaml", &work_yaml(receiver, &format!("    concurrency: {concurrency}\n")));
+        files.save("pipeline.yaml", &webhook_yaml(receiver, &format!("    concurrency: {concurrency}\n")));
         if concurrency < 10 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -512,7 +511,7 @@ async fn a_burst_of_saves_is_debounced() {
 async fn editor_style_rename_over_the_file_is_reloaded() {
     let vhost = Vhost::new();
     let (a, b, c) = (Receiver::ok().await, Receiver::ok().await, Receiver::ok().await);
-    let files = Files::new(&[("pipeline.yaml", &work_yaml(&a, ""))]);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, ""))]);
     let broker = vhost.connect().await;
     declare(&files.dir(), &broker).await;
     let admin = Admin::new();
@@ -522,7 +521,7 @@ async fn editor_style_rename_over_the_file_is_reloaded() {
 
     let replace = |receiver: &Receiver| {
         let tmp = files.dir().join("pipeline.yaml.tmp");
-        std::fs::write(&tmp, work_yaml(receiver, "")).expect("write the temporary file");
+        std::fs::write(&tmp, webhook_yaml(receiver, "")).expect("write the temporary file");
         std::fs::rename(&tmp, files.dir().join("pipeline.yaml")).expect("rename over pipeline.yaml");
     };
     replace(&b);
@@ -547,13 +546,14 @@ async fn editor_style_rename_over_the_file_is_reloaded() {
 }
 
 /// Issue 10: what the runner itself writes inside the watched directory is no pipeline file
-/// and triggers no reload: `sluice run .` keeps its idempotency store in `./.sluice/dedup`
-/// (the default), so the store's directories appear below the pipeline directory.
+/// and triggers no reload: `sluice run .` keeps its idempotency keys in `./.sluice/broker.db`
+/// (the default), so the store's file and its write-ahead log change below the pipeline
+/// directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_runners_own_files_in_the_pipeline_directory_trigger_no_reload() {
     let vhost = Vhost::new();
     let receiver = Receiver::ok().await;
-    let dir = pipeline(&work_yaml(&receiver, ""));
+    let dir = pipeline(&webhook_yaml(&receiver, ""));
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let admin = Admin::new();

@@ -2,7 +2,7 @@
 //! commands get (fan-out, headers, signatures, templating, env, stdin) and when they get it
 //! (Retry-After, rate limits, ordering).
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -2,8 +2,8 @@
 //! the start instead of dead-lettering every message, and a webhook's scheme and host may come
 //! from the operator's environment (resolved once at start-up), never from a message.
 
-mod support;
-mod util;
+use crate::support;
+use crate::util;
 
 use std::time::Duration;
 

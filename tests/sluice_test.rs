@@ -2,7 +2,7 @@
 //! prints a diff per field and exits 1, mistakes in a test file are reported at
 //! file:line:column, every output format, usage errors, and a suite of 200 tests.
 
-mod util;
+use crate::util;
 
 use predicates::prelude::*;
 use serde_json::Value;

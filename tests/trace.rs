@@ -3,7 +3,7 @@
 //! command, across retries, and kept on the copies; a message without one starts a new trace;
 //! with an OTLP endpoint set, the delivery's spans are exported in that same trace.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! diagnostics, and the valid directory loads, resolves its defaults and uses every key and
 //! enum value of the schema.
 
-mod util;
+use crate::util;
 
 use std::collections::BTreeSet;
 use std::num::NonZeroU32;

@@ -434,11 +434,19 @@ queues:
                 if exit_when_idle {
                     c.arg("--exit-when-idle");
                 }
+                // The embedded idempotency store by default: on the embedded broker, its own
+                // file; beside RabbitMQ, a state directory of the trial's own. (A build before
+                // the store moved into the broker's file keeps it in `.sluice/dedup` below its
+                // working directory: the trial's.)
+                c.current_dir(dir);
                 let dedup = match consumer {
-                    Consumer::SluiceRedis => "redis://127.0.0.1:6379".to_string(),
-                    _ => format!("file:{}", dir.join("dedup").display()),
+                    Consumer::SluiceRedis => Some("redis://127.0.0.1:6379".to_string()),
+                    _ if url.starts_with("amqp") => Some(format!("file:{}", dir.join("state").display())),
+                    _ => None,
                 };
-                c.args(["--dedup", &dedup]);
+                if let Some(dedup) = dedup {
+                    c.args(["--dedup", &dedup]);
+                }
                 // The command figure is read from the per-message debug line (there is no
                 // server to count at); webhook trials log at the default level.
                 let filter = if handler == Handler::Command { "info,sluice::runtime::events=debug" } else { "info" };

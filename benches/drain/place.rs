@@ -61,7 +61,7 @@ impl Place {
         let plan = sluice::topology::plan(&config);
         match self {
             Place::Vhost(vhost) => {
-                let broker = Amqp::connect(&vhost.url(), sluice::broker::amqp::CONNECT_TIMEOUT).await?;
+                let broker = Amqp::connect(&vhost.url(), sluice::broker::amqp::Timeouts::default()).await?;
                 broker.declare(&plan).await?;
                 let rate = preload(&broker, exchange, routing_key, count).await;
                 broker.close().await;

@@ -49,6 +49,12 @@ struct State {
     delayed: u32,
     /// When set, the next declare fails with this.
     refuse_next_declare: Option<BrokerError>,
+    /// When set, the next unbind fails with this.
+    refuse_next_unbind: Option<BrokerError>,
+    /// While set, acks fail and change nothing.
+    refuse_acks: bool,
+    /// While set, `stats` never answers.
+    stall_stats: bool,
 }
 
 struct ConsumerState {
@@ -98,6 +104,22 @@ impl Memory {
     /// The next declare fails with `error`.
     pub fn refuse_next_declare(&self, error: BrokerError) {
         lock(&self.state).refuse_next_declare = Some(error);
+    }
+
+    /// The next unbind fails with `error`, removing nothing.
+    pub fn refuse_next_unbind(&self, error: BrokerError) {
+        lock(&self.state).refuse_next_unbind = Some(error);
+    }
+
+    /// Acks fail (changing nothing, as when the broker cannot write them) while `refuse`.
+    pub fn refuse_acks(&self, refuse: bool) {
+        lock(&self.state).refuse_acks = refuse;
+    }
+
+    /// `stats` never answers (as a frozen node that never answers a passive declaration)
+    /// while `stall`.
+    pub fn stall_stats(&self, stall: bool) {
+        lock(&self.state).stall_stats = stall;
     }
 
     fn push(&self, queue: &str, message: Message) -> Result<(), BrokerError> {
@@ -186,9 +208,13 @@ pub struct MemoryConsumer {
 impl Consumer for MemoryConsumer {
     type Delivery = MemoryDelivery;
 
-    async fn ack(&self, settled: Vec<MemoryDelivery>) -> Result<(), BrokerError> {
+    async fn ack(&self, settled: &[MemoryDelivery]) -> Result<(), BrokerError> {
         let mut state = lock(&self.broker.state);
+        let refused = state.refuse_acks;
         let consumer = state.consumers.get_mut(&self.id).ok_or_else(|| BrokerError::Lost("consumer closed".into()))?;
+        if refused {
+            return Err(BrokerError::Lost("acks refused (as by a full disk)".into()));
+        }
         for d in settled {
             consumer.unacked.remove(&d.tag);
         }
@@ -256,6 +282,15 @@ impl Broker for Memory {
                 state.bindings.push(b.clone());
             }
         }
+        Ok(())
+    }
+
+    async fn unbind(&self, bindings: &[BindingDecl]) -> Result<(), BrokerError> {
+        let mut state = lock(&self.state);
+        if let Some(e) = state.refuse_next_unbind.take() {
+            return Err(e);
+        }
+        state.bindings.retain(|b| !bindings.contains(b));
         Ok(())
     }
 
@@ -362,6 +397,10 @@ impl Broker for Memory {
     }
 
     async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
+        let stalled = lock(&self.state).stall_stats;
+        if stalled {
+            std::future::pending::<()>().await;
+        }
         let state = lock(&self.state);
         let (_, ready) = state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
         let consumers = state.consumers.values().filter(|c| c.queue == queue).count();

@@ -1,7 +1,8 @@
-//! The broker seen by the runtime and the operator's commands: declare a plan, publish with
-//! confirm, consume with prefetch through a consumer handle (ack a batch, cancel, close),
-//! delayed publish to one queue, dead-lettering, queue statistics; and for operators, browsing
-//! a queue in order, redriving a dead-lettered copy, and how the broker differs from a plan.
+//! The broker seen by the runtime and the operator's commands: declare a plan, remove the
+//! bindings a reload dropped, publish with confirm, consume with prefetch through a consumer
+//! handle (ack a batch, cancel, close), delayed publish to one queue, dead-lettering, queue
+//! statistics; and for operators, browsing a queue in order, redriving a dead-lettered copy,
+//! and how the broker differs from a plan.
 //! One trait, so the embedded broker and RabbitMQ share every rule in the runtime.
 //!
 //! The trait carries no broker's notions (delivery tags, `multiple` acks, `x-` arguments,
@@ -10,6 +11,7 @@
 
 pub mod amqp;
 pub mod embedded;
+pub mod failover;
 #[cfg(test)]
 pub mod memory;
 pub mod route;
@@ -22,7 +24,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use serde::Serialize;
 
-use crate::topology::Plan;
+use crate::topology::{BindingDecl, Plan};
 
 /// AMQP header values sluice reads and writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +65,9 @@ pub struct Outgoing {
     pub headers: Headers,
 }
 
+/// The queues a publish would reach, each with the largest body it takes where known.
+pub type BodyLimits = Vec<(String, Option<usize>)>;
+
 /// What the broker says of a queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct QueueStats {
@@ -100,6 +105,20 @@ pub enum Drift {
     },
 }
 
+impl Drift {
+    /// How a broker with nothing declared differs from `plan`: everything is missing.
+    pub fn all_missing(plan: &Plan) -> Vec<Drift> {
+        let exchanges = plan.exchanges.iter().map(|x| Drift::MissingExchange { name: x.name.clone() });
+        let queues = plan.queues.iter().map(|q| Drift::MissingQueue { name: q.name.clone() });
+        let bindings = plan.bindings.iter().map(|b| Drift::MissingBinding {
+            exchange: b.exchange.clone(),
+            queue: b.queue.clone(),
+            routing_key: b.routing_key.clone(),
+        });
+        exchanges.chain(queues).chain(bindings).collect()
+    }
+}
+
 impl std::fmt::Display for Drift {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -135,6 +154,10 @@ pub enum BrokerError {
     ConfirmTimeout(Duration),
     #[error("broker connection lost: {0}")]
     Lost(String),
+    /// The embedded broker's file is not usable (corrupt, not a database, or deleted or replaced
+    /// under a live process): no retry or other session can help, a person must act.
+    #[error("{0}")]
+    Damaged(String),
 }
 
 impl BrokerError {
@@ -142,12 +165,28 @@ impl BrokerError {
     pub fn is_fatal(&self) -> bool {
         matches!(self, BrokerError::Refused { .. } | BrokerError::Conflict(_) | BrokerError::NotFound(_))
     }
+
+    /// The broker's store is damaged: `run` stops rather than reconnecting.
+    pub fn is_damaged(&self) -> bool {
+        matches!(self, BrokerError::Damaged(_))
+    }
+
+    /// The session is gone (or given up): another session, with the next node of a cluster,
+    /// may carry on where this one stopped.
+    pub fn is_session_loss(&self) -> bool {
+        matches!(self, BrokerError::Connect { .. } | BrokerError::Lost(_) | BrokerError::ConfirmTimeout(_))
+    }
 }
 
 /// One message handed to a consumer; settled through its consumer's [`Consumer::ack`].
 pub trait Delivery: Send + Sync + 'static {
-    /// The body as published, shared (not copied) with whatever sends it on.
+    /// The body as published, shared (not copied) with whatever sends it on; empty for one
+    /// held back because it is over the consumer's limit ([`Broker::consume_within`]).
     fn body(&self) -> &Bytes;
+    /// The body's length as published, held back or not.
+    fn size(&self) -> usize {
+        self.body().len()
+    }
     fn header(&self, name: &str) -> Option<HeaderValue>;
     /// The `timestamp` property, seconds since the epoch.
     fn timestamp(&self) -> Option<u64>;
@@ -164,7 +203,22 @@ pub trait Consumer: Clone + Send + Sync + 'static {
     type Delivery: Delivery;
 
     /// Acknowledges settled deliveries of this consumer, in any order; the broker may batch.
-    fn ack(&self, settled: Vec<Self::Delivery>) -> impl Future<Output = Result<(), BrokerError>> + Send;
+    /// On an error each delivery is either still live (this consumer's, unsettled: acking it
+    /// again may succeed) or no longer live (handed back: the broker delivers it again).
+    fn ack(&self, settled: &[Self::Delivery]) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Acks settled deliveries and records `keys` (idempotency keys, as the store names them)
+    /// handled for `ttl`, in one transaction: only a broker whose own file is the idempotency
+    /// store does ([`crate::dedup::Store::rides_acks`]); others refuse.
+    fn ack_recording(
+        &self,
+        settled: &[Self::Delivery],
+        keys: &[String],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        let _ = (settled, keys, ttl);
+        std::future::ready(Err(BrokerError::Conflict("this broker holds no idempotency keys".into())))
+    }
 
     /// Stops new deliveries; those already sent still arrive, then the stream ends.
     fn cancel(&self) -> impl Future<Output = Result<(), BrokerError>> + Send;
@@ -182,6 +236,19 @@ pub trait Broker: Clone + Send + Sync + 'static {
 
     /// Declares everything in the plan, idempotently; a conflict is an error naming it.
     fn declare(&self, plan: &Plan) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// After a lost session, makes sure a plan declared before still stands, declaring it
+    /// again only where something is missing. A broker whose declarations wait on other nodes
+    /// (RabbitMQ: a declaration is a transaction on every node of a cluster, a frozen one
+    /// too) checks what exists without declaring; by default, it declares again.
+    fn redeclare(&self, plan: &Plan) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        self.declare(plan)
+    }
+
+    /// Removes these bindings, and only them: their queues, the messages in them and their
+    /// exchanges stay. Idempotent: a binding already gone (or whose queue or exchange is) is
+    /// no error.
+    fn unbind(&self, bindings: &[BindingDecl]) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
     /// Publishes a new persistent message, mandatory, and waits for the broker's confirm.
     fn publish(
@@ -217,6 +284,20 @@ pub trait Broker: Clone + Send + Sync + 'static {
         prefetch: u16,
     ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
 
+    /// As [`consume`](Broker::consume), for a queue that takes no body over `max_body` bytes:
+    /// a broker that knows a message's size without reading its body delivers a larger one
+    /// as its [size](Delivery::size) alone, to be dead-lettered unread. By default (RabbitMQ
+    /// sends every body whole) it delivers every body.
+    fn consume_within(
+        &self,
+        queue: &str,
+        prefetch: u16,
+        max_body: usize,
+    ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send {
+        let _ = max_body;
+        self.consume(queue, prefetch)
+    }
+
     /// Opens a browsing consumer of `queue`: its messages in queue order, at most `window`
     /// unsettled; each one acked is removed at once, and closing the consumer hands back the
     /// rest in their order. For reading a dead-letter queue without losing anything.
@@ -229,6 +310,21 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// Publishes a copy of a dead-lettered delivery into `queue` as if new: the failure
     /// headers and the broker's dead-letter history dropped, attempt 1; waits for the confirm.
     fn redrive(&self, queue: &str, original: &Self::Delivery) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// The queues a message published to `exchange` with `routing_key` and `headers` would
+    /// reach, each with the largest body it takes where the broker was told (the runner's
+    /// `max_message_bytes`, kept by the embedded broker when declared); `None` from a broker
+    /// that cannot tell before the message is sent (RabbitMQ routes only then, and keeps no
+    /// such limit). An unroutable message is an error, as its publish would be.
+    fn body_limits(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> impl Future<Output = Result<Option<BodyLimits>, BrokerError>> + Send {
+        let _ = (exchange, routing_key, headers);
+        std::future::ready(Ok(None))
+    }
 
     /// Ready messages and consumers of `queue`.
     fn stats(&self, queue: &str) -> impl Future<Output = Result<QueueStats, BrokerError>> + Send;

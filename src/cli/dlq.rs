@@ -2,18 +2,22 @@
 //! printed as tables or JSON. The work is `ops`'s; this resolves the queue's dead-letter queue
 //! from the pipeline files, connects, and prints.
 
+use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use indicatif::ProgressBar;
 
-use super::{BrokerArg, output, parse_duration, with_broker};
-use crate::broker::Broker as _;
+use super::{BrokerArg, Endpoint, Refusals, output, parse_duration, with_broker, with_sessions};
+use crate::broker::embedded::ReadOnly;
+use crate::broker::{Broker as _, BrokerError};
 use crate::config::{self, Config, RateLimit};
-use crate::ops::dlq::{self, Action, Entry, Filter};
+use crate::ops::dlq::{self, Action, Entry, Filter, Unread};
 use crate::ops::status::{self, Status};
+use crate::terminal::visible;
 
 /// Table or JSON.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -87,7 +91,7 @@ pub struct Target {
 #[derive(Debug, clap::Args)]
 pub struct FilterArgs {
     /// Only messages dead-lettered for this reason (permanent, exhausted, malformed, schema,
-    /// template, too_large, internal, or the broker's: delivery_limit, maxlen, ...).
+    /// template, signing, too_large, internal, or the broker's: delivery_limit, maxlen, ...).
     #[arg(long)]
     reason: Option<String>,
     /// Only messages that failed within this long, e.g. 1h.
@@ -124,9 +128,10 @@ impl Target {
         match config.queues.get(&self.queue) {
             Some(q) => Ok(q.dead_letter.clone()),
             None => bail!(
-                "no queue \"{}\" in {} (name the pipeline queue, not its dead-letter queue; --pipelines DIR says where the files are)",
+                "no queue \"{}\" in {}{} (name the pipeline queue, not its dead-letter queue; --pipelines DIR says where the files are)",
                 self.queue,
-                paths(&self.pipelines)
+                paths(&self.pipelines),
+                config::suggest::did_you_mean(&self.queue, config.queues.keys().map(String::as_str)),
             ),
         }
     }
@@ -142,37 +147,51 @@ fn load(paths: &[PathBuf]) -> anyhow::Result<Config> {
     validation.config.with_context(|| format!("invalid pipeline files in {}", self::paths(paths)))
 }
 
+/// Runs `read` on the embedded broker's file opened read-only, when `--broker` names its
+/// directory (None for RabbitMQ): the commands that only read never write to the file, so they
+/// work on one this user may not write, and take no lease on a live runner's.
+async fn read_only<T>(
+    arg: &BrokerArg,
+    read: impl AsyncFnOnce(&mut ReadOnly) -> Result<T, BrokerError>,
+) -> anyhow::Result<Option<T>> {
+    let Endpoint::Embedded(dir) = arg.endpoint()? else { return Ok(None) };
+    let result = async { read(&mut ReadOnly::open_dir(dir)?).await }.await;
+    result.map(Some).with_context(|| format!("broker {}", arg.display()))
+}
+
 /// Runs `sluice dlq ...`.
 pub async fn dlq(command: Command) -> anyhow::Result<()> {
     match command {
         Command::List { target, filter, format } => {
             let dlq = target.dead_letter_queue()?;
             let filter = filter.into();
-            let (entries, tally) = with_broker!(&target.broker, |broker| {
-                let listed = dlq::list(&broker, &dlq, &filter).await;
-                broker.close().await;
-                listed?
-            });
+            let read = read_only(&target.broker, async |file| dlq::list_read_only(file, &dlq, &filter).await).await?;
+            let (entries, tally) = match read {
+                Some(read) => read,
+                None => with_broker!(&target.broker, |broker| {
+                    let listed = dlq::list(&broker, &dlq, &filter).await;
+                    broker.close().await;
+                    listed?
+                }),
+            };
             match format {
                 Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&entries)?))?,
                 Format::Text => output::stdout(&table(&entries))?,
             }
-            if tally.unread > 0 {
-                output::stderr(&format!(
-                    "note: {} message(s) of {dlq} not read (held by another client, or more than {} passed over)\n",
-                    tally.unread,
-                    dlq::MAX_HELD
-                ));
-            }
+            unread_note(&tally, &dlq);
             Ok(())
         }
         Command::Show { target, id, format } => {
             let dlq = target.dead_letter_queue()?;
-            let shown = with_broker!(&target.broker, |broker| {
-                let shown = dlq::show(&broker, &dlq, &id).await;
-                broker.close().await;
-                shown?
-            });
+            let read = read_only(&target.broker, async |file| dlq::show_read_only(file, &dlq, &id).await).await?;
+            let shown = match read {
+                Some(shown) => shown,
+                None => with_broker!(&target.broker, |broker| {
+                    let shown = dlq::show(&broker, &dlq, &id).await;
+                    broker.close().await;
+                    shown?
+                }),
+            };
             let shown = shown.with_context(|| format!("no message with id \"{id}\" in {dlq}"))?;
             let text = match format {
                 Format::Json => format!("{}\n", serde_json::to_string_pretty(&shown)?),
@@ -180,9 +199,13 @@ pub async fn dlq(command: Command) -> anyhow::Result<()> {
                     let mut text = table(std::slice::from_ref(&shown.entry));
                     text.push_str("\nheaders:\n");
                     for (name, value) in &shown.headers {
-                        text.push_str(&format!("  {name}: {value}\n"));
+                        text.push_str(&format!("  {}: {}\n", visible(name), visible(&value.to_string())));
                     }
-                    text.push_str(&format!("\nbody:\n{}\n", serde_json::to_string_pretty(&shown.body)?));
+                    // JSON escapes the ASCII controls in strings, but not DEL or the C1 controls.
+                    text.push_str("\nbody:\n");
+                    for line in serde_json::to_string_pretty(&shown.body)?.lines() {
+                        text.push_str(&format!("{}\n", visible(line)));
+                    }
                     text
                 }
             };
@@ -216,11 +239,58 @@ async fn apply(
         bar.set_length(u64::from(t.queued));
         bar.set_position(t.done as u64);
     };
-    let job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
-    let result = with_broker!(&target.broker, |broker| {
-        let result = dlq::apply(&broker, &job, &progress).await;
+    // A session lost mid-run (a cluster node gone) is followed by one with the next node, and
+    // the job carries on: what was confirmed and acked is gone from the dead-letter queue, what
+    // was not is handed back and read again (a copy confirmed but not acked goes twice; its
+    // idempotency key stops the second run).
+    let mut job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
+    let mut tally = dlq::Tally::default();
+    // After a lost session: how many messages the dead-letter queue should hold again.
+    let mut expected = None;
+    let mut refusals = Refusals::default();
+    let result = with_sessions!(&target.broker, |sessions| loop {
+        let (broker, _) = sessions.open().await?;
+        let done = Mutex::new(dlq::Tally::default());
+        let report = |t: &dlq::Tally| {
+            *done.lock().unwrap_or_else(PoisonError::into_inner) = *t;
+            progress(&tally.and(t));
+        };
+        let result = async {
+            if let Some(expected) = expected {
+                dlq::handed_back(&broker, &dlq, expected, dlq::HAND_BACK).await?;
+            }
+            dlq::apply(&broker, &job, &report).await
+        }
+        .await;
         broker.close().await;
-        result
+        match result {
+            Ok(t) => break Ok(tally.and(&t)),
+            Err(e) if dry_run => break Err(e),
+            Err(e) => {
+                let t = *done.lock().unwrap_or_else(PoisonError::into_inner);
+                if t.done > 0 {
+                    refusals.progressed();
+                }
+                let wait = match refusals.again(&e) {
+                    _ if e.is_session_loss() => None,
+                    Some(wait) => Some(wait),
+                    None => break Err(e),
+                };
+                tally = tally.and(&t);
+                job.filter.limit = job.filter.limit.map(|limit| limit.saturating_sub(t.done));
+                expected = Some(tally.queued.saturating_sub(u32::try_from(tally.done).unwrap_or(u32::MAX)));
+                if let Some(wait) = wait {
+                    // The refused copies' messages were handed back when the session closed.
+                    tracing::warn!(error = %e, done = tally.done, "the broker refused copies; trying them again");
+                    tokio::time::sleep(wait).await;
+                } else {
+                    tracing::warn!(error = %e, done = tally.done, "broker session lost mid-run; carrying on with the next node");
+                    if let Err(e) = sessions.lost(e) {
+                        break Err(e);
+                    }
+                }
+            }
+        }
     });
     bar.finish_and_clear();
     let tally = result.with_context(|| format!("stopped; the messages not yet moved are still in {dlq}"))?;
@@ -232,19 +302,38 @@ async fn apply(
     };
     let count = if dry_run { tally.selected } else { tally.done };
     output::stdout(&format!("{count} message(s) {verb}; {} read from {dlq}\n", tally.read))?;
-    if tally.unread > 0 {
-        output::stderr(&format!("note: {} message(s) of {dlq} not read; run again to reach them\n", tally.unread));
-    }
+    unread_note(&tally, &dlq);
     Ok(())
 }
 
-/// Entries as an aligned table.
+/// Says why a pass read fewer messages than `dlq` held when it began, when it was not told to
+/// stop (`--limit`).
+fn unread_note(tally: &dlq::Tally, dlq: &str) {
+    let why = match tally.unread_because {
+        Some(Unread::PassedOver) => format!(
+            "more than {} were passed over at once; narrow the filter, or act on some and run again",
+            dlq::MAX_HELD
+        ),
+        Some(Unread::Elsewhere) => "the broker had none left ready: another client (a runner, another `sluice dlq`) \
+                                    took or holds them, or they were removed meanwhile"
+            .to_string(),
+        Some(Unread::Held { consumers }) => {
+            return output::stderr(&format!(
+                "note: {dlq} had no message ready: {consumers} other consumer(s) of it (another `sluice dlq` redriving or purging, say) hold what it has; run again once they are done\n"
+            ));
+        }
+        None => return,
+    };
+    output::stderr(&format!("note: {} message(s) of {dlq} not read: {why}\n", tally.unread));
+}
+
+/// Entries as an aligned table, one line each: what came with the message is shown escaped.
 fn table(entries: &[Entry]) -> String {
     let header = ["ID", "TYPE", "REASON", "ATTEMPTS", "FAILED-AT", "AGE", "IDEMPOTENCY-KEY", "ERROR"];
     let rows: Vec<[String; 8]> = entries
         .iter()
         .map(|e| {
-            let or_dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+            let or_dash = |v: &Option<String>| v.as_deref().map_or("-".into(), |v| visible(v).into_owned());
             [
                 or_dash(&e.id),
                 or_dash(&e.kind),
@@ -253,7 +342,7 @@ fn table(entries: &[Entry]) -> String {
                 or_dash(&e.failed_at),
                 e.age_seconds.map_or("-".into(), age),
                 or_dash(&e.idempotency_key),
-                or_dash(&e.error).replace('\n', " "),
+                or_dash(&e.error),
             ]
         })
         .collect();
@@ -305,11 +394,23 @@ fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
 pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], format: Format) -> anyhow::Result<()> {
     let config = load(paths)?;
     let runners = if admin.is_empty() { None } else { Some(runners(admin).await?) };
-    let status = with_broker!(&broker, |session| {
-        let read = status::read(&session, &config, runners.as_ref()).await;
-        session.close().await;
-        read?
-    });
+    let held = runners.as_ref().map(|(held, _)| held);
+    let read = read_only(&broker, async |file| status::read(file, &config, held).await).await?;
+    let status = match read {
+        Some(status) => status,
+        None => with_sessions!(&broker, |sessions| {
+            let (session, node) = sessions.open().await?;
+            let read = status::read(&mut status::Session(&session), &config, held).await;
+            session.close().await;
+            let mut status = read?;
+            if sessions.names().len() > 1 {
+                let (nodes, read_from) = (sessions.names().to_vec(), sessions.names()[node].clone());
+                let runners = runners.as_ref().map(|(_, nodes)| nodes.clone()).unwrap_or_default();
+                status.cluster = Some(status::Cluster { read_from, nodes, runners });
+            }
+            status
+        }),
+    };
     match format {
         Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&status)?))?,
         Format::Text => output::stdout(&status_table(&status))?,
@@ -317,10 +418,13 @@ pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], form
     Ok(())
 }
 
-/// What the runners say of each queue (held deliveries, breaker, pause), over their `/metrics`.
-async fn runners(admin: &[String]) -> anyhow::Result<std::collections::BTreeMap<String, status::Held>> {
+/// What the runners say of each queue (held deliveries, breaker, pause), and the broker node
+/// each is on, over their `/metrics`.
+type Runners = (BTreeMap<String, status::Held>, BTreeMap<String, Option<String>>);
+
+async fn runners(admin: &[String]) -> anyhow::Result<Runners> {
     let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
-    let mut held = std::collections::BTreeMap::new();
+    let (mut held, mut nodes) = (BTreeMap::new(), BTreeMap::new());
     for addr in admin {
         let url = format!("http://{addr}/metrics");
         let text =
@@ -328,8 +432,9 @@ async fn runners(admin: &[String]) -> anyhow::Result<std::collections::BTreeMap<
                 format!("cannot read the runner's metrics at {url} (is `sluice run --admin {addr}` running?)")
             })?;
         status::add_runner(&text, &mut held);
+        nodes.insert(addr.clone(), status::connected_node(&text));
     }
-    Ok(held)
+    Ok((held, nodes))
 }
 
 fn status_table(status: &Status) -> String {
@@ -355,6 +460,13 @@ fn status_table(status: &Status) -> String {
         .collect();
     let mut text = aligned(&header, &rows);
     text.push_str(&format!("\nretries waiting (all queues): {}\n", status.retries_waiting));
+    if let Some(cluster) = &status.cluster {
+        text.push_str(&format!("broker nodes: {} (read from {})\n", cluster.nodes.join(", "), cluster.read_from));
+        for (runner, node) in &cluster.runners {
+            let node = node.as_deref().unwrap_or("none (reconnecting)");
+            text.push_str(&format!("runner {runner}: connected to {node}\n"));
+        }
+    }
     if status.queues.iter().any(|r| r.unacked.is_none()) {
         text.push_str("UNACKED: name the runners with --admin HOST:PORT to count what they hold\n");
     }

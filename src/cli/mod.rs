@@ -1,6 +1,7 @@
 //! The command line: clap subcommands, each a thin call into the modules that do the work.
 //! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own).
 
+mod demo;
 mod dlq;
 mod output;
 mod pause;
@@ -15,14 +16,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::Readiness;
+use crate::admin::{Readiness, token};
 use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::broker::embedded::Embedded;
+use crate::broker::failover::Failover;
 use crate::config::{self, Format};
-use crate::dedup::{Location, Store};
+use crate::dedup::{self, Location, Store};
 use crate::envelope::Envelope;
 use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
@@ -33,7 +35,8 @@ use crate::{reload, runtime, testing};
 #[derive(Debug, Parser)]
 #[command(
     name = "sluice",
-    version,
+    version = VERSION,
+    propagate_version = true,
     about = "Declarative message pipelines: YAML in, RabbitMQ topology and workers out"
 )]
 pub struct Cli {
@@ -41,15 +44,30 @@ pub struct Cli {
     command: Command,
 }
 
+/// The version with the commit it was built from, when built in a git checkout (build.rs):
+/// `0.1.0 (abc1234 2026-12-02)`.
+pub const VERSION: &str = env!("SLUICE_BUILD_VERSION");
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Check pipeline files; exit 1 on any error (warnings alone exit 0).
+    ///
+    /// An unset environment variable read by `${VAR}` without a default is a warning (CI has no
+    /// secrets), and the value reading it is not checked further; `run`, `test` and the other
+    /// commands refuse the file (as `--env-strict` does).
     Validate {
         /// Files or directories (searched recursively for *.yaml and *.yml).
         #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
+        /// An unset variable read by `${VAR}` without a default is an error, as it is for `run`.
+        #[arg(long)]
+        env_strict: bool,
+        /// The broker the files will run on: with several amqp:// nodes (a cluster), classic
+        /// queues are warned about. Nothing is connected to.
+        #[arg(long = "broker", env = "SLUICE_BROKER", hide_env_values = true, value_delimiter = ',')]
+        broker: Vec<String>,
     },
     /// Print the broker topology the files declare; with --broker, also how the live broker
     /// differs from it (exit 1 on a conflict that would stop `run`).
@@ -60,8 +78,8 @@ enum Command {
         format: PlanFormat,
         /// Compare with this broker (amqp://... or the embedded broker's directory): missing
         /// exchanges and queues, and declarations that conflict with what exists. Nothing is created.
-        #[arg(long = "broker")]
-        broker: Option<String>,
+        #[arg(long = "broker", env = "SLUICE_BROKER", hide_env_values = true, value_delimiter = ',')]
+        broker: Vec<String>,
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
         connect_timeout: Duration,
     },
@@ -86,6 +104,9 @@ enum Command {
         /// The schema of test files (*.test.yaml) instead.
         #[arg(long)]
         tests: bool,
+        /// The pipeline schema's keys as the README's Markdown table (its configuration reference).
+        #[arg(long, hide = true, conflicts_with = "tests")]
+        reference: bool,
     },
     /// Run the tests in *.test.yaml files against the pipelines beside them: routing,
     /// rendered calls and outcomes, with simulated answers; nothing is sent. Exit 1 when a
@@ -103,18 +124,29 @@ enum Command {
         paths: Vec<PathBuf>,
         #[command(flatten)]
         broker: BrokerArg,
-        /// Stop consuming on SIGTERM/SIGINT and let in-flight handlers finish for this long.
+        /// Stop consuming on SIGTERM/SIGINT and let in-flight handlers finish for this long. A
+        /// reload waits as long for a changed queue's; those still running then go on beside
+        /// its new worker, counted against its concurrency.
         #[arg(long, default_value = "30s", value_parser = parse_duration)]
         shutdown_grace: Duration,
         /// Exit 0 once every queue and pending retry is drained.
         #[arg(long)]
         exit_when_idle: bool,
-        /// Serve /metrics, /healthz and /readyz on this HOST:PORT (e.g. 127.0.0.1:9464, localhost:9464).
-        #[arg(long, value_parser = parse_host_port)]
+        /// Serve /metrics, /healthz and /readyz (open to whoever reaches the port) and the
+        /// writes of `sluice pause|resume` (which need the admin token) on this HOST:PORT
+        /// (e.g. 127.0.0.1:9464, localhost:9464).
+        #[arg(long, env = "SLUICE_ADMIN", value_parser = parse_host_port)]
         admin: Option<String>,
-        /// Idempotency store: redis://host:port (shared by many runners) or the embedded store's directory.
-        #[arg(long, env = "SLUICE_DEDUP", default_value = ".sluice/dedup", hide_env_values = true)]
-        dedup: String,
+        /// A file holding the token admin writes need. Without it, $SLUICE_ADMIN_TOKEN; without
+        /// that, a token generated once into the state directory (the embedded broker's
+        /// directory, else .sluice) as `admin-token`, mode 0600, where `sluice pause` finds it.
+        #[arg(long, value_name = "PATH")]
+        admin_token_file: Option<PathBuf>,
+        /// Idempotency store: redis://host:port (shared by runners on many hosts), or a state
+        /// directory whose broker.db holds the keys (default: the embedded broker's directory,
+        /// else .sluice; runners on one directory share it).
+        #[arg(long, env = "SLUICE_DEDUP", hide_env_values = true)]
+        dedup: Option<String>,
         /// Do not watch the pipeline files for changes (SIGHUP still reloads them).
         #[arg(long)]
         no_watch: bool,
@@ -144,6 +176,12 @@ enum Command {
     },
     /// Publish messages (JSON envelopes) and wait for the broker to confirm each.
     Publish(publish::Args),
+    /// The stand-in receiver `scripts/demo` runs: answers 200 to every request, prints it.
+    #[command(hide = true)]
+    DemoReceiver {
+        #[arg(long, default_value = "127.0.0.1:8088")]
+        listen: String,
+    },
     /// Dry run: print the HTTP request or the command a message would produce.
     Render {
         #[arg(default_value = config::source::DEFAULT_DIR)]
@@ -158,75 +196,273 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         attempt: u32,
     },
+    /// Print the completion script for SHELL, e.g. `sluice completions bash >
+    /// ~/.local/share/bash-completion/completions/sluice`.
+    Completions { shell: clap_complete::Shell },
+    /// Print the man page (roff), e.g. `sluice man > ~/.local/share/man/man1/sluice.1`.
+    Man {
+        /// Write sluice.1 and a page for each subcommand (sluice-run.1, sluice-dlq-list.1, ...)
+        /// into this directory instead (created if missing).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
-/// Where the running runner's admin endpoint is.
+/// Where the running runner's admin endpoint is, and the token its writes need.
 #[derive(Debug, clap::Args)]
 pub struct AdminArg {
     /// The runner's admin address (`sluice run --admin HOST:PORT`).
     #[arg(long = "admin", env = "SLUICE_ADMIN", default_value = "127.0.0.1:9464", value_parser = parse_host_port)]
     pub addr: String,
+    /// A file holding the runner's admin token. Without it, $SLUICE_ADMIN_TOKEN; without that,
+    /// the token the runner generated into its state directory (see --broker).
+    #[arg(long, value_name = "PATH")]
+    pub admin_token_file: Option<PathBuf>,
+    /// The runner's broker, for its state directory, which holds the token it generated: the
+    /// embedded broker's directory; for amqp:// URLs, .sluice.
+    #[arg(
+        long = "broker",
+        env = "SLUICE_BROKER",
+        default_value = DEFAULT_BROKER,
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub broker: Vec<String>,
+}
+
+impl AdminArg {
+    /// The token to send, and where it came from.
+    fn token(&self) -> anyhow::Result<(token::Token, token::Source)> {
+        let given = admin_token(self.admin_token_file.clone());
+        Ok(given.for_client(&state_dir(&self.broker)?)?)
+    }
+}
+
+/// What the operator gave for the admin token: a file, else `$SLUICE_ADMIN_TOKEN`.
+fn admin_token(file: Option<PathBuf>) -> token::Given {
+    token::Given { file, env: std::env::var_os(token::ENV) }
+}
+
+/// Where a runner keeps its state (the admin token it generates): the embedded broker's
+/// directory, else `.sluice` in the working directory.
+fn state_dir(broker: &[String]) -> anyhow::Result<PathBuf> {
+    Ok(match endpoint(broker)? {
+        Endpoint::Embedded(dir) => dir.to_path_buf(),
+        Endpoint::Amqp(_) => PathBuf::from(DEFAULT_BROKER),
+    })
+}
+
+/// Whether two paths name one directory (both exist).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b)
 }
 
 /// Where the broker is.
 #[derive(Debug, clap::Args)]
 pub struct BrokerArg {
-    /// amqp://user:pass@host:port/vhost (or amqps://) for RabbitMQ; otherwise the directory of
-    /// the embedded broker (default: $SLUICE_BROKER, else .sluice).
-    #[arg(long = "broker", env = "SLUICE_BROKER", default_value = DEFAULT_BROKER, hide_env_values = true)]
-    pub url: String,
-    /// How long connecting to RabbitMQ (TCP, TLS and the AMQP handshake) may take.
+    /// amqp://user:pass@host:port/vhost (or amqps://) for RabbitMQ: repeat it, or separate URLs
+    /// with commas, for the nodes of one cluster. Otherwise the directory of the embedded broker
+    /// (default: $SLUICE_BROKER, else .sluice).
+    #[arg(
+        long = "broker",
+        env = "SLUICE_BROKER",
+        default_value = DEFAULT_BROKER,
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub urls: Vec<String>,
+    /// How long connecting to one RabbitMQ node (TCP, TLS and the AMQP handshake) may take.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
+    /// How long a publish waits for RabbitMQ's confirm; past it the session is given up and
+    /// the next node tried.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub confirm_timeout: Duration,
+}
+
+/// How many RabbitMQ nodes `--broker` values name (a cluster when more than one).
+fn nodes(values: &[String]) -> usize {
+    values.iter().filter(|v| v.trim().starts_with("amqp://") || v.trim().starts_with("amqps://")).count()
+}
+
+/// The broker `run` uses: the embedded broker's file is opened once, for its sessions and its
+/// idempotency keys alike.
+enum Opened<'a> {
+    Amqp(Vec<&'a str>),
+    Embedded(&'a Path, Embedded),
 }
 
 /// Which broker `--broker` names.
 enum Endpoint<'a> {
-    Amqp(&'a str),
+    /// The nodes of one RabbitMQ cluster (or the one node), in the order this process tries them.
+    Amqp(Vec<&'a str>),
     /// The embedded broker's directory.
     Embedded(&'a Path),
 }
 
-impl BrokerArg {
-    fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
-        let url = self.url.as_str();
-        if url.starts_with("amqp://") || url.starts_with("amqps://") {
-            return Ok(Endpoint::Amqp(url));
-        }
-        if let Some((scheme, _)) = url.split_once("://") {
-            anyhow::bail!(
-                "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, or a directory for the embedded broker",
-                amqp::redact(url)
-            );
-        }
-        Ok(Endpoint::Embedded(Path::new(url)))
+/// What a `--broker` value is, or why it is none.
+fn classify(value: &str) -> anyhow::Result<Option<&str>> {
+    if value.starts_with("amqp://") || value.starts_with("amqps://") {
+        return Ok(Some(value));
     }
+    if let Some((scheme, _)) = value.split_once("://") {
+        anyhow::bail!(
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, or a directory for the embedded broker",
+            amqp::redact(value)
+        );
+    }
+    // `127.0.0.1:5672` or `rabbitmq:5672` would otherwise quietly become a directory of that
+    // name holding a private embedded broker that no publisher ever reaches.
+    if let Some((host, port)) = value.rsplit_once(':')
+        && !host.is_empty()
+        && !host.contains('/')
+        && port.parse::<u16>().is_ok()
+    {
+        anyhow::bail!(
+            "--broker {value}: looks like HOST:PORT; for RabbitMQ write amqp://USER:PASSWORD@{value}/%2f (the embedded broker takes a directory, and a directory of that name is not what you meant)"
+        );
+    }
+    Ok(None)
+}
 
-    /// The broker for logs and messages: the URL with its password masked, or the directory.
-    fn display(&self) -> String {
-        match self.endpoint() {
-            Ok(Endpoint::Embedded(_)) => format!("embedded in {}", self.url),
-            _ => amqp::redact(&self.url),
+/// The broker `--broker` values name.
+fn endpoint(values: &[String]) -> anyhow::Result<Endpoint<'_>> {
+    let values: Vec<&str> = values.iter().map(|u| u.trim()).filter(|u| !u.is_empty()).collect();
+    let mut urls = Vec::new();
+    for value in &values {
+        if let Some(url) = classify(value)? {
+            urls.push(url);
+        }
+    }
+    match (urls.len(), values.as_slice()) {
+        (0, [dir]) => Ok(Endpoint::Embedded(Path::new(*dir))),
+        (0, []) => anyhow::bail!("--broker is empty: give amqp:// URLs or the embedded broker's directory"),
+        (0, _) => anyhow::bail!("--broker names {} directories; the embedded broker takes one", values.len()),
+        (n, _) if n < values.len() => {
+            anyhow::bail!(
+                "--broker mixes amqp:// URLs and directories; give the nodes of one RabbitMQ cluster, or one directory"
+            )
+        }
+        _ => {
+            // Each process takes the nodes in its own order, so runners spread over them.
+            rand::seq::SliceRandom::shuffle(urls.as_mut_slice(), &mut rand::rng());
+            Ok(Endpoint::Amqp(urls))
         }
     }
 }
 
-/// Runs `$body` with `$broker` bound to a session with the broker `$arg` names, either kind;
-/// `$body` is compiled once for each.
-macro_rules! with_broker {
-    ($arg:expr, |$broker:ident| $body:expr) => {{
+impl BrokerArg {
+    fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
+        endpoint(&self.urls)
+    }
+
+    fn timeouts(&self) -> amqp::Timeouts {
+        amqp::Timeouts { connect: self.connect_timeout, confirm: self.confirm_timeout }
+    }
+
+    /// The broker for logs and messages: the URLs with their passwords masked, or the directory.
+    fn display(&self) -> String {
+        match self.endpoint() {
+            Ok(Endpoint::Embedded(dir)) => format!("embedded in {}", dir.display()),
+            _ => self.urls.iter().map(|u| amqp::redact(u)).collect::<Vec<_>>().join(","),
+        }
+    }
+}
+
+/// Runs `$body` with `$sessions` bound to a [`Failover`] over the broker `$arg` names, either
+/// kind; `$body` is compiled once for each. For the operator's commands: they give up after
+/// three rounds of failures over every node, an embedded broker must exist already (only
+/// `run` creates one), and an error out of `$body` names the broker.
+macro_rules! with_sessions {
+    ($arg:expr, |$sessions:ident| $body:expr) => {{
         let arg: &$crate::cli::BrokerArg = $arg;
-        match arg.endpoint()? {
-            $crate::cli::Endpoint::Amqp(url) => {
-                let $broker = $crate::broker::amqp::Amqp::connect(url, arg.connect_timeout).await?;
-                $body
+        let result = match arg.endpoint()? {
+            $crate::cli::Endpoint::Amqp(urls) => {
+                let timeouts = arg.timeouts();
+                let names = urls.iter().map(|u| $crate::broker::amqp::node_name(u)).collect();
+                let connect = |node: usize| $crate::broker::amqp::Amqp::connect(urls[node], timeouts);
+                #[allow(unused_mut)]
+                let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(3);
+                async { Ok::<_, anyhow::Error>($body) }.await
             }
             $crate::cli::Endpoint::Embedded(path) => {
-                let $broker = $crate::broker::embedded::Embedded::open_dir(path)?;
-                $body
+                let connect = |_| std::future::ready($crate::broker::embedded::Embedded::open_existing_dir(path));
+                let names = vec![path.display().to_string()];
+                #[allow(unused_mut)]
+                let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(1);
+                async { Ok::<_, anyhow::Error>($body) }.await
             }
-        }
+        };
+        anyhow::Context::with_context(result, || format!("broker {}", arg.display()))?
     }};
+}
+use with_sessions;
+
+/// A quorum queue refuses publishes (nacks) while it elects a leader after a node loss, as a
+/// full one does for good. RabbitMQ 3.10 routes to the leader its queue record names, which can
+/// lag the election by seconds on a busy cluster: a refusal is tried again, with backoff, for
+/// about half a minute without progress before it stands.
+#[derive(Debug, Default)]
+struct Refusals {
+    tried: u32,
+}
+
+impl Refusals {
+    /// Tries after the first before a refusal stands: 0.5 + 1 + 2 + 4 + 8 + 8 + 8 s of waiting.
+    const RETRIES: u32 = 7;
+    /// The longest wait between two tries.
+    const LONGEST: Duration = Duration::from_secs(8);
+
+    /// How long to wait before trying again after `error`; `None` when it stands.
+    fn again(&mut self, error: &crate::broker::BrokerError) -> Option<Duration> {
+        if !matches!(error, crate::broker::BrokerError::Nacked { .. }) || self.tried >= Self::RETRIES {
+            return None;
+        }
+        self.tried += 1;
+        Some((Duration::from_millis(250) * (1 << self.tried.min(6))).min(Self::LONGEST))
+    }
+
+    /// Something went through since the last refusal: the next one starts a new count.
+    fn progressed(&mut self) {
+        self.tried = 0;
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::Refusals;
+    use crate::broker::BrokerError;
+    use std::time::Duration;
+
+    fn nack() -> BrokerError {
+        BrokerError::Nacked { exchange: "ev".into() }
+    }
+
+    /// Half a minute of backoff, then the refusal stands; progress starts the count again;
+    /// anything but a nack stands at once.
+    #[test]
+    fn refusals_back_off_for_half_a_minute_and_progress_starts_again() {
+        let mut refusals = Refusals::default();
+        let waits: Vec<Duration> = std::iter::from_fn(|| refusals.again(&nack())).collect();
+        let total: Duration = waits.iter().sum();
+        assert_eq!(waits.first(), Some(&Duration::from_millis(500)));
+        assert!(waits.iter().all(|w| *w <= Refusals::LONGEST), "{waits:?}");
+        assert_eq!(total, Duration::from_millis(31_500), "{waits:?}");
+        refusals.progressed();
+        assert_eq!(refusals.again(&nack()), Some(Duration::from_millis(500)));
+        assert_eq!(Refusals::default().again(&BrokerError::NotFound("ev".into())), None);
+    }
+}
+
+/// Runs `$body` with `$broker` bound to a session with the broker `$arg` names, either kind
+/// (the first node of a cluster that answers).
+macro_rules! with_broker {
+    ($arg:expr, |$broker:ident| $body:expr) => {
+        $crate::cli::with_sessions!($arg, |sessions| {
+            let ($broker, _) = sessions.open().await?;
+            $body
+        })
+    };
 }
 use with_broker;
 
@@ -254,32 +490,50 @@ fn parse_host_port(text: &str) -> Result<String, String> {
 
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
+    crate::install_tls_provider();
     let cli = Cli::parse();
     match cli.command {
-        Command::Validate { paths, format } => validate(&paths, format),
+        Command::Validate { paths, format, env_strict, broker } => {
+            let unset = if env_strict { config::Unset::Error } else { config::Unset::Warning };
+            validate(&paths, format, unset, nodes(&broker))
+        }
         Command::Plan { paths, format, broker, connect_timeout } => {
-            let Some(config) = load_or_report(&paths) else {
+            let Some(config) = load_or_report(&paths, nodes(&broker)) else {
                 return ExitCode::FAILURE;
             };
             let plan = topology::plan(&config);
-            match broker {
-                Some(url) => {
-                    let broker = BrokerArg { url, connect_timeout };
-                    exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, broker, format)))
-                }
-                None => exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into)),
+            if broker.is_empty() {
+                return exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into));
             }
+            let broker =
+                BrokerArg { urls: broker, connect_timeout, confirm_timeout: amqp::Timeouts::default().confirm };
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, broker, format)))
         }
         Command::Status { paths, broker, admin, format } => {
             exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::status(&paths, broker, &admin, format)))
         }
         Command::Dlq(command) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, dlq::dlq(command))),
-        Command::Schema { tests } => {
-            let text = if tests { config::schema::TESTS_TEXT } else { config::schema::TEXT };
-            exit(output::stdout(text).map_err(Into::into))
+        Command::Schema { tests, reference } => {
+            let text = match (tests, reference) {
+                (true, _) => config::schema::TESTS_TEXT.to_string(),
+                (false, true) => config::reference::markdown(config::schema::value()),
+                (false, false) => config::schema::TEXT.to_string(),
+            };
+            exit(output::stdout(&text).map_err(Into::into))
         }
         Command::Test { paths, format } => test(&paths, format),
-        Command::Run { paths, broker, shutdown_grace, exit_when_idle, admin, dedup, no_watch, threads, log_format } => {
+        Command::Run {
+            paths,
+            broker,
+            shutdown_grace,
+            exit_when_idle,
+            admin,
+            admin_token_file,
+            dedup,
+            no_watch,
+            threads,
+            log_format,
+        } => {
             let options = runtime::Options {
                 shutdown_grace,
                 exit_when_idle,
@@ -287,19 +541,43 @@ pub fn main() -> ExitCode {
                 pauses: Pauses::default(),
             };
             let watch = !no_watch;
-            let run = run(paths, watch, broker, Location::parse(&dedup), admin, options);
+            let admin = admin.map(|addr| (addr, admin_token(admin_token_file)));
+            let run = run(paths, watch, broker, dedup.as_deref().map(Location::parse), admin, options);
             exit(block_on(threads, log_format, run))
         }
         Command::Pause { queue, admin } => {
-            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, pause::pause(&admin.addr, &queue, true)))
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, pause::pause(admin, &queue, true)))
         }
         Command::Resume { queue, admin } => {
-            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, pause::pause(&admin.addr, &queue, false)))
+            exit(block_on(NonZeroUsize::MIN, LogFormat::Text, pause::pause(admin, &queue, false)))
         }
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, publish::publish(args))),
+        Command::DemoReceiver { listen } => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, demo::receive(&listen))),
         Command::Render { paths, queue, message, attempt } => {
-            let Some(mut config) = load_or_report(&paths) else { return ExitCode::FAILURE };
+            let Some(mut config) = load_or_report(&paths, 1) else { return ExitCode::FAILURE };
             exit(render(&mut config, &queue, &message, attempt).and_then(|text| Ok(output::stdout(&text)?)))
+        }
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "sluice", &mut script);
+            exit(output::stdout_bytes(&script).map_err(Into::into))
+        }
+        Command::Man { dir } => {
+            // `help` is clap's, and has no page of its own to point to.
+            let command = Cli::command().disable_help_subcommand(true);
+            let result = match dir {
+                Some(dir) => std::fs::create_dir_all(&dir)
+                    .and_then(|()| clap_mangen::generate_to(command, &dir))
+                    .with_context(|| format!("cannot write the man pages into {}", dir.display())),
+                None => {
+                    let mut page = Vec::new();
+                    clap_mangen::Man::new(command)
+                        .render(&mut page)
+                        .and_then(|()| output::stdout_bytes(&page))
+                        .map_err(Into::into)
+                }
+            };
+            exit(result)
         }
     }
 }
@@ -312,10 +590,12 @@ fn init_logging(format: LogFormat) -> Option<crate::trace::Exporter> {
     use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
     // lapin logs, per failed connection attempt, three ERROR lines for what sluice reports in
     // one (every error lapin returns reaches sluice), and a returned (unroutable) message
-    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off,lsm_tree=warn,fjall=warn"));
-    let filter = filter.and(filter_fn(crate::trace::not_a_delivery_span));
+    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back. notify logs
+    // at INFO what is no news to a user (an event without paths, a watch already gone).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,lapin=off,notify=warn,notify_debouncer_full=warn")
+    });
+    let filter = filter.and(filter_fn(crate::trace::not_a_delivery_span)).and(filter_fn(not_an_amqp_frame_dump));
     let text = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
     let logs = match format {
         LogFormat::Text => text.with_filter(filter).boxed(),
@@ -333,6 +613,14 @@ fn init_logging(format: LogFormat) -> Option<crate::trace::Exporter> {
         tracing::error!(error = %e, "running without trace export");
     }
     exporter
+}
+
+/// False for lapin's and amq-protocol's TRACE lines, whatever `RUST_LOG` says: they dump the
+/// frames sent, connection.start-ok's PLAIN response (user and password) among them.
+fn not_an_amqp_frame_dump(metadata: &tracing::Metadata<'_>) -> bool {
+    let target = metadata.target();
+    let amqp = target == "lapin" || target.starts_with("lapin::") || target.starts_with("amq_protocol");
+    !amqp || *metadata.level() <= tracing::Level::DEBUG
 }
 
 /// Runs `future` on `threads` threads. One thread gets a current-thread runtime: no work
@@ -369,14 +657,18 @@ async fn run(
     paths: Vec<PathBuf>,
     watch: bool,
     broker: BrokerArg,
-    dedup: Location,
-    admin: Option<String>,
+    dedup: Option<Location>,
+    admin: Option<(String, token::Given)>,
     options: runtime::Options,
 ) -> anyhow::Result<()> {
     let endpoint = broker.endpoint()?;
     // Watching starts before the first load, so that no edit in between goes unseen.
     let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
-    let Some(mut config) = load_or_report(&paths) else {
+    let nodes = match &endpoint {
+        Endpoint::Amqp(urls) => urls.len(),
+        Endpoint::Embedded(_) => 1,
+    };
+    let Some(mut config) = load_or_report(&paths, nodes) else {
         anyhow::bail!("invalid pipeline files");
     };
     // Before any connection: a missing secret would otherwise dead-letter every message.
@@ -384,23 +676,48 @@ async fn run(
         let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
         anyhow::bail!("{}", lines.join("\nerror: "));
     }
+    // One writer for the runner's sessions with the embedded broker and its idempotency keys.
+    let opened = match endpoint {
+        Endpoint::Amqp(urls) => Opened::Amqp(urls),
+        Endpoint::Embedded(dir) => {
+            Opened::Embedded(dir, Embedded::open_dir(dir).with_context(|| format!("broker {}", broker.display()))?)
+        }
+    };
+    let dedup = match dedup {
+        Some(location) => location,
+        None => Location::File(state_dir(&broker.urls)?),
+    };
+    if let Location::File(dir) = &dedup {
+        if dedup::is_old_store(dir) {
+            anyhow::bail!("{}", dedup::old_store_advice(dir));
+        }
+        if dedup::is_old_store(&dir.join("dedup")) {
+            tracing::warn!("{}", dedup::old_store_advice(&dir.join("dedup")));
+        }
+    }
     // Commands and future reloads may name queues idempotency is off for today.
     let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
-        Some(Store::open(&dedup).await.context("cannot open the idempotency store")?)
+        Some(match (&opened, &dedup) {
+            (Opened::Embedded(broker_dir, file), Location::File(dir)) if same_dir(broker_dir, dir) => {
+                Store::in_broker(file)
+            }
+            _ => Store::open(&dedup).await.context("cannot open the idempotency store")?,
+        })
     } else {
         None
     };
     let shutdown = CancellationToken::new();
     let forced = CancellationToken::new();
     tokio::spawn(signals(shutdown.clone(), forced.clone()));
-    if let Some(addr) = admin {
+    if let Some((addr, token)) = admin {
+        let token = token.for_runner(&state_dir(&broker.urls)?)?;
         let metrics = crate::admin::install_recorder().map_err(anyhow::Error::msg)?;
         let listener = tokio::net::TcpListener::bind(addr.as_str())
             .await
             .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
         let (readiness, pauses, stop) = (options.readiness.clone(), options.pauses.clone(), shutdown.clone());
         tokio::spawn(async move {
-            if let Err(e) = crate::admin::serve(listener, metrics, readiness, pauses, stop).await {
+            if let Err(e) = crate::admin::serve(listener, metrics, readiness, pauses, token, stop).await {
                 tracing::error!(error = %e, "admin endpoint failed");
             }
         });
@@ -412,7 +729,8 @@ async fn run(
         (Some(_), Location::Redis(url)) => amqp::redact(url),
     };
     tracing::info!(
-        version = env!("CARGO_PKG_VERSION"),
+        version = VERSION,
+    propagate_version = true,
         broker = %broker.display(),
         queues = %queues.join(", "),
         dedup = %dedup,
@@ -424,14 +742,17 @@ async fn run(
     tokio::spawn(reload::loader::serve(paths, requests, reload, shutdown.clone()));
     let config = Arc::new(config);
     let running = async {
-        match endpoint {
-            Endpoint::Amqp(url) => {
-                let connect = || Amqp::connect(url, broker.connect_timeout);
-                runtime::run(config, connect, store, options, reloads, shutdown).await
+        match opened {
+            Opened::Amqp(urls) => {
+                let timeouts = broker.timeouts();
+                let names = urls.iter().map(|u| amqp::node_name(u)).collect();
+                let sessions = Failover::new(names, |node| Amqp::connect(urls[node], timeouts));
+                runtime::run(config, sessions, store, options, reloads, shutdown).await
             }
-            Endpoint::Embedded(path) => {
-                let connect = || std::future::ready(Embedded::open_dir(path));
-                runtime::run(config, connect, store, options, reloads, shutdown).await
+            Opened::Embedded(path, file) => {
+                let sessions =
+                    Failover::new(vec![path.display().to_string()], |_| std::future::ready(Ok(file.session())));
+                runtime::run(config, sessions, store, options, reloads, shutdown).await
             }
         }
     };
@@ -473,14 +794,23 @@ async fn signals(shutdown: CancellationToken, forced: CancellationToken) {
 
 /// `sluice plan --broker`: the plan, then how the live broker differs from it (with JSON, one
 /// object `{"plan", "drift"}`; with the graph formats, the differences on stderr). A conflict
-/// fails: `run` would refuse to start.
+/// fails: `run` would refuse to start. An embedded broker not yet created is compared as an
+/// empty one, and left uncreated.
 async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> anyhow::Result<()> {
     use crate::broker::{Broker as _, Drift};
-    let drift = with_broker!(&broker, |session| {
-        let drift = session.drift(&plan).await;
-        session.close().await;
-        drift?
-    });
+    let absent = match broker.endpoint()? {
+        Endpoint::Embedded(dir) => !dir.join(crate::broker::embedded::FILE).exists(),
+        Endpoint::Amqp(_) => false,
+    };
+    let drift = if absent {
+        Drift::all_missing(&plan)
+    } else {
+        with_broker!(&broker, |session| {
+            let drift = session.drift(&plan).await;
+            session.close().await;
+            drift?
+        })
+    };
     let declarations = amqp::declarations(&plan);
     if format != PlanFormat::Json {
         output::stdout(&amqp::render(&declarations, format))?;
@@ -488,7 +818,8 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     let conflicts = drift.iter().filter(|d| matches!(d, Drift::Conflict { .. })).count();
     let matches = drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. }));
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
-    let mut text = format!("\nbroker {} {verdict}\n", broker.display());
+    let absent = if absent { " (does not exist: only `sluice run` creates it)" } else { "" };
+    let mut text = format!("\nbroker {}{absent} {verdict}\n", broker.display());
     for d in &drift {
         text.push_str(&format!("  {d}\n"));
     }
@@ -544,11 +875,12 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
             }
         }
     }
-    Ok(out)
+    // The message's values are in there: shown escaped, line by line.
+    Ok(out.lines().map(|line| format!("{}\n", crate::terminal::visible(line))).collect())
 }
 
-fn validate(paths: &[PathBuf], format: Format) -> ExitCode {
-    let validation = config::load(paths);
+fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, nodes: usize) -> ExitCode {
+    let validation = config::load_with(paths, unset).on_nodes(nodes);
     let text = validation.render(format);
     if (format == Format::Json || !text.is_empty())
         && let Err(e) = output::stdout(&text)
@@ -578,8 +910,8 @@ fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
 }
 
 /// Loads the config for commands that need a valid one; problems go to stderr.
-fn load_or_report(paths: &[PathBuf]) -> Option<config::Config> {
-    let validation = config::load(paths);
+fn load_or_report(paths: &[PathBuf], nodes: usize) -> Option<config::Config> {
+    let validation = config::load(paths).on_nodes(nodes);
     output::stderr(&validation.render(Format::Human));
     validation.config
 }

@@ -9,8 +9,13 @@ use std::io::{self, Write as _};
 /// Writes `text` to stdout. A closed stdout is not an error (see the module doc); any other
 /// failure (a full disk behind `>`) is.
 pub fn stdout(text: &str) -> io::Result<()> {
+    stdout_bytes(text.as_bytes())
+}
+
+/// Writes `bytes` (roff, a completion script) to stdout, as [`stdout`] does.
+pub fn stdout_bytes(bytes: &[u8]) -> io::Result<()> {
     let mut out = io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+    match out.write_all(bytes).and_then(|()| out.flush()) {
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
         other => other,
     }

@@ -1,22 +1,34 @@
 //! `sluice publish`: builds envelopes from flags (or one per JSONL line), publishes each with
 //! confirm and `mandatory`, and fails on the first nack, unroutable message or missing exchange.
+//! Before sending anything it checks every message against the `max_message_bytes` of the
+//! queues it would reach, where the broker can tell (the embedded one keeps them when `run`
+//! declares; RabbitMQ keeps no such limit and routes only once a message is sent): a message
+//! over all of them is refused, a payload file without being read whole. A `--jsonl` file is
+//! read twice, never held: checked line by line, then sent in batches.
 //! Each message starts a new trace (its `traceparent` header).
 
+use std::future::Future;
 use std::io::BufRead;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
-use futures_util::{StreamExt, TryStreamExt, stream};
+use futures_util::{StreamExt, stream};
 use indicatif::ProgressBar;
 
-use super::BrokerArg;
-use crate::broker::{Broker, HeaderValue, Headers, Outgoing};
+use super::{BrokerArg, Refusals};
+use crate::broker::failover::Failover;
+use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
 use crate::envelope::{Envelope, TRACEPARENT_HEADER};
 use crate::trace::TraceContext;
 
 /// Confirms awaited at once in bulk mode: enough to keep the channel busy.
 const IN_FLIGHT: usize = 256;
+
+/// Lines of a `--jsonl` file sent at once, each batch confirmed before the next is read: memory
+/// holds a batch, not the file.
+const BATCH: usize = 4096;
 
 #[derive(Debug, clap::Args)]
 #[command(group = clap::ArgGroup::new("input").required(true).args(["payload", "payload_file", "jsonl"]))]
@@ -29,7 +41,7 @@ pub struct Args {
     #[arg(long = "type")]
     kind: String,
     /// Default: the envelope's id.
-    #[arg(long, conflicts_with = "jsonl")]
+    #[arg(long, conflicts_with = "jsonl", value_parser = parse_key)]
     idempotency_key: Option<String>,
     /// The payload as JSON text.
     #[arg(long)]
@@ -42,6 +54,15 @@ pub struct Args {
     jsonl: Option<PathBuf>,
     #[command(flatten)]
     broker: BrokerArg,
+}
+
+/// A key that is not blank: an empty shell variable would otherwise key every message alike,
+/// and each after the first would be skipped as a duplicate.
+fn parse_key(text: &str) -> Result<String, String> {
+    if crate::envelope::is_blank(text) {
+        return Err("an empty idempotency key would be shared by every message published with it; leave out --idempotency-key to key each message by its id".into());
+    }
+    Ok(text.to_string())
 }
 
 fn outgoing(envelope: &Envelope) -> Outgoing {
@@ -58,55 +79,356 @@ fn outgoing(envelope: &Envelope) -> Outgoing {
     }
 }
 
-/// Runs `sluice publish`.
+/// Runs `sluice publish`: learns the limits of the queues the messages would reach (where
+/// the broker can tell), checks every message against them before sending any, then sends
+/// them, a batch at a time for `--jsonl`.
 pub async fn publish(args: Args) -> anyhow::Result<()> {
-    let payloads: Vec<serde_json::Value> = if let Some(text) = &args.payload {
-        vec![serde_json::from_str(text).context("--payload is not JSON")?]
-    } else if let Some(path) = &args.payload_file {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        vec![serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?]
-    } else if let Some(path) = &args.jsonl {
-        let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let mut payloads = Vec::new();
-        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-            let line = line.with_context(|| format!("cannot read {}", path.display()))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            payloads
-                .push(serde_json::from_str(&line).with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?);
-        }
-        payloads
-    } else {
-        bail!("one of --payload, --payload-file or --jsonl is required");
+    // What can be checked without the broker is, before connecting.
+    let input = match (&args.payload, &args.payload_file, &args.jsonl) {
+        (Some(text), _, _) => Input::Payload(serde_json::from_str(text).context("--payload is not JSON")?),
+        (None, Some(path), _) => Input::File(path),
+        (None, None, Some(path)) => Input::Lines { path, lines: check_lines(path, &args.kind)? },
+        (None, None, None) => bail!("one of --payload, --payload-file or --jsonl is required"),
     };
-    let total = payloads.len();
-    super::with_broker!(&args.broker, |broker| {
-        let sent = send(&broker, &args, payloads).await;
-        broker.close().await;
-        sent?
+    let total = super::with_sessions!(&args.broker, |sessions| {
+        let mut session = Session { sessions: &mut sessions, broker: None };
+        let result = publish_all(&mut session, &args, &input).await;
+        if let Some(broker) = session.broker.take() {
+            broker.close().await;
+        }
+        result?
     });
     super::output::stderr(&format!("published {total} message(s) to exchange \"{}\"\n", args.exchange));
     Ok(())
 }
 
-/// Publishes each payload as a new envelope, [`IN_FLIGHT`] awaiting their confirms at once.
-async fn send<B: Broker>(broker: &B, args: &Args, payloads: Vec<serde_json::Value>) -> anyhow::Result<()> {
-    let progress = if payloads.len() > 1 { ProgressBar::new(payloads.len() as u64) } else { ProgressBar::hidden() };
-    let result = stream::iter(payloads)
-        .map(|payload| {
-            let envelope = Envelope::new(&args.kind, &payload, args.idempotency_key.clone());
-            let progress = &progress;
-            let (exchange, key) = (&args.exchange, &args.routing_key);
+/// The messages to publish.
+enum Input<'a> {
+    Payload(serde_json::Value),
+    /// A payload file, read once the limits are known.
+    File(&'a Path),
+    /// A `--jsonl` file, checked.
+    Lines {
+        path: &'a Path,
+        lines: Lines,
+    },
+}
+
+/// What a check of a `--jsonl` file found: how many messages, and the largest body's size
+/// and line.
+struct Lines {
+    total: usize,
+    largest: (usize, usize),
+}
+
+/// A session with the broker kept from one batch to the next, opened again (the next node)
+/// when lost.
+struct Session<'a, C, B> {
+    sessions: &'a mut Failover<C>,
+    broker: Option<B>,
+}
+
+impl<B, F, C> Session<'_, C, B>
+where
+    B: Broker,
+    F: Future<Output = Result<B, BrokerError>>,
+    C: Fn(usize) -> F,
+{
+    async fn broker(&mut self) -> Result<B, BrokerError> {
+        if let Some(broker) = &self.broker {
+            return Ok(broker.clone());
+        }
+        let (broker, _) = self.sessions.open().await?;
+        self.broker = Some(broker.clone());
+        Ok(broker)
+    }
+
+    /// The session is gone: the next [`Session::broker`] opens another, unless the command
+    /// gives up.
+    async fn lost(&mut self, error: BrokerError) -> Result<(), BrokerError> {
+        if let Some(broker) = self.broker.take() {
+            broker.close().await;
+        }
+        self.sessions.lost(error)
+    }
+}
+
+/// Checks and publishes every message; how many.
+async fn publish_all<B, F, C>(session: &mut Session<'_, C, B>, args: &Args, input: &Input<'_>) -> anyhow::Result<usize>
+where
+    B: Broker,
+    F: Future<Output = Result<B, BrokerError>>,
+    C: Fn(usize) -> F,
+{
+    let limit = loop {
+        let broker = session.broker().await?;
+        match Limit::of(&broker, args).await {
+            Ok(limit) => break limit,
+            Err(e) if e.is_session_loss() => session.lost(e).await?,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let (path, lines) = match input {
+        Input::Lines { path, lines } => (path, lines),
+        Input::Payload(payload) => return publish_one(session, args, payload, limit.as_ref()).await,
+        Input::File(path) => {
+            if let Some(limit) = &limit {
+                limit.check_file(path)?;
+            }
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let payload = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+            drop(text);
+            return publish_one(session, args, &payload, limit.as_ref()).await;
+        }
+    };
+    if let Some(limit) = &limit {
+        let (size, n) = lines.largest;
+        limit.check(size, &format!("the message of {}:{n}", path.display()))?;
+    }
+    let progress = if lines.total > 1 { ProgressBar::new(lines.total as u64) } else { ProgressBar::hidden() };
+    let mut batch = Vec::with_capacity(BATCH.min(lines.total));
+    for line in payload_lines(path)? {
+        let (n, payload) = line?;
+        let payload =
+            payload.with_context(|| format!("{}:{n}: not JSON (it changed since it was checked)", path.display()))?;
+        // Built once: a message sent again after a lost session keeps its id and key.
+        batch.push(outgoing(&Envelope::new(&args.kind, &payload, None)));
+        if batch.len() == BATCH {
+            send_confirmed(session, args, &batch, &progress).await?;
+            batch.clear();
+        }
+    }
+    send_confirmed(session, args, &batch, &progress).await?;
+    progress.finish_and_clear();
+    Ok(lines.total)
+}
+
+/// Checks and publishes one message.
+async fn publish_one<B, F, C>(
+    session: &mut Session<'_, C, B>,
+    args: &Args,
+    payload: &serde_json::Value,
+    limit: Option<&Limit>,
+) -> anyhow::Result<usize>
+where
+    B: Broker,
+    F: Future<Output = Result<B, BrokerError>>,
+    C: Fn(usize) -> F,
+{
+    let message = outgoing(&Envelope::new(&args.kind, payload, args.idempotency_key.clone()));
+    if let Some(limit) = limit {
+        limit.check(message.body.len(), "the message")?;
+    }
+    send_confirmed(session, args, &[message], &ProgressBar::hidden()).await?;
+    Ok(1)
+}
+
+/// The largest body a queue the messages reach takes, where the broker can tell.
+struct Limit {
+    max: usize,
+    /// Each queue reached, with its limit.
+    queues: Vec<(String, usize)>,
+}
+
+impl Limit {
+    /// The limit of the queues a message of `args` would reach; none when the broker cannot
+    /// tell (RabbitMQ), or when a queue's is unknown (declared by an earlier version).
+    async fn of<B: Broker>(broker: &B, args: &Args) -> Result<Option<Limit>, BrokerError> {
+        let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None)).headers;
+        let Some(limits) = broker.body_limits(&args.exchange, &args.routing_key, &headers).await? else {
+            return Ok(None);
+        };
+        let queues: Option<Vec<(String, usize)>> = limits.into_iter().map(|(q, max)| Some((q, max?))).collect();
+        Ok(queues.and_then(|queues| Some(Limit { max: queues.iter().map(|(_, max)| *max).max()?, queues })))
+    }
+
+    /// An error when a body of `size` bytes is over every queue's limit.
+    fn check(&self, size: usize, what: &str) -> anyhow::Result<()> {
+        if size <= self.max {
+            return Ok(());
+        }
+        let queues: Vec<String> = self.queues.iter().map(|(q, max)| format!("\"{q}\" takes {max}")).collect();
+        bail!(
+            "{what} is {size} bytes, over the max_message_bytes of every queue it would reach ({}): none would accept it, so nothing was published",
+            queues.join(", ")
+        )
+    }
+
+    /// An error when the payload in `path` makes a body over every queue's limit, found
+    /// without holding the file: its size, then the least its JSON takes once compact.
+    fn check_file(&self, path: &Path) -> anyhow::Result<()> {
+        let cannot = || format!("cannot read {}", path.display());
+        let size = std::fs::metadata(path).with_context(cannot)?.len();
+        if size <= self.max as u64 {
+            return Ok(());
+        }
+        let file = std::fs::File::open(path).with_context(cannot)?;
+        let at_least = compact_len_at_least(std::io::BufReader::new(file)).with_context(cannot)?;
+        self.check(usize::try_from(at_least).unwrap_or(usize::MAX), &format!("the payload in {}", path.display()))
+    }
+}
+
+/// At least how many bytes the JSON text `reader` holds takes once written compact (as in a
+/// message's body): whitespace between tokens is left out, an escape in a string counts as
+/// one byte (`\u00e9` may become one), a number as one (`1.000` may become `1.0`).
+fn compact_len_at_least(reader: impl BufRead) -> std::io::Result<u64> {
+    let (mut n, mut in_string, mut skip, mut in_number) = (0u64, false, 0u8, false);
+    for byte in reader.bytes() {
+        let byte = byte?;
+        if in_string {
+            match (skip, byte) {
+                (0, b'\\') => (n, skip) = (n + 1, 1),
+                (0, b'"') => (n, in_string) = (n + 1, false),
+                (0, _) => n += 1,
+                (1, b'u') => skip = 4,
+                _ => skip -= 1,
+            }
+            continue;
+        }
+        let number = matches!(byte, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E');
+        match byte {
+            b' ' | b'\t' | b'\n' | b'\r' => {}
+            _ if number && in_number => {}
+            b'"' => (n, in_string) = (n + 1, true),
+            _ => n += 1,
+        }
+        in_number = number;
+    }
+    Ok(n)
+}
+
+/// The payloads of a `--jsonl` file, each with its line number (blank lines skipped), read
+/// as they come.
+fn payload_lines(
+    path: &Path,
+) -> anyhow::Result<impl Iterator<Item = anyhow::Result<(usize, serde_json::Result<serde_json::Value>)>>> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let lines = std::io::BufReader::new(file).lines().enumerate();
+    Ok(lines.filter_map(move |(i, line)| match line {
+        Err(e) => Some(Err(anyhow::Error::new(e).context(format!("cannot read {}", path.display())))),
+        Ok(line) if line.trim().is_empty() => None,
+        Ok(line) => Some(Ok((i + 1, serde_json::from_str(&line)))),
+    }))
+}
+
+/// Checks a `--jsonl` file before anything is sent: every line JSON; how many messages, and
+/// the largest body (of a message of type `kind`).
+fn check_lines(path: &Path, kind: &str) -> anyhow::Result<Lines> {
+    let mut lines = Lines { total: 0, largest: (0, 0) };
+    for line in payload_lines(path)? {
+        let (n, payload) = line?;
+        let payload = payload.with_context(|| format!("{}:{n}: not JSON", path.display()))?;
+        let size = Envelope::new(kind, &payload, None).encode().len();
+        if size > lines.largest.0 {
+            lines.largest = (size, n);
+        }
+        lines.total += 1;
+    }
+    Ok(lines)
+}
+
+/// Publishes `messages` until each is confirmed: what a lost session left unconfirmed goes
+/// again with the next one (a message whose confirm was lost goes twice), refused ones again
+/// a few times.
+async fn send_confirmed<B, F, C>(
+    session: &mut Session<'_, C, B>,
+    args: &Args,
+    messages: &[Outgoing],
+    progress: &ProgressBar,
+) -> Result<(), BrokerError>
+where
+    B: Broker,
+    F: Future<Output = Result<B, BrokerError>>,
+    C: Fn(usize) -> F,
+{
+    let mut unconfirmed: Vec<usize> = (0..messages.len()).collect();
+    let mut refusals = Refusals::default();
+    while !unconfirmed.is_empty() {
+        let broker = session.broker().await?;
+        let (left, error) = send(&broker, args, messages, &unconfirmed, progress).await;
+        if left.len() < unconfirmed.len() {
+            refusals.progressed();
+        }
+        unconfirmed = left;
+        match error {
+            None => {}
+            Some(e) if e.is_session_loss() => {
+                tracing::warn!(error = %e, unconfirmed = unconfirmed.len(), "broker session lost mid-run; carrying on with the next node");
+                session.lost(e).await?;
+            }
+            Some(e) => match refusals.again(&e) {
+                Some(wait) => {
+                    tracing::warn!(error = %e, unconfirmed = unconfirmed.len(), "the broker refused messages; trying them again");
+                    tokio::time::sleep(wait).await;
+                }
+                None => return Err(e),
+            },
+        }
+    }
+    Ok(())
+}
+
+/// Publishes the messages `which` names, [`IN_FLIGHT`] awaiting their confirms at once; after
+/// a refusal (nack, unroutable, no exchange) no more are sent. Returns those not confirmed and
+/// the error that stopped them (a refusal before a lost session).
+async fn send<B: Broker>(
+    broker: &B,
+    args: &Args,
+    messages: &[Outgoing],
+    which: &[usize],
+    progress: &ProgressBar,
+) -> (Vec<usize>, Option<BrokerError>) {
+    let (exchange, key) = (&args.exchange, &args.routing_key);
+    let refused = AtomicBool::new(false);
+    let mut sending = stream::iter(which.iter().copied())
+        .map(|i| {
+            let refused = &refused;
             async move {
-                broker.publish(exchange, key, outgoing(&envelope)).await?;
-                progress.inc(1);
-                Ok::<_, anyhow::Error>(())
+                match refused.load(Ordering::Relaxed) {
+                    true => (i, None),
+                    false => (i, Some(broker.publish(exchange, key, messages[i].clone()).await)),
+                }
             }
         })
-        .buffer_unordered(IN_FLIGHT)
-        .try_collect::<Vec<()>>()
-        .await;
-    progress.finish_and_clear();
-    result.map(drop)
+        .buffer_unordered(IN_FLIGHT);
+    let (mut left, mut error): (Vec<usize>, Option<BrokerError>) = (Vec::new(), None);
+    while let Some((i, result)) = sending.next().await {
+        match result {
+            Some(Ok(())) => progress.inc(1),
+            None => left.push(i),
+            Some(Err(e)) => {
+                left.push(i);
+                if !e.is_session_loss() {
+                    refused.store(true, Ordering::Relaxed);
+                }
+                if error.as_ref().is_none_or(BrokerError::is_session_loss) {
+                    error = Some(e);
+                }
+            }
+        }
+    }
+    left.sort_unstable();
+    (left, error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Never more than the compact form, whatever the spacing, escapes and numbers.
+    #[test]
+    fn compact_len_at_least_is_a_lower_bound() {
+        let cases: &[(&str, u64)] = &[
+            (r#"{"a": [1, 2.50, true, null]}"#, 21),
+            ("{\n  \"a b\" :  \"x y\"\n}", 13),
+            (r#"["\u00e9\/\n", 1.000e3, -0]"#, 11),
+        ];
+        for (text, expected) in cases {
+            let at_least = compact_len_at_least(text.as_bytes()).expect("read");
+            assert_eq!(at_least, *expected, "{text}");
+            let value: serde_json::Value = serde_json::from_str(text).expect("JSON");
+            let compact = serde_json::to_vec(&value).expect("encode").len() as u64;
+            assert!(at_least <= compact, "{text}: {at_least} > {compact}");
+        }
+    }
 }

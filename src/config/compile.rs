@@ -1,5 +1,6 @@
-//! One pass from parsed files to the validated `Config`: schema, merge, semantic checks,
-//! templates, referenced files. Every problem is collected; nothing stops at the first.
+//! One pass from parsed files to the validated `Config`: `${VAR}` substitution, schema, merge,
+//! semantic checks, templates, referenced files. Every problem is collected; nothing stops at
+//! the first.
 
 use std::collections::{BTreeMap, HashMap};
 use std::num::{NonZeroU16, NonZeroU32};
@@ -8,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::diagnostic::{Diagnostic, Severity};
+use super::interpolate::{Env, interpolate};
 use super::source::{self, SourceFile, escape_token};
 use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
@@ -21,7 +23,7 @@ use crate::handler::template::{Escape, Template, TemplateError};
 /// without end (a link to a device) must not be read to the end.
 const MAX_SCHEMA_BYTES: u64 = 8 << 20;
 
-pub(super) fn load(paths: &[PathBuf]) -> Validation {
+pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
     let discovery = source::discover(paths);
     let mut diags = discovery.diagnostics;
     let mut complete = !diags.iter().any(|d| d.severity == Severity::Error);
@@ -38,6 +40,9 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
     let mut skipped = 0;
     // Nodes the schema refused, left out of the semantic checks, by file.
     let mut pruned: Vec<(PathBuf, String)> = Vec::new();
+    // What `${VAR}` substitution said, and the strings it left as written, by file.
+    let mut substitution = Vec::new();
+    let mut unresolved: Vec<(PathBuf, String)> = Vec::new();
     for path in &discovery.files {
         let loaded = source::read(path).and_then(|text| {
             // Kept for the snippets of diagnostics: printing them never reads a file again.
@@ -49,7 +54,10 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
                 diags.push(note);
                 skipped += 1;
             }
-            Ok(file) => {
+            Ok(mut file) => {
+                let interpolated = interpolate(&mut file, env);
+                substitution.extend(interpolated.diagnostics);
+                unresolved.extend(interpolated.unresolved.into_iter().map(|p| (file.path.clone(), p)));
                 let schema_errors = super::schema::check(&file);
                 if schema_errors.is_empty() {
                     match deserialize(&file) {
@@ -87,7 +95,9 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
         ));
     }
     let before = diags.len();
-    let config = Compiler { diags: &mut diags, complete }.compile(parsed);
+    let mut compiler = Compiler { diags: &mut diags, cluster: Vec::new(), complete, unresolved: &unresolved };
+    let config = compiler.compile(parsed);
+    let cluster = compiler.cluster;
     // What the semantic checks say about a refused node (or a handler that lost its refused
     // part) is already said by the schema.
     let semantic = diags.split_off(before);
@@ -99,10 +109,14 @@ pub(super) fn load(paths: &[PathBuf]) -> Validation {
             *file == d.file && related
         })
     }));
+    // A string left as written is explained by its substitution's diagnostic; what the other
+    // checks make of its `${...}` would only repeat it.
+    diags.retain(|d| !about_unresolved(&unresolved, d));
+    diags.extend(substitution);
     let mut diags = once_per_anchor(diags);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
-    Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources }
+    Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources, cluster }
 }
 
 /// The raw file without the nodes at `invalid` (JSON pointers), for checking the rest of a
@@ -225,8 +239,18 @@ fn integral_floats_as_integers(value: &mut serde_json::Value) {
 
 struct Compiler<'a> {
     diags: &'a mut Vec<Diagnostic>,
+    /// Warnings that hold only on a cluster (see [`Validation::on_nodes`]).
+    cluster: Vec<Diagnostic>,
     /// False when some file could not be read: cross-file references are then not checked.
     complete: bool,
+    /// Strings `${...}` substitution left as written: errors there do not count.
+    unresolved: &'a [(PathBuf, String)],
+}
+
+/// Whether `d` is an error about a string substitution left as written (by file and pointer),
+/// which that substitution's own diagnostic explains.
+fn about_unresolved(unresolved: &[(PathBuf, String)], d: &Diagnostic) -> bool {
+    d.severity == Severity::Error && unresolved.iter().any(|(file, node)| *file == d.file && d.pointer == *node)
 }
 
 /// Where a name was first defined: file and position, for "defined twice" messages.
@@ -349,7 +373,7 @@ impl Compiler<'_> {
             }
             Err(e) => {
                 let pos = match &e {
-                    TemplateError::Syntax { offset, .. } => at_offset(file, pointer, text, *offset),
+                    TemplateError::Syntax { offset, .. } => file.offset_pos(pointer, text, *offset),
                     _ => file.pos(pointer),
                 };
                 self.diags.push(file.diag_at(pos, Severity::Error, pointer, e.to_string()));
@@ -372,10 +396,8 @@ impl Compiler<'_> {
         for (i, b) in q.bind.into_iter().enumerate() {
             let defined = exchanges.contains_key(&b.exchange) || ExchangeKind::builtin(&b.exchange).is_some();
             if !defined && self.complete {
-                let mut message = format!("binding to undefined exchange \"{}\"", b.exchange);
-                if let Some(close) = super::suggest::closest(&b.exchange, exchanges.keys().map(String::as_str)) {
-                    message.push_str(&format!("; did you mean \"{close}\"?"));
-                }
+                let close = super::suggest::did_you_mean(&b.exchange, exchanges.keys().map(String::as_str));
+                let message = format!("binding to undefined exchange \"{}\"{close}", b.exchange);
                 self.error(file, &format!("{base}/bind/{i}/exchange"), message);
             }
             bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
@@ -453,6 +475,12 @@ impl Compiler<'_> {
             self.error(file, &format!("{base}/dead_letter/queue"), message);
         }
 
+        if q.kind.as_deref() == Some("classic") {
+            let message = format!(
+                "queue \"{name}\" is a classic queue, which lives on one node of a cluster: while that node is down, publishes to it are confirmed and dropped and consuming it fails (home node down); on a cluster use type: quorum (the default)"
+            );
+            self.cluster.push(file.diag(Severity::Warning, &format!("{base}/type"), message));
+        }
         (self.error_count() == errors_before).then(|| Queue {
             name: name.to_string(),
             kind: if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum },
@@ -518,7 +546,7 @@ impl Compiler<'_> {
                     "{{{{{path}}}}} stands outside a JSON string, so a string value would make the body invalid JSON; \
                      write {{{{json {path}}}}}, which inserts any value as JSON (or quote it: \"{{{{{path}}}}}\")"
                 );
-                let pos = at_offset(file, pointer, body, offset);
+                let pos = file.offset_pos(pointer, body, offset);
                 self.diags.push(file.diag_at(pos, Severity::Warning, pointer, message));
             }
         }
@@ -542,7 +570,7 @@ impl Compiler<'_> {
     }
 
     fn error_count(&self) -> usize {
-        self.diags.iter().filter(|d| d.severity == Severity::Error).count()
+        self.diags.iter().filter(|d| d.severity == Severity::Error && !about_unresolved(self.unresolved, d)).count()
     }
 
     fn payload_schema(&mut self, file: &SourceFile, pointer: &str, relative: &str) -> Option<PayloadSchema> {
@@ -592,6 +620,10 @@ impl Compiler<'_> {
         let mut headers = Vec::new();
         for (name, value) in &w.headers {
             let pointer = format!("{base}/headers/{}", escape_token(name));
+            if let Some(problem) = header_name_problem(name) {
+                self.diags.push(file.diag_at(file.key_pos(&pointer), Severity::Error, &pointer, problem));
+                continue;
+            }
             if let Some(t) = self.template(file, &pointer, value, Escape::Plain) {
                 headers.push((name.clone(), t));
             }
@@ -825,19 +857,28 @@ fn is_number_or_bool(schema: &serde_json::Value, path: &str) -> bool {
     }
 }
 
-/// Where byte `offset` of the string at `pointer` (whose text is `text`) sits in the file, when
-/// the string is written on one line as it reads (plain or quoted, no escapes before the
-/// offset); else where the string starts.
-fn at_offset(file: &SourceFile, pointer: &str, text: &str, offset: usize) -> source::Pos {
-    let start = file.pos(pointer);
-    let before = &text[..text.floor_char_boundary(offset)];
-    let column = source::lines(&file.text).nth(start.line.saturating_sub(1)).and_then(|line| {
-        let rest: String = line.chars().skip(start.column.saturating_sub(1)).collect();
-        let quote = usize::from(rest.starts_with(['"', '\'']));
-        let written = rest.get(quote..)?;
-        (!before.contains('\n') && written.starts_with(before)).then(|| start.column + quote + before.chars().count())
-    });
-    column.map_or(start, |column| source::Pos { line: start.line, column })
+/// Headers the HTTP client sets itself: `Host` from the URL, the body's length and framing,
+/// and the connection's handling. A value of the pipeline's, let alone of a payload's, could
+/// pick another virtual host behind the same address, or cut the body short.
+const CLIENT_HEADERS: [&str; 4] = ["host", "content-length", "transfer-encoding", "connection"];
+
+/// Why a webhook may not set a header of this name: a template (the message would choose
+/// which header it sets), a header the HTTP client owns, or no HTTP header name at all.
+fn header_name_problem(name: &str) -> Option<String> {
+    if name.contains("{{") {
+        return Some(format!(
+            "header names are literal text, not templates: a message must not choose which header \"{name}\" sets"
+        ));
+    }
+    if CLIENT_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name)) {
+        return Some(format!(
+            "\"{name}\" cannot be set in headers: the HTTP client sets it from the url and the body (a value here could pick another virtual host, or cut the body short)"
+        ));
+    }
+    if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+        return Some(format!("\"{name}\" is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)"));
+    }
+    None
 }
 
 /// Why `name` may not be declared, when its prefix belongs to the broker or to sluice.

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::terminal::{self, visible};
+
 /// How bad a problem is: errors fail validation, warnings and notes do not. A note says what
 /// was left alone and why (a file that is not a pipeline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -51,8 +53,8 @@ pub struct Diagnostic {
 impl Diagnostic {
     /// `file:line:col: error: /pointer: message`, the first line of the human format.
     pub fn headline(&self) -> String {
-        let file = self.file.display().to_string();
-        let (file, text) = (visible(&file), visible(&self.text()));
+        let (file, text) = (self.file.display().to_string(), self.text());
+        let (file, text) = (visible(&file), visible(&text));
         format!("{file}:{}:{}: {}: {text}", self.line, self.column, self.severity.as_str())
     }
 
@@ -111,26 +113,12 @@ fn snippet(text: &str, line: usize, column: usize) -> String {
     let Some(src) = super::source::lines(text).nth(line.saturating_sub(1)) else {
         return String::new();
     };
-    if src.chars().any(|c| (c.is_control() && c != '\t') || is_bidi_control(c)) {
+    if src.chars().any(|c| c != '\t' && terminal::is_hidden(c)) {
         return String::new();
     }
     let gutter = line.to_string().len();
     let pad: String = src.chars().take(column.saturating_sub(1)).map(|c| if c == '\t' { '\t' } else { ' ' }).collect();
     format!("{:gutter$} |\n{line} | {src}\n{:gutter$} | {pad}^\n", "", "")
-}
-
-/// Bidirectional overrides and isolates reorder what a terminal shows ("Trojan Source").
-fn is_bidi_control(c: char) -> bool {
-    matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
-}
-
-/// `s` with control characters escaped (`\n`, `\u{1b}`): a file name or a key with a line
-/// break cannot fake a second diagnostic, nor an escape sequence restyle the terminal.
-fn visible(s: &str) -> String {
-    if !s.chars().any(char::is_control) {
-        return s.to_string();
-    }
-    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 /// A workflow command's message ends at a line break, and `%` starts an escape
@@ -237,7 +225,7 @@ mod tests {
             message: "m".into(),
             ..diag()
         };
-        assert_eq!(d.headline(), "a\\nb.yaml:2:5: error: /queues/\\u{1b}[31m: m");
+        assert_eq!(d.headline(), "a\\nb.yaml:2:5: error: /queues/\\x1b[31m: m");
     }
 
     #[test]

@@ -1,12 +1,15 @@
-//! Pipeline files in, a validated [`Config`] out: discovery and merge of the files, the JSON
-//! Schema, the span map for file:line:column, and every semantic check, all errors collected.
+//! Pipeline files in, a validated [`Config`] out: discovery and merge of the files, `${VAR}`
+//! from the environment, the JSON Schema, the span map for file:line:column, and every semantic
+//! check, all errors collected.
 //!
 //! Validation does no IO beyond reading the pipeline files and the files they name
 //! (payload schemas, command programs); the broker is never contacted here.
 
 pub(crate) mod compile;
 pub mod diagnostic;
+mod interpolate;
 pub mod raw;
+pub mod reference;
 mod rules;
 pub mod schema;
 pub mod source;
@@ -20,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use diagnostic::{Diagnostic, Format, Severity};
+pub use interpolate::Unset;
 
 use crate::handler::rules::Rules;
 use crate::handler::template::Template;
@@ -344,6 +348,18 @@ impl Queue {
         out
     }
 
+    /// The webhook's signing secret, when it has one, can sign: a malformed one would
+    /// dead-letter every message. (Unset ones are [`Config::missing_env`]'s to report.)
+    fn check_signing_secret(&self) -> Result<(), StartError> {
+        let Handler::Webhook(Webhook { signing_secret_env: Some(var), .. }) = &self.handler else { return Ok(()) };
+        let Ok(secret) = std::env::var(var) else { return Ok(()) };
+        crate::handler::webhook::check_secret(&secret).map_err(|reason| StartError::SigningSecret {
+            queue: self.name.clone(),
+            var: var.clone(),
+            reason,
+        })
+    }
+
     /// Puts the environment's values into the scheme and host of the webhook URL
     /// (`{{env.HOOK_BASE}}/x`), once, so that no message renders them; a URL left without an
     /// expression is parsed here too, like a literal one at load.
@@ -399,6 +415,11 @@ pub enum StartError {
     MissingEnv(Vec<MissingEnv>),
     #[error("queue \"{queue}\": webhook URL \"{url}\": {reason}")]
     WebhookUrl { queue: String, url: String, reason: String },
+    /// Set, but not a secret a webhook can be signed with; the secret itself is never quoted.
+    #[error(
+        "queue \"{queue}\": environment variable {var}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)"
+    )]
+    SigningSecret { queue: String, var: String, reason: crate::handler::webhook::SigningError },
 }
 
 impl Config {
@@ -437,15 +458,20 @@ impl Config {
         missing.into_values().collect()
     }
 
-    /// Readies the config for `run` in this environment: every variable it reads is set, and
-    /// webhook URLs whose scheme and host come from the environment are resolved and checked.
+    /// Readies the config for `run` in this environment: every variable it reads is set,
+    /// signing secrets are secrets a webhook can be signed with, and webhook URLs whose scheme
+    /// and host come from the environment are resolved and checked.
     pub fn prepare_run(&mut self) -> Result<(), Vec<StartError>> {
         let missing = self.missing_env();
         if !missing.is_empty() {
             return Err(vec![StartError::MissingEnv(missing)]);
         }
-        let errors: Vec<StartError> =
-            self.queues.values_mut().filter_map(|queue| queue.resolve_webhook_url().err()).collect();
+        let errors: Vec<StartError> = self
+            .queues
+            .values_mut()
+            .flat_map(|queue| [queue.check_signing_secret().err(), queue.resolve_webhook_url().err()])
+            .flatten()
+            .collect();
         if errors.is_empty() { Ok(()) } else { Err(errors) }
     }
 }
@@ -457,6 +483,8 @@ pub struct Validation {
     pub diagnostics: Vec<Diagnostic>,
     /// The text of every file that could be read, by path, for the snippets of diagnostics.
     pub sources: BTreeMap<PathBuf, String>,
+    /// Warnings that hold only when the broker is a cluster (a classic queue lives on one node).
+    pub cluster: Vec<Diagnostic>,
 }
 
 impl Validation {
@@ -465,15 +493,32 @@ impl Validation {
         diagnostic::render(&self.diagnostics, format, &|path| self.sources.get(path).cloned())
     }
 
+    /// The diagnostics for a broker of `nodes` addresses: more than one is a cluster, and
+    /// brings the cluster's warnings in.
+    pub fn on_nodes(mut self, nodes: usize) -> Validation {
+        if nodes > 1 {
+            self.diagnostics.append(&mut self.cluster);
+            self.diagnostics.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
+        }
+        self
+    }
+
     /// Whether any diagnostic is an error.
     pub fn has_errors(&self) -> bool {
         self.diagnostics.iter().any(|d| d.severity == Severity::Error)
     }
 }
 
-/// Loads, merges and validates the pipeline files under `paths`.
+/// Loads, merges and validates the pipeline files under `paths`, with `${VAR}` taken from the
+/// environment (an unset one without a default is an error).
 pub fn load(paths: &[PathBuf]) -> Validation {
-    compile::load(paths)
+    load_with(paths, Unset::Error)
+}
+
+/// [`load`], with unset variables without a default as `unset` says: `validate` warns of them,
+/// and its config is then not fit to run (the strings that read them are left as written).
+pub fn load_with(paths: &[PathBuf], unset: Unset) -> Validation {
+    compile::load(paths, &interpolate::Env::process(unset))
 }
 
 /// The default `max_message_bytes`.

@@ -48,6 +48,11 @@ static PIPELINE: LazyLock<Schema> = LazyLock::new(|| Schema::new(TEXT));
 
 static TESTS: LazyLock<Schema> = LazyLock::new(|| Schema::new(TESTS_TEXT));
 
+/// The pipeline schema as a value.
+pub fn value() -> &'static Value {
+    &PIPELINE.value
+}
+
 /// The nodes of a pipeline file the schema refuses (JSON pointers): an unknown key or a bad
 /// name is the key's node, a missing key none (there is nothing to leave out).
 pub fn invalid_nodes(file: &SourceFile) -> Vec<String> {

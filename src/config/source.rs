@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use saphyr_parser::{Event, Parser, Span};
+use saphyr_parser::{Event, Parser, ScalarStyle, Span};
 
 use super::diagnostic::{Diagnostic, Severity};
 
@@ -47,6 +47,28 @@ impl SourceFile {
     /// Where the key of the member at `pointer` starts (for unknown or misplaced keys).
     pub fn key_pos(&self, pointer: &str) -> Pos {
         self.spans.keys.get(pointer).copied().unwrap_or_else(|| self.spans.value_pos(pointer))
+    }
+
+    /// Where byte `offset` of the string at `pointer` (whose text is `text`) sits, when the
+    /// string is written on one line as it reads (plain or quoted, no escapes before the
+    /// offset); else where the string starts.
+    pub fn offset_pos(&self, pointer: &str, text: &str, offset: usize) -> Pos {
+        let start = self.pos(pointer);
+        let before = &text[..text.floor_char_boundary(offset)];
+        let column = lines(&self.text).nth(start.line.saturating_sub(1)).and_then(|line| {
+            let rest: String = line.chars().skip(start.column.saturating_sub(1)).collect();
+            let quote = usize::from(rest.starts_with(['"', '\'']));
+            let written = rest.get(quote..)?;
+            (!before.contains('\n') && written.starts_with(before))
+                .then(|| start.column + quote + before.chars().count())
+        });
+        column.map_or(start, |column| Pos { line: start.line, column })
+    }
+
+    /// Whether the string at `pointer` is a plain scalar without a tag holding a `$`, which YAML
+    /// typed from its text (see [`super::interpolate`]).
+    pub fn typed(&self, pointer: &str) -> bool {
+        self.spans.values.get(pointer).is_some_and(|node| node.typed)
     }
 
     /// A diagnostic at the value of `pointer`.
@@ -492,10 +514,19 @@ impl Expansion {
 /// the nodes under an anchor are one range.
 #[derive(Debug, Default)]
 struct SpanMap {
-    values: BTreeMap<String, Pos>,
+    values: BTreeMap<String, Node>,
     keys: BTreeMap<String, Pos>,
     /// Positions copied so far for aliases and merges, bounded by `MAX_ALIAS_COPIES`.
     copied: usize,
+}
+
+/// Where a value starts, and how YAML typed it.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    pos: Pos,
+    /// A plain scalar without a tag that holds a `$`: YAML typed it from its text (`8` is a
+    /// number), and so does `${}` substitution once the text is substituted.
+    typed: bool,
 }
 
 enum Frame {
@@ -519,8 +550,8 @@ impl SpanMap {
     fn value_pos(&self, pointer: &str) -> Pos {
         let mut p = pointer;
         loop {
-            if let Some(pos) = self.values.get(p) {
-                return *pos;
+            if let Some(node) = self.values.get(p) {
+                return node.pos;
             }
             match p.rfind('/') {
                 Some(i) => p = &p[..i],
@@ -572,7 +603,7 @@ impl SpanMap {
                         return Err((pos, "a pipeline file holds one YAML document; split it into files".into()));
                     }
                 }
-                Event::Scalar(value, _, anchor, _) => {
+                Event::Scalar(value, style, anchor, tag) => {
                     if let Some(Frame::Map { path, key: key @ None, seen }) = stack.last_mut() {
                         if let Some(first) = seen.insert(value.to_string(), pos) {
                             let message = format!(
@@ -586,10 +617,13 @@ impl SpanMap {
                         *key = Some(value.into_owned());
                         continue;
                     }
-                    if let Some(path) = map.place(&mut stack, pos)
-                        && anchor > 0
-                    {
-                        anchors.insert(anchor, path);
+                    if let Some(path) = map.place(&mut stack, pos) {
+                        if style == ScalarStyle::Plain && tag.is_none() && value.contains('$') {
+                            map.values.insert(path.clone(), Node { pos, typed: true });
+                        }
+                        if anchor > 0 {
+                            anchors.insert(anchor, path);
+                        }
                     }
                 }
                 Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
@@ -653,31 +687,35 @@ impl SpanMap {
             Some(Frame::Skip { .. }) => return None,
         };
         // An explicit value overrides one a `<<` merge earlier in the same mapping recorded.
-        self.values.insert(pointer.clone(), pos);
+        self.values.insert(pointer.clone(), Node { pos, typed: false });
         Some(pointer)
     }
 
     /// Makes the nodes under an anchor addressable under an alias (or a merge target), pointing
     /// at the anchor's own lines. Merged members never override explicit ones.
     fn copy_subtree(&mut self, base: &str, target: &str, merge: bool) {
-        for table in [&mut self.values, &mut self.keys] {
-            let copies: Vec<(String, Pos)> = table
-                .range(base.to_string()..)
-                .take_while(|(k, _)| k.starts_with(base))
-                .filter_map(|(k, v)| {
-                    let rest = k.strip_prefix(base)?;
-                    if merge && rest.is_empty() {
-                        return None;
-                    }
-                    (rest.is_empty() || rest.starts_with('/')).then(|| (format!("{target}{rest}"), *v))
-                })
-                .take(MAX_ALIAS_COPIES.saturating_sub(self.copied))
-                .collect();
-            self.copied += copies.len();
-            for (k, v) in copies {
-                table.entry(k).or_insert(v);
+        copy_subtree(&mut self.values, &mut self.copied, base, target, merge);
+        copy_subtree(&mut self.keys, &mut self.copied, base, target, merge);
+    }
+}
+
+/// [`SpanMap::copy_subtree`] in one table; `copied` counts towards [`MAX_ALIAS_COPIES`].
+fn copy_subtree<V: Copy>(table: &mut BTreeMap<String, V>, copied: &mut usize, base: &str, target: &str, merge: bool) {
+    let copies: Vec<(String, V)> = table
+        .range(base.to_string()..)
+        .take_while(|(k, _)| k.starts_with(base))
+        .filter_map(|(k, v)| {
+            let rest = k.strip_prefix(base)?;
+            if merge && rest.is_empty() {
+                return None;
             }
-        }
+            (rest.is_empty() || rest.starts_with('/')).then(|| (format!("{target}{rest}"), *v))
+        })
+        .take(MAX_ALIAS_COPIES.saturating_sub(*copied))
+        .collect();
+    *copied += copies.len();
+    for (k, v) in copies {
+        table.entry(k).or_insert(v);
     }
 }
 

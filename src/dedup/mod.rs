@@ -1,8 +1,9 @@
 //! Idempotency stores: `claim(key, lease)` → `Claimed | Done | Busy`, `complete(key, ttl)`,
-//! `release(key)`. Embedded (completions in a fjall LSM store, claims in memory: one runner,
-//! survives kill -9) or Redis (many runners on many machines). Keys are namespaced by queue,
-//! so a fan-out's queues each handle the same event once; expired keys are dropped by
-//! compactions (embedded) or expire natively (Redis).
+//! `release(key)`. Embedded (the keys in the embedded broker's SQLite file, shared by the
+//! processes on one state directory; with the embedded broker, completed keys are written in
+//! the transaction of their acks) or Redis (many runners on many machines). Keys are
+//! namespaced by queue, so a fan-out's queues each handle the same event once; expired keys
+//! are deleted (embedded) or expire natively (Redis).
 //!
 //! A store only remembers; what to do with `Busy` or an unreachable store is the runtime's call.
 
@@ -10,13 +11,15 @@ mod embedded;
 mod redis_store;
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sha2::{Digest as _, Sha256};
 
 pub use embedded::EmbeddedStore;
 pub use redis_store::RedisStore;
+
+use crate::broker::embedded::Embedded;
 
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +40,8 @@ pub struct StoreError(pub String);
 /// Where idempotency keys live, chosen by `--dedup`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Location {
-    /// A directory for the embedded store (the default: `.sluice/dedup`).
+    /// A state directory, whose `broker.db` holds the keys (by default the embedded broker's
+    /// directory, else `.sluice`).
     File(PathBuf),
     /// A Redis URL (`redis://` or `rediss://`).
     Redis(String),
@@ -54,10 +58,22 @@ impl Location {
     }
 }
 
-impl Default for Location {
-    fn default() -> Self {
-        Location::File(PathBuf::from(".sluice/dedup"))
-    }
+/// Whether `dir` is the idempotency store of an earlier sluice (fjall's layout), which this
+/// version no longer reads.
+pub fn is_old_store(dir: &Path) -> bool {
+    dir.join("keyspaces").is_dir() && dir.join("version").is_file()
+}
+
+/// What to do about an earlier sluice's store at `old`: its keys are not carried over.
+pub fn old_store_advice(old: &Path) -> String {
+    format!(
+        "{} is the idempotency store of an earlier sluice, which this version no longer reads: keys now \
+         live in the state directory's broker.db (--dedup names that directory; by default the embedded \
+         broker's, else .sluice). A message handled before the upgrade whose duplicate comes within its ttl \
+         runs once more. Delete {} once no earlier sluice runs on it",
+        old.display(),
+        old.display()
+    )
 }
 
 /// An open store.
@@ -71,24 +87,35 @@ impl Store {
     /// Opens (creating if need be) the store at `location`.
     pub async fn open(location: &Location) -> Result<Store, StoreError> {
         match location {
-            Location::File(path) => Ok(Store::Embedded(EmbeddedStore::open(path)?)),
+            Location::File(dir) => Ok(Store::Embedded(EmbeddedStore::open(dir)?)),
             Location::Redis(url) => Ok(Store::Redis(RedisStore::open(url).await?)),
         }
+    }
+
+    /// The store in the runner's own embedded broker: keys ride on the acks.
+    pub fn in_broker(broker: &Embedded) -> Store {
+        Store::Embedded(EmbeddedStore::in_broker(broker))
+    }
+
+    /// Whether completed keys are recorded by the acks themselves
+    /// ([`crate::broker::Consumer::ack_recording`]) rather than by [`Store::complete`] first.
+    pub fn rides_acks(&self) -> bool {
+        matches!(self, Store::Embedded(s) if s.rides_acks())
     }
 
     /// Takes the key for `lease` unless it is done or leased by someone else.
     pub async fn claim(&self, queue: &str, key: &str, lease: Duration) -> Result<Claim, StoreError> {
         match self {
-            Store::Embedded(s) => s.claim(&namespaced(queue, key), lease),
+            Store::Embedded(s) => s.claim(&namespaced(queue, key), lease).await,
             Store::Redis(s) => s.claim(&namespaced(queue, key), lease).await,
         }
     }
 
     /// Marks the keys handled for `ttl`, all at once (one transaction or round trip).
     pub async fn complete(&self, queue: &str, keys: &[String], ttl: Duration) -> Result<(), StoreError> {
-        let keys: Vec<String> = keys.iter().map(|key| namespaced(queue, key)).collect();
+        let keys = names(queue, keys);
         match self {
-            Store::Embedded(s) => s.complete(&keys, ttl),
+            Store::Embedded(s) => s.complete(&keys, ttl).await,
             Store::Redis(s) => s.complete(&keys, ttl).await,
         }
     }
@@ -96,13 +123,15 @@ impl Store {
     /// Gives up this worker's lease so another attempt can claim the key.
     pub async fn release(&self, queue: &str, key: &str) -> Result<(), StoreError> {
         match self {
-            Store::Embedded(s) => {
-                s.release(&namespaced(queue, key));
-                Ok(())
-            }
+            Store::Embedded(s) => s.release(&namespaced(queue, key)).await,
             Store::Redis(s) => s.release(&namespaced(queue, key)).await,
         }
     }
+}
+
+/// The keys of `queue` as the store names them.
+pub fn names(queue: &str, keys: &[String]) -> Vec<String> {
+    keys.iter().map(|key| namespaced(queue, key)).collect()
 }
 
 /// Keys longer than this are known by their digest, in the stores and downstream alike.
@@ -157,6 +186,15 @@ mod tests {
             effective_key("a".repeat(MAX_KEY_BYTES + 1)),
             format!("sha256:{:x}", Sha256::digest("a".repeat(MAX_KEY_BYTES + 1)))
         );
+    }
+
+    #[test]
+    fn an_earlier_sluices_store_is_known_by_its_layout() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert!(!is_old_store(dir.path()));
+        std::fs::create_dir(dir.path().join("keyspaces")).expect("mkdir");
+        std::fs::write(dir.path().join("version"), b"3").expect("write");
+        assert!(is_old_store(dir.path()));
     }
 
     #[test]

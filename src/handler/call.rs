@@ -255,12 +255,14 @@ impl<'a> Renderer<'a> {
     }
 
     /// The idempotency key as stored and sent downstream: the queue's template, else the
-    /// envelope's key; a long one by its digest ([`crate::dedup::effective_key`]).
+    /// envelope's key; the message id when either is blank (a key shared by every such message
+    /// would run only the first); a long one by its digest ([`crate::dedup::effective_key`]).
     pub fn key(&self) -> Result<String, PrepareError> {
         let key = match self.queue.idempotency.as_ref().and_then(|i| i.key.as_ref()) {
             Some(key) => render(key, "idempotency key", &self.ctx)?,
             None => self.envelope.idempotency_key().to_string(),
         };
+        let key = if crate::envelope::is_blank(&key) { self.envelope.id.clone() } else { key };
         Ok(crate::dedup::effective_key(key))
     }
 

@@ -35,6 +35,7 @@ pub struct ClientError(#[source] reqwest::Error);
 
 /// Builds the HTTP client all webhooks share, so connections stay warm across messages.
 pub fn client() -> Result<reqwest::Client, ClientError> {
+    crate::install_tls_provider();
     reqwest::Client::builder()
         .tls_backend_rustls()
         .user_agent(concat!("sluice/", env!("CARGO_PKG_VERSION")))
@@ -211,14 +212,25 @@ pub enum SigningError {
     EmptyKey,
 }
 
-/// Signs a webhook the Standard Webhooks way: `v1,` + base64 HMAC-SHA256 of `id.timestamp.body`.
-pub fn sign(secret: &str, msg_id: &str, timestamp: i64, body: &[u8]) -> Result<String, SigningError> {
+/// The HMAC key of a Standard Webhooks secret: `whsec_` + base64 of a non-empty key.
+fn signing_key(secret: &str) -> Result<Vec<u8>, SigningError> {
     let encoded = secret.strip_prefix("whsec_").ok_or(SigningError::MissingPrefix)?;
     // The decode error is dropped on purpose: it quotes the offending byte of the secret.
     let key = BASE64.decode(encoded).map_err(|_| SigningError::InvalidBase64)?;
     if key.is_empty() {
         return Err(SigningError::EmptyKey);
     }
+    Ok(key)
+}
+
+/// Whether `secret` can sign: `run` checks this at start-up, before any message needs it.
+pub fn check_secret(secret: &str) -> Result<(), SigningError> {
+    signing_key(secret).map(drop)
+}
+
+/// Signs a webhook the Standard Webhooks way: `v1,` + base64 HMAC-SHA256 of `id.timestamp.body`.
+pub fn sign(secret: &str, msg_id: &str, timestamp: i64, body: &[u8]) -> Result<String, SigningError> {
+    let key = signing_key(secret)?;
     let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("HMAC accepts keys of any length");
     mac.update(msg_id.as_bytes());
     mac.update(b".");
@@ -251,6 +263,24 @@ mod tests {
     const MSG_ID: &str = "msg_p5jXN8AQM9LWM0D4loKWxJek";
     const TIMESTAMP: i64 = 1_614_265_330;
     const BODY: &[u8] = br#"{"test": 2432232314}"#;
+
+    /// With ring the one crypto provider (built alone, installed by `client`), an https call
+    /// reaches a TLS handshake: against a server that answers in plain HTTP it fails as a
+    /// connection error, where a missing provider would panic.
+    #[tokio::test]
+    async fn https_calls_reach_a_tls_handshake() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+            }
+        });
+        let client = client().expect("client");
+        let error = client.get(format!("https://127.0.0.1:{port}/")).send().await.expect_err("not TLS");
+        assert!(error.is_connect(), "{error:?}");
+    }
 
     #[test]
     fn signature_matches_the_standard_webhooks_test_vector() {

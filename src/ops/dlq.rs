@@ -2,7 +2,8 @@
 //!
 //! Reading never loses a message or its place: the dead-letter queue is browsed (a consumer
 //! that holds what it reads without acknowledging it; closing it hands the rest back in their
-//! order). A message leaves the dead-letter queue only once its redriven copy is confirmed, so
+//! order), or, on the embedded broker, its file is read without writing (`list`, `show` and
+//! `status` take nothing there). A message leaves the dead-letter queue only once its redriven copy is confirmed, so
 //! a crash mid-redrive loses nothing: at worst a message is both redriven and still there, and
 //! its idempotency key absorbs the second run. A redriven copy is a new first attempt; its key
 //! was released when it was dead-lettered, so it runs.
@@ -19,21 +20,27 @@ use governor::{DefaultDirectRateLimiter, Quota};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::broker::{Broker, BrokerError, Consumer, Delivery};
+use crate::broker::{Broker, BrokerError, Consumer, Delivery, embedded};
 use crate::envelope::{self, Envelope};
 
 /// The most messages held (read, not removed) at once. A filter that passes over more than
 /// this stops there and says so.
 pub const MAX_HELD: u16 = u16::MAX;
 
-/// How long a browse waits for the next message before taking the queue as read: messages
-/// another client holds are not delivered until it lets them go.
-const QUIET: Duration = Duration::from_secs(3);
+/// How long a browse waits for the next message before asking the broker whether any is left
+/// to come: a slow delivery (a large message, a busy broker) is waited for while the queue has
+/// messages ready; once it has none, the rest is held by another client (not delivered until
+/// it lets them go) or gone.
+const QUIET: Duration = Duration::from_secs(2);
 
 /// Redrive copies awaiting their confirms at once. Also the bound on what a crash can leave
 /// both redriven and still dead-lettered (with the confirmed copies not yet acked): more bought
 /// little speed (BENCHMARKS.md).
 const IN_FLIGHT: usize = 256;
+
+/// Body bytes a redrive or purge holds at once (copies awaiting their confirms, confirmed ones
+/// awaiting their ack), whatever the messages' size: memory stays bounded by a few of them.
+const HELD_BYTES: usize = 16 << 20;
 
 /// One dead-lettered message, as `sluice dlq list` shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -91,7 +98,7 @@ impl Filter {
 }
 
 /// What a pass over a dead-letter queue did.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Clone, Copy, Serialize)]
 pub struct Tally {
     /// Messages in the dead-letter queue when the pass began: how many it reads at most.
     pub queued: u32,
@@ -101,8 +108,39 @@ pub struct Tally {
     pub selected: usize,
     /// Messages that were moved or removed.
     pub done: usize,
-    /// Messages left unread: more than [`MAX_HELD`] passed over, or held by another client.
+    /// Messages never read: the pass stopped at its filter's limit, or early.
     pub unread: u32,
+    /// Why the pass stopped early, when it did.
+    pub unread_because: Option<Unread>,
+}
+
+/// Why a pass read fewer messages than the dead-letter queue held when it began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unread {
+    /// [`MAX_HELD`] messages were read and held (passed over) at once: the broker delivers no
+    /// more until some are let go.
+    PassedOver,
+    /// The broker had none left ready: another client took or holds the rest (a runner,
+    /// another `sluice dlq`), or removed them meanwhile.
+    Elsewhere,
+    /// None was ready when the pass began, and other consumers were attached: they hold what
+    /// the queue has (another `sluice dlq` redriving, say), how many the broker cannot say.
+    Held { consumers: u32 },
+}
+
+impl Tally {
+    /// This pass followed by `next`, over the same dead-letter queue.
+    pub fn and(&self, next: &Tally) -> Tally {
+        Tally {
+            queued: self.queued.max(next.queued),
+            read: self.read + next.read,
+            selected: self.selected + next.selected,
+            done: self.done + next.done,
+            unread: next.unread,
+            unread_because: next.unread_because,
+        }
+    }
 }
 
 /// Seconds since the epoch.
@@ -140,55 +178,149 @@ pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
             .or_else(|| death.and_then(|d| d.get("count")).and_then(Value::as_i64)),
         failed_at: failed_epoch
             .map(|t| humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(t)).to_string()),
-        idempotency_key: envelope.as_ref().map(|e| e.idempotency_key.clone().unwrap_or_else(|| e.id.clone())),
+        idempotency_key: envelope.as_ref().map(|e| e.idempotency_key().to_string()),
         age_seconds: failed_epoch.map(|t| now.saturating_sub(t)),
         failed_epoch,
     }
 }
 
 /// A browse of a dead-letter queue: each message once, in order, up to the depth it had when
-/// the browse began (later arrivals wait for the next run).
+/// the browse began (later arrivals wait for the next run). However long a delivery takes, it
+/// reads on while the broker has messages ready.
 struct Browse<B: Broker> {
+    broker: B,
+    queue: String,
     deliveries: B::Deliveries,
     consumer: B::Consumer,
     remaining: u32,
+    /// Messages read and not acked; the broker delivers no more once `window` are.
+    held: u32,
+    window: u16,
+    /// Why it ended before `remaining` reached 0, once it has.
+    short: Option<Unread>,
 }
 
 impl<B: Broker> Browse<B> {
     async fn open(broker: &B, dlq: &str) -> Result<Browse<B>, BrokerError> {
-        let remaining = broker.depth(dlq).await?;
-        Browse::start(broker, dlq, remaining, MAX_HELD).await
+        let stats = broker.stats(dlq).await?;
+        let mut browse = Browse::start(broker, dlq, stats.ready, MAX_HELD).await?;
+        if stats.ready == 0 && stats.consumers > 0 {
+            browse.short = Some(Unread::Held { consumers: stats.consumers });
+        }
+        Ok(browse)
     }
 
     /// A browse of at most `remaining` messages, `window` held at once.
     async fn start(broker: &B, dlq: &str, remaining: u32, window: u16) -> Result<Browse<B>, BrokerError> {
         let (deliveries, consumer) = broker.browse(dlq, window).await?;
-        Ok(Browse { deliveries, consumer, remaining })
+        let (broker, queue) = (broker.clone(), dlq.to_string());
+        Ok(Browse { broker, queue, deliveries, consumer, remaining, held: 0, window, short: None })
     }
 
     async fn next(&mut self) -> Result<Option<B::Delivery>, BrokerError> {
-        if self.remaining == 0 {
-            return Ok(None);
-        }
-        match tokio::time::timeout(QUIET, self.deliveries.next()).await {
-            Ok(Some(delivery)) => {
-                self.remaining -= 1;
-                delivery.map(Some)
+        // Set once the broker said it has none ready: a delivery may still be on its way, so
+        // the browse ends only after one more quiet wait.
+        let mut none_ready = false;
+        while self.remaining > 0 {
+            if self.held >= u32::from(self.window) {
+                self.short = Some(Unread::PassedOver);
+                return Ok(None);
             }
-            Ok(None) | Err(_) => Ok(None),
+            match tokio::time::timeout(QUIET, self.deliveries.next()).await {
+                Ok(Some(delivery)) => {
+                    self.remaining -= 1;
+                    self.held += 1;
+                    return delivery.map(Some);
+                }
+                Ok(None) => {
+                    return Err(BrokerError::Lost(format!(
+                        "the broker ended the browse of \"{}\" with {} message(s) not read",
+                        self.queue, self.remaining
+                    )));
+                }
+                Err(_) if none_ready => {
+                    self.short = Some(Unread::Elsewhere);
+                    return Ok(None);
+                }
+                Err(_) => none_ready = self.broker.depth(&self.queue).await? == 0,
+            }
         }
+        Ok(None)
     }
 
-    /// Hands back every message not taken, in order; how many were never read.
-    async fn close(self) -> u32 {
-        self.consumer.close().await;
-        self.remaining
+    /// Acks deliveries read by this browse: they leave the queue.
+    async fn ack(&mut self, read: &[B::Delivery]) -> Result<(), BrokerError> {
+        self.consumer.ack(read).await?;
+        self.held = self.held.saturating_sub(u32::try_from(read.len()).unwrap_or(u32::MAX));
+        Ok(())
     }
+
+    /// Hands back every message not taken, in order; how many were never read, and why.
+    async fn close(self) -> (u32, Option<Unread>) {
+        self.consumer.close().await;
+        let said = |short: &Unread| self.remaining > 0 || matches!(short, Unread::Held { .. });
+        (self.remaining, self.short.filter(said))
+    }
+}
+
+/// What `list`, `show` and `head` read a dead-letter queue with: a [`Browse`] (a consumer
+/// that hands back what it read), or the embedded broker's file read without taking anything
+/// ([`embedded::Messages`]).
+pub trait Reading {
+    type Delivery: Delivery;
+
+    /// The next message, in queue order; none once the pass ends.
+    fn next(&mut self) -> impl Future<Output = Result<Option<Self::Delivery>, BrokerError>>;
+
+    /// Ends the pass: how many messages it never read, and why.
+    fn close(self) -> impl Future<Output = (u32, Option<Unread>)>;
+}
+
+impl<B: Broker> Reading for Browse<B> {
+    type Delivery = B::Delivery;
+
+    async fn next(&mut self) -> Result<Option<B::Delivery>, BrokerError> {
+        Browse::next(self).await
+    }
+
+    async fn close(self) -> (u32, Option<Unread>) {
+        Browse::close(self).await
+    }
+}
+
+/// Reads the file in one go per batch: SQLite's reads are short, and the commands that use it
+/// run nothing else meanwhile.
+impl Reading for embedded::Messages<'_> {
+    type Delivery = embedded::EmbeddedDelivery;
+
+    async fn next(&mut self) -> Result<Option<Self::Delivery>, BrokerError> {
+        self.next_message()
+    }
+
+    async fn close(self) -> (u32, Option<Unread>) {
+        // [`MAX_HELD`] bounds what a pass reads here too, as it does a browse.
+        let (unread, capped) = self.unread();
+        let why = (unread > 0).then_some(if capped { Unread::PassedOver } else { Unread::Elsewhere });
+        (unread, why)
+    }
+}
+
+/// The dead-lettered messages of the embedded broker's file `filter` selects, in queue order,
+/// read without taking them.
+pub async fn list_read_only(
+    file: &mut embedded::ReadOnly,
+    dlq: &str,
+    filter: &Filter,
+) -> Result<(Vec<Entry>, Tally), BrokerError> {
+    list_in(file.messages(dlq, u32::from(MAX_HELD))?, filter).await
 }
 
 /// The dead-lettered messages `filter` selects, in queue order.
 pub async fn list<B: Broker>(broker: &B, dlq: &str, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
-    let mut browse = Browse::open(broker, dlq).await?;
+    list_in(Browse::open(broker, dlq).await?, filter).await
+}
+
+async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
     let (mut entries, mut tally, now) = (Vec::new(), Tally::default(), now());
     let result = async {
         while !filter.is_full(entries.len()) {
@@ -203,13 +335,22 @@ pub async fn list<B: Broker>(broker: &B, dlq: &str, filter: &Filter) -> Result<(
     }
     .await;
     tally.selected = entries.len();
-    tally.unread = browse.close().await;
+    (tally.unread, tally.unread_because) = browse.close().await;
     result.map(|()| (entries, tally))
 }
 
 /// The message at the head of a dead-letter queue (the oldest), read and handed back.
 pub async fn head<B: Broker>(broker: &B, dlq: &str) -> Result<Option<Entry>, BrokerError> {
-    let mut browse = Browse::start(broker, dlq, 1, 1).await?;
+    head_in(Browse::start(broker, dlq, 1, 1).await?).await
+}
+
+/// The message at the head of a dead-letter queue of the embedded broker's file, read without
+/// taking it.
+pub async fn head_read_only(file: &mut embedded::ReadOnly, dlq: &str) -> Result<Option<Entry>, BrokerError> {
+    head_in(file.messages(dlq, 1)?).await
+}
+
+async fn head_in<R: Reading>(mut browse: R) -> Result<Option<Entry>, BrokerError> {
     let head = browse.next().await;
     browse.close().await;
     Ok(head?.map(|delivery| describe(&delivery, now())))
@@ -217,7 +358,15 @@ pub async fn head<B: Broker>(broker: &B, dlq: &str) -> Result<Option<Entry>, Bro
 
 /// One dead-lettered message by id, headers and body.
 pub async fn show<B: Broker>(broker: &B, dlq: &str, id: &str) -> Result<Option<Shown>, BrokerError> {
-    let mut browse = Browse::open(broker, dlq).await?;
+    show_in(Browse::open(broker, dlq).await?, id).await
+}
+
+/// One dead-lettered message of the embedded broker's file by id, read without taking it.
+pub async fn show_read_only(file: &mut embedded::ReadOnly, dlq: &str, id: &str) -> Result<Option<Shown>, BrokerError> {
+    show_in(file.messages(dlq, u32::from(MAX_HELD))?, id).await
+}
+
+async fn show_in<R: Reading>(mut browse: R, id: &str) -> Result<Option<Shown>, BrokerError> {
     let now = now();
     let found = async {
         while let Some(delivery) = browse.next().await? {
@@ -278,9 +427,11 @@ pub async fn apply<B: Broker>(
     // could reach the broker out of order, and an ack for a tag a later `multiple` ack
     // already covered closes the channel.
     let mut confirmed = Vec::new();
+    // Body bytes of the messages in `pending` and `confirmed`.
+    let mut held_bytes = 0;
     let result = async {
         loop {
-            while pending.len() >= IN_FLIGHT {
+            while pending.len() >= IN_FLIGHT || (held_bytes >= HELD_BYTES && !pending.is_empty()) {
                 if let Some(copied) = pending.next().await {
                     confirmed.push(copied?);
                 }
@@ -288,8 +439,8 @@ pub async fn apply<B: Broker>(
             while let Some(Some(copied)) = pending.next().now_or_never() {
                 confirmed.push(copied?);
             }
-            if confirmed.len() >= ACK_BATCH {
-                take(&browse.consumer, &mut confirmed, &mut tally, progress).await?;
+            if confirmed.len() >= ACK_BATCH || held_bytes >= HELD_BYTES {
+                held_bytes -= take(&mut browse, &mut confirmed, &mut tally, progress).await?;
             }
             if filter.is_full(tally.selected) {
                 break;
@@ -306,6 +457,7 @@ pub async fn apply<B: Broker>(
             if let Some(limiter) = &limiter {
                 limiter.until_ready().await;
             }
+            held_bytes += delivery.body().len();
             pending.push(async move {
                 if action == Action::Redrive {
                     broker.redrive(queue, &delivery).await?;
@@ -322,30 +474,58 @@ pub async fn apply<B: Broker>(
     // Whatever was confirmed leaves the dead-letter queue, even when a later copy failed;
     // a failed copy's message is not acked, and closing hands it back with the rest.
     drop(pending);
-    let taken = take(&browse.consumer, &mut confirmed, &mut tally, progress).await;
-    tally.unread = browse.close().await;
-    result.and(taken).map(|()| tally)
+    let taken = take(&mut browse, &mut confirmed, &mut tally, progress).await;
+    (tally.unread, tally.unread_because) = browse.close().await;
+    result.and(taken.map(drop)).map(|()| tally)
+}
+
+/// How long a pass after a lost session waits for the messages that session held to be ready
+/// again before it reads what is there.
+pub const HAND_BACK: Duration = Duration::from_secs(30);
+
+/// Waits (at most `within`: [`HAND_BACK`]) until `dlq` holds `expected` messages ready: those a lost
+/// session held unacked are handed back only once the queue learns the session is gone (a
+/// quorum queue whose leader was on the lost node elects a new one first), and a pass begun
+/// before reads only the few that were ready and ends.
+pub async fn handed_back<B: Broker>(broker: &B, dlq: &str, expected: u32, within: Duration) -> Result<(), BrokerError> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let depth = broker.depth(dlq).await?;
+        if depth >= expected {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                dlq,
+                depth,
+                expected,
+                "fewer messages came back than the lost session held; reading those there are"
+            );
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Acks of confirmed copies sent at once.
 const ACK_BATCH: usize = 64;
 
-/// Acks `confirmed` (removing those messages from the dead-letter queue) and counts them.
-async fn take<C: Consumer>(
-    consumer: &C,
-    confirmed: &mut Vec<C::Delivery>,
+/// Acks `confirmed` (removing those messages from the dead-letter queue) and counts them; the
+/// body bytes let go.
+async fn take<B: Broker>(
+    browse: &mut Browse<B>,
+    confirmed: &mut Vec<B::Delivery>,
     tally: &mut Tally,
     progress: &(dyn Fn(&Tally) + Sync),
-) -> Result<(), BrokerError> {
+) -> Result<usize, BrokerError> {
     if confirmed.is_empty() {
-        return Ok(());
+        return Ok(0);
     }
     let batch = std::mem::take(confirmed);
-    let n = batch.len();
-    consumer.ack(batch).await?;
-    tally.done += n;
+    browse.ack(&batch).await?;
+    tally.done += batch.len();
     progress(tally);
-    Ok(())
+    Ok(batch.iter().map(|d| d.body().len()).sum())
 }
 
 #[cfg(test)]

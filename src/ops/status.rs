@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::dlq;
-use crate::broker::{Broker, BrokerError};
+use crate::broker::{Broker, BrokerError, QueueStats, embedded};
 use crate::config::Config;
 
 /// One pipeline queue.
@@ -58,22 +58,77 @@ impl Held {
 pub struct Status {
     pub queues: Vec<Row>,
     pub retries_waiting: u32,
+    /// On a cluster: the node this was read from, and the node each named runner is on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<Cluster>,
+}
+
+/// Which nodes of a cluster are in use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Cluster {
+    /// The node this status was read from.
+    pub read_from: String,
+    /// Every node given.
+    pub nodes: Vec<String>,
+    /// Each runner named with `--admin` (its address) and the node its session is with
+    /// (`sluice_broker_connected`); None while it reconnects.
+    pub runners: BTreeMap<String, Option<String>>,
+}
+
+/// Where [`read`] takes its counts from: a broker session ([`Session`]), or the embedded
+/// broker's file read without writing ([`embedded::ReadOnly`]).
+pub trait Counts {
+    fn stats(&mut self, queue: &str) -> impl Future<Output = Result<QueueStats, BrokerError>>;
+    /// The oldest message of a dead-letter queue, read and not taken.
+    fn head(&mut self, dlq: &str) -> impl Future<Output = Result<Option<dlq::Entry>, BrokerError>>;
+    fn delayed(&mut self) -> impl Future<Output = Result<u32, BrokerError>>;
+}
+
+/// A broker session as [`Counts`].
+pub struct Session<'a, B>(pub &'a B);
+
+impl<B: Broker> Counts for Session<'_, B> {
+    async fn stats(&mut self, queue: &str) -> Result<QueueStats, BrokerError> {
+        self.0.stats(queue).await
+    }
+
+    async fn head(&mut self, dlq: &str) -> Result<Option<dlq::Entry>, BrokerError> {
+        dlq::head(self.0, dlq).await
+    }
+
+    async fn delayed(&mut self) -> Result<u32, BrokerError> {
+        self.0.delayed().await
+    }
+}
+
+impl Counts for embedded::ReadOnly {
+    async fn stats(&mut self, queue: &str) -> Result<QueueStats, BrokerError> {
+        embedded::ReadOnly::stats(self, queue)
+    }
+
+    async fn head(&mut self, dlq: &str) -> Result<Option<dlq::Entry>, BrokerError> {
+        dlq::head_read_only(self, dlq).await
+    }
+
+    async fn delayed(&mut self) -> Result<u32, BrokerError> {
+        embedded::ReadOnly::delayed(self)
+    }
 }
 
 /// Reads the status of every queue in `config`; `runners` is what the runners say, by queue
 /// (None when no runner was asked).
-pub async fn read<B: Broker>(
-    broker: &B,
+pub async fn read<C: Counts>(
+    source: &mut C,
     config: &Config,
     runners: Option<&BTreeMap<String, Held>>,
 ) -> Result<Status, BrokerError> {
     let mut queues = Vec::new();
     for q in config.queues.values() {
-        let stats = broker.stats(&q.name).await?;
-        let dead_lettered = broker.depth(&q.dead_letter).await?;
+        let stats = source.stats(&q.name).await?;
+        let dead_lettered = source.stats(&q.dead_letter).await?.ready;
         let oldest = match dead_lettered {
             0 => None,
-            _ => dlq::head(broker, &q.dead_letter).await?.and_then(|e| e.age_seconds),
+            _ => source.head(&q.dead_letter).await?.and_then(|e| e.age_seconds),
         };
         let held = runners.map(|r| r.get(&q.name).copied().unwrap_or_default());
         queues.push(Row {
@@ -88,7 +143,17 @@ pub async fn read<B: Broker>(
             paused: held.map(|h| h.paused),
         });
     }
-    Ok(Status { queues, retries_waiting: broker.delayed().await? })
+    Ok(Status { queues, retries_waiting: source.delayed().await?, cluster: None })
+}
+
+/// The broker node a runner's `/metrics` text says its session is with.
+pub fn connected_node(metrics: &str) -> Option<String> {
+    metrics.lines().find_map(|line| {
+        let rest = line.strip_prefix("sluice_broker_connected{")?;
+        let (labels, value) = rest.rsplit_once("} ")?;
+        let node = labels.split(',').find_map(|l| l.strip_prefix("node=\"")?.strip_suffix('"'))?;
+        (value.trim().parse::<f64>().ok()? >= 1.0).then(|| node.to_string())
+    })
 }
 
 /// Adds what one runner's `/metrics` text says of each queue (`sluice_in_flight`,
@@ -135,5 +200,15 @@ mod tests {
         let email = Held { in_flight: 0, circuit: 0.0, paused: true };
         assert_eq!(held, BTreeMap::from([("orders.charge".to_string(), charge), ("orders.email".to_string(), email)]));
         assert_eq!((charge.circuit_name(), email.circuit_name()), ("open", "closed"));
+    }
+
+    /// Issue 20: `sluice status --admin` names the node each runner is on.
+    #[test]
+    fn the_connected_node_is_the_one_at_1() {
+        let metrics = "# TYPE sluice_broker_connected gauge\nsluice_broker_connected{node=\"127.0.0.1:5681\"} 0\n\
+                       sluice_broker_connected{node=\"127.0.0.1:5682\"} 1\nsluice_paused{queue=\"a\"} 0\n";
+        assert_eq!(super::connected_node(metrics).as_deref(), Some("127.0.0.1:5682"));
+        assert_eq!(super::connected_node("sluice_broker_connected{node=\"a:1\"} 0\n"), None);
+        assert_eq!(super::connected_node(""), None);
     }
 }

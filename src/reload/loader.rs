@@ -34,8 +34,7 @@ pub async fn serve(
         match &trigger {
             Trigger::Signal => info!("SIGHUP: reloading the pipeline files"),
             Trigger::Files(files) => {
-                let files: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-                info!(changed = %files.join(", "), "pipeline files changed; reloading");
+                info!(changed = %listed(files.iter().map(|f| f.display())), "pipeline files changed; reloading");
             }
         }
         let Some(config) = load(&paths) else {
@@ -50,16 +49,22 @@ pub async fn serve(
         match outcome.await {
             Ok(Ok(diff)) => {
                 counter!("sluice_config_reloads_total", "result" => "applied").increment(1);
-                let list =
-                    |names: &std::collections::BTreeSet<String>| names.iter().cloned().collect::<Vec<_>>().join(", ");
                 info!(
-                    added = %list(&diff.added),
-                    changed = %list(&diff.changed),
-                    removed = %list(&diff.removed),
+                    added = %listed(&diff.added),
+                    changed = %listed(&diff.changed),
+                    removed = %listed(&diff.removed),
                     "reload applied"
                 );
                 for name in &diff.removed {
-                    warn!(queue = %name, "queue removed from the pipeline files: no longer consumed; the queue and its messages stay on the broker");
+                    let from = diff
+                        .unbound
+                        .iter()
+                        .filter(|b| b.queue == *name)
+                        .map(|b| format!("{} (routing key {:?})", b.exchange, b.routing_key));
+                    warn!(queue = %name, unbound_from = %listed(from), "queue removed from the pipeline files: no longer consumed and unbound from its exchanges; the queue and its messages stay on the broker");
+                }
+                for b in diff.unbound.iter().filter(|b| !diff.removed.contains(&b.queue)) {
+                    info!(queue = %b.queue, exchange = %b.exchange, routing_key = ?b.routing_key, "binding removed from the pipeline files: unbound");
                 }
                 requests.set_paths(watched(&paths, &config));
             }
@@ -71,6 +76,21 @@ pub async fn serve(
         }
     }
 }
+
+/// Names for a log line, comma-separated: the first [`LISTED`], then how many more, so that a
+/// reload of thousands of files or queues stays one short line.
+fn listed<T: std::fmt::Display>(names: impl IntoIterator<Item = T>) -> String {
+    let mut names = names.into_iter();
+    let mut line = names.by_ref().take(LISTED).map(|n| n.to_string()).collect::<Vec<_>>().join(", ");
+    let more = names.count();
+    if more > 0 {
+        line.push_str(&format!(" and {more} more"));
+    }
+    line
+}
+
+/// How many names a log line lists.
+const LISTED: usize = 10;
 
 fn rejected() {
     counter!("sluice_config_reloads_total", "result" => "rejected").increment(1);
@@ -111,4 +131,21 @@ pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
     watched.sort();
     watched.dedup();
     watched
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 19: one reload line listed 5,000 file names (116 KB). A line names the first
+    /// few and counts the rest.
+    #[test]
+    fn a_log_line_lists_ten_names_and_counts_the_rest() {
+        let names = |n: usize| (1..=n).map(|i| format!("f{i}"));
+        assert_eq!(listed(names(0)), "");
+        assert_eq!(listed(names(2)), "f1, f2");
+        assert_eq!(listed(names(10)), "f1, f2, f3, f4, f5, f6, f7, f8, f9, f10");
+        assert_eq!(listed(names(11)), "f1, f2, f3, f4, f5, f6, f7, f8, f9, f10 and 1 more");
+        assert_eq!(listed(names(5000)), "f1, f2, f3, f4, f5, f6, f7, f8, f9, f10 and 4990 more");
+    }
 }

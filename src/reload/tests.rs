@@ -303,3 +303,46 @@ async fn set_paths_moves_the_watches() {
     save_by_rename(&order, r#"{"type": "object"}"#);
     assert_eq!(files(next_within(&mut reloads, WITHIN).await), vec![order]);
 }
+
+/// Issue 19, item 10: fifty editor saves a second held every request back until they stopped.
+/// Under a continuous stream of saves a request still comes at least once a second, and one
+/// comes after the last save, so that it is applied.
+#[tokio::test]
+async fn fifty_saves_a_second_still_ask_for_a_reload_every_second() {
+    let _sighup = SIGHUP.read().await;
+    let (_dir, pipelines) = project();
+    let orders = pipelines.join("orders.yaml");
+    let mut reloads = spawn(vec![pipelines.clone()], true).expect("spawn");
+
+    let mut writer = tokio::spawn({
+        let orders = orders.clone();
+        async move {
+            let started = Instant::now();
+            let (mut save, mut last) = (0, started);
+            while started.elapsed() < Duration::from_secs(3) {
+                save += 1;
+                save_by_rename(&orders, &format!("version: 1\n# save {save}\n"));
+                // When the last save was made, not when the writer ended: a request taken in
+                // between reads it.
+                last = Instant::now();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            last
+        }
+    });
+    let mut taken = Vec::new();
+    let last_save = loop {
+        tokio::select! {
+            done = &mut writer => break done.expect("writer"),
+            trigger = reloads.next() => {
+                assert_eq!(trigger, Some(Trigger::Files(vec![orders.clone()])));
+                taken.push(Instant::now());
+            }
+        }
+    };
+    assert!(taken.len() >= 2, "{} request(s) during three seconds of saves", taken.len());
+    // A request taken after the last save reads what it saved.
+    if taken.last().is_none_or(|t| *t < last_save) {
+        assert_eq!(files(next_within(&mut reloads, WITHIN).await), vec![orders]);
+    }
+}

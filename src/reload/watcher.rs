@@ -5,8 +5,14 @@
 //! tools replace whole directories, so a watch on the file or directory itself would die with
 //! the inode it was on. Instead the *parent* of each named file is watched and its events are
 //! filtered by name, and each watched directory's parent is watched too so that a directory
-//! that comes back is watched again. Symlinks are not followed (no loops, no watching `/`
-//! through a stray link): a change behind a symlinked directory needs SIGHUP.
+//! that comes back is watched again.
+//!
+//! Symbolic links are followed where loading follows them, and no further (no loops, no
+//! watching `/` through a stray link): a named path that is a link is watched by name in its
+//! directory and at its target; a pipeline file that discovery loads through a link has its
+//! target counted as named, and on every event the links are resolved again, so that a link
+//! pointed elsewhere (a Kubernetes ConfigMap's `..data` swap) is a change to the file. A
+//! directory is only ever watched under its real path: inotify has one watch per inode.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
@@ -16,17 +22,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use notify::event::{AccessKind, AccessMode, CreateKind, MetadataKind, ModifyKind, RemoveKind, RenameMode};
-use notify::{ErrorKind, EventKind, RecommendedWatcher, RecursiveMode};
-use notify_debouncer_full::{DebounceEventResult, DebouncedEvent, Debouncer, NoCache, new_debouncer_opt};
+use notify::{ErrorKind, Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use tracing::{debug, warn};
 
 use super::{Source, Trigger};
-use crate::config::source::is_pipeline_file;
+use crate::config::source::{discover, is_pipeline_file};
 
-/// How long notify-debouncer-full holds an event back to merge it with its duplicates and the
-/// other half of a rename; short, because the burst debounce below does the real waiting.
-const EVENT_DELAY: Duration = Duration::from_millis(100);
-const EVENT_TICK: Duration = Duration::from_millis(25);
 /// A burst of changes becomes one request once no relevant change has come for this long:
 /// longer than the gap between an editor's writes, or between the saves of a save-all.
 const QUIET: Duration = Duration::from_millis(250);
@@ -40,7 +41,7 @@ pub(super) struct Handle {
 }
 
 enum Message {
-    Events(DebounceEventResult),
+    Event(notify::Result<Event>),
     Stop,
 }
 
@@ -49,19 +50,17 @@ enum Message {
 pub(super) fn start(paths: Vec<PathBuf>, source: Source) -> notify::Result<Handle> {
     let (events, inbox) = mpsc::channel();
     let forward = events.clone();
-    let debouncer = new_debouncer_opt(
-        EVENT_DELAY,
-        Some(EVENT_TICK),
+    // Raw events, debounced below: notify-debouncer-full drops an expired event when a newer
+    // one of the same kind is queued for the same path, so a file saved by rename more often
+    // than its delay never produced a request until the saves stopped.
+    let watcher = RecommendedWatcher::new(
         move |result| {
             // Fails only once the reading thread has stopped, and then nobody is listening.
-            let _ = forward.send(Message::Events(result));
+            let _ = forward.send(Message::Event(result));
         },
-        // The file-id cache only stitches renames on platforms without rename cookies, and it
-        // walks every watched tree following symlinks: we need neither.
-        NoCache,
         notify::Config::default().with_follow_symlinks(false),
     )?;
-    let mut watching = Watching { debouncer, plan: Plan::default(), armed: BTreeSet::new() };
+    let mut watching = Watching { watcher, paths: Vec::new(), plan: Plan::default(), armed: BTreeSet::new() };
     watching.set_paths(paths);
     let watching = Arc::new(Mutex::new(watching));
     let shared = watching.clone();
@@ -122,8 +121,8 @@ fn read_events(watching: &Mutex<Watching>, inbox: &mpsc::Receiver<Message>, sour
         };
         match message {
             None | Some(Message::Stop) => return,
-            Some(Message::Events(Ok(events))) => {
-                let changed = lock(watching).changed(&events);
+            Some(Message::Event(Ok(event))) => {
+                let changed = lock(watching).changed(&event);
                 if !changed.is_empty() {
                     let now = Instant::now();
                     let burst = burst.get_or_insert_with(|| Burst { files: BTreeSet::new(), first: now, last: now });
@@ -131,7 +130,7 @@ fn read_events(watching: &Mutex<Watching>, inbox: &mpsc::Receiver<Message>, sour
                     burst.last = now;
                 }
             }
-            Some(Message::Events(Err(errors))) => errors.iter().for_each(log_error),
+            Some(Message::Event(Err(error))) => log_error(&error),
         }
     }
 }
@@ -149,7 +148,9 @@ fn log_error(error: &notify::Error) {
 }
 
 struct Watching {
-    debouncer: Debouncer<RecommendedWatcher, NoCache>,
+    watcher: RecommendedWatcher,
+    /// The paths as given, to plan again when links move.
+    paths: Vec<PathBuf>,
     plan: Plan,
     /// The planned watches notify accepted (a missing directory is planned, not armed).
     armed: BTreeSet<PathBuf>,
@@ -157,7 +158,8 @@ struct Watching {
 
 impl Watching {
     fn set_paths(&mut self, paths: Vec<PathBuf>) {
-        let plan = Plan::new(&paths, |path| path.is_dir());
+        let (named, links) = resolve(&paths);
+        let plan = Plan::new(&named, links, |path| path.is_dir());
         let old = std::mem::replace(&mut self.plan, plan);
         // Unwatch first: a recursive watch going away takes every watch below it along.
         for (path, mode) in &old.watches {
@@ -172,6 +174,7 @@ impl Watching {
             }
         }
         debug!(named = paths.len(), watches = self.plan.watches.len(), "watching pipeline files");
+        self.paths = paths;
     }
 
     fn watch(&mut self, path: &Path, mode: RecursiveMode) {
@@ -180,7 +183,7 @@ impl Watching {
             debug!(path = %path.display(), "not watching a missing directory yet");
             return;
         }
-        match self.debouncer.watch(path, mode) {
+        match self.watcher.watch(path, mode) {
             Ok(()) => {
                 self.armed.insert(path.to_path_buf());
             }
@@ -190,7 +193,7 @@ impl Watching {
 
     fn unwatch(&mut self, path: &Path) {
         // Fails when notify already dropped the watch with its directory: fine.
-        let _ = self.debouncer.unwatch(path);
+        let _ = self.watcher.unwatch(path);
         self.armed.remove(path);
     }
 
@@ -203,31 +206,40 @@ impl Watching {
         }
     }
 
-    /// The named paths these events touch, re-arming the watches they invalidated.
-    fn changed(&mut self, events: &[DebouncedEvent]) -> BTreeSet<PathBuf> {
+    /// The named paths this event touches, re-arming the watches it invalidated.
+    fn changed(&mut self, event: &Event) -> BTreeSet<PathBuf> {
         let mut changed = BTreeSet::new();
         let mut stale = BTreeSet::new();
-        for event in events {
-            if event.need_rescan() {
-                // The kernel dropped events: anything may have changed, any watch may be stale.
-                stale.extend(self.plan.watches.keys().cloned());
-                changed.extend(self.plan.named().cloned());
-                continue;
-            }
+        // A link moved, or a named path or a link came or went: what to watch may have changed.
+        let mut replan = false;
+        if event.need_rescan() {
+            // The kernel dropped events: anything may have changed, any watch may be stale.
+            stale.extend(self.plan.watches.keys().cloned());
+            changed.extend(self.plan.named().cloned());
+            replan = true;
+        } else {
             for (path, change) in changes(&event.kind, &event.paths) {
-                if matches!(change.what, What::Appeared | What::Disappeared) && self.plan.watches.contains_key(path) {
+                let came_or_went = matches!(change.what, What::Appeared | What::Disappeared);
+                if came_or_went && self.plan.watches.contains_key(path) {
                     stale.insert(path.to_path_buf());
                 }
                 if self.plan.is_relevant(path, change, |path| path.is_dir()) {
                     changed.insert(path.to_path_buf());
+                    replan |= came_or_went && (self.plan.links.contains_key(path) || path.is_symlink());
                 }
             }
         }
+        let moved = self.plan.moved_links();
+        replan |= !moved.is_empty();
+        changed.extend(moved);
         for path in stale {
             self.rewatch(&path);
             // Whatever was created inside before the new watch was in place went unseen: count
             // everything named inside as changed.
             changed.extend(self.plan.named().filter(|named| named.starts_with(&path)).cloned());
+        }
+        if replan {
+            self.set_paths(self.paths.clone());
         }
         changed
     }
@@ -243,10 +255,40 @@ struct Plan {
     /// The named directories recursively, the parents of named files and the parents of those
     /// (to see them come back), none inside a recursive one.
     watches: BTreeMap<PathBuf, RecursiveMode>,
+    /// Each symbolic link among the named paths and the pipeline files found through them,
+    /// with its target as it was resolved.
+    links: BTreeMap<PathBuf, PathBuf>,
+}
+
+/// The named paths, absolute and each spelled with its directory resolved (an ancestor that is
+/// a link would put a second watch on one directory), and the links among them and among the
+/// pipeline files that discovery finds through them, with their targets.
+fn resolve(paths: &[PathBuf]) -> (Vec<PathBuf>, BTreeMap<PathBuf, PathBuf>) {
+    let named: Vec<PathBuf> = paths
+        .iter()
+        .map(|path| {
+            let path = normalize(path);
+            match (path.parent().and_then(|parent| parent.canonicalize().ok()), path.file_name()) {
+                (Some(parent), Some(name)) => parent.join(name),
+                _ => path,
+            }
+        })
+        .collect();
+    let found = discover(&named).files;
+    let links = named
+        .iter()
+        .chain(&found)
+        .filter(|path| path.is_symlink())
+        .filter_map(|path| Some((path.clone(), path.canonicalize().ok()?)))
+        .collect();
+    (named, links)
 }
 
 impl Plan {
-    fn new(paths: &[PathBuf], is_dir: impl Fn(&Path) -> bool) -> Plan {
+    /// A plan for the `named` paths (spelled as [`resolve`] spells them) and the `links` among
+    /// them and below them: a named link is watched by name, like a file, and every target as
+    /// if it were named too. `is_dir` asks the file system.
+    fn new(named: &[PathBuf], links: BTreeMap<PathBuf, PathBuf>, is_dir: impl Fn(&Path) -> bool) -> Plan {
         let mut plan = Plan::default();
         let mut watches = BTreeMap::new();
         let mut want = |path: &Path, mode| {
@@ -255,8 +297,8 @@ impl Plan {
                 *entry = mode;
             }
         };
-        for path in paths.iter().map(|path| normalize(path)) {
-            let watched = if is_dir(&path) {
+        for path in named.iter().map(|path| normalize(path)).chain(links.values().cloned()) {
+            let watched = if !links.contains_key(&path) && is_dir(&path) {
                 want(&path, RecursiveMode::Recursive);
                 plan.dirs.insert(path.clone());
                 path
@@ -279,7 +321,17 @@ impl Plan {
         // replace it, and lose the recursion.
         watches.retain(|path, _| !recursive.iter().any(|root| path != root && path.starts_with(root)));
         plan.watches = watches;
+        plan.links = links;
         plan
+    }
+
+    /// The links that no longer lead where they led when planned.
+    fn moved_links(&self) -> Vec<PathBuf> {
+        self.links
+            .iter()
+            .filter(|(link, target)| link.canonicalize().ok().as_ref() != Some(*target))
+            .map(|(link, _)| link.clone())
+            .collect()
     }
 
     fn named(&self) -> impl Iterator<Item = &PathBuf> {
@@ -456,7 +508,7 @@ mod tests {
         for (name, named, watches) in cases {
             let dirs: Vec<&str> = named.iter().filter_map(|p| p.strip_suffix('/')).collect();
             let named: Vec<PathBuf> = named.iter().map(|p| PathBuf::from(p.trim_end_matches('/'))).collect();
-            let plan = Plan::new(&named, |p| dirs.iter().any(|d| Path::new(d) == p));
+            let plan = Plan::new(&named, BTreeMap::new(), |p| dirs.iter().any(|d| Path::new(d) == p));
             let expected: BTreeMap<PathBuf, RecursiveMode> =
                 watches.iter().map(|(p, mode)| (PathBuf::from(p), *mode)).collect();
             assert_eq!(plan.watches, expected, "{name}");
@@ -464,17 +516,61 @@ mod tests {
     }
 
     #[test]
+    fn plans_links_by_name_and_their_targets_as_if_named() {
+        struct Case {
+            name: &'static str,
+            named: &'static [&'static str],
+            links: &'static [(&'static str, &'static str)],
+            /// The directories on this pretend disk.
+            real_dirs: &'static [&'static str],
+            watches: Watches,
+            dirs: &'static [&'static str],
+            files: &'static [&'static str],
+        }
+        let cases = [
+            Case {
+                name: "a pipeline directory that is a link: the link by name, the target recursively",
+                named: &["/p/pipes"],
+                links: &[("/p/pipes", "/q/first")],
+                real_dirs: &["/q/first"],
+                watches: &[("/", Flat), ("/p", Flat), ("/q", Flat), ("/q/first", Deep)],
+                dirs: &["/q/first"],
+                files: &["/p/pipes"],
+            },
+            Case {
+                name: "a ConfigMap key: its target is named, inside the watch already there",
+                named: &["/cfg"],
+                links: &[("/cfg/orders.yaml", "/cfg/..2026_12_02_01_00_00.123/orders.yaml")],
+                real_dirs: &["/cfg"],
+                watches: &[("/", Flat), ("/cfg", Deep)],
+                dirs: &["/cfg"],
+                files: &["/cfg/..2026_12_02_01_00_00.123/orders.yaml"],
+            },
+        ];
+        for case in cases {
+            let links = case.links.iter().map(|(l, t)| (PathBuf::from(l), PathBuf::from(t))).collect();
+            let plan = Plan::new(&paths(case.named), links, |p| case.real_dirs.iter().any(|d| Path::new(d) == p));
+            let expected: BTreeMap<PathBuf, RecursiveMode> =
+                case.watches.iter().map(|(p, mode)| (PathBuf::from(p), *mode)).collect();
+            assert_eq!(plan.watches, expected, "{}", case.name);
+            assert_eq!(plan.dirs, paths(case.dirs).into_iter().collect(), "{}", case.name);
+            assert_eq!(plan.files, paths(case.files).into_iter().collect(), "{}", case.name);
+        }
+    }
+
+    #[test]
     fn relative_paths_become_absolute() {
-        let plan = Plan::new(&paths(&["pipelines"]), |_| true);
+        let plan = Plan::new(&paths(&["pipelines"]), BTreeMap::new(), |_| true);
         let cwd = std::env::current_dir().expect("cwd");
         assert_eq!(plan.dirs, BTreeSet::from([cwd.join("pipelines")]));
     }
 
     #[test]
     fn decides_which_changes_are_worth_a_reload() {
-        let plan = Plan::new(&paths(&["/p/pipes", "/p/schemas/order.json", "/p/pipes/.#named.yaml"]), |p| {
-            p == Path::new("/p/pipes")
-        });
+        let plan =
+            Plan::new(&paths(&["/p/pipes", "/p/schemas/order.json", "/p/pipes/.#named.yaml"]), BTreeMap::new(), |p| {
+                p == Path::new("/p/pipes")
+            });
         let appeared = Change { what: What::Appeared, folder: None };
         let created_dir = Change { what: What::Appeared, folder: Some(true) };
         let created_file = Change { what: What::Appeared, folder: Some(false) };

@@ -32,6 +32,14 @@ pub fn decoded(span: &Span, envelope: &Envelope<'_>, has_message_id: bool) {
     span.record("type", envelope.kind.as_str());
 }
 
+/// Which broker node the runner is connected to: `sluice_broker_connected{node}` is 1 for the
+/// node in use and 0 for the others (all 0 between sessions).
+pub fn broker_node(nodes: &[String], connected: Option<usize>) {
+    for (i, node) in nodes.iter().enumerate() {
+        gauge!("sluice_broker_connected", "node" => node.clone()).set(if connected == Some(i) { 1.0 } else { 0.0 });
+    }
+}
+
 /// Messages settled since the runner started, by outcome, for the line that ends the run.
 #[derive(Debug, Default)]
 pub struct Totals {
@@ -151,12 +159,54 @@ impl QueueEvents {
         error!(queue, failures, %error, "the broker refused a retry or dead-letter copy; holding the message and retrying");
     }
 
+    /// An ack failed while its deliveries are still the consumer's: they are held and acked again.
+    pub fn ack_failed(&self, failures: u32, error: &dyn std::fmt::Display) {
+        let queue = self.queue.as_str();
+        error!(queue, failures, %error, "ack failed; holding the handled messages and acking them again (not ready meanwhile)");
+    }
+
+    /// Acks went through after failing.
+    pub fn acked_after(&self, failures: u32) {
+        let queue = self.queue.as_str();
+        info!(queue, failures, "acks go through again");
+    }
+
+    /// An ack failed and its consumer is closed: the broker delivers those messages again.
+    pub fn ack_abandoned(&self, error: &dyn std::fmt::Display) {
+        let queue = self.queue.as_str();
+        warn!(queue, %error, "ack failed after the consumer closed; the broker delivers these messages again");
+    }
+
+    /// Acks kept failing: the session ends, and the broker delivers those messages again.
+    pub fn acks_given_up(&self, failures: u32, error: &dyn std::fmt::Display) {
+        let queue = self.queue.as_str();
+        error!(
+            queue,
+            failures,
+            retried_for = ?super::worker::ACK_RETRY_FOR,
+            %error,
+            "acks kept failing; ending the broker session, so that the broker delivers these messages again"
+        );
+    }
+
     /// The copy was not confirmed and the delivery's channel is gone: the broker redelivers it.
     pub fn copy_abandoned(&self, error: &dyn std::fmt::Display) {
         let queue = self.queue.as_str();
         warn!(queue, %error, "retry or dead-letter copy not confirmed and the channel is gone; the broker will redeliver");
     }
 }
+
+/// Every gauge of a queue but `sluice_in_flight`, all idle at 0: no messages, no consumers,
+/// no lag, circuit closed, no handler allowed, not paused.
+const QUEUE_GAUGES: [&str; 7] = [
+    "sluice_queue_depth",
+    "sluice_dlq_depth",
+    "sluice_queue_consumers",
+    "sluice_consumer_lag_seconds",
+    "sluice_circuit_state",
+    "sluice_concurrency_limit",
+    "sluice_paused",
+];
 
 /// How often a dead-letter queue that keeps changing is warned about at most.
 pub const DLQ_WARN_INTERVAL: Duration = Duration::from_secs(5 * 60);
@@ -188,6 +238,18 @@ impl DepthEvents {
                 command = %format_args!("sluice dlq list {queue}"),
                 "dead-letter queue holds messages"
             );
+        }
+    }
+
+    /// A reload removed `queue`: every gauge of it goes to its idle value, since the exporter
+    /// cannot drop a series (metrics-exporter-prometheus has no removal; its idle timeout
+    /// would also drop the gauges of running queues that do not change). Only `in_flight` is
+    /// left alone: deliveries outliving the grace still settle it back to 0. Its dead-letter
+    /// warning is forgotten, so a queue brought back is warned about afresh.
+    pub fn removed(&mut self, queue: &str) {
+        self.warned.remove(queue);
+        for name in QUEUE_GAUGES {
+            gauge!(name, "queue" => queue.to_string()).set(0.0);
         }
     }
 

@@ -1,16 +1,19 @@
 //! What decides whether one queue consumes, and how many of its deliveries run at once: the
 //! hand-set pause ([`Pauses`], kept by the runner across reloads), the circuit breaker
 //! ([`breaker`](super::breaker)) and the in-flight limit, fixed or adaptive
-//! ([`aimd`](super::aimd)).
+//! ([`aimd`](super::aimd)), counted over every call of the queue running in the runner
+//! ([`Slots`], kept across reloads and reconnects too): calls a replaced worker left running
+//! take slots of its successor.
 //!
 //! The worker asks [`Gate::mode`] whether to consume (and with what prefetch) and waits on
 //! [`Gate::changes`]; each delivery asks [`Gate::admit`] before its handler runs and reports
 //! how the call went through its [`Permit`]. A delivery refused here is handed back
 //! unattempted (the worker publishes it again for later, same attempt): a paused or open
-//! queue spends no attempts and dead-letters nothing. The gate holds no messages itself.
+//! queue spends no attempts and dead-letters nothing, and a retired gate (its worker replaced)
+//! starts no call. The gate holds no messages itself.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use metrics::{Gauge, gauge};
@@ -23,9 +26,18 @@ use super::breaker::{Admit, Breaker, State, Verdict};
 use crate::config::Queue;
 
 /// The queues a runner has paused by hand. Lives as long as the runner: reloads and
-/// reconnects replace workers, not this. Cheap to clone.
+/// reconnects replace workers, not this, and a queue a reload removes while paused is paused
+/// again if a later reload brings it back. Cheap to clone.
 #[derive(Debug, Clone, Default)]
-pub struct Pauses(Arc<Mutex<BTreeMap<String, watch::Sender<bool>>>>);
+pub struct Pauses(Arc<Mutex<Flags>>);
+
+#[derive(Debug, Default)]
+struct Flags {
+    /// One per queue of the running config.
+    running: BTreeMap<String, watch::Sender<bool>>,
+    /// Queues a reload removed while they were paused.
+    removed: BTreeSet<String>,
+}
 
 /// A pause or resume named a queue the runner does not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,48 +45,114 @@ pub struct Pauses(Arc<Mutex<BTreeMap<String, watch::Sender<bool>>>>);
 pub struct UnknownQueue(pub String);
 
 impl Pauses {
-    /// Pauses (`true`) or resumes a running queue; whether that changed anything.
+    /// Pauses (`true`) or resumes a running queue; whether that changed anything. Logged by
+    /// the caller, who knows who asked.
     pub fn set(&self, queue: &str, paused: bool) -> Result<bool, UnknownQueue> {
-        let queues = self.lock();
-        let flag = queues.get(queue).ok_or_else(|| UnknownQueue(queue.to_string()))?;
+        let flags = self.lock();
+        let flag = flags.running.get(queue).ok_or_else(|| UnknownQueue(queue.to_string()))?;
         let changed = flag.send_if_modified(|p| std::mem::replace(p, paused) != paused);
         if changed {
             gauge!("sluice_paused", "queue" => queue.to_string()).set(if paused { 1.0 } else { 0.0 });
-            if paused {
-                info!(queue, command = %format_args!("sluice resume {queue}"), "paused by hand: consuming stops, in-flight messages finish");
-            } else {
-                info!(queue, "resumed by hand: consuming again");
-            }
         }
         Ok(changed)
     }
 
     /// The queues of a new config: flags of queues it keeps stay as they are, new ones start
-    /// unpaused, those of removed queues go.
+    /// unpaused unless they were paused when a reload removed them; the flags of queues it
+    /// removes go, and their pauses are remembered.
     pub(super) fn keep<'a>(&self, queues: impl Iterator<Item = &'a String>) {
         let mut flags = self.lock();
         let mut kept = BTreeMap::new();
         for name in queues {
-            let flag = flags.remove(name).unwrap_or_else(|| unpaused(name));
+            let flag = flags.running.remove(name).unwrap_or_else(|| flags.returning(name));
             kept.insert(name.clone(), flag);
         }
-        *flags = kept;
+        for (name, flag) in std::mem::replace(&mut flags.running, kept) {
+            if *flag.borrow() {
+                flags.removed.insert(name);
+            }
+        }
     }
 
     fn subscribe(&self, queue: &str) -> watch::Receiver<bool> {
-        self.lock().entry(queue.to_string()).or_insert_with(|| unpaused(queue)).subscribe()
+        let mut flags = self.lock();
+        if let Some(flag) = flags.running.get(queue) {
+            return flag.subscribe();
+        }
+        let flag = flags.returning(queue);
+        let receiver = flag.subscribe();
+        flags.running.insert(queue.to_string(), flag);
+        receiver
     }
 
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, watch::Sender<bool>>> {
-        // Nothing panics while holding it; a poisoned map is still a valid map.
+    fn lock(&self) -> MutexGuard<'_, Flags> {
+        // Nothing panics while holding it; poisoned flags are still valid flags.
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
-/// A new queue's flag, not paused (and its gauge saying so).
-fn unpaused(queue: &str) -> watch::Sender<bool> {
-    gauge!("sluice_paused", "queue" => queue.to_string()).set(0.0);
-    watch::Sender::new(false)
+impl Flags {
+    /// The flag of a queue that starts running: paused if it was when a reload removed it
+    /// (and its gauge saying so either way).
+    fn returning(&mut self, queue: &str) -> watch::Sender<bool> {
+        let paused = self.removed.remove(queue);
+        if paused {
+            info!(queue, command = %format_args!("sluice resume {queue}"), "back in the pipeline files, and paused as it was when removed");
+        }
+        gauge!("sluice_paused", "queue" => queue.to_string()).set(if paused { 1.0 } else { 0.0 });
+        watch::Sender::new(paused)
+    }
+}
+
+/// The handler calls running in a runner, per queue, whichever worker started them. Lives as
+/// long as the runner, as [`Pauses`] does: a worker replaced (by a reload, or after a lost
+/// session) while its calls outlive the grace leaves them running beside its successor, whose
+/// gate counts them against the queue's limit (the new one, if a reload changed it). Cheap to
+/// clone.
+#[derive(Debug, Clone, Default)]
+pub struct Slots(Arc<Mutex<BTreeMap<String, Weak<Taken>>>>);
+
+/// One queue's calls running, and what wakes the deliveries waiting for one to end.
+#[derive(Debug, Default)]
+struct Taken {
+    running: Mutex<usize>,
+    freed: Notify,
+}
+
+impl Slots {
+    /// The slots of `queue`: those its gates alive share, or new ones.
+    fn of(&self, queue: &str) -> Arc<Taken> {
+        let mut queues = self.lock();
+        if let Some(taken) = queues.get(queue).and_then(Weak::upgrade) {
+            return taken;
+        }
+        let taken = Arc::new(Taken::default());
+        queues.insert(queue.to_string(), Arc::downgrade(&taken));
+        taken
+    }
+
+    /// Forgets the queues no gate uses any more.
+    pub(super) fn prune(&self) {
+        self.lock().retain(|_, taken| taken.strong_count() > 0);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Weak<Taken>>> {
+        // Nothing panics while holding it; the map stays valid.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Taken {
+    fn running(&self) -> MutexGuard<'_, usize> {
+        // Nothing panics while holding it; the count stays valid.
+        self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A call ended: its slot is free.
+    fn free(&self) {
+        let mut running = self.running();
+        *running = running.saturating_sub(1);
+    }
 }
 
 /// Whether the worker should be consuming.
@@ -123,16 +201,22 @@ impl Limit {
 struct Inner {
     breaker: Option<Breaker>,
     limit: Limit,
-    in_flight: usize,
+    /// Its worker was replaced: no more calls start here.
+    retired: bool,
 }
+
+/// How a retired gate's deliveries wait before they are back in the queue, for the worker
+/// that replaced it.
+const RETIRED_HANDBACK: Duration = Duration::ZERO;
 
 /// One queue's gate.
 pub struct Gate {
     queue: String,
     prefetch: u16,
     inner: Mutex<Inner>,
-    /// Wakes deliveries waiting for a slot or for the probe's verdict.
-    slots: Notify,
+    /// The queue's calls running, whichever gate admitted them; its `freed` wakes deliveries
+    /// waiting for a slot or for the probe's verdict.
+    slots: Arc<Taken>,
     paused: watch::Receiver<bool>,
     /// Bumped on every breaker transition.
     transitions: watch::Sender<()>,
@@ -141,8 +225,9 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// The gate of `queue`, paused as `pauses` says.
-    pub fn new(queue: &Queue, pauses: &Pauses) -> Gate {
+    /// The gate of `queue`, paused as `pauses` says, its calls counted in `slots` with those
+    /// of the queue's other gates.
+    pub fn new(queue: &Queue, pauses: &Pauses, slots: &Slots) -> Gate {
         let prefetch = queue.concurrency.get();
         let limit = if queue.adaptive {
             Limit::Adaptive(Aimd::new(prefetch, Instant::now().into_std()))
@@ -156,8 +241,8 @@ impl Gate {
         Gate {
             queue: queue.name.clone(),
             prefetch,
-            inner: Mutex::new(Inner { breaker: queue.circuit_breaker.map(Breaker::new), limit, in_flight: 0 }),
-            slots: Notify::new(),
+            inner: Mutex::new(Inner { breaker: queue.circuit_breaker.map(Breaker::new), limit, retired: false }),
+            slots: slots.of(&queue.name),
             paused: pauses.subscribe(&queue.name),
             transitions: watch::Sender::new(()),
             circuit,
@@ -195,23 +280,36 @@ impl Gate {
         }
     }
 
+    /// Retires the gate: its worker is replaced while calls it admitted still run. They keep
+    /// their slots until they end; no call starts here any more, and the deliveries waiting
+    /// here are handed back for the new worker.
+    pub fn retire(&self) {
+        self.lock().retired = true;
+        self.slots.freed.notify_waiters();
+    }
+
     /// Waits until the delivery may run (a free slot; half-open: the probe's turn), or says to
-    /// hand it back (paused, open).
+    /// hand it back (retired, paused, open).
     pub async fn admit(&self) -> Admission<'_> {
         loop {
-            let notified = self.slots.notified();
+            let notified = self.slots.freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
                 let mut guard = self.lock();
                 let inner = &mut *guard;
+                if inner.retired {
+                    return Admission::HandBack { after: RETIRED_HANDBACK, why: "the queue's worker was replaced" };
+                }
                 if *self.paused.borrow() {
                     return Admission::HandBack { after: PAUSED_HANDBACK, why: "the queue is paused" };
                 }
+                // Locked after the gate's own state, as everywhere.
+                let mut running = self.slots.running();
                 let limit = inner.limit.get();
-                let full = inner.in_flight >= limit;
+                let full = *running >= limit;
                 if let Limit::Adaptive(aimd) = &mut inner.limit
-                    && inner.in_flight + 1 >= limit
+                    && *running + 1 >= limit
                 {
                     aimd.saturated();
                 }
@@ -226,7 +324,7 @@ impl Gate {
                 };
                 match admit {
                     Admit::Run { probe } => {
-                        inner.in_flight += 1;
+                        *running += 1;
                         return Admission::Run(Permit { gate: self, probe, done: false });
                     }
                     Admit::Refuse { until } => {
@@ -263,7 +361,7 @@ impl Gate {
             }
         }
         self.transitions.send_replace(());
-        self.slots.notify_waiters();
+        self.slots.freed.notify_waiters();
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -293,7 +391,8 @@ impl Changes {
 }
 
 /// A delivery's slot while its handler runs. Reported with [`Permit::finish`]; dropped
-/// unreported (a duplicate, a busy key, a panic), it only frees the slot.
+/// unreported (a duplicate, a busy key, a panic), it only frees the slot, as a report to a
+/// retired gate does (the breaker and the limit of the worker that replaced it are its own).
 pub struct Permit<'a> {
     gate: &'a Gate,
     probe: bool,
@@ -307,7 +406,12 @@ impl Permit<'_> {
         let now = std::time::Instant::now();
         let verdict = if unwell { Verdict::Unwell } else { Verdict::Answered };
         let mut inner = self.gate.lock();
-        inner.in_flight = inner.in_flight.saturating_sub(1);
+        self.gate.slots.free();
+        if inner.retired {
+            drop(inner);
+            self.gate.slots.freed.notify_waiters();
+            return;
+        }
         let transition = inner.breaker.as_mut().and_then(|b| b.record(now, self.probe, verdict));
         let limit = match &mut inner.limit {
             Limit::Adaptive(aimd) => aimd.record(now, rtt, unwell),
@@ -319,7 +423,7 @@ impl Permit<'_> {
         }
         match transition {
             Some(state) => self.gate.transition(state, now),
-            None => self.gate.slots.notify_waiters(),
+            None => self.gate.slots.freed.notify_waiters(),
         }
     }
 }
@@ -330,11 +434,11 @@ impl Drop for Permit<'_> {
             return;
         }
         let mut inner = self.gate.lock();
-        inner.in_flight = inner.in_flight.saturating_sub(1);
+        self.gate.slots.free();
         if let Some(breaker) = &mut inner.breaker {
             breaker.withdraw(self.probe);
         }
         drop(inner);
-        self.gate.slots.notify_waiters();
+        self.gate.slots.freed.notify_waiters();
     }
 }

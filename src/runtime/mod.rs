@@ -2,7 +2,16 @@
 //! its delivery tasks, its stop token and its ack loop, so one queue can be drained and
 //! replaced without touching the others. One apply path, `apply(diff(old, new))`, serves
 //! start-up (old = empty), reconnect (a new session starts from empty again) and reload.
-//! The supervisor opens sessions with backoff and reopens them when one is lost.
+//!
+//! A reload drains a queue it changes or removes within the grace; a worker whose calls
+//! outlive it is retired, not cut off: its calls run on, holding their deliveries (nothing
+//! goes back to the broker to be delivered again beside them) and their slots (the queue's
+//! next worker counts them against its concurrency), and it closes its consumer once they
+//! have ended and been settled. Shutdown and a lost session release what is still held once
+//! the grace is over.
+//!
+//! The supervisor opens sessions through a [`Failover`]: a lost session is followed at once by
+//! one with the next node of a cluster, with backoff only after every node failed.
 //!
 //! Generic over [`Broker`]: nothing here knows RabbitMQ.
 
@@ -22,16 +31,16 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::Readiness;
+use crate::broker::failover::Failover;
 use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
-use gate::Pauses;
+use gate::{Gate, Pauses, Slots};
 use worker::{Activity, Worker};
 
 /// How `run` behaves beyond the config.
@@ -41,7 +50,7 @@ pub struct Options {
     pub shutdown_grace: Duration,
     /// Exit once every queue (and every pending retry) is empty and nothing is in flight.
     pub exit_when_idle: bool,
-    /// Set while connected and consuming (`/readyz`).
+    /// Set while connected and consuming and no queue's acks fail (`/readyz`).
     pub readiness: Readiness,
     /// The queues paused by hand (through the admin endpoint); kept across reloads.
     pub pauses: Pauses,
@@ -70,18 +79,37 @@ struct Shared {
     store: Option<Store>,
     grace: Duration,
     pauses: Pauses,
+    /// Every queue's calls running, across its workers.
+    slots: Slots,
+    readiness: Readiness,
 }
 
-/// A queue being consumed: its worker task and the token that stops it.
+/// A queue being consumed: its worker, its task and the tokens that stop it.
 struct RunningQueue {
+    name: String,
+    worker: Arc<Worker>,
+    /// Stops consuming; what was delivered is finished.
     stop: CancellationToken,
+    /// Hands back to the broker whatever is still unsettled.
+    release: CancellationToken,
     task: JoinHandle<()>,
 }
 
 impl RunningQueue {
-    /// Stops consuming and waits for the worker to drain (bounded by its grace).
-    async fn drain(self) {
+    /// Stops consuming and waits up to `grace` for the worker to drain. A worker still
+    /// running then (its calls outlived the grace) is retired and returned.
+    async fn drain(mut self, grace: Duration) -> Option<RunningQueue> {
         self.stop.cancel();
+        if tokio::time::timeout(grace, &mut self.task).await.is_ok() {
+            return None;
+        }
+        self.worker.retire();
+        Some(self)
+    }
+
+    /// Hands back what the worker still holds and waits for it to end.
+    async fn release(self) {
+        self.release.cancel();
         let _ = self.task.await;
     }
 }
@@ -91,63 +119,101 @@ struct Running<B: Broker> {
     broker: B,
     config: Arc<Config>,
     queues: BTreeMap<String, RunningQueue>,
+    /// Workers a reload replaced or removed whose calls outlived the grace: they settle
+    /// those calls as they end, then stop.
+    retiring: Vec<RunningQueue>,
     shared: Arc<Shared>,
     /// A worker whose session failed says so here.
     lost: mpsc::UnboundedSender<BrokerError>,
 }
 
 impl<B: Broker> Running<B> {
-    /// Applies `new`: declares it whole first (a refusal changes nothing), drains the changed
-    /// and removed queues, then starts the changed and added ones.
-    async fn apply(&mut self, new: Arc<Config>) -> Result<Diff, BrokerError> {
+    /// Applies `new`: declares it whole first (a refusal changes nothing), removes the
+    /// bindings it dropped, drains the changed and removed queues, then starts the changed and
+    /// added ones. On a session that follows a lost one (`again`), what was declared before is
+    /// only checked.
+    async fn apply(&mut self, new: Arc<Config>, again: bool) -> Result<Diff, BrokerError> {
         let diff = topology::diff(&self.config, &new);
-        self.broker.declare(&topology::plan(&new)).await?;
+        let plan = topology::plan(&new);
+        match again {
+            true => self.broker.redeclare(&plan).await?,
+            false => self.broker.declare(&plan).await?,
+        }
+        // Before the drain, which may last the whole grace: whatever a removed queue's
+        // bindings route to it meanwhile would wait there unconsumed (and run a second time
+        // should a later reload bring the queue back). Some may be gone when this fails, so
+        // the failure ends the session, never counts as a refusal that leaves it running:
+        // the next session declares the old config afresh, bindings and all.
+        if !diff.unbound.is_empty() {
+            self.broker.unbind(&diff.unbound).await.map_err(|e| match e {
+                BrokerError::Lost(_) => e,
+                other => BrokerError::Lost(other.to_string()),
+            })?;
+        }
         let stopping: Vec<RunningQueue> = diff.to_stop().filter_map(|name| self.queues.remove(name)).collect();
-        futures_util::future::join_all(stopping.into_iter().map(RunningQueue::drain)).await;
-        // Pauses outlive the workers: a reload keeps a paused queue paused.
+        let grace = self.shared.grace;
+        let retired = futures_util::future::join_all(stopping.into_iter().map(|q| q.drain(grace))).await;
+        self.retiring.retain(|q| !q.task.is_finished());
+        for queue in retired.into_iter().flatten() {
+            warn!(
+                queue = %queue.name,
+                ?grace,
+                "grace expired with handlers still running; they go on, holding their messages, and count against the queue's concurrency until they end"
+            );
+            self.retiring.push(queue);
+        }
+        // Pauses and slots outlive the workers: a reload keeps a paused queue paused, and
+        // the calls still running count against the new worker's limit.
         self.shared.pauses.keep(new.queues.keys());
+        self.shared.slots.prune();
         for name in diff.to_start() {
+            // Diffs only name queues of their configs.
+            let gate = Gate::new(&new.queues[name], &self.shared.pauses, &self.shared.slots);
             let worker = Arc::new(Worker::new(
                 new.clone(),
                 name,
+                gate,
                 self.shared.client.clone(),
                 self.shared.activity.clone(),
                 self.shared.store.clone(),
-                &self.shared.pauses,
+                self.shared.readiness.clone(),
             ));
-            let stop = CancellationToken::new();
-            let (broker, lost, token, grace) =
-                (self.broker.clone(), self.lost.clone(), stop.clone(), self.shared.grace);
-            let task = tokio::spawn(async move {
-                if let Err(e) = worker.run(broker, token, grace).await {
-                    let _ = lost.send(e);
-                }
-            });
-            self.queues.insert(name.clone(), RunningQueue { stop, task });
+            let (stop, release) = (CancellationToken::new(), CancellationToken::new());
+            let task = {
+                let (broker, lost, worker) = (self.broker.clone(), self.lost.clone(), worker.clone());
+                let (stop, release) = (stop.clone(), release.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = worker.run(broker, stop, release).await {
+                        let _ = lost.send(e);
+                    }
+                })
+            };
+            self.queues.insert(name.clone(), RunningQueue { name: name.clone(), worker, stop, release, task });
         }
         self.config = new;
         Ok(diff)
     }
 
-    /// Drains every queue (as a reload to the empty config would).
+    /// Drains every queue and every retiring worker within the grace, then hands back to the
+    /// broker what they still hold.
     async fn stop_all(&mut self) {
-        let all = std::mem::take(&mut self.queues);
-        futures_util::future::join_all(all.into_values().map(RunningQueue::drain)).await;
+        let all = std::mem::take(&mut self.queues).into_values().chain(std::mem::take(&mut self.retiring));
+        let grace = self.shared.grace;
+        let unfinished = futures_util::future::join_all(all.map(|q| q.drain(grace))).await;
+        futures_util::future::join_all(unfinished.into_iter().flatten().map(RunningQueue::release)).await;
     }
 }
 
-/// The longest pause between two attempts to reach the broker.
-const RECONNECT_CAP: Duration = Duration::from_secs(30);
-
-/// A session that lived this long was a success: the next failure starts the backoff afresh.
-const STABLE_SESSION: Duration = Duration::from_secs(30);
+/// How often the supervisor checks that the session still lives: a session given up (a
+/// confirm that never came) or closed while no queue consumes is noticed within this.
+const SESSION_CHECK: Duration = Duration::from_secs(1);
 
 /// Runs the pipeline until `shutdown` is cancelled (or, with `exit_when_idle`, until idle),
-/// applying each config that arrives on `reloads`. `connect` opens a new broker session; it
-/// is called again after a session is lost.
+/// applying each config that arrives on `reloads`. `sessions` opens broker sessions, with the
+/// next node of a cluster after a session is lost.
 pub async fn run<B, C, F>(
     config: Arc<Config>,
-    connect: C,
+    mut sessions: Failover<C>,
     store: Option<Store>,
     options: Options,
     mut reloads: mpsc::UnboundedReceiver<Reload>,
@@ -155,7 +221,7 @@ pub async fn run<B, C, F>(
 ) -> Result<(), RunError>
 where
     B: Broker,
-    C: Fn() -> F,
+    C: Fn(usize) -> F,
     F: Future<Output = Result<B, BrokerError>>,
 {
     let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
@@ -166,66 +232,58 @@ where
         store,
         grace: options.shutdown_grace,
         pauses: options.pauses.clone(),
+        slots: Slots::default(),
+        readiness: options.readiness.clone(),
     });
     let (current, _) = watch::channel(config);
     // Across sessions, so that a reconnect does not repeat the warning about a dead-letter queue.
     let depth_events = Arc::new(std::sync::Mutex::new(events::DepthEvents::new(events::DLQ_WARN_INTERVAL)));
-    // Sessions that fail in a row; reset only by a session that lived STABLE_SESSION, so a
-    // broker that accepts and then drops every session is not hammered.
-    let mut failures = 0u32;
+    let nodes = sessions.names().to_vec();
+    events::broker_node(&nodes, None);
     let mut started = false;
+    // Whether the running config stands declared whole on the broker, so that a new session
+    // need only check it: not after a reload that ended its session half applied.
+    let mut declared = false;
     loop {
-        if failures > 0 {
-            let delay = backoff::reconnect_delay(failures, RECONNECT_CAP, &mut rand::rng());
-            info!(retry_in = ?delay, failures, "reconnecting to the broker after a pause");
-            if sleep_or_shutdown(delay, &shutdown).await {
-                events::stopped(&activity.totals);
-                return Ok(());
-            }
-        }
-        let session = tokio::select! {
+        let opened = tokio::select! {
             _ = shutdown.cancelled() => {
                 events::stopped(&activity.totals);
                 return Ok(());
             }
-            s = connect() => s,
+            s = sessions.open() => s,
         };
-        let broker = match session {
-            Ok(b) => b,
-            Err(e) if e.is_fatal() && !started => return Err(e.into()),
-            Err(e) => {
-                failures += 1;
-                warn!(error = %e, "broker unreachable");
-                continue;
-            }
-        };
+        // Only a refusal no node would change comes back, and only before the first session.
+        let (broker, node) = opened?;
         let (lost_tx, mut lost) = mpsc::unbounded_channel();
         let mut running = Running {
             broker: broker.clone(),
             config: Arc::new(Config::default()),
             queues: BTreeMap::new(),
+            retiring: Vec::new(),
             shared: shared.clone(),
             lost: lost_tx,
         };
         let config = current.borrow().clone();
-        match running.apply(config).await {
+        match running.apply(config, declared).await {
             Ok(_) => {}
-            Err(e) if e.is_fatal() => {
+            Err(e) if e.is_fatal() || e.is_damaged() => {
                 running.stop_all().await;
                 broker.close().await;
                 return Err(e.into());
             }
             Err(e) => {
-                failures += 1;
-                warn!(error = %e, "declaring the topology failed");
+                warn!(node = %nodes[node], error = %e, "declaring the topology failed");
+                // A session of no use counts as a failure of its node (never gives up: only a
+                // command does).
+                let _ = sessions.lost(e);
                 running.stop_all().await;
                 broker.close().await;
                 continue;
             }
         }
-        info!(queues = running.queues.len(), reconnect = started, "topology declared; consuming");
-        started = true;
-        let session_started = Instant::now();
+        events::broker_node(&nodes, Some(node));
+        info!(node = %nodes[node], queues = running.queues.len(), reconnect = started, "topology declared; consuming");
+        (started, declared) = (true, true);
         let stop = CancellationToken::new();
         let pollers = {
             let (broker, watched, stop, events) =
@@ -240,6 +298,7 @@ where
             tokio::spawn(async move { watch_idle(&broker, watched, &activity, &stop, &idle).await });
         }
         options.readiness.set(true);
+        let mut check = tokio::time::interval(SESSION_CHECK);
         let ended = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break None,
@@ -248,11 +307,19 @@ where
                     break None;
                 }
                 Some(e) = lost.recv() => break Some(e),
+                _ = check.tick() => if !broker.is_connected() {
+                    break Some(BrokerError::Lost("the connection closed".into()));
+                },
                 Some(reload) = reloads.recv() => {
-                    let result = running.apply(reload.config.clone()).await;
+                    let result = running.apply(reload.config.clone(), false).await;
                     let lost = match &result {
-                        Ok(_) => {
+                        Ok(diff) => {
                             current.send_replace(reload.config);
+                            // Once the poller reads the new config (it checks under this lock),
+                            // so that no poll sets a removed queue's gauges again.
+                            if let Ok(mut events) = depth_events.lock() {
+                                diff.removed.iter().for_each(|queue| events.removed(queue));
+                            }
                             None
                         }
                         // Refused as declared: the old config keeps running as it was.
@@ -261,6 +328,7 @@ where
                     };
                     let _ = reload.applied.send(result);
                     if let Some(e) = lost {
+                        declared = false;
                         break Some(e);
                     }
                 }
@@ -270,16 +338,24 @@ where
         stop.cancel();
         let _ = pollers.await;
         match ended {
+            // No other session would find the store any better.
+            Some(e) if e.is_damaged() => {
+                error!(node = %nodes[node], error = %e, "the broker's store is damaged; stopping");
+                events::broker_node(&nodes, None);
+                running.stop_all().await;
+                broker.close().await;
+                events::stopped(&activity.totals);
+                return Err(e.into());
+            }
             Some(e) if !shutdown.is_cancelled() => {
-                error!(error = %e, "broker session lost; reconnecting");
+                error!(node = %nodes[node], error = %e, "broker session lost; reconnecting");
+                events::broker_node(&nodes, None);
+                // Never gives up: only a command does.
+                let _ = sessions.lost(e);
                 // The connection is gone or going: the workers end, their unsettled messages
                 // go back to the broker with it.
                 running.stop_all().await;
                 broker.close().await;
-                if session_started.elapsed() >= STABLE_SESSION {
-                    failures = 0;
-                }
-                failures += 1;
             }
             _ => {
                 if shutdown.is_cancelled() {
@@ -305,8 +381,17 @@ const DELAY_SLACK: Duration = Duration::from_secs(2);
 /// How often queue and dead-letter depths are read for the metrics.
 const DEPTH_POLL: Duration = Duration::from_secs(5);
 
+/// The least time per queue whose depths are read: the reads cost the same whatever the number
+/// of queues (100 queues a second at most), and with more than 500 queues the gauges are
+/// refreshed less often instead (every 50 s for 5,000).
+const DEPTH_PACE: Duration = Duration::from_millis(10);
+
+/// Queues read in one go between two pauses: a pause per queue woke two threads per read.
+const DEPTH_BURST: u32 = 50;
+
 /// Reads every queue's depth and consumers and its dead-letter queue's depth (no management
-/// plugin needed) into `events` and the metrics until `stop`, for the config running at each poll.
+/// plugin needed) into `events` and the metrics until `stop`, for the config running at each
+/// poll, paced by [`DEPTH_PACE`]. A pass is cut short by `stop`: shutdown never waits for one.
 async fn poll_depths<B: Broker>(
     broker: &B,
     config: watch::Receiver<Arc<Config>>,
@@ -314,17 +399,30 @@ async fn poll_depths<B: Broker>(
     stop: &CancellationToken,
 ) {
     loop {
+        let started = tokio::time::Instant::now();
         let current = config.borrow().clone();
-        for q in current.queues.values() {
-            if let (Ok(stats), Ok(dlq)) = (broker.stats(&q.name).await, broker.depth(&q.dead_letter).await) {
-                events::consumers(&q.name, stats.consumers);
-                // Only this task locks it, and never across an await.
-                if let Ok(mut events) = events.lock() {
-                    events.depths(&q.name, stats.ready, &q.dead_letter, dlq, std::time::Instant::now());
+        let pass = async {
+            for (q, read) in current.queues.values().zip(1u32..) {
+                if let (Ok(stats), Ok(dlq)) = (broker.stats(&q.name).await, broker.depth(&q.dead_letter).await) {
+                    // Never held across an await. A reload may have removed the queue since
+                    // `current` was read: its gauges are idle then, and stay so.
+                    if let Ok(mut events) = events.lock()
+                        && config.borrow().queues.contains_key(&q.name)
+                    {
+                        events::consumers(&q.name, stats.consumers);
+                        events.depths(&q.name, stats.ready, &q.dead_letter, dlq, std::time::Instant::now());
+                    }
+                }
+                if read % DEPTH_BURST == 0 {
+                    tokio::time::sleep_until(started + DEPTH_PACE * read).await;
                 }
             }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            () = pass => {}
         }
-        if sleep_or_shutdown(DEPTH_POLL, stop).await {
+        if sleep_or_shutdown(DEPTH_POLL.saturating_sub(started.elapsed()), stop).await {
             return;
         }
     }

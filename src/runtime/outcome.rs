@@ -12,13 +12,14 @@ use super::worker::{Disposition, Reason};
 use crate::config::Queue;
 use crate::envelope::Envelope;
 use crate::handler::HandlerError;
-use crate::handler::call::{Call, Renderer};
+use crate::handler::call::{Call, PrepareError, Renderer};
 
-/// Decodes a delivery's body; a body too large or not an envelope is dead-lettered.
-pub fn decode<'a>(q: &Queue, body: &'a Bytes, attempt: u32) -> Result<Envelope<'a>, Disposition> {
+/// Decodes a delivery's body of `size` bytes (a body over the queue's limit may not have been
+/// read: then it is empty); a body too large or not an envelope is dead-lettered.
+pub fn decode<'a>(q: &Queue, body: &'a Bytes, size: usize, attempt: u32) -> Result<Envelope<'a>, Disposition> {
     let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
-    if body.len() > q.max_message_bytes {
-        let error = format!("{} bytes is over the queue's max_message_bytes of {}", body.len(), q.max_message_bytes);
+    if size > q.max_message_bytes {
+        let error = format!("{size} bytes is over the queue's max_message_bytes of {}", q.max_message_bytes);
         return Err(dead(Reason::TooLarge, error));
     }
     Envelope::decode(body).map_err(|e| dead(Reason::Malformed, e.to_string()))
@@ -40,9 +41,17 @@ pub fn prepare(
             return Err(dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str())));
         }
     }
-    let renderer = Renderer::new(q, envelope, attempt, false).map_err(|e| dead(Reason::Malformed, e.to_string()))?;
-    let key = renderer.key().map_err(|e| dead(Reason::Template, e.to_string()))?;
-    let call = renderer.call(body, &key, traceparent).map_err(|e| dead(Reason::Template, e.to_string()))?;
+    let unprepared = |e: PrepareError| {
+        let reason = match e {
+            PrepareError::Render { .. } => Reason::Template,
+            PrepareError::Signing(_) => Reason::Signing,
+            PrepareError::Payload(_) => Reason::Malformed,
+        };
+        dead(reason, e.to_string())
+    };
+    let renderer = Renderer::new(q, envelope, attempt, false).map_err(unprepared)?;
+    let key = renderer.key().map_err(unprepared)?;
+    let call = renderer.call(body, &key, traceparent).map_err(unprepared)?;
     Ok((key, call))
 }
 

@@ -1,8 +1,9 @@
 //! The runtime's rules, in-process against the in-memory broker (issue 10): every disposition
-//! and what it leaves behind, the ack window, a reload that adds, changes and removes queues,
-//! a refused reload that changes nothing, drain before replace, and shutdown. The dispositions
-//! the ack window, drain before replace and shutdown also run on the embedded broker (issue 12):
-//! one suite, two brokers.
+//! and what it leaves behind, the ack window, a reload that adds, changes and removes queues
+//! and unbinds what the new config dropped (issue 19), a refused reload that changes nothing,
+//! drain before replace, and shutdown. The dispositions, the ack window, the unbinding, drain
+//! before replace and shutdown also run on the embedded broker (issue 12): one suite, two
+//! brokers.
 //!
 //! Real time with tiny retry delays; every wait is on a condition with a deadline, and an
 //! absence is asserted only once a positive condition shows the system has settled.
@@ -66,9 +67,10 @@ impl Pipeline {
         std::fs::write(self.dir.path().join("pipelines").join(name), text).expect("write");
     }
 
-    /// Loads `queues` (name, YAML body indented by four spaces) as the pipeline.
+    /// Loads `queues` (name, YAML body indented by four spaces) as the pipeline, beside a
+    /// topic exchange `ev` they may bind to.
     fn config(&self, queues: &[(&str, String)]) -> Arc<Config> {
-        let mut text = String::from("version: 1\nqueues:\n");
+        let mut text = String::from("version: 1\nexchanges:\n  ev: {type: topic}\nqueues:\n");
         for (name, body) in queues {
             text.push_str(&format!("  {name}:\n{body}"));
         }
@@ -84,7 +86,7 @@ impl Pipeline {
     }
 
     async fn store(&self) -> Store {
-        Store::open(&Location::File(self.dir.path().join("dedup"))).await.expect("embedded store")
+        Store::open(&Location::File(self.dir.path().join("state"))).await.expect("embedded store")
     }
 }
 
@@ -106,7 +108,8 @@ fn message(key: &str, payload: &Value) -> Vec<u8> {
     Envelope::new("test", payload, Some(key.into())).encode()
 }
 
-/// What the tests read of a broker, at once and without going through it.
+/// What the tests read of a broker, at once and without going through it, and the fault they
+/// inject into it.
 trait Inspect: Send + Sync {
     /// Open consumers of `queue`.
     fn consumers(&self, queue: &str) -> usize;
@@ -116,6 +119,9 @@ trait Inspect: Send + Sync {
     fn messages(&self, queue: &str) -> Vec<Message>;
     /// Delayed copies not yet due.
     fn delayed(&self) -> u32;
+    /// Acks fail and change nothing (as a full disk, or another process's write lock held past
+    /// the busy timeout, fails them) while `refuse`.
+    fn refuse_acks(&self, refuse: bool);
 }
 
 impl Inspect for Memory {
@@ -133,6 +139,10 @@ impl Inspect for Memory {
 
     fn delayed(&self) -> u32 {
         Broker::delayed(self).now_or_never().expect("in-memory").expect("delayed")
+    }
+
+    fn refuse_acks(&self, refuse: bool) {
+        Memory::refuse_acks(self, refuse);
     }
 }
 
@@ -174,7 +184,7 @@ impl Inspect for File {
     fn messages(&self, queue: &str) -> Vec<Message> {
         let db = rusqlite::Connection::open(&self.path).expect("open");
         let mut s = db
-            .prepare("SELECT body, headers, message_id, timestamp FROM messages WHERE queue = ?1 AND visible_at <= ?2 ORDER BY id")
+            .prepare("SELECT b.data, m.headers, m.message_id, m.timestamp FROM messages m JOIN bodies b ON b.id = m.body WHERE m.queue = ?1 AND m.visible_at <= ?2 ORDER BY m.id")
             .expect("prepare");
         let rows = s.query_map(rusqlite::params![queue, crate::broker::embedded::now_ms()], |r| {
             Ok((
@@ -204,6 +214,18 @@ impl Inspect for File {
         let db = rusqlite::Connection::open(&self.path).expect("open");
         let sql = "SELECT count(*) FROM messages WHERE lease_owner IS NULL AND visible_at > ?1";
         db.query_row(sql, [crate::broker::embedded::now_ms()], |r| r.get(0)).expect(sql)
+    }
+
+    /// Only acks delete messages: a trigger that refuses deletes fails each ack's transaction.
+    fn refuse_acks(&self, refuse: bool) {
+        let db = rusqlite::Connection::open(&self.path).expect("open");
+        db.busy_timeout(DEADLINE).expect("busy timeout");
+        let sql = if refuse {
+            "CREATE TRIGGER refuse_acks BEFORE DELETE ON messages BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        } else {
+            "DROP TRIGGER refuse_acks"
+        };
+        db.execute_batch(sql).expect(sql);
     }
 }
 
@@ -248,17 +270,23 @@ impl<B: Broker> Runner<B> {
             pauses: pauses.clone(),
         };
         let session = broker.clone();
-        let connect = move || {
+        let connect = move |_| {
             let session = session.clone();
             async move { Ok::<_, BrokerError>(session) }
         };
-        let task = tokio::spawn(run(config, connect, store, options, received, shutdown.clone()));
+        let sessions = crate::broker::failover::Failover::new(vec!["memory".into()], connect);
+        let task = tokio::spawn(run(config, sessions, store, options, received, shutdown.clone()));
         wait_until("every queue has a consumer", || queues.iter().all(|q| look.consumers(q) == 1)).await;
         Runner { memory: broker, look, reloads, shutdown, readiness, pauses, task }
     }
 
     async fn publish(&self, queue: &str, body: Vec<u8>) {
-        self.memory.publish("", queue, Outgoing { body, ..Outgoing::default() }).await.expect("publish");
+        self.publish_to("", queue, body).await;
+    }
+
+    async fn publish_to(&self, exchange: &str, routing_key: &str, body: Vec<u8>) {
+        let message = Outgoing { body, ..Outgoing::default() };
+        self.memory.publish(exchange, routing_key, message).await.expect("publish");
     }
 
     async fn reload(&self, config: Arc<Config>) -> Result<Diff, BrokerError> {
@@ -527,6 +555,54 @@ async fn ack_window<B: Broker>(new: NewBroker<B>) {
     assert!(ended.is_ok(), "{ended:?}");
 }
 
+/// Issue 19: an ack that fails (a full disk; another process's write lock held past the busy
+/// timeout) is retried until it goes through, the runner not ready meanwhile: what was handled
+/// is acked, never handled again, and its prefetch slots come back. (They leaked: with every
+/// slot held by an ack that had failed once, the queue stalled for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_ack_is_retried_and_the_queue_goes_on() {
+    failed_acks(memory).await;
+}
+
+/// Issue 19: the same on the embedded broker, its acks failing in the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_ack_is_retried_and_the_queue_goes_on_on_the_embedded_broker() {
+    failed_acks(embedded).await;
+}
+
+async fn failed_acks<B: Broker>(new: NewBroker<B>) {
+    let pipeline = Pipeline::new();
+    let runs = pipeline.file("runs");
+    let config = pipeline.config(&[("work", command(RECORD, &[&runs], "    concurrency: 2\n"))]);
+    let (broker, look) = new();
+    let runner = Runner::start_on(broker, look.clone(), config, Some(pipeline.store().await), GRACE).await;
+    wait_until("ready", || runner.readiness.get()).await;
+    // Published first: a publish that shares an embedded commit with a failing ack fails too.
+    assert_eq!(runner.pauses.set("work", true), Ok(true));
+    wait_until("the consumer is gone", || look.consumers("work") == 0).await;
+    for i in 0..6 {
+        runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
+    }
+    look.refuse_acks(true);
+    assert_eq!(runner.pauses.set("work", false), Ok(true));
+    wait_until("two handled, their acks failing, and not ready", || {
+        pipeline.lines("runs").len() == 2 && !runner.readiness.get()
+    })
+    .await;
+    assert_eq!(look.unacked("work"), 2, "held by the runner, not handed back");
+    look.refuse_acks(false);
+    wait_until("every message handled and acked, and ready again", || {
+        runner.settled("work") && pipeline.lines("runs").len() == 6 && runner.readiness.get()
+    })
+    .await;
+    let mut lines = pipeline.lines("runs");
+    lines.sort();
+    let expected: Vec<String> = (0..6).map(|i| format!("k{i} 1")).collect();
+    assert_eq!(lines, expected, "each handled once");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
 /// Issue 10: a reload starts the added queue, replaces the changed one (one consumer, with the
 /// new concurrency) and stops the removed one, whose queue and messages stay on the broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -542,7 +618,7 @@ async fn a_reload_adds_changes_and_removes_queues() {
 
     let after = pipeline.config(&[("a", a(3)), ("c", command(RECORD, &[&runs_c], ""))]);
     let diff = runner.reload(after).await.expect("reload applied");
-    assert_eq!(diff, Diff { added: names(&["c"]), changed: names(&["a"]), removed: names(&["b"]) });
+    assert_eq!(diff, Diff { added: names(&["c"]), changed: names(&["a"]), removed: names(&["b"]), ..Diff::default() });
     assert_eq!(runner.memory.consumers("b"), 0, "b's worker drained before the reload returns");
     assert!(runner.memory.has_queue("b"), "a removed queue stays on the broker");
 
@@ -574,6 +650,90 @@ async fn a_reload_adds_changes_and_removes_queues() {
     assert_eq!(runner.memory.unacked("b"), 0);
     assert!(pipeline.lines("b").is_empty(), "nothing consumes b");
     assert_eq!(runner.memory.consumers("a"), 1, "replaced, not doubled");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Queue YAML binding it to `ev` with these routing keys.
+fn bound(keys: &[&str]) -> String {
+    let bindings: Vec<String> = keys.iter().map(|k| format!("{{exchange: ev, routing_key: \"{k}\"}}")).collect();
+    format!("    bind: [{}]\n", bindings.join(", "))
+}
+
+/// Issue 19: a reload unbinds a removed queue from its exchanges, and a kept queue from the
+/// bindings its `bind:` list dropped: what is published afterwards reaches only what the new
+/// config binds, and the removed queue stays on the broker with what it held, taking nothing
+/// more (before the fix it kept a copy of every matching message, unconsumed, forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_unbinds_removed_queues_and_dropped_bindings() {
+    unbinding(memory).await;
+}
+
+/// Issue 19: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_unbinds_removed_queues_and_dropped_bindings_on_the_embedded_broker() {
+    unbinding(embedded).await;
+}
+
+async fn unbinding<B: Broker>(new: NewBroker<B>) {
+    let pipeline = Pipeline::new();
+    let (runs_a, runs_b, runs_c) = (pipeline.file("a"), pipeline.file("b"), pipeline.file("c"));
+    let a = command(RECORD, &[&runs_a], &bound(&["#"]));
+    let before = pipeline.config(&[
+        ("a", a.clone()),
+        ("b", command(RECORD, &[&runs_b], &bound(&["k.*", "x"]))),
+        ("c", command(RECORD, &[&runs_c], &bound(&["k.*", "y"]))),
+    ]);
+    let (broker, look) = new();
+    let runner = Runner::start_on(broker, look, before, Some(pipeline.store().await), GRACE).await;
+    runner.publish_to("ev", "x", message("x0", &json!({}))).await;
+    wait_until("x0 handled by a and b", || pipeline.lines("a").len() == 1 && pipeline.lines("b").len() == 1).await;
+
+    let after = pipeline.config(&[("a", a), ("c", command(RECORD, &[&runs_c], &bound(&["k.*"])))]);
+    let diff = runner.reload(after).await.expect("reload applied");
+    assert_eq!((diff.removed, diff.changed), (names(&["b"]), names(&["c"])));
+    let mut unbound: Vec<(&str, &str)> =
+        diff.unbound.iter().map(|b| (b.queue.as_str(), b.routing_key.as_str())).collect();
+    unbound.sort();
+    assert_eq!(unbound, [("b", "k.*"), ("b", "x"), ("c", "y")]);
+
+    for (key, routing_key) in [("k1", "k.1"), ("x1", "x"), ("y1", "y")] {
+        runner.publish_to("ev", routing_key, message(key, &json!({}))).await;
+    }
+    wait_until("a handles all three and c its one", || {
+        runner.settled("a") && pipeline.lines("a").len() == 4 && runner.settled("c") && !pipeline.lines("c").is_empty()
+    })
+    .await;
+    assert_eq!(pipeline.lines("c"), ["k1 1"], "c no longer takes routing key y");
+    assert_eq!(runner.depth("b"), 0, "nothing reaches the removed queue");
+    assert_eq!(pipeline.lines("b"), ["x0 1"]);
+    assert_eq!((runner.look.consumers("b"), runner.look.unacked("b")), (0, 0));
+    runner.publish("b", message("b1", &json!({}))).await;
+    assert_eq!(runner.depth("b"), 1, "the removed queue stays on the broker");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 19: an unbind the broker fails may have removed some bindings already, so it ends the
+/// session rather than leave the old config running half unbound: the reload is refused, and
+/// the next session runs the old config, bound as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_unbind_restarts_the_old_config_bound_as_it_was() {
+    let pipeline = Pipeline::new();
+    let (runs_a, runs_b) = (pipeline.file("a"), pipeline.file("b"));
+    let a = command(RECORD, &[&runs_a], &bound(&["#"]));
+    let before = pipeline.config(&[("a", a.clone()), ("b", command(RECORD, &[&runs_b], &bound(&["#"])))]);
+    let runner = Runner::start(before, Some(pipeline.store().await), GRACE).await;
+
+    runner.memory.refuse_next_unbind(BrokerError::Lost("connection reset".into()));
+    let refused = runner.reload(pipeline.config(&[("a", a)])).await;
+    assert!(matches!(refused, Err(BrokerError::Lost(_))), "{refused:?}");
+    wait_until("b consumed again", || runner.look.consumers("b") == 1 && runner.readiness.get()).await;
+    runner.publish_to("ev", "k", message("k1", &json!({}))).await;
+    wait_until("k1 handled by a and b", || {
+        runner.settled("a") && runner.settled("b") && pipeline.lines("a").len() == 1 && pipeline.lines("b").len() == 1
+    })
+    .await;
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }
@@ -646,6 +806,20 @@ async fn drain_before_replace<B: Broker>(new: NewBroker<B>) {
     assert_eq!(pipeline.lines("runs"), ["k1 1", "k2 1"]);
     assert_eq!(pipeline.lines("started").len(), 2, "k1 ran once");
     let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 19.11: with 5,000 queues SIGTERM took minutes, the depth poller's pass over every
+/// queue finishing before shutdown went on. Shutdown no longer waits for a pass: here one
+/// that never ends (the broker never answers a depth read).
+#[tokio::test]
+async fn shutdown_does_not_wait_for_the_depth_poller() {
+    let pipeline = Pipeline::new();
+    let config = pipeline.config(&[("work", command("true", &[], "")), ("other", command("true", &[], ""))]);
+    let memory = Memory::new();
+    memory.stall_stats(true);
+    let runner = Runner::start_on(memory.clone(), Arc::new(memory), config, None, GRACE).await;
+    let (ended, ..) = runner.stop(DEADLINE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }
 
@@ -739,13 +913,161 @@ async fn a_paused_queue_stays_paused_across_a_reload_and_resumes() {
     for i in 0..5 {
         runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
     }
-    let diff = runner.reload(pipeline.config(&[("work", queue(3))])).await.expect("reload");
-    assert_eq!(diff.changed, names(&["work"]));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The reload also adds a queue, whose worker starts beside the restarted one: once it has
+    // handled a message, the paused worker has had all the time it needs to (wrongly) consume.
+    let other = ("other", command(RECORD, &[&pipeline.file("other")], ""));
+    let diff = runner.reload(pipeline.config(&[("work", queue(3)), other])).await.expect("reload");
+    assert_eq!((diff.changed, diff.added), (names(&["work"]), names(&["other"])));
+    runner.publish("other", message("sentinel", &json!({}))).await;
+    wait_until("the new queue's message handled", || pipeline.lines("other").len() == 1).await;
     assert_eq!((runner.look.consumers("work"), runner.depth("work")), (0, 5));
     assert!(pipeline.lines("runs").is_empty());
     assert_eq!(runner.pauses.set("work", false), Ok(true));
     wait_until("all five handled", || runner.settled("work") && pipeline.lines("runs").len() == 5).await;
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok());
+}
+
+/// Issue 19: a pause outlives its queue: paused by hand, removed by a reload (which no pause
+/// or resume can name meanwhile) and brought back by another, the queue comes back paused;
+/// before, it came back consuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_survives_removing_and_re_adding_the_queue() {
+    let pipeline = Pipeline::new();
+    let (runs, runs_other) = (pipeline.file("runs"), pipeline.file("other"));
+    let other = ("other", command(RECORD, &[&runs_other], ""));
+    let both = || pipeline.config(&[("work", command(RECORD, &[&runs], "")), other.clone()]);
+    let runner = Runner::start(both(), None, GRACE).await;
+    assert_eq!(runner.pauses.set("work", true), Ok(true));
+    wait_until("the consumer is gone", || runner.look.consumers("work") == 0).await;
+
+    let diff = runner.reload(pipeline.config(std::slice::from_ref(&other))).await.expect("reload");
+    assert_eq!(diff.removed, names(&["work"]));
+    assert_eq!(runner.pauses.set("work", false), Err(gate::UnknownQueue("work".into())));
+    let diff = runner.reload(both()).await.expect("reload");
+    assert_eq!(diff.added, names(&["work"]));
+    assert_eq!(runner.pauses.set("work", true), Ok(false), "already paused");
+
+    for i in 0..3 {
+        runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
+    }
+    runner.publish("other", message("o1", &json!({}))).await;
+    wait_until("other handles its message", || runner.settled("other") && pipeline.lines("other").len() == 1).await;
+    assert_eq!((runner.look.consumers("work"), runner.depth("work")), (0, 3));
+    assert!(pipeline.lines("runs").is_empty());
+    assert_eq!(runner.pauses.set("work", false), Ok(true));
+    wait_until("all three handled", || runner.settled("work") && pipeline.lines("runs").len() == 3).await;
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok());
+}
+
+/// Issue 19: a reload replacing a queue whose calls outlive the grace leaves those calls
+/// running with their deliveries and their slots: none of their messages is delivered again
+/// meanwhile, and the new worker, its limit lowered from 3 to 2, starts a call only while fewer
+/// than 2 run. Before, the old worker handed its deliveries back once the grace was over and
+/// the new one ran them a second time beside the old calls, over the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_outliving_a_reloads_grace_keep_their_messages_and_slots() {
+    calls_outliving_the_grace(memory).await;
+}
+
+/// Issue 19: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_outliving_a_reloads_grace_keep_their_messages_and_slots_on_the_embedded_broker() {
+    calls_outliving_the_grace(embedded).await;
+}
+
+async fn calls_outliving_the_grace<B: Broker>(new: NewBroker<B>) {
+    let pipeline = Pipeline::new();
+    let (log, gate) = (pipeline.file("log"), pipeline.file("gate"));
+    // Each call is held until the gate file exists; the log tells which ran at once.
+    let held = r#"echo "start $SLUICE_IDEMPOTENCY_KEY" >> "$1"; while [ ! -e "$2" ]; do sleep 0.005; done; echo "end $SLUICE_IDEMPOTENCY_KEY" >> "$1""#;
+    let queue = |concurrency: u16| command(held, &[&log, &gate], &format!("    concurrency: {concurrency}\n"));
+    let (broker, look) = new();
+    let grace = Duration::from_millis(100);
+    // No idempotency store: nothing but the runtime keeps a message from running twice.
+    let runner = Runner::start_on(broker, look, pipeline.config(&[("work", queue(3))]), None, grace).await;
+    let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        runner.publish("work", message(key, &json!({}))).await;
+    }
+    let started = || pipeline.lines("log").iter().filter(|l| l.starts_with("start ")).count();
+    wait_until("three calls running", || started() == 3).await;
+
+    let diff = runner.reload(pipeline.config(&[("work", queue(2))])).await.expect("reload applied");
+    assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
+    wait_until("the old calls hold 3, the new worker 2 (or a call started again)", || {
+        (runner.look.unacked("work") == 5 && runner.depth("work") == 3) || started() > 3
+    })
+    .await;
+    assert_eq!(started(), 3, "no call started beside the three still running: {:?}", pipeline.lines("log"));
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&log)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"reloaded\n"))
+        .expect("mark the log");
+
+    std::fs::write(&gate, "").expect("open the gate");
+    wait_until("all eight handled", || {
+        runner.settled("work") && pipeline.lines("log").iter().filter(|l| l.starts_with("end ")).count() == 8
+    })
+    .await;
+    let lines = pipeline.lines("log");
+    let starts = counts(lines.iter().filter_map(|l| l.strip_prefix("start ")));
+    assert_eq!(starts, keys.iter().map(|k| (k.clone(), 1)).collect(), "calls per key: {lines:?}");
+    // The most calls running when one started after the reload, itself included.
+    let (mut running, mut reloaded, mut busiest) = (0usize, false, 0);
+    for line in &lines {
+        match line.split_once(' ') {
+            Some(("start", _)) => {
+                running += 1;
+                if reloaded {
+                    busiest = busiest.max(running);
+                }
+            }
+            Some(("end", _)) => running -= 1,
+            _ => reloaded = true,
+        }
+    }
+    assert!(busiest <= 2, "{busiest} calls at once under the new limit of 2: {lines:?}");
+    wait_until("the old consumer closed once its calls were settled", || runner.look.consumers("work") == 1).await;
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// How often each item occurs.
+fn counts<'a>(items: impl Iterator<Item = &'a str>) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for item in items {
+        *counts.entry(item.to_string()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Issue 19: shutdown stays bounded by the grace with a retiring worker (one whose calls
+/// outlived a reload's grace): once the grace is over, what it holds goes back to the broker,
+/// unacked and not dead-lettered, as a running worker's does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_releases_what_a_retiring_worker_holds_within_the_grace() {
+    let pipeline = Pipeline::new();
+    let (log, gate) = (pipeline.file("log"), pipeline.file("gate"));
+    let held = r#"echo "start $SLUICE_IDEMPOTENCY_KEY" >> "$1"; while [ ! -e "$2" ]; do sleep 0.005; done"#;
+    let queue = |concurrency: u16| command(held, &[&log, &gate], &format!("    concurrency: {concurrency}\n"));
+    let grace = Duration::from_millis(100);
+    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), None, grace).await;
+    for key in ["k0", "k1"] {
+        runner.publish("work", message(key, &json!({}))).await;
+    }
+    wait_until("two calls running", || pipeline.lines("log").len() == 2).await;
+    runner.reload(pipeline.config(&[("work", queue(3))])).await.expect("reload applied");
+    wait_until("the old consumer holds both beside the new one", || {
+        runner.look.consumers("work") == 2 && runner.look.unacked("work") == 2
+    })
+    .await;
+
+    let (ended, _, memory, _) = runner.stop(grace + Duration::from_secs(1)).await;
+    assert!(ended.is_ok(), "{ended:?}");
+    assert_eq!((memory.messages("work").len(), memory.unacked("work"), memory.consumers("work")), (2, 0, 0));
+    assert!(memory.messages("work.dlq").is_empty());
+    std::fs::write(&gate, "").expect("let the abandoned calls end");
 }

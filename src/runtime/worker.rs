@@ -5,10 +5,13 @@
 //!
 //! A delivery whose copy is not confirmed is never acked: the worker keeps retrying the
 //! publish while the delivery's channel lives, and otherwise leaves it to the broker to
-//! redeliver.
+//! redeliver. A failed ack is retried the same way (the work is done: running it again would
+//! repeat its side effect), with the queue reported unready meanwhile, until
+//! [`ACK_RETRY_FOR`] has passed: then the session ends, as a lost connection ends it, and the
+//! broker delivers those messages again (their idempotency keys, recorded done before the
+//! ack, make them duplicates).
 
 use std::any::Any;
-use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,11 +26,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, error, info, warn};
 
 use super::events::{self, QueueEvents, Totals};
-use super::gate::{Admission, Changes, Gate, Mode, Pauses, Permit};
+use super::gate::{Admission, Changes, Gate, Mode, Permit};
 use super::{backoff, outcome};
+use crate::admin::Readiness;
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
-use crate::dedup::{Claim, Store};
+use crate::dedup::{self, Claim, Store};
 use crate::envelope;
 use crate::handler::HandlerError;
 use crate::handler::call::{self, Call};
@@ -91,6 +95,8 @@ pub enum Reason {
     Malformed,
     Schema,
     Template,
+    /// The webhook could not be signed (its secret unset or malformed).
+    Signing,
     TooLarge,
     Internal,
 }
@@ -104,6 +110,7 @@ impl Reason {
             Reason::Malformed => "malformed",
             Reason::Schema => "schema",
             Reason::Template => "template",
+            Reason::Signing => "signing",
             Reason::TooLarge => "too_large",
             Reason::Internal => "internal",
         }
@@ -126,6 +133,13 @@ const STORE_DOWN_WAIT: Duration = Duration::from_secs(5);
 /// Error texts in headers are kept short.
 const MAX_ERROR_HEADER: usize = 1000;
 
+/// How long a batch whose acks fail is retried before the session ends. The embedded broker's
+/// leases, renewed meanwhile if the store takes writes at all, last as long.
+pub const ACK_RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// The longest pause between two attempts to ack a batch.
+const ACK_BACKOFF_CAP: Duration = Duration::from_secs(2);
+
 /// Everything a queue's worker needs, shared by its delivery tasks.
 pub struct Worker {
     config: Arc<Config>,
@@ -138,26 +152,27 @@ pub struct Worker {
     events: QueueEvents,
     /// Whether to consume, and how many handlers may run.
     gate: Gate,
+    /// Told while the queue's acks fail.
+    readiness: Readiness,
 }
 
 impl Worker {
-    /// A worker for queue `name` of `config`.
+    /// A worker for queue `name` of `config`, through `gate` (made for that queue).
     pub fn new(
         config: Arc<Config>,
         name: &str,
+        gate: Gate,
         client: reqwest::Client,
         activity: Arc<Activity>,
         store: Option<Store>,
-        pauses: &Pauses,
+        readiness: Readiness,
     ) -> Worker {
         let limiter = config.queues.get(name).and_then(|q| q.rate_limit).and_then(|r| {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
         let events = QueueEvents::new(name, activity.clone());
-        // Workers are only made for queues of their config.
-        let gate = Gate::new(&config.queues[name], pauses);
-        Worker { config, name: name.to_string(), limiter, client, activity, store, events, gate }
+        Worker { config, name: name.to_string(), limiter, client, activity, store, events, gate, readiness }
     }
 
     fn queue(&self) -> &Queue {
@@ -166,20 +181,22 @@ impl Worker {
     }
 
     /// Consumes until `stop`, then drains: no new deliveries, those already delivered are
-    /// finished within `grace` (counted from `stop`), and whatever is still unsettled then is
-    /// handed back to the broker. While the queue is paused or its breaker open it does not
+    /// finished and acked, and the consumer closes once none is left, or at `release`, which
+    /// hands whatever is still unsettled back to the broker. (The runner bounds the drain by
+    /// its grace: it releases the worker, or [retires](Worker::retire) it and lets its calls
+    /// end beside its successor.) While the queue is paused or its breaker open it does not
     /// consume at all. Returns an error only when the session is lost.
     pub async fn run<B: Broker>(
         self: Arc<Self>,
         broker: B,
         stop: CancellationToken,
-        grace: Duration,
+        release: CancellationToken,
     ) -> Result<(), BrokerError> {
         let mut changes = self.gate.changes();
         loop {
             match self.gate.mode() {
                 Mode::Consume { prefetch } => {
-                    if self.clone().consume(&broker, prefetch, &stop, grace, &mut changes).await? {
+                    if self.clone().consume(&broker, prefetch, &stop, &release, &mut changes).await? {
                         return Ok(());
                     }
                 }
@@ -200,34 +217,50 @@ impl Worker {
         }
     }
 
+    /// Starts no more calls: those running keep their deliveries (and their slots, which the
+    /// queue's next worker counts) until they end and are settled; the deliveries not yet
+    /// started are handed back, for the next worker.
+    pub fn retire(&self) {
+        self.gate.retire();
+    }
+
     /// One consumer with `prefetch`, until `stop` (true) or until the gate's mode changes
-    /// (false); drains either way.
+    /// (false); drains either way, until nothing is in flight or until `release`.
     async fn consume<B: Broker>(
         self: Arc<Self>,
         broker: &B,
         prefetch: u16,
         stop: &CancellationToken,
-        grace: Duration,
+        release: &CancellationToken,
         changes: &mut Changes,
     ) -> Result<bool, BrokerError> {
         let queue = self.queue();
-        let (mut deliveries, consumer) = broker.consume(&queue.name, prefetch).await?;
+        let (mut deliveries, consumer) = broker.consume_within(&queue.name, prefetch, queue.max_message_bytes).await?;
         info!(queue = %queue.name, prefetch, adaptive = queue.adaptive, "consuming");
         let tracker = TaskTracker::new();
         let (acks, ack_events) = mpsc::unbounded_channel();
-        let acker = tokio::spawn(self.clone().ack_loop(consumer.clone(), ack_events));
-        let mut deadline = None;
+        // Fused: polled again after it ended (it ends early only on an error), it stays pending.
+        let mut acker = tokio::spawn(self.clone().ack_loop(consumer.clone(), ack_events)).fuse();
+        let mut stopped = false;
         let mut cancelled = false;
         let result = loop {
             tokio::select! {
-                _ = stop.cancelled(), if deadline.is_none() => {
-                    deadline = Some(tokio::time::Instant::now() + grace);
+                _ = stop.cancelled(), if !stopped => {
+                    stopped = true;
                     if !cancelled {
                         cancelled = true;
                         if let Err(e) = consumer.cancel().await {
                             break Err(e);
                         }
                     }
+                }
+                // The runner gave up waiting for the stream to end after `stop`.
+                () = release.cancelled() => break Ok(()),
+                acked = &mut acker => {
+                    break Err(match acked {
+                        Ok(Err(e)) => e,
+                        Ok(Ok(())) | Err(_) => BrokerError::Lost(format!("the acks of \"{}\" stopped", queue.name)),
+                    });
                 }
                 () = changes.next(), if !cancelled => {
                     if self.gate.mode() != (Mode::Consume { prefetch }) {
@@ -256,7 +289,11 @@ impl Worker {
                                     Disposition::Completed { key } => Some(key),
                                     _ => None,
                                 };
-                                let _ = acks.send((delivery, key));
+                                // The ack loop gave up on this session: no ack, but a success
+                                // is still recorded, so its redelivery is a duplicate.
+                                if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
+                                    worker.complete(&[key]).await;
+                                }
                             }
                             worker.events.settled();
                             worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -271,25 +308,20 @@ impl Worker {
         drop(acks);
         if result.is_ok() {
             tracker.close();
-            // Without a stop, in-flight handlers finish in their own time (their timeout bounds
-            // it); once stopped, within the grace.
-            let expired = async {
-                stop.cancelled().await;
-                tokio::time::sleep_until(deadline.unwrap_or_else(|| tokio::time::Instant::now() + grace)).await;
-            };
-            tokio::pin!(expired);
+            // In-flight handlers finish in their own time (their timeout bounds it), unless
+            // their deliveries are released first.
             let in_time = tokio::select! {
                 () = tracker.wait() => true,
-                () = &mut expired => {
-                    warn!(queue = %queue.name, ?grace, "grace expired with handlers still running; their messages go back to the broker");
+                () = release.cancelled() => {
+                    warn!(queue = %queue.name, "grace expired with handlers still running; their messages go back to the broker");
                     false
                 }
             };
             // The acks of what finished go out before the rest is handed back.
             if in_time {
                 tokio::select! {
-                    _ = acker => {}
-                    () = &mut expired => warn!(queue = %queue.name, "acks not sent within the grace; those messages go back to the broker"),
+                    _ = &mut acker => {}
+                    () = release.cancelled() => warn!(queue = %queue.name, "acks not sent within the grace; those messages go back to the broker"),
                 }
             }
         }
@@ -320,7 +352,7 @@ impl Worker {
     async fn decide_unguarded<D: Delivery>(&self, delivery: &D, attempt: u32, message: &tracing::Span) -> Disposition {
         let q = self.queue();
         let body = delivery.body();
-        let envelope = match outcome::decode(q, body, attempt) {
+        let envelope = match outcome::decode(q, body, delivery.size(), attempt) {
             Ok(e) => e,
             Err(disposition) => return disposition,
         };
@@ -404,15 +436,7 @@ impl Worker {
             Disposition::Retry { next, .. } => attempt_header(*next),
             Disposition::Wait { attempt, .. } => attempt_header(*attempt),
             Disposition::DeadLetter { reason, error, attempts } => {
-                let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
-                let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-                BTreeMap::from([
-                    (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
-                    (envelope::ERROR_HEADER.to_string(), HeaderValue::Str(error)),
-                    (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(*attempts))),
-                    (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
-                    (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(q.name.clone())),
-                ])
+                dead_letter_headers(*reason, error, *attempts, &q.name)
             }
         };
         let mut failures = 0;
@@ -446,13 +470,16 @@ impl Worker {
     }
 
     /// Acks settled deliveries as they come, in batches: the keys of a batch are recorded done
-    /// (in one transaction or round trip) before any of it is acked.
+    /// (in one transaction or round trip) before any of it is acked. Ends once every sender is
+    /// gone, or with the error of a batch that could not be acked ([`Worker::ack`]).
     async fn ack_loop<C: Consumer>(
         self: Arc<Self>,
         consumer: C,
         mut events: mpsc::UnboundedReceiver<(C::Delivery, Option<String>)>,
-    ) {
+    ) -> Result<(), BrokerError> {
         let mut batch = Vec::new();
+        // With the embedded broker's own store, the keys go in the acks' transaction.
+        let riding = self.store.as_ref().is_some_and(Store::rides_acks);
         while events.recv_many(&mut batch, 1024).await > 0 {
             let mut keys = Vec::new();
             let mut settled = Vec::with_capacity(batch.len());
@@ -460,20 +487,96 @@ impl Worker {
                 keys.extend(key);
                 settled.push(delivery);
             }
-            if !keys.is_empty() {
+            if !keys.is_empty() && !riding {
                 self.complete(&keys).await;
+                keys.clear();
             }
-            if let Err(e) = consumer.ack(settled).await {
-                warn!(queue = %self.name, error = %e, "ack failed; the broker will redeliver");
+            if let Err(e) = self.ack(&consumer, &settled, &keys).await {
+                // This batch (when its keys were to ride on its acks) and what waits behind it
+                // were handled too: their keys are recorded, so that their redeliveries are
+                // duplicates. Closed first: a handler finishing later records its own key (see
+                // `consume`).
+                events.close();
+                let mut rest = keys;
+                while let Ok((_, key)) = events.try_recv() {
+                    rest.extend(key);
+                }
+                if !rest.is_empty() {
+                    self.complete(&rest).await;
+                }
+                return Err(e);
             }
+        }
+        Ok(())
+    }
+
+    /// Acks a batch of handled deliveries, with `keys` recorded in the same transaction when
+    /// there are any ([`Store::rides_acks`]), retrying with backoff while they are still the
+    /// consumer's (the queue reported unready meanwhile); once they are not, the broker
+    /// delivers them again, and the keys are recorded alone. An error when acks kept failing
+    /// for [`ACK_RETRY_FOR`]: the session must end, so that a new one settles what this one
+    /// could not.
+    async fn ack<C: Consumer>(
+        &self,
+        consumer: &C,
+        settled: &[C::Delivery],
+        keys: &[String],
+    ) -> Result<(), BrokerError> {
+        let started = Instant::now();
+        let mut failing = None;
+        let mut failures = 0;
+        let q = self.queue();
+        let riding = q.idempotency.as_ref().filter(|_| !keys.is_empty()).map(|i| (dedup::names(&q.name, keys), i.ttl));
+        loop {
+            let acked = match &riding {
+                Some((names, ttl)) => consumer.ack_recording(settled, names, *ttl).await,
+                None => consumer.ack(settled).await,
+            };
+            let error = match acked {
+                Ok(()) => {
+                    if failures > 0 {
+                        self.events.acked_after(failures);
+                    }
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            if !settled.iter().any(|d| d.is_live()) {
+                self.events.ack_abandoned(&error);
+                if !keys.is_empty() {
+                    self.complete(keys).await;
+                }
+                return Ok(());
+            }
+            // No retry mends a damaged store: the run ends.
+            if error.is_damaged() {
+                return Err(error);
+            }
+            failures += 1;
+            if started.elapsed() >= ACK_RETRY_FOR {
+                self.events.acks_given_up(failures, &error);
+                // Not ready until a new session consumes: closing this one can take a while
+                // when the broker cannot write.
+                self.readiness.set(false);
+                return Err(error);
+            }
+            failing.get_or_insert_with(|| self.readiness.acks_failing(&self.name));
+            self.events.ack_failed(failures, &error);
+            let delay = backoff::reconnect_delay(failures, ACK_BACKOFF_CAP, &mut rand::rng());
+            tokio::time::sleep(delay).await;
         }
     }
 }
 
 /// The delivery's attempt number, from its header (1 when absent or nonsense).
 fn attempt_of<D: Delivery>(delivery: &D) -> u32 {
-    match delivery.header(envelope::ATTEMPT_HEADER) {
-        Some(HeaderValue::Int(n)) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
+    attempt_in(delivery.header(envelope::ATTEMPT_HEADER).as_ref())
+}
+
+/// The attempt number an attempt header says (1 when absent or nonsense).
+pub fn attempt_in(header: Option<&HeaderValue>) -> u32 {
+    match header {
+        Some(HeaderValue::Int(n)) if *n >= 1 => u32::try_from(*n).unwrap_or(u32::MAX),
         Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
         _ => 1,
     }
@@ -488,12 +591,27 @@ fn panic_text(panic: &(dyn Any + Send)) -> String {
     }
 }
 
+/// The headers a dead-letter copy adds: why, after how many attempts, when, and from which queue.
+pub fn dead_letter_headers(reason: Reason, error: &str, attempts: u32, queue: &str) -> Headers {
+    let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
+    let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    Headers::from([
+        (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
+        (envelope::ERROR_HEADER.to_string(), HeaderValue::Str(error)),
+        (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(attempts))),
+        (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
+        (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(queue.to_string())),
+    ])
+}
+
 fn attempt_header(attempt: u32) -> Headers {
     Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use bytes::Bytes;
 
     use super::*;
@@ -530,7 +648,8 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
         let client = crate::handler::webhook::client().expect("client");
-        let worker = Worker::new(Arc::new(config), "work", client, Arc::default(), None, &Pauses::default());
+        let gate = Gate::new(&config.queues["work"], &Default::default(), &Default::default());
+        let worker = Worker::new(Arc::new(config), "work", gate, client, Arc::default(), None, Readiness::default());
         let disposition = worker.decide(&Panicking, &tracing::Span::none()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {
             panic!("not dead-lettered: {disposition:?}");

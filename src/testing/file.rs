@@ -197,9 +197,5 @@ pub fn whole_tests(source: &SourceFile, violations: &[Diagnostic]) -> Vec<(usize
 
 /// `no queue "x" in the pipeline files; did you mean "y"?`
 fn not_found(what: &str, name: &str, known: &[&str]) -> String {
-    let mut message = format!("no {what} \"{name}\" in the pipeline files");
-    if let Some(close) = suggest::closest(name, known.iter().copied()) {
-        message.push_str(&format!("; did you mean \"{close}\"?"));
-    }
-    message
+    format!("no {what} \"{name}\" in the pipeline files{}", suggest::did_you_mean(name, known.iter().copied()))
 }

@@ -9,6 +9,7 @@ use serde_json::json;
 
 use super::{Outcome, TestResult};
 use crate::config::diagnostic::{self, Diagnostic, Format as DiagnosticFormat, Severity};
+use crate::terminal::visible;
 
 /// Output formats of `sluice test`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -60,14 +61,17 @@ fn human(outcome: &Outcome, source: &dyn Fn(&std::path::Path) -> Option<String>)
         out.push_str("no tests ran: the files above have errors\n");
         return out;
     }
+    // Names, values and errors come from the test files and what the pipelines render: a
+    // control character in them must not rewrite a verdict on the terminal.
     for r in &outcome.results {
         let verdict = if r.passed() { "ok  " } else { "FAIL" };
-        let _ = writeln!(out, "{verdict} {}:{}:{}: {}", r.file.display(), r.line, r.column, r.name);
+        let file = r.file.display().to_string();
+        let _ = writeln!(out, "{verdict} {}:{}:{}: {}", visible(&file), r.line, r.column, visible(&r.name));
         for f in &r.failures {
             let m = &f.mismatch;
-            let _ = writeln!(out, "     {} (line {})", m.field, f.line);
-            let _ = writeln!(out, "       expected: {}", m.expected);
-            let _ = writeln!(out, "       actual:   {}", m.actual);
+            let _ = writeln!(out, "     {} (line {})", visible(&m.field), f.line);
+            let _ = writeln!(out, "       expected: {}", visible(&m.expected));
+            let _ = writeln!(out, "       actual:   {}", visible(&m.actual));
         }
     }
     let failed = outcome.failed();

@@ -167,7 +167,7 @@ impl Suite {
             let (outcome, error) = describe(disposition);
             Reached { call, outcome, error }
         };
-        let envelope = match outcome::decode(q, body, attempt) {
+        let envelope = match outcome::decode(q, body, body.len(), attempt) {
             Ok(e) => e,
             Err(disposition) => return ended(disposition, None),
         };

@@ -1,6 +1,6 @@
 //! From a validated `Config` to a broker-neutral plan: every exchange, queue, binding and
 //! dead-letter queue, as typed declarations any broker can map; and the diff of two configs,
-//! which says what a reload starts, drains and replaces.
+//! which says what a reload starts, drains, replaces and unbinds.
 //!
 //! Pure: no broker here, and no broker's notions either (no `x-` arguments, no delay queues):
 //! each broker maps the plan to its own declarations (`broker::amqp::declare`).
@@ -13,7 +13,7 @@ use serde::Serialize;
 
 pub use diff::{Diff, diff};
 
-use crate::config::{Config, ExchangeKind, QueueKind};
+use crate::config::{Config, ExchangeKind, Queue, QueueKind};
 
 /// Everything a pipeline needs to exist on the broker.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -54,10 +54,15 @@ pub struct QueueDecl {
     pub max_length: Option<u64>,
     /// One consumer at a time receives, in queue order.
     pub single_active_consumer: bool,
+    /// The largest body its consumers take (`max_message_bytes`): the runner's limit, not
+    /// the broker's, so not part of the declaration (a change is no conflict); a broker that
+    /// can keep it tells publishers what no queue would accept.
+    #[serde(skip)]
+    pub max_message_bytes: Option<usize>,
 }
 
 /// A queue bound to an exchange.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BindingDecl {
     pub exchange: String,
     pub queue: String,
@@ -87,6 +92,7 @@ pub fn plan(config: &Config) -> Plan {
             dead_letter: Some(q.dead_letter.clone()),
             max_length: q.max_length,
             single_active_consumer: q.ordered,
+            max_message_bytes: Some(q.max_message_bytes),
         });
         plan.queues.push(QueueDecl {
             name: q.dead_letter.clone(),
@@ -95,17 +101,21 @@ pub fn plan(config: &Config) -> Plan {
             dead_letter: None,
             max_length: None,
             single_active_consumer: false,
+            max_message_bytes: None,
         });
-        for b in &q.bindings {
-            plan.bindings.push(BindingDecl {
-                exchange: b.exchange.clone(),
-                queue: q.name.clone(),
-                routing_key: b.routing_key.clone(),
-                arguments: b.arguments.clone(),
-            });
-        }
+        plan.bindings.extend(bindings(q));
     }
     plan
+}
+
+/// The bindings of one queue, as its `bind:` list says.
+fn bindings(q: &Queue) -> impl Iterator<Item = BindingDecl> + '_ {
+    q.bindings.iter().map(|b| BindingDecl {
+        exchange: b.exchange.clone(),
+        queue: q.name.clone(),
+        routing_key: b.routing_key.clone(),
+        arguments: b.arguments.clone(),
+    })
 }
 
 #[cfg(test)]
@@ -130,6 +140,7 @@ mod tests {
                     dead_letter: Some("work.dlq".into()),
                     max_length: Some(10),
                     single_active_consumer: true,
+                    max_message_bytes: Some(crate::config::DEFAULT_MAX_MESSAGE_BYTES),
                 },
                 QueueDecl {
                     name: "work.dlq".into(),
@@ -138,6 +149,7 @@ mod tests {
                     dead_letter: None,
                     max_length: None,
                     single_active_consumer: false,
+                    max_message_bytes: None,
                 },
             ]
         );

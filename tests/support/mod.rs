@@ -13,6 +13,8 @@ use sluice::broker::amqp::Amqp;
 use sluice::broker::{Broker, HeaderValue, Headers, Outgoing};
 use sluice::envelope::Envelope;
 
+pub mod cluster;
+
 pub const RABBIT_HOST: &str = "127.0.0.1:5672";
 
 /// Fails (never skips) when RabbitMQ is down, saying how to start it.
@@ -24,12 +26,32 @@ pub fn require_rabbitmq() {
     }
 }
 
-fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs (tests run where RabbitMQ is installed)");
-    assert!(out.status.success(), "rabbitmqctl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+/// RabbitMQ's management API (the `rabbitmq_management` plugin), where tests make and delete
+/// their vhosts: a request costs a millisecond, where each `rabbitmqctl` call boots an Erlang VM.
+const MANAGEMENT: &str = "127.0.0.1:15672";
+
+/// `method path` with `body` (JSON) to the management API as guest; the status code, or why
+/// there is none (saying how to enable the API).
+fn management(method: &str, path: &str, body: &str) -> Result<u16, String> {
+    use std::io::{Read, Write};
+    let how = "enable RabbitMQ's management API: `rabbitmq-plugins enable rabbitmq_management` (.ci/run does)";
+    let address = MANAGEMENT.parse().expect("address");
+    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))
+        .map_err(|e| format!("RabbitMQ's management API is not reachable at {MANAGEMENT} ({e}): {how}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    // guest:guest
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {MANAGEMENT}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut response = String::new();
+    stream
+        .write_all(request.as_bytes())
+        .and_then(|()| stream.read_to_string(&mut response))
+        .map_err(|e| format!("{method} {path} on {MANAGEMENT}: {e}"))?;
+    let code = response.split_whitespace().nth(1).and_then(|code| code.parse().ok());
+    code.ok_or_else(|| format!("not an HTTP answer from {MANAGEMENT}: {response:.200}"))
 }
 
 /// The broker a test runs `sluice` against, of its own so tests run in parallel and
@@ -164,15 +186,21 @@ macro_rules! on_both_brokers {
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn rabbitmq() {
-                super::$name(super::support::Vhost::new()).await
+                super::$name($crate::support::Vhost::new()).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn embedded() {
-                super::$name(super::support::EmbeddedDir::new()).await
+                super::$name($crate::support::EmbeddedDir::new()).await
             }
         }
     )*};
+}
+
+/// An HTTP client for the tests, with the TLS provider `sluice` installs.
+pub fn http() -> reqwest::Client {
+    sluice::install_tls_provider();
+    reqwest::Client::new()
 }
 
 /// A vhost of its own for one test, so tests run in parallel and repeatedly.
@@ -184,8 +212,11 @@ impl Vhost {
     pub fn new() -> Vhost {
         require_rabbitmq();
         let name = format!("sluice-test-{}", uuid::Uuid::now_v7());
-        rabbitmqctl(&["add_vhost", &name]);
-        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
+        let made = management("PUT", &format!("/api/vhosts/{name}"), "");
+        assert_eq!(made, Ok(201), "making vhost {name}");
+        let permissions = r#"{"configure":".*","write":".*","read":".*"}"#;
+        let granted = management("PUT", &format!("/api/permissions/{name}/guest"), permissions);
+        assert!(matches!(granted, Ok(201 | 204)), "guest's permissions on {name}: {granted:?}");
         Vhost { name }
     }
 
@@ -194,7 +225,7 @@ impl Vhost {
     }
 
     pub async fn connect(&self) -> Amqp {
-        Amqp::connect(&self.url(), sluice::broker::amqp::CONNECT_TIMEOUT).await.expect("connect to the test vhost")
+        Amqp::connect(&self.url(), sluice::broker::amqp::Timeouts::default()).await.expect("connect to the test vhost")
     }
 
     /// Has the broker close every connection of this vhost (ours and the runner's); how many.
@@ -213,7 +244,8 @@ impl Vhost {
 
 impl Drop for Vhost {
     fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl").args(["delete_vhost", &self.name]).output();
+        // Nothing to be done here when it fails: the vhost is left for `rabbitmqctl delete_vhost`.
+        let _ = management("DELETE", &format!("/api/vhosts/{}", self.name), "");
     }
 }
 
@@ -234,7 +266,15 @@ pub fn work_pipeline(queue: &str) -> tempfile::TempDir {
 
 /// [`work_pipeline`] calling `{receiver}/hook`; `extra` is appended to the queue's definition.
 pub fn webhook_pipeline(receiver: &Receiver, extra: &str) -> tempfile::TempDir {
-    work_pipeline(&format!("    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}", receiver.uri()))
+    pipeline(&webhook_yaml(receiver, extra))
+}
+
+/// The text of a [`webhook_pipeline`].
+pub fn webhook_yaml(receiver: &Receiver, extra: &str) -> String {
+    format!(
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    handler:\n      webhook: {{url: \"{}/hook\"}}\n{extra}",
+        receiver.uri()
+    )
 }
 
 /// A running `sluice run` process; killed on drop.
@@ -245,9 +285,10 @@ pub struct Sluice {
 
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
-    /// Unless the args or `env` choose one, the idempotency store is an embedded store in DIR: the
-    /// default (`.sluice/dedup` in the working directory) would be shared by every test
-    /// and every earlier run, so keys handled there would be skipped here as duplicates.
+    /// Unless the args or `env` choose one, the idempotency store is the embedded broker's own
+    /// file, or beside RabbitMQ a state directory in DIR: the default there (`.sluice` in the
+    /// working directory) would be shared by every test and every earlier run, so keys handled
+    /// there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
         Sluice::run_with_env(dir, url, extra, &[])
     }
@@ -257,13 +298,16 @@ impl Sluice {
     pub fn run_with_env(dir: &Path, url: &str, extra: &[&str], env: &[(&str, &str)]) -> Sluice {
         let log = dir.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
         let file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_sluice"));
+        if url.starts_with("amqp") {
+            command.env("SLUICE_DEDUP", dir.join(".sluice"));
+        }
+        let child = command
             .arg("run")
             .arg(dir)
             .args(["--broker", url])
             .args(extra)
             .env("RUST_LOG", "info")
-            .env("SLUICE_DEDUP", dir.join(".sluice/dedup"))
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
@@ -379,9 +423,45 @@ pub fn free_port() -> u16 {
 /// A runner's gauge `metric{queue="QUEUE"}` from its `/metrics` at `admin` (HOST:PORT); None
 /// while the endpoint or the sample is not there.
 pub async fn gauge(admin: &str, metric: &str, queue: &str) -> Option<f64> {
-    let text = reqwest::get(format!("http://{admin}/metrics")).await.ok()?.text().await.ok()?;
-    let prefix = format!("{metric}{{queue=\"{queue}\"}} ");
+    sample(admin, &format!("{metric}{{queue=\"{queue}\"}}")).await
+}
+
+/// A runner's sample `series` (a metric name and its labels, as `/metrics` prints them, e.g.
+/// `sluice_config_reloads_total{result="applied"}`) from its `/metrics` at `admin`; None while
+/// the endpoint or the sample is not there.
+pub async fn sample(admin: &str, series: &str) -> Option<f64> {
+    let text = http().get(format!("http://{admin}/metrics")).send().await.ok()?.text().await.ok()?;
+    let prefix = format!("{series} ");
     text.lines().find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+}
+
+/// Starts `sluice run DIR --broker URL --admin ADDR` (as [`Sluice::run`]) on a free port and
+/// waits until the worker of `queue` is up (its breaker gauge is there); the admin address.
+pub async fn run_with_admin(dir: &Path, url: &str, queue: &str) -> (Sluice, String) {
+    run_with_admin_and(dir, url, queue, &[]).await
+}
+
+/// [`run_with_admin`] with extra args.
+pub async fn run_with_admin_and(dir: &Path, url: &str, queue: &str, extra: &[&str]) -> (Sluice, String) {
+    let admin = format!("127.0.0.1:{}", free_port());
+    let args: Vec<&str> = ["--admin", admin.as_str()].into_iter().chain(extra.iter().copied()).collect();
+    let sluice = Sluice::run(dir, url, &args);
+    wait_until(Duration::from_secs(30), &format!("the breaker gauge of {queue}"), || async {
+        gauge(&admin, "sluice_circuit_state", queue).await.is_some()
+    })
+    .await;
+    (sluice, admin)
+}
+
+/// Rewrites the pipeline file of a [`pipeline`] directory (the watcher of the runner whose
+/// admin endpoint is `admin` sees it) and waits until that runner has applied `n` reloads
+/// (`sluice_config_reloads_total{result="applied"}`).
+pub async fn reload_pipeline(dir: &Path, admin: &str, text: &str, n: u64) {
+    std::fs::write(dir.join("pipeline.yaml"), text).expect("rewrite the pipeline");
+    wait_until(Duration::from_secs(30), &format!("{n} reload(s) applied"), || async {
+        sample(admin, "sluice_config_reloads_total{result=\"applied\"}").await.is_some_and(|v| v >= n as f64)
+    })
+    .await;
 }
 
 /// Polls `check` until it returns true or the deadline passes (then panics with `what`).
@@ -423,6 +503,10 @@ pub struct Finished {
     pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
+    /// The most memory the process had resident at once (peak RSS), in KiB: its `VmHWM`,
+    /// read every 20 ms while it runs (a peak in its last 20 ms can be missed). Not rusage's
+    /// figure, which counts the peak of this test process too (a child inherits it at exec).
+    pub peak_rss_kib: u64,
 }
 
 /// Runs `sluice ARGS` to completion with extra environment variables; killed (and the test
@@ -442,7 +526,10 @@ pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Fi
         .spawn()
         .expect("spawn sluice");
     let start = Instant::now();
+    let pid = child.id() as libc::pid_t;
+    let mut peak_rss_kib = 0;
     let status = loop {
+        peak_rss_kib = peak_rss_kib.max(vm_hwm_kib(pid).unwrap_or(0));
         if let Some(status) = child.try_wait().expect("try_wait") {
             break status;
         }
@@ -460,7 +547,14 @@ pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Fi
         file.read_to_string(&mut text).expect("utf-8 output");
         text
     };
-    Finished { code: status.code(), stdout: read(out), stderr: read(err) }
+    Finished { code: status.code(), stdout: read(out), stderr: read(err), peak_rss_kib }
+}
+
+/// The peak resident memory of the running process `pid` so far (`VmHWM`), in KiB.
+fn vm_hwm_kib(pid: libc::pid_t) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    line.trim().strip_suffix("kB")?.trim().parse().ok()
 }
 
 /// A header of a dead-lettered message as text, if present and a string.

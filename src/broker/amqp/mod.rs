@@ -13,6 +13,7 @@ mod render;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -35,10 +36,30 @@ pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, declarations, de
 pub use self::render::{PlanFormat, render};
 use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
 use crate::envelope::{self, ERROR_HEADER};
-use crate::topology::Plan;
+use crate::topology::{BindingDecl, Plan};
 
-/// How long a publish may wait for the broker's confirm before it counts as failed.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long connecting (TCP, TLS, the AMQP handshake and the first channels) and waiting for
+/// one publisher confirm may take.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub connect: Duration,
+    /// A confirm that does not come in time ends the session (a frozen node, a quorum queue
+    /// without its majority): the delivery it was for is not acked and comes back.
+    pub confirm: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Timeouts {
+        Timeouts { connect: Duration::from_secs(10), confirm: Duration::from_secs(15) }
+    }
+}
+
+/// The heartbeat asked for unless the URL names one: lapin declares a silent server dead after
+/// twice the negotiated value, so a frozen node is noticed in about ten seconds.
+pub const HEARTBEAT_SECONDS: u16 = 5;
+
+/// How long closing a connection may wait for the broker's answer.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A live RabbitMQ session.
 #[derive(Clone)]
@@ -50,6 +71,9 @@ struct Inner {
     connection: Connection,
     publisher: Channel,
     control: tokio::sync::Mutex<Channel>,
+    confirm_timeout: Duration,
+    /// Set when a confirm timed out: the session is given up even if the socket lives.
+    broken: AtomicBool,
 }
 
 /// The URL with its password masked, fit for logs and errors.
@@ -66,16 +90,36 @@ pub fn redact(url: &str) -> String {
     }
 }
 
-/// How long connecting (TCP, TLS, the AMQP handshake and the first channels) may take by default.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The URL with a `heartbeat` of [`HEARTBEAT_SECONDS`] unless it names one.
+fn with_heartbeat(url: &str) -> String {
+    let query = url.split_once('?').map(|(_, q)| q);
+    if query.is_some_and(|q| q.split('&').any(|p| p.starts_with("heartbeat="))) {
+        return url.to_string();
+    }
+    let sep = if query.is_some() { '&' } else { '?' };
+    format!("{url}{sep}heartbeat={HEARTBEAT_SECONDS}")
+}
+
+/// The node a URL names, for logs and the `sluice_broker_connected` gauge: `host:port`.
+pub fn node_name(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    let host = rest.split(['/', '?']).next().unwrap_or(rest);
+    match (host.contains(':') && !host.ends_with(']'), url.starts_with("amqps://")) {
+        (true, _) => host.to_string(),
+        (false, true) => format!("{host}:5671"),
+        (false, false) => format!("{host}:5672"),
+    }
+}
 
 impl Amqp {
-    /// Connects and opens the publishing and control channels, all within `timeout`: a broker
-    /// that accepts TCP and never finishes the handshake must not hang the caller.
-    pub async fn connect(url: &str, timeout: Duration) -> Result<Amqp, BrokerError> {
+    /// Connects and opens the publishing and control channels, all within `timeouts.connect`:
+    /// a broker that accepts TCP and never finishes the handshake must not hang the caller.
+    pub async fn connect(url: &str, timeouts: Timeouts) -> Result<Amqp, BrokerError> {
+        let timeout = timeouts.connect;
         let opening = async {
             let properties = ConnectionProperties::default().with_connection_name("sluice".into());
-            let connection = Connection::connect(url, properties).await?;
+            let connection = Connection::connect(&with_heartbeat(url), properties).await?;
             let publisher = connection.create_channel().await?;
             publisher.confirm_select(ConfirmSelectOptions::default()).await?;
             let control = connection.create_channel().await?;
@@ -89,7 +133,23 @@ impl Amqp {
                 return Err(BrokerError::Connect { url: redact(url), reason });
             }
         };
-        Ok(Amqp { inner: Arc::new(Inner { connection, publisher, control: tokio::sync::Mutex::new(control) }) })
+        let control = tokio::sync::Mutex::new(control);
+        let (confirm_timeout, broken) = (timeouts.confirm, AtomicBool::new(false));
+        Ok(Amqp { inner: Arc::new(Inner { connection, publisher, control, confirm_timeout, broken }) })
+    }
+
+    /// Gives the session up: a confirm that never came says the node is frozen or cut off.
+    /// The connection is closed in the background (a frozen node never answers the close), so
+    /// its consumers end and their unsettled deliveries go back to the queue.
+    fn give_up(&self) {
+        if self.inner.broken.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let session = self.clone();
+        tokio::spawn(async move {
+            let closing = session.inner.connection.close(320, "sluice: no publisher confirm in time".into());
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
+        });
     }
 
     /// The control channel, reopened if the broker closed it after an error.
@@ -134,10 +194,14 @@ impl Amqp {
             .basic_publish(exchange.into(), routing_key.into(), options, body, properties)
             .await
             .map_err(lost)?;
-        let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
-            .await
-            .map_err(|_| BrokerError::ConfirmTimeout(CONFIRM_TIMEOUT))?
-            .map_err(lost)?;
+        let timeout = self.inner.confirm_timeout;
+        let confirmation = match tokio::time::timeout(timeout, confirm).await {
+            Ok(confirmation) => confirmation.map_err(lost)?,
+            Err(_) => {
+                self.give_up();
+                return Err(BrokerError::ConfirmTimeout(timeout));
+            }
+        };
         match confirmation {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => {
@@ -324,10 +388,15 @@ pub struct AmqpConsumer {
 impl Consumer for AmqpConsumer {
     type Delivery = AmqpDelivery;
 
-    async fn ack(&self, settled: Vec<AmqpDelivery>) -> Result<(), BrokerError> {
+    async fn ack(&self, settled: &[AmqpDelivery]) -> Result<(), BrokerError> {
         let acks = lock(&self.window).settle(settled.iter().map(|d| d.delivery.delivery_tag));
         for (tag, multiple) in acks {
-            self.channel.basic_ack(tag, BasicAckOptions { multiple }).await.map_err(lost)?;
+            if let Err(e) = self.channel.basic_ack(tag, BasicAckOptions { multiple }).await {
+                // The window has let go of these tags, so they cannot be acked again: closing
+                // the channel makes sure RabbitMQ delivers them again (and they are not live).
+                self.close().await;
+                return Err(lost(e));
+            }
         }
         Ok(())
     }
@@ -372,6 +441,48 @@ impl Broker for Amqp {
             };
             let what = format!("binding {} -> {}", b.source, b.destination);
             result.map_err(|err| conflict("binding", &what, err))?;
+        }
+        Ok(())
+    }
+
+    async fn redeclare(&self, plan: &Plan) -> Result<(), BrokerError> {
+        // A passive declaration is a lookup on the node the session is with.
+        let declarations = declarations(plan);
+        for e in &declarations.exchanges {
+            if !found(declare_exchange(&self.control().await?, e, true).await)? {
+                return self.declare(plan).await;
+            }
+        }
+        for q in &declarations.queues {
+            if !found(declare_queue(&self.control().await?, q, true).await)? {
+                return self.declare(plan).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unbinds each queue from its exchange with the routing key and arguments it was bound
+    /// with (RabbitMQ names a binding by all four). A removed queue's binding to the delay
+    /// cascade stays: only that queue's own retry copies use it, so it takes no new traffic,
+    /// and the copies already in the cascade land in the queue, where they wait with its other
+    /// messages. Without it they would be unroutable at the end of the cascade, held and
+    /// retried by the last delay queue's at-least-once dead-lettering, seen by no depth.
+    async fn unbind(&self, bindings: &[BindingDecl]) -> Result<(), BrokerError> {
+        for b in bindings {
+            let channel = self.control().await?;
+            let (queue, exchange, key) =
+                (b.queue.as_str().into(), b.exchange.as_str().into(), b.routing_key.as_str().into());
+            match channel.queue_unbind(queue, exchange, key, table(b.arguments.iter())).await {
+                Ok(()) => {}
+                // A queue or exchange gone (RabbitMQ 4 answers ok anyway): so is the binding.
+                // The control channel this closed is reopened by its next use.
+                Err(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => {}
+                Err(e) => {
+                    let what =
+                        format!("removing binding {} -> {} (routing key \"{}\")", b.exchange, b.queue, b.routing_key);
+                    return Err(BrokerError::Lost(format!("{what}: {e}")));
+                }
+            }
         }
         Ok(())
     }
@@ -457,21 +568,15 @@ impl Broker for Amqp {
         let plan = declarations(plan);
         let mut drift = Vec::new();
         for e in &plan.exchanges {
-            if let Err(err) = declare_exchange(&self.control().await?, e, true).await {
-                match is_soft(&err, AMQPSoftError::NOTFOUND) {
-                    true => drift.push(Drift::MissingExchange { name: e.name.clone() }),
-                    false => return Err(lost(err)),
-                }
+            if !found(declare_exchange(&self.control().await?, e, true).await)? {
+                drift.push(Drift::MissingExchange { name: e.name.clone() });
             } else if let Err(err) = declare_exchange(&self.control().await?, e, false).await {
                 drift.push(conflict_drift("exchange", &e.name, err)?);
             }
         }
         for q in &plan.queues {
-            if let Err(err) = declare_queue(&self.control().await?, q, true).await {
-                match is_soft(&err, AMQPSoftError::NOTFOUND) {
-                    true => drift.push(Drift::MissingQueue { name: q.name.clone() }),
-                    false => return Err(lost(err)),
-                }
+            if !found(declare_queue(&self.control().await?, q, true).await)? {
+                drift.push(Drift::MissingQueue { name: q.name.clone() });
             } else if let Err(err) = declare_queue(&self.control().await?, q, false).await {
                 drift.push(conflict_drift("queue", &q.name, err)?);
             }
@@ -483,11 +588,15 @@ impl Broker for Amqp {
     }
 
     fn is_connected(&self) -> bool {
-        self.inner.connection.status().connected() && self.inner.publisher.status().connected()
+        !self.inner.broken.load(Ordering::SeqCst)
+            && self.inner.connection.status().connected()
+            && self.inner.publisher.status().connected()
     }
 
     async fn close(&self) {
-        let _ = self.inner.connection.close(200, "sluice shutting down".into()).await;
+        // A frozen or blocked node never answers the close: bounded.
+        let closing = self.inner.connection.close(200, "sluice shutting down".into());
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
     }
 }
 
@@ -521,6 +630,15 @@ fn amqp_error(e: &lapin::Error) -> Option<&lapin::protocol::AMQPError> {
 
 fn is_soft(e: &lapin::Error, code: AMQPSoftError) -> bool {
     amqp_error(e).is_some_and(|a| *a.kind() == AMQPErrorKind::Soft(code))
+}
+
+/// What a passive declaration says: whether the exchange or queue exists.
+fn found(declared: Result<(), lapin::Error>) -> Result<bool, BrokerError> {
+    match declared {
+        Ok(()) => Ok(true),
+        Err(e) if is_soft(&e, AMQPSoftError::NOTFOUND) => Ok(false),
+        Err(e) => Err(lost(e)),
+    }
 }
 
 fn lost(e: lapin::Error) -> BrokerError {
@@ -634,6 +752,23 @@ mod tests {
 
     use crate::envelope::ERROR_HEADER;
 
+    /// `amqps://` goes through rustls with ring, the one crypto provider: against a server
+    /// that does not speak TLS the connection fails with an error.
+    #[tokio::test]
+    async fn amqps_reaches_a_tls_handshake() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let _ = stream.write_all(b"AMQP\x00\x00\x09\x01").await;
+            }
+        });
+        let url = format!("amqps://guest:guest@127.0.0.1:{port}/%2f");
+        let timeouts = super::Timeouts { connect: std::time::Duration::from_secs(5), ..super::Timeouts::default() };
+        assert!(super::Amqp::connect(&url, timeouts).await.is_err());
+    }
+
     #[test]
     fn retry_copies_drop_the_dead_letter_history() {
         let mut headers = FieldTable::default();
@@ -684,6 +819,23 @@ mod tests {
         let mut unlimited = table.clone();
         super::fit_frame(&properties, &mut unlimited, 0);
         assert_eq!(unlimited, table);
+    }
+
+    /// Issue 20: a silent node is noticed in seconds unless the URL chose its own heartbeat.
+    #[test]
+    fn asks_for_a_short_heartbeat_unless_the_url_names_one() {
+        assert_eq!(super::with_heartbeat("amqp://h/%2f"), "amqp://h/%2f?heartbeat=5");
+        assert_eq!(super::with_heartbeat("amqp://h/%2f?frame_max=8192"), "amqp://h/%2f?frame_max=8192&heartbeat=5");
+        assert_eq!(super::with_heartbeat("amqp://h/%2f?heartbeat=30"), "amqp://h/%2f?heartbeat=30");
+        assert_eq!(super::with_heartbeat("amqp://h?channel_max=9&heartbeat=0"), "amqp://h?channel_max=9&heartbeat=0");
+    }
+
+    #[test]
+    fn names_nodes_by_host_and_port() {
+        assert_eq!(super::node_name("amqp://guest:pw@10.0.0.1:5682/%2f?heartbeat=5"), "10.0.0.1:5682");
+        assert_eq!(super::node_name("amqp://rabbit"), "rabbit:5672");
+        assert_eq!(super::node_name("amqps://u:p@rabbit.example/vh"), "rabbit.example:5671");
+        assert_eq!(super::node_name("amqp://[::1]:5673/"), "[::1]:5673");
     }
 
     #[test]

@@ -5,7 +5,12 @@
 //! exactly with no head-of-line blocking (a copy is invisible until due; consumers take what
 //! is visible in id order), and leases what it delivers: a consumer renews the lease of its
 //! unsettled messages while it lives, so those of a killed process come back once the lease
-//! runs out ([`LEASE`]).
+//! runs out ([`LEASE`]). A failed ack changes nothing: the deliveries stay leased to their
+//! consumer, to be acked again. A claim takes 4 MiB of bodies at most (a larger one alone),
+//! and a consumer whose stream holds that much unread claims no more: memory holds a few
+//! large messages, not a claim's worth. A body is stored once, whatever copies of it are
+//! made (fan-out, retries, dead-lettering, redrive), and a consumer with a limit
+//! ([`Broker::consume_within`]) gets a larger message as its size alone, never read.
 //!
 //! Durability is SQLite's: each commit is in the write-ahead log before a publish is
 //! confirmed, and with `synchronous=NORMAL` a commit survives the process being killed (not
@@ -13,19 +18,29 @@
 //! engine here: every write is SQL in one transaction per batch of requests (group commit, on
 //! a thread of its own).
 //!
-//! Other processes (`sluice publish`, `sluice dlq`, `sluice status`) open the same file and
-//! work on the same state; their consumers count in `stats` while their registration is
-//! renewed. In-process publishes wake consumers at once; another process's, within [`POLL`].
+//! Other processes (`sluice publish`, `sluice dlq`, `sluice status`) open the same file, never
+//! creating one ([`Embedded::open_existing_dir`]), and work on the same state; their consumers count in `stats` while their registration is
+//! renewed. The commands that only read (`status`, `dlq list`, `dlq show`) open it read-only
+//! ([`ReadOnly`]) and write nothing, not even a lease. In-process publishes wake consumers at once; another process's, within [`POLL`].
+//! Idleness costs the same whatever the number of queues: the writer alone looks every
+//! [`POLL`] (one number read, unless another process wrote or something came due), idle
+//! consumers never wake, and one request renews every consumer's leases.
 //! Freed pages go back to the file system a bounded number at a time (incremental
 //! auto-vacuum), so the file shrinks after a backlog drains.
 //!
 //! Limits: a delayed copy is delivered within [`POLL`] after it is due; `delayed()` scans the
 //! messages, and counts deliveries under a lease as not yet due back (a killed runner's are
 //! held until theirs runs out, so `run --exit-when-idle` waits for them); `max_length` counts ready messages as RabbitMQ does (not those delivered, nor
-//! delayed copies not yet due); a row corrupted in the file fails each claim of its queue (an
-//! error on the consumer's stream, never a panic) until it is removed. One machine only: the
-//! file must be on a local disk (SQLite's WAL needs shared memory between the processes).
+//! delayed copies not yet due). One machine only: the file must be on a local disk (SQLite's
+//! WAL needs shared memory between the processes).
+//!
+//! Damage: a message row that cannot be read is quarantined by the claim that meets it (to
+//! its queue's dead-letter queue, reason `internal`), and the queue goes on; a file SQLite
+//! finds damaged, or the file or its write-ahead log deleted or replaced under a live process,
+//! is [`BrokerError::Damaged`], which ends `sluice run` (see the store's and writer's docs).
 
+mod keys;
+mod reader;
 mod store;
 #[cfg(test)]
 mod tests;
@@ -34,7 +49,7 @@ mod writer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak, mpsc};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -42,41 +57,67 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::{Notify, mpsc as channel, oneshot};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+pub use self::reader::{Messages, ReadOnly};
 pub(crate) use self::store::now_ms;
-use self::store::{NewMessage, Stored, ms};
-use self::writer::{Op, Wakers};
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
+use self::store::{Body, Claimed, NewMessage, Stored, ms};
+use self::writer::{Op, Registration, Renewal, Wakers};
+use super::{BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
+use crate::dedup::Claim;
 use crate::envelope;
-use crate::topology::Plan;
+use crate::topology::{BindingDecl, Plan};
 
 /// How long a delivered message stays leased to its consumer without a renewal. A live
 /// consumer renews every third of it; a killed one's messages come back after at most this.
 pub const LEASE: Duration = Duration::from_secs(30);
 
-/// How often an idle consumer looks for what other processes wrote.
+/// How often the writer looks for what no commit of this process announced: another process's
+/// writes, delayed copies and leases come due (once for every queue of the process).
 pub const POLL: Duration = Duration::from_millis(50);
 
 /// The most messages claimed in one request.
 const CLAIM_MAX: u32 = 1024;
 
+/// The most body bytes claimed in one request (a larger message goes alone), and how much a
+/// consumer's stream may hold unread before it claims more: a browse of large messages keeps
+/// a few in memory, not a claim's worth.
+const CLAIM_BYTES: u64 = 4 << 20;
+
 /// A session with the embedded broker. Cheap to clone; clones share the writer thread.
 #[derive(Clone)]
 pub struct Embedded {
     inner: Arc<Inner>,
+    /// Until this session is closed ([`Embedded::session`] makes another on the same file).
+    connected: Arc<AtomicBool>,
 }
 
 struct Inner {
     ops: mpsc::Sender<Op>,
     wakers: Arc<Wakers>,
     lease: Duration,
-    connected: AtomicBool,
+    /// The consumers of this handle, whose leases and registrations [`renew_all`] renews.
+    consumers: Mutex<Vec<Weak<ConsumerState>>>,
+    /// Whether [`renew_all`] runs.
+    renewing: AtomicBool,
+    /// Requests sent to the writer, for tests that count what idleness costs.
+    #[cfg(test)]
+    requests: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The writer's answer to a request sent.
+type Answer<T> = oneshot::Receiver<Result<T, BrokerError>>;
+
+async fn answer<T>(answer: Answer<T>) -> Result<T, BrokerError> {
+    answer.await.map_err(|_| stopped())?
+}
+
+fn stopped() -> BrokerError {
+    BrokerError::Lost("the embedded broker's writer stopped".into())
 }
 
 /// The broker's file in the directory `--broker` names.
@@ -86,27 +127,84 @@ impl Embedded {
     /// Opens the broker's file, creating it and its directory. Several processes may open
     /// the same file.
     pub fn open(path: &Path) -> Result<Embedded, BrokerError> {
-        Embedded::open_with_lease(path, LEASE)
+        Embedded::open_file(path, LEASE, true)
     }
 
-    /// Opens the broker whose directory is `dir` (its [`FILE`]).
+    /// Opens the broker whose directory is `dir` (its [`FILE`]), creating it: for `run`.
     pub fn open_dir(dir: &Path) -> Result<Embedded, BrokerError> {
         Embedded::open(&dir.join(FILE))
     }
 
+    /// Opens the broker whose directory is `dir` only if it is there: for the operator's
+    /// commands, which must not leave an empty broker where a mistyped `--broker` (or another
+    /// working directory than `run`'s) points.
+    pub fn open_existing_dir(dir: &Path) -> Result<Embedded, BrokerError> {
+        Embedded::open_file(&dir.join(FILE), LEASE, false)
+    }
+
     /// Opens with another lease than [`LEASE`].
+    #[cfg(test)]
     fn open_with_lease(path: &Path, lease: Duration) -> Result<Embedded, BrokerError> {
+        Embedded::open_file(path, lease, true)
+    }
+
+    /// Opens the file (with `create`, making it and its directory when missing).
+    fn open_file(path: &Path, lease: Duration, create: bool) -> Result<Embedded, BrokerError> {
         let wakers = Arc::new(Wakers::default());
-        let ops = writer::start(path, wakers.clone())?;
-        Ok(Embedded { inner: Arc::new(Inner { ops, wakers, lease, connected: AtomicBool::new(true) }) })
+        let ops = writer::start(path, create, wakers.clone())?;
+        let inner = Inner {
+            ops,
+            wakers,
+            lease,
+            consumers: Mutex::new(Vec::new()),
+            renewing: AtomicBool::new(false),
+            #[cfg(test)]
+            requests: AtomicU64::new(0),
+        };
+        Ok(Embedded { inner: Arc::new(inner), connected: Arc::new(AtomicBool::new(true)) })
+    }
+
+    /// A new session on the same file and writer thread: closing it closes only it. The
+    /// runner's sessions and its idempotency store share one writer, so that keys and acks
+    /// go in one transaction and never wait on each other's locks.
+    pub fn session(&self) -> Embedded {
+        Embedded { inner: self.inner.clone(), connected: Arc::new(AtomicBool::new(true)) }
     }
 
     /// Sends a request to the writer and waits for its answer (after the commit).
     async fn call<T>(&self, op: impl FnOnce(oneshot::Sender<Result<T, BrokerError>>) -> Op) -> Result<T, BrokerError> {
+        answer(self.send(op)?).await
+    }
+
+    /// Sends a request to the writer at once; its [`answer`] comes after the commit.
+    fn send<T>(
+        &self,
+        op: impl FnOnce(oneshot::Sender<Result<T, BrokerError>>) -> Op,
+    ) -> Result<Answer<T>, BrokerError> {
         let (reply, answer) = oneshot::channel();
-        let stopped = || BrokerError::Lost("the embedded broker's writer stopped".into());
         self.inner.ops.send(op(reply)).map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+        #[cfg(test)]
+        self.inner.requests.fetch_add(1, Ordering::SeqCst);
+        Ok(answer)
+    }
+
+    /// Takes the idempotency key for this process for `lease`, unless it is done or another
+    /// live process holds it: the embedded idempotency store (keys as the store names them).
+    pub async fn claim_key(&self, key: &str, lease: Duration) -> Result<Claim, BrokerError> {
+        let until = now_ms().saturating_add(ms(lease));
+        self.call(|reply| Op::ClaimKey { key: key.into(), until, reply }).await
+    }
+
+    /// Records the idempotency keys handled for `ttl` (without an ack: see
+    /// [`Consumer::ack_recording`]).
+    pub async fn complete_keys(&self, keys: &[String], ttl: Duration) -> Result<(), BrokerError> {
+        let until = now_ms().saturating_add(ms(ttl));
+        self.call(|reply| Op::CompleteKeys { keys: keys.to_vec(), until, reply }).await
+    }
+
+    /// Gives up this process's claim on the idempotency key.
+    pub async fn release_key(&self, key: &str) -> Result<(), BrokerError> {
+        self.call(|reply| Op::ReleaseKey { key: key.into(), reply }).await
     }
 
     async fn copy(&self, queue: &str, message: NewMessage, visible_at: i64) -> Result<(), BrokerError> {
@@ -117,26 +215,36 @@ impl Embedded {
         &self,
         queue: &str,
         prefetch: u16,
+        max_body: u64,
     ) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
         let owner = rand::random::<i64>();
         self.call(|reply| Op::Stats { queue: queue.into(), reply }).await?;
         let until = now_ms().saturating_add(ms(self.inner.lease));
-        self.call(|reply| Op::Renew { owner, queue: queue.into(), ids: Vec::new(), until, register: true, reply })
-            .await?;
+        let renewals = vec![Renewal { owner, queue: queue.into(), ids: Vec::new(), registration: Registration::New }];
+        self.call(|reply| Op::Renew { renewals, until, reply }).await?;
         let state = Arc::new(ConsumerState {
             owner,
             queue: queue.into(),
             // AMQP's prefetch 0 is no limit.
             prefetch: if prefetch == 0 { u32::from(u16::MAX) } else { u32::from(prefetch) },
+            max_body,
             unsettled: Mutex::new(BTreeSet::new()),
-            room: Notify::new(),
+            unread: Arc::new(AtomicU64::new(0)),
+            room: Arc::new(Notify::new()),
             cancelled: CancellationToken::new(),
             closed: CancellationToken::new(),
             live: Arc::new(AtomicBool::new(true)),
+            registered: AtomicBool::new(true),
+            dropped: CancellationToken::new(),
         });
         let (sender, receiver) = channel::unbounded_channel();
+        let deliveries = EmbeddedDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
+        lock(&self.inner.consumers).push(Arc::downgrade(&state));
+        if !self.inner.renewing.swap(true, Ordering::SeqCst) {
+            tokio::spawn(renew_all(Arc::downgrade(&self.inner)));
+        }
         tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender));
-        Ok((EmbeddedDeliveries(receiver), EmbeddedConsumer { broker: self.clone(), state }))
+        Ok((deliveries, EmbeddedConsumer { broker: self.clone(), state }))
     }
 }
 
@@ -144,17 +252,34 @@ struct ConsumerState {
     owner: i64,
     queue: String,
     prefetch: u32,
+    /// Bodies larger are not read: their messages come with their size alone.
+    max_body: u64,
     /// Ids delivered and not yet acked; changed under this lock together with `live`.
     unsettled: Mutex<BTreeSet<i64>>,
-    /// Poked by an ack: there is room for more.
-    room: Notify,
+    /// Body bytes sent to the stream and not yet read from it.
+    unread: Arc<AtomicU64>,
+    /// Poked by an ack, and by a read of the stream that brings `unread` under [`CLAIM_BYTES`]:
+    /// there may be room for more.
+    room: Arc<Notify>,
     cancelled: CancellationToken,
     closed: CancellationToken,
     live: Arc<AtomicBool>,
+    /// Counted among the queue's consumers (until cancelled with nothing left to deliver).
+    registered: AtomicBool,
+    /// Cancelled when every handle to the consumer is gone: its task ends.
+    dropped: CancellationToken,
+}
+
+impl Drop for ConsumerState {
+    fn drop(&mut self) {
+        self.dropped.cancel();
+    }
 }
 
 /// A consumer's task: claims what fits its prefetch when woken (a commit of this process, an
-/// ack, or every [`POLL`] when another process may have written), and renews its leases.
+/// ack, or the writer's watch: another process's commit, a delayed copy come due), while its
+/// stream holds less than [`CLAIM_BYTES`] unread. It never polls, and leaves its leases to
+/// [`renew_all`]: an idle consumer does not wake at all.
 /// Ends when the consumer closes, when it is cancelled and has nothing left unsettled, or
 /// when every handle to it is gone without a close (its leases then run out, as a killed
 /// process's do).
@@ -165,10 +290,6 @@ async fn consume(
 ) {
     let lease = broker.inner.lease;
     let mut sender = Some(sender);
-    let mut renew_at = Instant::now() + lease / 3;
-    let mut registered = true;
-    // Whether to look before claiming: only after a quiet poll, to keep idle polls read-only.
-    let mut look = false;
     let Some(queue) = state.upgrade().map(|s| s.queue.clone()) else { return };
     let wake = broker.inner.wakers.of(&queue);
     loop {
@@ -179,20 +300,23 @@ async fn consume(
         let woken = wake.notified();
         tokio::pin!(woken);
         woken.as_mut().enable();
-        let room = s.prefetch.saturating_sub(u32::try_from(lock(&s.unsettled).len()).unwrap_or(u32::MAX));
+        let room = if s.unread.load(Ordering::SeqCst) >= CLAIM_BYTES {
+            0
+        } else {
+            s.prefetch.saturating_sub(u32::try_from(lock(&s.unsettled).len()).unwrap_or(u32::MAX))
+        };
         let mut claimed_all = false;
         if let Some(out) = sender.as_ref().filter(|_| !s.cancelled.is_cancelled() && room > 0) {
-            let claim = async {
-                if look && !broker.call(|reply| Op::HasReady { queue: s.queue.clone(), reply }).await? {
-                    return Ok(Vec::new());
-                }
-                let until = now_ms().saturating_add(ms(lease));
-                let n = room.min(CLAIM_MAX);
-                broker.call(|reply| Op::Claim { queue: s.queue.clone(), owner: s.owner, n, until, reply }).await
-            };
-            match claim.await {
-                Ok(rows) => {
-                    claimed_all = u32::try_from(rows.len()).is_ok_and(|n| n == room.min(CLAIM_MAX));
+            let until = now_ms().saturating_add(ms(lease));
+            let (queue, owner, n, bytes, max_body) =
+                (s.queue.clone(), s.owner, room.min(CLAIM_MAX), CLAIM_BYTES, s.max_body);
+            match broker.call(|reply| Op::Claim { queue, owner, n, bytes, max_body, until, reply }).await {
+                Ok(Claimed { rows, full, quarantined }) => {
+                    for q in quarantined {
+                        let (row, to, fault) = (q.id, q.to, q.fault);
+                        tracing::error!(queue = %s.queue, row, %to, %fault, "unreadable stored message quarantined (reason internal)");
+                    }
+                    claimed_all = full;
                     deliver(&broker, &s, out, rows).await;
                 }
                 Err(e) => {
@@ -204,30 +328,27 @@ async fn consume(
         if s.cancelled.is_cancelled() {
             sender = None;
             if lock(&s.unsettled).is_empty() {
-                if registered {
-                    let _ = renew(&broker, &s, false).await;
-                }
+                let _ = deregister(&broker, &s).await;
                 return;
             }
         }
-        if Instant::now() >= renew_at || (registered && sender.is_none()) {
-            registered = sender.is_some();
-            // A failed renewal is tried again at the next tick; the lease has two more.
-            if renew(&broker, &s, registered).await.is_ok() {
-                renew_at = Instant::now() + lease / 3;
-            }
+        // A consumer that can deliver no more no longer counts as one.
+        if sender.is_none() {
+            let _ = deregister(&broker, &s).await;
         }
         if claimed_all {
-            look = false;
             continue;
         }
-        let poll = if sender.is_some() { POLL } else { renew_at.saturating_duration_since(Instant::now()) };
+        // Waits without holding the state, so that dropping every handle drops it.
+        let (closed, cancelled, room, dropped) =
+            (s.closed.clone(), s.cancelled.clone(), s.room.clone(), s.dropped.clone());
+        drop(s);
         tokio::select! {
-            () = s.closed.cancelled() => return,
-            () = s.cancelled.cancelled(), if sender.is_some() => look = false,
-            () = &mut woken => look = false,
-            () = s.room.notified() => look = false,
-            () = tokio::time::sleep(poll) => look = true,
+            () = closed.cancelled() => return,
+            () = dropped.cancelled() => return,
+            () = cancelled.cancelled(), if sender.is_some() => {}
+            () = &mut woken => {}
+            () = room.notified() => {}
         }
     }
 }
@@ -248,26 +369,94 @@ async fn deliver(
     }
     for row in rows {
         unsettled.insert(row.id);
-        let _ = out.send(Ok(EmbeddedDelivery { id: row.id, message: row.message, live: s.live.clone() }));
+        let bytes = row.body.len() as u64;
+        let delivery = EmbeddedDelivery {
+            id: row.id,
+            message: row.message,
+            body: row.body,
+            size: usize::try_from(row.size).unwrap_or(usize::MAX),
+            live: s.live.clone(),
+        };
+        if out.send(Ok(delivery)).is_ok() {
+            s.unread.fetch_add(bytes, Ordering::SeqCst);
+        }
     }
 }
 
-/// Extends the consumer's leases, and its registration while `register` (else removes it).
-async fn renew(broker: &Embedded, s: &ConsumerState, register: bool) -> Result<(), BrokerError> {
-    let ids: Vec<i64> = lock(&s.unsettled).iter().copied().collect();
-    let until = now_ms().saturating_add(ms(broker.inner.lease));
-    broker.call(|reply| Op::Renew { owner: s.owner, queue: s.queue.clone(), ids, until, register, reply }).await
+/// Removes the consumer's registration (once), extending its leases. Sent under the lock that
+/// [`renew_all`] sends under, so that no renewal of the registration taken before lands after
+/// it. Should it fail, the registration runs out with the lease.
+async fn deregister(broker: &Embedded, s: &ConsumerState) -> Result<(), BrokerError> {
+    let answer = {
+        let _consumers = lock(&broker.inner.consumers);
+        if !s.registered.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let until = now_ms().saturating_add(ms(broker.inner.lease));
+        broker.send(|reply| Op::Renew { renewals: vec![renewal(s)], until, reply })?
+    };
+    self::answer(answer).await
+}
+
+/// What renewing `s` takes: its unsettled ids, and its registration while it has one.
+fn renewal(s: &ConsumerState) -> Renewal {
+    let ids = lock(&s.unsettled).iter().copied().collect();
+    let registration = if s.registered.load(Ordering::SeqCst) { Registration::Keep } else { Registration::Drop };
+    Renewal { owner: s.owner, queue: s.queue.clone(), ids, registration }
+}
+
+/// Renews the leases and registrations of every consumer of a handle every third of the
+/// lease, in one request: one wake-up and one transaction however many queues there are. A
+/// consumer whose handles are all gone without a close is no longer renewed (its leases run
+/// out, as a killed process's do). Ends when the handle has no consumer left.
+async fn renew_all(inner: Weak<Inner>) {
+    let Some(lease) = inner.upgrade().map(|i| i.lease) else { return };
+    let mut wait = lease / 3;
+    loop {
+        tokio::time::sleep(wait).await;
+        let Some(broker) = inner.upgrade().map(|inner| Embedded { inner, connected: Arc::new(AtomicBool::new(true)) })
+        else {
+            return;
+        };
+        let answer = {
+            let mut consumers = lock(&broker.inner.consumers);
+            consumers.retain(|c| c.upgrade().is_some_and(|s| !s.closed.is_cancelled()));
+            if consumers.is_empty() {
+                // Under the lock that `open_consumer` pushes under: a new consumer starts another.
+                broker.inner.renewing.store(false, Ordering::SeqCst);
+                return;
+            }
+            let renewals: Vec<Renewal> = consumers
+                .iter()
+                .filter_map(Weak::upgrade)
+                .map(|s| renewal(&s))
+                .filter(|r| r.registration == Registration::Keep || !r.ids.is_empty())
+                .collect();
+            let until = now_ms().saturating_add(ms(lease));
+            broker.send(|reply| Op::Renew { renewals, until, reply })
+        };
+        // A failed renewal is tried again after a poll's time; the lease has two more ticks.
+        let renewed = match answer {
+            Ok(sent) => self::answer(sent).await,
+            Err(e) => Err(e),
+        };
+        wait = if renewed.is_ok() { lease / 3 } else { POLL };
+    }
 }
 
 /// A delivery from the embedded broker.
 pub struct EmbeddedDelivery {
     id: i64,
+    /// Its body by reference: what its copies carry.
     message: NewMessage,
+    /// Its body as read (empty when over the consumer's limit), and its size.
+    body: Bytes,
+    size: usize,
     live: Arc<AtomicBool>,
 }
 
 impl EmbeddedDelivery {
-    /// A copy of this message with `headers` merged over its own.
+    /// A copy of this message with `headers` merged over its own (its body by reference).
     fn copy(&self, headers: Headers) -> NewMessage {
         let mut message = self.message.clone();
         message.headers.extend(headers);
@@ -277,7 +466,11 @@ impl EmbeddedDelivery {
 
 impl Delivery for EmbeddedDelivery {
     fn body(&self) -> &Bytes {
-        &self.message.body
+        &self.body
+    }
+
+    fn size(&self) -> usize {
+        self.size
     }
 
     fn header(&self, name: &str) -> Option<HeaderValue> {
@@ -302,13 +495,28 @@ impl Delivery for EmbeddedDelivery {
 }
 
 /// The deliveries of one consumer.
-pub struct EmbeddedDeliveries(channel::UnboundedReceiver<Result<EmbeddedDelivery, BrokerError>>);
+pub struct EmbeddedDeliveries {
+    receiver: channel::UnboundedReceiver<Result<EmbeddedDelivery, BrokerError>>,
+    /// Its consumer's count of body bytes sent and not yet read, and what to poke when a read
+    /// brings it under [`CLAIM_BYTES`].
+    unread: Arc<AtomicU64>,
+    room: Arc<Notify>,
+}
 
 impl Stream for EmbeddedDeliveries {
     type Item = Result<EmbeddedDelivery, BrokerError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx)
+        let item = self.receiver.poll_recv(cx);
+        if let Poll::Ready(Some(Ok(delivery))) = &item {
+            let read = delivery.body.len() as u64;
+            let before = self.unread.fetch_sub(read, Ordering::SeqCst);
+            // Only a read that makes room again wakes the consumer (it waits on no other).
+            if before >= CLAIM_BYTES && before - read < CLAIM_BYTES {
+                self.room.notify_one();
+            }
+        }
+        item
     }
 }
 
@@ -319,16 +527,15 @@ pub struct EmbeddedConsumer {
     state: Arc<ConsumerState>,
 }
 
-impl Consumer for EmbeddedConsumer {
-    type Delivery = EmbeddedDelivery;
-
-    async fn ack(&self, settled: Vec<EmbeddedDelivery>) -> Result<(), BrokerError> {
+impl EmbeddedConsumer {
+    /// Removes settled messages, recording `done` keys until `until` in the same transaction.
+    async fn settle(&self, settled: &[EmbeddedDelivery], done: Vec<String>, until: i64) -> Result<(), BrokerError> {
         let s = &self.state;
         if !s.live.load(Ordering::SeqCst) {
             return Err(BrokerError::Lost("consumer closed".into()));
         }
         let ids: Vec<i64> = settled.iter().map(|d| d.id).collect();
-        self.broker.call(|reply| Op::Ack { owner: s.owner, ids: ids.clone(), reply }).await?;
+        self.broker.call(|reply| Op::Ack { owner: s.owner, ids: ids.clone(), done, until, reply }).await?;
         let mut unsettled = lock(&s.unsettled);
         for id in ids {
             unsettled.remove(&id);
@@ -336,6 +543,27 @@ impl Consumer for EmbeddedConsumer {
         drop(unsettled);
         s.room.notify_one();
         Ok(())
+    }
+}
+
+impl Consumer for EmbeddedConsumer {
+    type Delivery = EmbeddedDelivery;
+
+    /// A failed ack (a full disk, another process's write lock held past the busy timeout)
+    /// changes nothing: its deliveries stay unsettled, leased and renewed, to be acked again.
+    async fn ack(&self, settled: &[EmbeddedDelivery]) -> Result<(), BrokerError> {
+        self.settle(settled, Vec::new(), 0).await
+    }
+
+    /// The keys are written in the acks' transaction: a key is done exactly when its message
+    /// is gone.
+    async fn ack_recording(
+        &self,
+        settled: &[EmbeddedDelivery],
+        keys: &[String],
+        ttl: Duration,
+    ) -> Result<(), BrokerError> {
+        self.settle(settled, keys.to_vec(), now_ms().saturating_add(ms(ttl))).await
     }
 
     async fn cancel(&self) -> Result<(), BrokerError> {
@@ -353,7 +581,7 @@ impl Consumer for EmbeddedConsumer {
         s.cancelled.cancel();
         s.closed.cancel();
         let _ = self.broker.call(|reply| Op::Release { owner: s.owner, queue: s.queue.clone(), ids, reply }).await;
-        let _ = renew(&self.broker, s, false).await;
+        let _ = deregister(&self.broker, s).await;
     }
 }
 
@@ -366,9 +594,13 @@ impl Broker for Embedded {
         self.call(|reply| Op::Declare(plan.clone(), reply)).await
     }
 
+    async fn unbind(&self, bindings: &[BindingDecl]) -> Result<(), BrokerError> {
+        self.call(|reply| Op::Unbind(bindings.to_vec(), reply)).await
+    }
+
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
         let message = NewMessage {
-            body: message.body.into(),
+            body: Body::New(message.body.into()),
             headers: message.headers,
             message_id: message.message_id,
             kind: message.kind,
@@ -398,11 +630,22 @@ impl Broker for Embedded {
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
-        self.open_consumer(queue, prefetch).await
+        self.open_consumer(queue, prefetch, u64::MAX).await
+    }
+
+    /// A message over `max_body` comes as its size: its body is never read into memory, and
+    /// a dead-letter copy of it carries the stored body by reference.
+    async fn consume_within(
+        &self,
+        queue: &str,
+        prefetch: u16,
+        max_body: usize,
+    ) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
+        self.open_consumer(queue, prefetch, u64::try_from(max_body).unwrap_or(u64::MAX)).await
     }
 
     async fn browse(&self, queue: &str, window: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
-        self.open_consumer(queue, window).await
+        self.open_consumer(queue, window, u64::MAX).await
     }
 
     async fn redrive(&self, queue: &str, original: &EmbeddedDelivery) -> Result<(), BrokerError> {
@@ -412,6 +655,18 @@ impl Broker for Embedded {
         }
         message.headers.insert(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1));
         self.copy(queue, message, 0).await
+    }
+
+    async fn body_limits(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> Result<Option<BodyLimits>, BrokerError> {
+        let (exchange, routing_key, headers) = (exchange.into(), routing_key.into(), headers.clone());
+        let limits = self.call(|reply| Op::Limits { exchange, routing_key, headers, reply }).await?;
+        let size = |max: u64| usize::try_from(max).unwrap_or(usize::MAX);
+        Ok(Some(limits.into_iter().map(|(queue, max)| (queue, max.map(size))).collect()))
     }
 
     /// Ready messages, and the consumers of every process whose registration is renewed.
@@ -428,10 +683,10 @@ impl Broker for Embedded {
     }
 
     fn is_connected(&self) -> bool {
-        self.inner.connected.load(Ordering::SeqCst)
+        self.connected.load(Ordering::SeqCst)
     }
 
     async fn close(&self) {
-        self.inner.connected.store(false, Ordering::SeqCst);
+        self.connected.store(false, Ordering::SeqCst);
     }
 }

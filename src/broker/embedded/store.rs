@@ -1,22 +1,35 @@
 //! The embedded broker's SQL: the schema, and each operation as statements on one open
-//! transaction. Rows read from the file are checked: a corrupted row is an error, never a
-//! panic.
+//! transaction. Rows read from the file are checked: a message row that cannot be read is
+//! quarantined (see [`Store::claim`]), never a panic nor an error that stops its queue; a file
+//! SQLite finds damaged is [`BrokerError::Damaged`], as is one deleted or replaced under a
+//! live connection ([`Store::vanished`]).
+//!
+//! A body is stored once, in `bodies`, and named by every message row that carries it: the
+//! copies of a fan-out, a delayed retry, a dead-letter or redriven copy write no body again,
+//! and a body no row names any longer goes with the last of them (a trigger). A claim reads a
+//! body only when it is within the consumer's limit: a larger one is delivered as its size.
 //!
 //! A message is ready when `visible_at` is 0 (published, handed back) or past (a delayed copy
 //! come due, a lease run out); claiming one sets `visible_at` to the lease's end and names
 //! its owner, so a consumer that dies without settling simply lets it come due again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use rusqlite::{Connection, OptionalExtension as _, params};
+use rusqlite::config::DbConfig;
+use rusqlite::types::ValueRef;
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
 use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, route};
+use super::writer::Registration;
 use crate::config::ExchangeKind;
-use crate::topology::Plan;
+use crate::config::suggest::did_you_mean;
+use crate::envelope::ATTEMPT_HEADER;
+use crate::runtime::worker::{Reason, attempt_in, dead_letter_headers};
+use crate::topology::{BindingDecl, Plan};
 
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -24,6 +37,11 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// The size the write-ahead log is cut back to once a checkpoint has emptied it: about what
 /// SQLite's automatic checkpoint (every 1,000 pages) lets it grow to.
 pub const WAL_LIMIT: i64 = 4 << 20;
+
+/// The file's layout, recorded in `meta`: 2 since bodies are stored apart and idempotency keys
+/// kept (files without the record are of layout 1, converted on opening). A file of a later
+/// layout is refused, not misread.
+const LAYOUT: i64 = 2;
 
 /// Milliseconds since the epoch: the clock of `visible_at` and lease ends.
 pub(crate) fn now_ms() -> i64 {
@@ -35,22 +53,55 @@ pub(super) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// A message's body: bytes to store, or one the file holds already (by its id in `bodies`).
+#[derive(Debug, Clone)]
+pub(super) enum Body {
+    New(Bytes),
+    Stored(i64),
+}
+
 /// A message to write.
 #[derive(Debug, Clone)]
 pub(super) struct NewMessage {
-    pub body: Bytes,
+    pub body: Body,
     pub headers: Headers,
     pub message_id: Option<String>,
     pub kind: Option<String>,
     pub timestamp: Option<u64>,
 }
 
-/// A message claimed from the file.
+/// A message claimed from the file: its body [stored](Body::Stored), and read unless it is
+/// over the claim's limit (then empty).
 #[derive(Debug)]
 pub(super) struct Stored {
     pub id: i64,
     pub message: NewMessage,
+    pub body: Bytes,
+    /// The body's length, read or not.
+    pub size: u64,
 }
+
+/// What a claim took, and whether it took all it was allowed (so more may be ready).
+#[derive(Debug)]
+pub(super) struct Claimed {
+    pub rows: Vec<Stored>,
+    pub full: bool,
+    /// Rows it met that could not be read, moved out of the queue's way.
+    pub quarantined: Vec<Quarantined>,
+}
+
+/// A message row that could not be read, and where what could be read of it went.
+#[derive(Debug)]
+pub(super) struct Quarantined {
+    pub id: i64,
+    /// The queue's dead-letter queue; for a queue without one, the queue itself.
+    pub to: String,
+    /// What could not be read.
+    pub fault: String,
+}
+
+/// A stored body and its length, or what can be read of a damaged one and what is wrong.
+type BodyRead = Result<(Bytes, u64), (Bytes, String)>;
 
 /// The declarations routing needs, cached until a declare (by any process) bumps the version.
 #[derive(Default)]
@@ -65,12 +116,19 @@ struct Topology {
 struct QueueRule {
     max_length: Option<u64>,
     single_active_consumer: bool,
+    /// Where a message of it that cannot be read goes.
+    dead_letter: Option<String>,
+    /// The largest body its consumers take, as the last declare said (none: no limit, or
+    /// declared by an earlier version).
+    max_body: Option<u64>,
 }
 
 /// The statements on a store, and what they cache; the connection stays the caller's, so a
 /// transaction on it and these can be used together.
 pub(super) struct Store {
     path: String,
+    /// The file and its write-ahead log, each with the file (device, inode) it was when opened.
+    opened: Vec<(PathBuf, (u64, u64))>,
     topology: Option<Topology>,
     /// Ready messages of the queues with `max_length` that this batch published to: counted
     /// once per batch, then kept up to date by its inserts and claims.
@@ -98,6 +156,124 @@ fn headers_text(headers: &Headers) -> String {
     Value::Object(map).to_string()
 }
 
+/// What went wrong in the store, and whether it says that the file itself is damaged.
+pub(super) struct Fault {
+    text: String,
+    damaged: bool,
+}
+
+impl From<&rusqlite::Error> for Fault {
+    fn from(e: &rusqlite::Error) -> Fault {
+        let damaged = matches!(e.sqlite_error_code(), Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase));
+        Fault { text: e.to_string(), damaged }
+    }
+}
+
+impl From<rusqlite::Error> for Fault {
+    fn from(e: rusqlite::Error) -> Fault {
+        Fault::from(&e)
+    }
+}
+
+impl From<String> for Fault {
+    fn from(text: String) -> Fault {
+        Fault { text, damaged: false }
+    }
+}
+
+impl From<&str> for Fault {
+    fn from(text: &str) -> Fault {
+        Fault::from(text.to_string())
+    }
+}
+
+impl From<serde_json::Error> for Fault {
+    fn from(e: serde_json::Error) -> Fault {
+        Fault::from(e.to_string())
+    }
+}
+
+/// The error for a file SQLite finds damaged or not a database at all, saying what to do.
+fn damaged(path: &str, error: &str) -> BrokerError {
+    BrokerError::Damaged(format!(
+        "the embedded broker's file {path} is not a usable SQLite database ({error}): stop every sluice process using it, then restore it from a backup, or move it aside together with its -wal and -shm files (`sluice run` then starts an empty broker; `sqlite3 FILE .recover` may salvage messages from the damaged copy)"
+    ))
+}
+
+/// Which file a path leads to now (device and inode), if any.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// A path with `suffix` added to its file name: the write-ahead log's, a rescued copy's.
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// What can be read of a value that should have been a body (a blob): its bytes, or its text.
+fn bytes_of(value: ValueRef<'_>) -> Bytes {
+    match value {
+        ValueRef::Text(t) | ValueRef::Blob(t) => Bytes::copy_from_slice(t),
+        ValueRef::Integer(i) => i.to_string().into(),
+        ValueRef::Real(f) => f.to_string().into(),
+        ValueRef::Null => Bytes::new(),
+    }
+}
+
+/// A stored message row, whatever its columns hold (another program may have written them, or
+/// the disk damaged them): its id, the message (its body by reference, not read), and what of
+/// it could not be read (nothing for a sound row). What can be is kept: a body written into
+/// the row itself as its text, the rest left out.
+fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<String>)> {
+    let mut faults = Vec::new();
+    let id = r.get(0)?;
+    let body = match r.get_ref(1)? {
+        ValueRef::Integer(reference) => Body::Stored(reference),
+        other => {
+            faults.push(format!("body: {}, not a stored body's id", other.data_type()));
+            Body::New(bytes_of(other))
+        }
+    };
+    let headers = match r.get_ref(2)? {
+        ValueRef::Text(t) => std::str::from_utf8(t).map_err(|e| format!("headers: {e}")).and_then(headers_from),
+        other => Err(format!("headers: {}, not JSON text", other.data_type())),
+    };
+    let headers = headers.unwrap_or_else(|fault| {
+        faults.push(fault);
+        Headers::new()
+    });
+    let mut text = |column: usize, name: &str| -> rusqlite::Result<Option<String>> {
+        let value = r.get_ref(column)?;
+        if let ValueRef::Null = value {
+            return Ok(None);
+        }
+        match value.as_str() {
+            Ok(s) => Ok(Some(s.to_string())),
+            Err(_) => {
+                faults.push(format!("{name}: {}, not UTF-8 text", value.data_type()));
+                Ok(None)
+            }
+        }
+    };
+    let (message_id, kind) = (text(3, "message_id")?, text(4, "kind")?);
+    let timestamp = match r.get_ref(5)? {
+        ValueRef::Null => None,
+        ValueRef::Integer(t) if t >= 0 => u64::try_from(t).ok(),
+        ValueRef::Integer(t) => {
+            faults.push(format!("timestamp: {t}, negative"));
+            None
+        }
+        other => {
+            faults.push(format!("timestamp: {}, not an integer", other.data_type()));
+            None
+        }
+    };
+    Ok((id, NewMessage { body, headers, message_id, kind, timestamp }, faults))
+}
+
 fn headers_from(text: &str) -> Result<Headers, String> {
     let Value::Object(map) = serde_json::from_str(text).map_err(|e| format!("headers: {e}"))? else {
         return Err("headers: not a JSON object".into());
@@ -113,30 +289,155 @@ fn headers_from(text: &str) -> Result<Headers, String> {
         .collect()
 }
 
+/// Gives what could be read of message row `id` of `queue` the dead-letter headers of reason
+/// `internal`, saying what could not be read (`fault`).
+fn mark_unreadable(message: &mut NewMessage, id: i64, fault: &str, queue: &str) {
+    let attempts = attempt_in(message.headers.get(ATTEMPT_HEADER));
+    let error = format!("the embedded broker could not read stored message {id}: {fault}");
+    message.headers.extend(dead_letter_headers(Reason::Internal, &error, attempts, queue));
+}
+
+/// Why an operator's command finds no broker where `--broker` points.
+const NO_BROKER: &str = "no broker there: the file does not exist, and only `sluice run` creates it (check --broker, $SLUICE_BROKER and the working directory)";
+
+/// `path` as an SQLite URI opening it read-only as an immutable file (`%`, `?` and `#` escaped).
+fn immutable_uri(path: &Path) -> String {
+    let text = path.display().to_string().replace('%', "%25").replace('?', "%3f").replace('#', "%23");
+    format!("file:{text}?immutable=1")
+}
+
 impl Store {
-    /// Opens (creating) the file: WAL, `synchronous=NORMAL`, incremental auto-vacuum, the schema.
-    pub fn open(path: &Path) -> Result<(Connection, Store), BrokerError> {
+    /// Opens an existing file read-only, writing nothing to it nor beside it: for the commands
+    /// that only read (`status`, `dlq list`, `dlq show`). Where the write-ahead log's shared
+    /// memory (`-shm`) cannot be made (a directory this user may not write), the file is
+    /// opened as immutable instead: a snapshot of what was checkpointed into it, which is all
+    /// of a cleanly stopped runner's file, but not the commits a killed or live runner left in
+    /// its `-wal` (said in a warning).
+    pub fn open_read_only(path: &Path) -> Result<(Connection, Store), BrokerError> {
         let shown = path.display().to_string();
         let fail = |e: &dyn std::fmt::Display| BrokerError::Connect { url: shown.clone(), reason: e.to_string() };
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| fail(&e))?;
+        if !path.is_file() {
+            return Err(fail(&NO_BROKER));
         }
-        let mut conn = Connection::open(path).map_err(|e| fail(&e))?;
-        conn.busy_timeout(BUSY_TIMEOUT).map_err(|e| fail(&e))?;
+        let sql = |e: rusqlite::Error| match Fault::from(&e) {
+            Fault { damaged: true, text } => damaged(&shown, &text),
+            _ => fail(&e),
+        };
+        let read_only = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let layout = |db: &Connection| -> rusqlite::Result<Option<i64>> {
+            db.busy_timeout(BUSY_TIMEOUT)?;
+            db.query_row("SELECT value FROM meta WHERE key = 'layout'", [], |r| r.get(0)).optional()
+        };
+        let opened = Connection::open_with_flags(path, read_only).and_then(|db| Ok((layout(&db)?, db)));
+        let (layout, db) = match opened {
+            Ok((layout, db)) => (layout, db),
+            Err(e) if matches!(e.sqlite_error_code(), Some(ErrorCode::CannotOpen | ErrorCode::ReadOnly)) => {
+                let db = Connection::open_with_flags(immutable_uri(path), read_only | OpenFlags::SQLITE_OPEN_URI)
+                    .map_err(sql)?;
+                let wal = with_suffix(path, "-wal");
+                let pending = std::fs::metadata(&wal).is_ok_and(|m| m.len() > 0);
+                let layout = match layout(&db) {
+                    Ok(layout) => layout,
+                    Err(_) if pending => {
+                        return Err(fail(&format!(
+                            "nothing is checkpointed into the file yet, all is in {}, which SQLite reads only beside a -shm file this user may not create here: run this as a user who may write the directory",
+                            wal.display()
+                        )));
+                    }
+                    Err(e) => return Err(sql(e)),
+                };
+                if pending {
+                    tracing::warn!(
+                        file = %shown,
+                        "read as a snapshot (this user may not write the directory, so SQLite cannot share the write-ahead log): \
+                         commits still in {} are not seen; a cleanly stopped runner leaves none",
+                        wal.display()
+                    );
+                }
+                (layout, db)
+            }
+            Err(e) => return Err(sql(e)),
+        };
+        match layout {
+            Some(LAYOUT) => {}
+            Some(newer) if newer > LAYOUT => {
+                return Err(BrokerError::Damaged(format!(
+                    "{shown} was written by a newer sluice (file layout {newer}; this one reads up to {LAYOUT}): \
+                     run that version or a later one on it"
+                )));
+            }
+            _ => {
+                return Err(fail(
+                    &"the file is of an earlier sluice's layout: `sluice run` converts it (this command only reads)",
+                ));
+            }
+        }
+        Ok((db, Store { path: shown, opened: Vec::new(), topology: None, ready_counts: HashMap::new() }))
+    }
+
+    /// Opens the file (with `create`, making it and its directory when missing): WAL,
+    /// `synchronous=NORMAL`, incremental auto-vacuum, the schema.
+    pub fn open(path: &Path, create: bool) -> Result<(Connection, Store), BrokerError> {
+        let shown = path.display().to_string();
+        let fail = |e: &dyn std::fmt::Display| BrokerError::Connect { url: shown.clone(), reason: e.to_string() };
+        let flags = if create {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| fail(&e))?;
+            }
+            OpenFlags::default()
+        } else {
+            if !path.is_file() {
+                return Err(fail(&NO_BROKER));
+            }
+            // Nor a new file if this one goes in the meantime.
+            OpenFlags::default().difference(OpenFlags::SQLITE_OPEN_CREATE)
+        };
+        // Links are resolved once: the file is the one opened, wherever a link on its path
+        // points later (a checked-out release, a repointed state directory), and it is that
+        // file whose deletion `vanished` notices.
+        let resolved =
+            path.parent().filter(|d| !d.as_os_str().is_empty()).and_then(|dir| std::fs::canonicalize(dir).ok());
+        let path = &match (resolved, path.file_name()) {
+            (Some(dir), Some(name)) => dir.join(name),
+            _ => path.to_path_buf(),
+        };
+        // SQLite reads the file only from the first statement: a file that is no database, or
+        // a damaged one, fails there.
+        let sql = |e: rusqlite::Error| match Fault::from(&e) {
+            Fault { damaged: true, text } => damaged(&shown, &text),
+            _ => fail(&e),
+        };
+        let mut conn = Connection::open_with_flags(path, flags).map_err(sql)?;
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(sql)?;
         // auto_vacuum takes effect only before the first table: on a new file.
-        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL;").map_err(|e| fail(&e))?;
-        let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(|e| fail(&e))?;
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL;").map_err(sql)?;
+        let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(sql)?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(fail(&format!("journal mode is {mode}, not wal")));
         }
-        conn.execute_batch("PRAGMA synchronous = NORMAL;").map_err(|e| fail(&e))?;
+        conn.execute_batch("PRAGMA synchronous = NORMAL;").map_err(sql)?;
         // Without a limit the write-ahead log keeps the size of its largest batch of pages
         // until the last connection closes; with it, each restart after a checkpoint cuts it.
-        conn.pragma_update(None, "journal_size_limit", WAL_LIMIT).map_err(|e| fail(&e))?;
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(|e| fail(&e))?;
+        conn.pragma_update(None, "journal_size_limit", WAL_LIMIT).map_err(sql)?;
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(sql)?;
+        let bodies_apart = tx
+            .query_row("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'bodies'", [], |_| Ok(()))
+            .optional()
+            .map_err(sql)?
+            .is_some();
+        tx.execute_batch("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);")
+            .map_err(sql)?;
+        // A file a newer sluice has written may hold what this one would misread: refused.
+        let layout: Option<i64> =
+            tx.query_row("SELECT value FROM meta WHERE key = 'layout'", [], |r| r.get(0)).optional().map_err(sql)?;
+        if let Some(newer) = layout.filter(|l| *l > LAYOUT) {
+            return Err(BrokerError::Damaged(format!(
+                "{shown} was written by a newer sluice (file layout {newer}; this one reads up to {LAYOUT}): \
+                 run that version or a later one on it"
+            )));
+        }
         tx.execute_batch(
-            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-             INSERT OR IGNORE INTO meta (key, value) VALUES ('topology', 0);
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('topology', 0);
              CREATE TABLE IF NOT EXISTS exchanges (name TEXT PRIMARY KEY, kind TEXT NOT NULL);
              CREATE TABLE IF NOT EXISTS queues (name TEXT PRIMARY KEY, declaration TEXT NOT NULL,
                  max_length INTEGER, single_active INTEGER NOT NULL);
@@ -147,13 +448,45 @@ impl Store {
                  queue TEXT NOT NULL, visible_at INTEGER NOT NULL, lease_owner INTEGER,
                  body BLOB NOT NULL, headers TEXT NOT NULL, message_id TEXT, kind TEXT,
                  timestamp INTEGER);
+             -- `body` holds the id of the message's body in `bodies`.
              CREATE INDEX IF NOT EXISTS messages_due ON messages (queue, visible_at, id);
+             CREATE TABLE IF NOT EXISTS bodies (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
+             CREATE INDEX IF NOT EXISTS messages_body ON messages (body);
+             CREATE TRIGGER IF NOT EXISTS messages_body_gone AFTER DELETE ON messages BEGIN
+                 DELETE FROM bodies WHERE id = old.body
+                     AND NOT EXISTS (SELECT 1 FROM messages WHERE body = old.body);
+             END;
              CREATE TABLE IF NOT EXISTS consumers (owner INTEGER PRIMARY KEY, queue TEXT NOT NULL,
-                 until INTEGER NOT NULL, since INTEGER NOT NULL);",
+                 until INTEGER NOT NULL, since INTEGER NOT NULL);
+             CREATE INDEX IF NOT EXISTS consumers_queue ON consumers (queue, since);",
         )
-        .map_err(|e| fail(&e))?;
-        tx.commit().map_err(|e| fail(&e))?;
-        Ok((conn, Store { path: shown, topology: None, ready_counts: HashMap::new() }))
+        .and_then(|()| tx.execute_batch(super::keys::SCHEMA))
+        .map_err(sql)?;
+        // Kept apart from the declaration: a limit of the runner's, no conflict when it changes.
+        let limits = tx
+            .query_row("SELECT 1 FROM pragma_table_info('queues') WHERE name = 'max_message_bytes'", [], |_| Ok(()))
+            .optional()
+            .map_err(sql)?;
+        if limits.is_none() {
+            tx.execute_batch("ALTER TABLE queues ADD COLUMN max_message_bytes INTEGER;").map_err(sql)?;
+        }
+        if !bodies_apart {
+            // A file of an earlier version keeps each body in its row: it moves to `bodies`,
+            // under the row's id.
+            tx.execute_batch(
+                "INSERT INTO bodies (id, data) SELECT id, body FROM messages WHERE typeof(body) = 'blob';
+                 UPDATE messages SET body = id WHERE typeof(body) = 'blob';",
+            )
+            .map_err(sql)?;
+        }
+        tx.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('layout', ?1)", [LAYOUT]).map_err(sql)?;
+        tx.commit().map_err(sql)?;
+        // Both exist now: the log since the first transaction in WAL mode.
+        let opened = [path.to_path_buf(), with_suffix(path, "-wal")]
+            .into_iter()
+            .filter_map(|file| identity(&file).map(|id| (file, id)))
+            .collect();
+        Ok((conn, Store { path: shown, opened, topology: None, ready_counts: HashMap::new() }))
     }
 
     /// Drops the cached declarations (read in a transaction that did not commit).
@@ -167,9 +500,81 @@ impl Store {
         self.ready_counts.clear();
     }
 
-    /// An SQLite error as the broker's.
-    pub fn error(&self, e: impl std::fmt::Display) -> BrokerError {
-        BrokerError::Lost(format!("embedded broker {}: {e}", self.path))
+    /// An error of the store as the broker's: [`BrokerError::Damaged`] when SQLite says the
+    /// file is damaged, else a lost session (retried).
+    pub fn error(&self, e: impl Into<Fault>) -> BrokerError {
+        match e.into() {
+            Fault { damaged: true, text } => damaged(&self.path, &text),
+            Fault { text, .. } => BrokerError::Lost(format!("embedded broker {}: {text}", self.path)),
+        }
+    }
+
+    /// The file or its write-ahead log, if either is no longer at its path the one this
+    /// connection opened (deleted, or replaced): what this connection writes then reaches
+    /// neither other processes nor, once it closes, anyone.
+    pub fn vanished(&self) -> Option<&Path> {
+        self.opened.iter().find(|(file, id)| identity(file) != Some(*id)).map(|(file, _)| file.as_path())
+    }
+
+    /// Makes the best of a [vanished](Store::vanished) file, through the descriptors still
+    /// open, before this connection stops for good: a deleted write-ahead log's commits are
+    /// copied into the file (they would go with the log), and nothing is done to the files
+    /// when the connection closes (the log at that path, if any, is another process's); a
+    /// deleted file's content is saved as a copy beside it. The error every request gets from
+    /// then on, saying what was kept and what to do.
+    pub fn give_up(&self, db: &Connection, vanished: &Path) -> BrokerError {
+        let wal = vanished != Path::new(&self.path);
+        let rescue = with_suffix(Path::new(&self.path), &format!(".rescued-{}", now_ms()));
+        let saved = match wal {
+            true => Ok(()),
+            false => db.execute("VACUUM INTO ?1", [rescue.display().to_string()]).map(drop),
+        };
+        // A full copy of the log into the file, waiting for readers: then the log is empty.
+        let copied = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0));
+        let copied = match copied {
+            Ok(0) => Ok(()),
+            Ok(_) => Err("other processes were reading".to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if wal && let Err(e) = db.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true) {
+            tracing::warn!(error = %e, "embedded broker: closing may still touch the write-ahead log");
+        }
+        let what = match (wal, saved, copied) {
+            (true, _, Ok(())) => format!("what was committed is in {} now", self.path),
+            (true, _, Err(e)) => {
+                format!("copying what was committed into {} failed ({e}): the last commits may be lost", self.path)
+            }
+            (false, Ok(()), _) => format!(
+                "what it held is saved as {}: once every sluice process on it has stopped, put that copy at {}",
+                rescue.display(),
+                self.path
+            ),
+            (false, Err(e), _) => format!("saving what it held as {} failed ({e})", rescue.display()),
+        };
+        BrokerError::Damaged(format!(
+            "the embedded broker's {} {} was deleted or replaced while in use (only sluice may delete the broker's files while it runs); {what}. Stopped: start sluice again",
+            if wal { "write-ahead log" } else { "file" },
+            vanished.display(),
+        ))
+    }
+
+    /// An exchange or queue (`what`) not declared here, with the closest declared name; or, on
+    /// a file where nothing is declared, that the broker is empty (pointed at the wrong one?).
+    fn missing(&mut self, db: &Connection, what: &'static str, name: &str) -> BrokerError {
+        if let Err(e) = self.refresh(db) {
+            return e;
+        }
+        let Some(topology) = &self.topology else { return self.error("no topology") };
+        if topology.exchanges.is_empty() && topology.queues.is_empty() {
+            return BrokerError::NotFound(format!(
+                "{what} \"{name}\": the broker is empty, nothing is declared on it (`sluice run` declares the pipelines' exchanges and queues)"
+            ));
+        }
+        let close = match what {
+            "exchange" => did_you_mean(name, topology.exchanges.keys().map(String::as_str)),
+            _ => did_you_mean(name, topology.queues.keys().map(String::as_str)),
+        };
+        BrokerError::NotFound(format!("{what} \"{name}\"{close}"))
     }
 
     /// Reloads the cached declarations if a declare changed them since.
@@ -181,32 +586,39 @@ impl Store {
         if self.topology.as_ref().is_some_and(|t| t.version == version) {
             return Ok(());
         }
-        let load = || -> Result<Topology, String> {
+        let load = || -> Result<Topology, Fault> {
             let mut t = Topology { version, ..Topology::default() };
-            let mut s = db.prepare("SELECT name, kind FROM exchanges").map_err(|e| e.to_string())?;
-            let rows = s.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)));
-            for row in rows.map_err(|e| e.to_string())? {
-                let (name, kind) = row.map_err(|e| e.to_string())?;
+            let mut s = db.prepare("SELECT name, kind FROM exchanges")?;
+            let rows = s.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+            for row in rows {
+                let (name, kind) = row?;
                 let kind = kind_from(&kind).ok_or(format!("exchange \"{name}\": unknown type \"{kind}\""))?;
                 t.exchanges.insert(name, kind);
             }
-            let mut s = db.prepare("SELECT name, max_length, single_active FROM queues").map_err(|e| e.to_string())?;
-            let rows =
-                s.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?, r.get::<_, bool>(2)?)));
-            for row in rows.map_err(|e| e.to_string())? {
-                let (name, max, single_active_consumer) = row.map_err(|e| e.to_string())?;
+            let mut s =
+                db.prepare("SELECT name, max_length, single_active, declaration, max_message_bytes FROM queues")?;
+            let rows = s.query_map([], |r| {
+                Ok((
+                    (r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?, r.get::<_, bool>(2)?),
+                    (r.get::<_, String>(3)?, r.get::<_, Option<i64>>(4)?),
+                ))
+            })?;
+            for row in rows {
+                let ((name, max, single_active_consumer), (declaration, max_body)) = row?;
                 let max_length =
                     max.map(u64::try_from).transpose().map_err(|_| format!("queue \"{name}\": max_length"))?;
-                t.queues.insert(name, QueueRule { max_length, single_active_consumer });
+                let dead_letter = serde_json::from_str::<Value>(&declaration)
+                    .ok()
+                    .and_then(|d| Some(d.get("dead_letter")?.as_str()?.to_string()));
+                let max_body = max_body.and_then(|m| u64::try_from(m).ok());
+                t.queues.insert(name, QueueRule { max_length, single_active_consumer, dead_letter, max_body });
             }
-            let mut s = db
-                .prepare("SELECT exchange, queue, routing_key, arguments FROM bindings")
-                .map_err(|e| e.to_string())?;
+            let mut s = db.prepare("SELECT exchange, queue, routing_key, arguments FROM bindings")?;
             let rows = s.query_map([], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?))
-            });
-            for row in rows.map_err(|e| e.to_string())? {
-                let (exchange, queue, key, args) = row.map_err(|e| e.to_string())?;
+            })?;
+            for row in rows {
+                let (exchange, queue, key, args) = row?;
                 let args = serde_json::from_str(&args).map_err(|e| format!("binding arguments: {e}"))?;
                 t.bindings.push((exchange, queue, key, args));
             }
@@ -242,11 +654,30 @@ impl Store {
                 params![q.name, declared, max, q.single_active_consumer],
             )
             .map_err(e)?;
+            let max_body = q.max_message_bytes.map(|m| i64::try_from(m).unwrap_or(i64::MAX));
+            db.execute("UPDATE queues SET max_message_bytes = ?2 WHERE name = ?1", params![q.name, max_body])
+                .map_err(e)?;
         }
         for b in &plan.bindings {
             let args = serde_json::to_string(&b.arguments).map_err(|err| self.error(err))?;
             db.execute(
                 "INSERT OR IGNORE INTO bindings (exchange, queue, routing_key, arguments) VALUES (?1, ?2, ?3, ?4)",
+                params![b.exchange, b.queue, b.routing_key, args],
+            )
+            .map_err(e)?;
+        }
+        db.execute("UPDATE meta SET value = value + 1 WHERE key = 'topology'", []).map_err(e)?;
+        Ok(())
+    }
+
+    /// Removes bindings (those absent are no error); every process routes without them from
+    /// its next publish.
+    pub fn unbind(&self, db: &Connection, bindings: &[BindingDecl]) -> Result<(), BrokerError> {
+        let e = |err| self.error(err);
+        for b in bindings {
+            let args = serde_json::to_string(&b.arguments).map_err(|err| self.error(err))?;
+            db.execute(
+                "DELETE FROM bindings WHERE exchange = ?1 AND queue = ?2 AND routing_key = ?3 AND arguments = ?4",
                 params![b.exchange, b.queue, b.routing_key, args],
             )
             .map_err(e)?;
@@ -264,35 +695,60 @@ impl Store {
         routing_key: &str,
         message: &NewMessage,
     ) -> Result<Vec<String>, BrokerError> {
+        let targets = self.route(db, exchange, routing_key, &message.headers)?;
+        for queue in &targets {
+            self.check_room(db, exchange, queue)?;
+        }
+        // One body for every copy.
+        let body = self.body_id(db, &message.body)?;
+        for queue in &targets {
+            self.insert(db, queue, message, body, 0)?;
+        }
+        Ok(targets)
+    }
+
+    /// The queues a publish would reach, each with the largest body its consumers take, as
+    /// far as the last declare said.
+    pub fn limits(
+        &mut self,
+        db: &Connection,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> Result<Vec<(String, Option<u64>)>, BrokerError> {
+        let targets = self.route(db, exchange, routing_key, headers)?;
+        let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
+        let limit = |q: &str| topology.queues.get(q).and_then(|rule| rule.max_body);
+        Ok(targets.into_iter().map(|q| (limit(&q), q)).map(|(max, q)| (q, max)).collect())
+    }
+
+    /// The queues a message reaches (at least one).
+    fn route(
+        &mut self,
+        db: &Connection,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> Result<Vec<String>, BrokerError> {
         self.refresh(db)?;
         let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
         let targets: BTreeSet<&str> = if exchange.is_empty() {
             topology.queues.keys().filter(|q| *q == routing_key).map(String::as_str).collect()
         } else {
-            let kind = *topology
-                .exchanges
-                .get(exchange)
-                .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
+            let Some(&kind) = topology.exchanges.get(exchange) else {
+                return Err(self.missing(db, "exchange", exchange));
+            };
             topology
                 .bindings
                 .iter()
-                .filter(|(x, _, key, args)| {
-                    x == exchange && route::routes(kind, key, args, routing_key, &message.headers)
-                })
+                .filter(|(x, _, key, args)| x == exchange && route::routes(kind, key, args, routing_key, headers))
                 .map(|(_, q, _, _)| q.as_str())
                 .collect()
         };
         if targets.is_empty() {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
         }
-        let targets: Vec<String> = targets.into_iter().map(String::from).collect();
-        for queue in &targets {
-            self.check_room(db, exchange, queue)?;
-        }
-        for queue in &targets {
-            self.insert(db, queue, message, 0)?;
-        }
-        Ok(targets)
+        Ok(targets.into_iter().map(String::from).collect())
     }
 
     /// Writes one copy into `queue`, visible from `visible_at` (0: at once).
@@ -305,14 +761,15 @@ impl Store {
     ) -> Result<(), BrokerError> {
         self.refresh(db)?;
         self.check_room(db, "", queue)?;
-        self.insert(db, queue, message, visible_at)
+        let body = self.body_id(db, &message.body)?;
+        self.insert(db, queue, message, body, visible_at)
     }
 
     /// A queue with `max_length` refuses a message once it holds that many ready ones
     /// (RabbitMQ's reject-publish).
     fn check_room(&mut self, db: &Connection, exchange: &str, queue: &str) -> Result<(), BrokerError> {
         let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
-        let rule = topology.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        let Some(rule) = topology.queues.get(queue) else { return Err(self.missing(db, "queue", queue)) };
         let Some(max) = rule.max_length else { return Ok(()) };
         let ready = match self.ready_counts.get(queue) {
             Some(n) => *n,
@@ -328,7 +785,26 @@ impl Store {
         Ok(())
     }
 
-    fn insert(&mut self, db: &Connection, queue: &str, m: &NewMessage, visible_at: i64) -> Result<(), BrokerError> {
+    /// The id in `bodies` of a message's body, stored first if it is new. (A stored one is
+    /// there: its message, leased to the consumer copying it, still names it.)
+    fn body_id(&self, db: &Connection, body: &Body) -> Result<i64, BrokerError> {
+        match body {
+            Body::New(bytes) => db
+                .prepare_cached("INSERT INTO bodies (data) VALUES (?1) RETURNING id")
+                .and_then(|mut s| s.query_row([&bytes[..]], |r| r.get(0)))
+                .map_err(|e| self.error(e)),
+            Body::Stored(id) => Ok(*id),
+        }
+    }
+
+    fn insert(
+        &mut self,
+        db: &Connection,
+        queue: &str,
+        m: &NewMessage,
+        body: i64,
+        visible_at: i64,
+    ) -> Result<(), BrokerError> {
         if visible_at <= now_ms()
             && let Some(n) = self.ready_counts.get_mut(queue)
         {
@@ -340,31 +816,29 @@ impl Store {
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )
         .and_then(|mut s| {
-            s.execute(params![
-                queue,
-                visible_at,
-                &m.body[..],
-                headers_text(&m.headers),
-                m.message_id,
-                m.kind,
-                timestamp
-            ])
+            s.execute(params![queue, visible_at, body, headers_text(&m.headers), m.message_id, m.kind, timestamp])
         })
         .map_err(|e| self.error(e))?;
         Ok(())
     }
 
-    /// Leases up to `n` ready messages of `queue` to `owner` until `until`, oldest first; none
-    /// to a consumer that is not the active one of a single-active-consumer queue (the live
-    /// one registered first).
+    /// Leases the oldest ready messages of `queue` to `owner` until `until`: up to `n`, and
+    /// bodies of up to `bytes` in all (a larger first one goes alone); none to a consumer that
+    /// is not the active one of a single-active-consumer queue (the live one registered first).
+    /// A body over `max_body` is not read (nor counted in `bytes`): its message comes with its
+    /// size alone. A row among them that cannot be read is [quarantined](Store::quarantine)
+    /// instead.
+    #[allow(clippy::too_many_arguments)]
     pub fn claim(
         &mut self,
         db: &Connection,
         queue: &str,
         owner: i64,
         n: u32,
+        bytes: u64,
+        max_body: u64,
         until: i64,
-    ) -> Result<Vec<Stored>, BrokerError> {
+    ) -> Result<Claimed, BrokerError> {
         self.refresh(db)?;
         let e = |err| self.error(err);
         let single = self.topology.as_ref().and_then(|t| t.queues.get(queue)).is_some_and(|q| q.single_active_consumer);
@@ -374,7 +848,7 @@ impl Store {
                 .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| r.get(0)).optional())
                 .map_err(e)?;
             if active != Some(owner) {
-                return Ok(Vec::new());
+                return Ok(Claimed { rows: Vec::new(), full: false, quarantined: Vec::new() });
             }
         }
         // What came due (delayed copies, run-out leases) becomes plainly ready, in id order.
@@ -384,41 +858,119 @@ impl Store {
         )
         .and_then(|mut s| s.execute(params![queue, now_ms()]))
         .map_err(e)?;
+        // The last of the oldest ready messages that fit, by their lengths (read without the
+        // bodies): claiming 1,024 large bodies in one statement held them all in memory at once.
+        let (mut last, mut total, mut taken, mut full) = (None, 0u64, 0u32, false);
+        {
+            let mut s = db
+                .prepare_cached(
+                    "SELECT m.id, length(b.data) FROM messages m LEFT JOIN bodies b ON b.id = m.body
+                     WHERE m.queue = ?1 AND m.visible_at = 0 ORDER BY m.id LIMIT ?2",
+                )
+                .map_err(e)?;
+            let mut rows = s.query(params![queue, n]).map_err(e)?;
+            while let Some(row) = rows.next().map_err(e)? {
+                // No length for a missing body: a damaged row, quarantined below.
+                let (id, length): (i64, Option<i64>) = (row.get(0).map_err(e)?, row.get(1).map_err(e)?);
+                let length = length.and_then(|l| u64::try_from(l).ok()).unwrap_or(0);
+                total = total.saturating_add(if length > max_body { 0 } else { length });
+                if last.is_some() && total > bytes {
+                    full = true;
+                    break;
+                }
+                (last, taken) = (Some(id), taken + 1);
+            }
+        }
+        full |= taken == n;
+        let Some(last) = last else { return Ok(Claimed { rows: Vec::new(), full, quarantined: Vec::new() }) };
         let mut s = db
             .prepare_cached(
                 "UPDATE messages SET visible_at = ?3, lease_owner = ?4
-                 WHERE id IN (SELECT id FROM messages WHERE queue = ?1 AND visible_at = 0 ORDER BY id LIMIT ?2)
+                 WHERE queue = ?1 AND visible_at = 0 AND id <= ?2
                  RETURNING id, body, headers, message_id, kind, timestamp",
             )
             .map_err(e)?;
-        let rows = s
-            .query_map(params![queue, n, until, owner], |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, Vec<u8>>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, Option<String>>(3)?,
-                    r.get::<_, Option<String>>(4)?,
-                    r.get::<_, Option<i64>>(5)?,
-                ))
-            })
-            .map_err(e)?;
-        let mut claimed = Vec::new();
-        for row in rows {
-            let (id, body, headers, message_id, kind, timestamp) = row.map_err(e)?;
-            let headers = headers_from(&headers).map_err(|err| self.error(format!("message {id}: {err}")))?;
-            let timestamp = timestamp
-                .map(u64::try_from)
-                .transpose()
-                .map_err(|_| self.error(format!("message {id}: negative timestamp")))?;
-            claimed
-                .push(Stored { id, message: NewMessage { body: body.into(), headers, message_id, kind, timestamp } });
+        let rows =
+            s.query_map(params![queue, last, until, owner], read_row).and_then(Iterator::collect::<Result<Vec<_>, _>>);
+        let (mut claimed, mut unreadable) = (Vec::new(), Vec::new());
+        for (id, mut message, mut faults) in rows.map_err(e)? {
+            let (mut body, mut size) = (Bytes::new(), 0);
+            if let Body::Stored(reference) = message.body {
+                match self.read_body(db, reference, max_body)? {
+                    Ok(read) => (body, size) = read,
+                    Err((bytes, fault)) => {
+                        faults.push(fault);
+                        message.body = Body::New(bytes);
+                    }
+                }
+            }
+            match faults.is_empty() {
+                true => claimed.push(Stored { id, message, body, size }),
+                false => unreadable.push((id, message, faults.join("; "))),
+            }
         }
-        claimed.sort_by_key(|s| s.id);
         if let Some(n) = self.ready_counts.get_mut(queue) {
-            *n = n.saturating_sub(claimed.len() as u64);
+            *n = n.saturating_sub((claimed.len() + unreadable.len()) as u64);
         }
-        Ok(claimed)
+        let quarantined = unreadable
+            .into_iter()
+            .map(|(id, message, fault)| self.quarantine(db, queue, id, message, fault))
+            .collect::<Result<Vec<_>, _>>()?;
+        claimed.sort_by_key(|s| s.id);
+        // Rows quarantined back into this queue are ready, as may be more behind them.
+        Ok(Claimed { rows: claimed, full: full || !quarantined.is_empty(), quarantined })
+    }
+
+    /// The body `reference` names and its length, unless it is over `max_body` (then empty);
+    /// or, for one that cannot be read, what can be and why not.
+    fn read_body(&self, db: &Connection, reference: i64, max_body: u64) -> Result<BodyRead, BrokerError> {
+        let max = i64::try_from(max_body).unwrap_or(i64::MAX);
+        let mut s = db
+            .prepare_cached(
+                "SELECT typeof(data), length(data), CASE WHEN typeof(data) <> 'blob' OR length(data) <= ?2 THEN data END
+                 FROM bodies WHERE id = ?1",
+            )
+            .map_err(|e| self.error(e))?;
+        let read = s.query_row(params![reference, max], |r| {
+            let (kind, length): (String, Option<i64>) = (r.get(0)?, r.get(1)?);
+            let size = length.and_then(|l| u64::try_from(l).ok()).unwrap_or(0);
+            Ok(match (kind.as_str(), r.get_ref(2)?) {
+                ("blob", ValueRef::Blob(b)) => Ok((Bytes::copy_from_slice(b), size)),
+                ("blob", _) => Ok((Bytes::new(), size)),
+                (kind, value) => Err((bytes_of(value), format!("body {reference}: {kind}, not a blob"))),
+            })
+        });
+        match read.optional().map_err(|e| self.error(e))? {
+            Some(read) => Ok(read),
+            None => Ok(Err((Bytes::new(), format!("body {reference}: missing")))),
+        }
+    }
+
+    /// Moves a message row of `queue` that could not be read (`fault`) out of its way, so
+    /// that the queue goes on: what could be read of it (`message`), with the dead-letter
+    /// headers of reason `internal`, goes to the queue's dead-letter queue, where `sluice dlq`
+    /// shows it and can purge it; for a queue without one (a dead-letter queue itself), back
+    /// into the queue, readable now. The row goes.
+    fn quarantine(
+        &mut self,
+        db: &Connection,
+        queue: &str,
+        id: i64,
+        mut message: NewMessage,
+        fault: String,
+    ) -> Result<Quarantined, BrokerError> {
+        let to = self
+            .topology
+            .as_ref()
+            .and_then(|t| t.queues.get(queue)?.dead_letter.as_ref().filter(|dlq| t.queues.contains_key(*dlq)))
+            .map_or_else(|| queue.to_string(), String::clone);
+        mark_unreadable(&mut message, id, &fault, queue);
+        let body = self.body_id(db, &message.body)?;
+        self.insert(db, &to, &message, body, 0)?;
+        db.prepare_cached("DELETE FROM messages WHERE id = ?1")
+            .and_then(|mut s| s.execute([id]))
+            .map_err(|e| self.error(e))?;
+        Ok(Quarantined { id, to, fault })
     }
 
     /// Removes settled messages still leased to `owner`.
@@ -443,8 +995,9 @@ impl Store {
         Ok(())
     }
 
-    /// Extends `owner`'s leases to `until`, and its consumer's registration while `register`
-    /// (else removes it: a cancelled or closed consumer no longer counts).
+    /// Extends `owner`'s leases to `until`, and registers its consumer, extends its
+    /// registration (if still there: one removed is never brought back by a renewal sent before
+    /// the removal) or removes it (a cancelled or closed consumer no longer counts).
     pub fn renew(
         &self,
         db: &Connection,
@@ -452,23 +1005,35 @@ impl Store {
         queue: &str,
         ids: &[i64],
         until: i64,
-        register: bool,
+        registration: Registration,
     ) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
-        if register {
-            // Registrations of consumers that died unclosed (their lease ran out) go.
-            db.prepare_cached("DELETE FROM consumers WHERE until <= ?1")
-                .and_then(|mut s| s.execute([now_ms()]))
+        match registration {
+            Registration::New => {
+                // Registrations of consumers that died unclosed (their lease ran out) go.
+                db.prepare_cached("DELETE FROM consumers WHERE until <= ?1")
+                    .and_then(|mut s| s.execute([now_ms()]))
+                    .map_err(e)?;
+                db.prepare_cached(
+                    "INSERT INTO consumers (owner, queue, until, since)
+                     VALUES (?1, ?2, ?3, (SELECT coalesce(max(since), 0) + 1 FROM consumers))
+                     ON CONFLICT (owner) DO UPDATE SET until = excluded.until",
+                )
+                .and_then(|mut s| s.execute(params![owner, queue, until]))
                 .map_err(e)?;
-            db.execute(
-                "INSERT INTO consumers (owner, queue, until, since)
-                 VALUES (?1, ?2, ?3, (SELECT coalesce(max(since), 0) + 1 FROM consumers))
-                 ON CONFLICT (owner) DO UPDATE SET until = excluded.until",
-                params![owner, queue, until],
-            )
-            .map_err(e)?;
-        } else {
-            db.execute("DELETE FROM consumers WHERE owner = ?1", [owner]).map_err(e)?;
+            }
+            // Its own row only: a scan of every consumer per renewal made idle cost grow with
+            // the square of the number of queues.
+            Registration::Keep => {
+                db.prepare_cached("UPDATE consumers SET until = ?2 WHERE owner = ?1")
+                    .and_then(|mut s| s.execute(params![owner, until]))
+                    .map_err(e)?;
+            }
+            Registration::Drop => {
+                db.prepare_cached("DELETE FROM consumers WHERE owner = ?1")
+                    .and_then(|mut s| s.execute([owner]))
+                    .map_err(e)?;
+            }
         }
         let mut s =
             db.prepare_cached("UPDATE messages SET visible_at = ?3 WHERE id = ?1 AND lease_owner = ?2").map_err(e)?;
@@ -487,27 +1052,104 @@ impl Store {
         Ok(u32::try_from(n).unwrap_or(u32::MAX))
     }
 
-    /// Whether `queue` has a message to claim now: the cheap check of an idle consumer.
-    pub fn has_ready(&self, db: &Connection, queue: &str) -> Result<bool, BrokerError> {
-        db.prepare_cached("SELECT 1 FROM messages WHERE queue = ?1 AND visible_at <= ?2 LIMIT 1")
-            .and_then(|mut s| s.exists(params![queue, now_ms()]))
-            .map_err(|e| self.error(e))
+    /// Whether `queue` has a message to claim now, and when the next one not yet visible (a
+    /// delayed copy, a lease) comes due: two lookups in the queue's index.
+    pub fn due(&self, db: &Connection, queue: &str) -> Result<(bool, Option<i64>), BrokerError> {
+        let now = now_ms();
+        let e = |err| self.error(err);
+        let ready = db
+            .prepare_cached("SELECT 1 FROM messages WHERE queue = ?1 AND visible_at <= ?2 LIMIT 1")
+            .and_then(|mut s| s.exists(params![queue, now]))
+            .map_err(e)?;
+        let next = db
+            .prepare_cached("SELECT min(visible_at) FROM messages WHERE queue = ?1 AND visible_at > ?2")
+            .and_then(|mut s| s.query_row(params![queue, now], |r| r.get(0)))
+            .map_err(e)?;
+        Ok((ready, next))
+    }
+
+    /// A number that changes when another connection commits to the file (SQLite's
+    /// `data_version`); this connection's own commits leave it as it was.
+    pub fn data_version(&self, db: &Connection) -> Result<i64, BrokerError> {
+        db.query_row("PRAGMA data_version", [], |r| r.get(0)).map_err(|e| self.error(e))
     }
 
     /// Ready messages and live consumers (of every process) of `queue`.
-    pub fn stats(&self, db: &Connection, queue: &str) -> Result<QueueStats, BrokerError> {
+    pub fn stats(&mut self, db: &Connection, queue: &str) -> Result<QueueStats, BrokerError> {
         let exists = db
             .prepare_cached("SELECT 1 FROM queues WHERE name = ?1")
             .and_then(|mut s| s.exists([queue]))
             .map_err(|e| self.error(e))?;
         if !exists {
-            return Err(BrokerError::NotFound(format!("queue \"{queue}\"")));
+            return Err(self.missing(db, "queue", queue));
         }
         let consumers: i64 = db
             .prepare_cached("SELECT count(*) FROM consumers WHERE queue = ?1 AND until > ?2")
             .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| r.get(0)))
             .map_err(|e| self.error(e))?;
         Ok(QueueStats { ready: self.ready(db, queue)?, consumers: u32::try_from(consumers).unwrap_or(u32::MAX) })
+    }
+
+    /// The messages of `queue` after id `after` up to id `last`, in id order, read without
+    /// taking them (no lease): at most `n`, and bodies of up to `bytes` in all (a larger first
+    /// one alone). A row that cannot be read comes as what can be read of it, marked as the
+    /// claim that meets it will [quarantine](Store::quarantine) it (reason `internal`).
+    pub fn peek(
+        &self,
+        db: &Connection,
+        queue: &str,
+        (after, last): (i64, i64),
+        n: u32,
+        bytes: u64,
+    ) -> Result<Vec<Stored>, BrokerError> {
+        let e = |err| self.error(err);
+        let mut s = db
+            .prepare_cached(
+                "SELECT id, body, headers, message_id, kind, timestamp FROM messages
+                 WHERE queue = ?1 AND id > ?2 AND id <= ?3 ORDER BY id LIMIT ?4",
+            )
+            .map_err(e)?;
+        let mut rows = s.query(params![queue, after, last, n]).map_err(e)?;
+        let (mut read, mut total) = (Vec::new(), 0u64);
+        while let Some(row) = rows.next().map_err(e)? {
+            let (id, mut message, mut faults) = read_row(row).map_err(e)?;
+            let body = match &message.body {
+                Body::Stored(reference) => match self.read_body(db, *reference, u64::MAX)? {
+                    Ok((body, _)) => body,
+                    Err((body, fault)) => {
+                        faults.push(fault);
+                        body
+                    }
+                },
+                Body::New(text) => text.clone(),
+            };
+            if !faults.is_empty() {
+                mark_unreadable(&mut message, id, &faults.join("; "), queue);
+            }
+            let size = body.len() as u64;
+            total = total.saturating_add(size);
+            read.push(Stored { id, message, body, size });
+            if total >= bytes {
+                break;
+            }
+        }
+        Ok(read)
+    }
+
+    /// Messages of `queue` up to id `last`.
+    pub fn count_up_to(&self, db: &Connection, queue: &str, last: i64) -> Result<u32, BrokerError> {
+        let n: i64 = db
+            .prepare_cached("SELECT count(*) FROM messages WHERE queue = ?1 AND id <= ?2")
+            .and_then(|mut s| s.query_row(params![queue, last], |r| r.get(0)))
+            .map_err(|e| self.error(e))?;
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// The highest message id of `queue` (0 for none).
+    pub fn last_id(&self, db: &Connection, queue: &str) -> Result<i64, BrokerError> {
+        db.prepare_cached("SELECT coalesce(max(id), 0) FROM messages WHERE queue = ?1")
+            .and_then(|mut s| s.query_row([queue], |r| r.get(0)))
+            .map_err(|e| self.error(e))
     }
 
     /// Messages not yet due back, in every queue (a scan of the messages): delayed copies,

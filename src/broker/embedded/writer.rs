@@ -4,18 +4,26 @@
 //! is refused before it writes anything, so the others go on; an error of the store itself
 //! fails the whole batch, which is rolled back. SQLite allows one writer at a time anyway; batching is
 //! what lets thousands of messages a second through on a few commits.
+//!
+//! Every [`CHECK_FILES_EVERY`] it checks that the file and its write-ahead log are still the
+//! ones it opened; once either was deleted or replaced, it keeps what it can and answers every
+//! request from then on with [`BrokerError::Damaged`] (see [`Store::give_up`]).
 
+use std::collections::BTreeSet;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::{Notify, oneshot};
 
-use super::store::{NewMessage, Store, Stored};
-use crate::broker::{BrokerError, Drift, QueueStats};
-use crate::topology::Plan;
+use super::POLL;
+use super::keys;
+use super::store::{Claimed, NewMessage, Store, now_ms};
+use crate::broker::{BrokerError, Drift, Headers, QueueStats};
+use crate::dedup::Claim;
+use crate::topology::{BindingDecl, Plan};
 
 /// The most requests in one transaction: a bound on how long one commit keeps others waiting.
 const BATCH: usize = 512;
@@ -23,11 +31,15 @@ const BATCH: usize = 512;
 /// How often, at most, freed pages are given back and the write-ahead log emptied.
 const RECLAIM_EVERY: Duration = Duration::from_secs(1);
 
+/// How often the writer checks that its files are still there.
+const CHECK_FILES_EVERY: Duration = Duration::from_secs(1);
+
 type Reply<T> = oneshot::Sender<Result<T, BrokerError>>;
 
 /// A request to the writer.
 pub(super) enum Op {
     Declare(Plan, Reply<()>),
+    Unbind(Vec<BindingDecl>, Reply<()>),
     Publish {
         exchange: String,
         routing_key: String,
@@ -41,16 +53,40 @@ pub(super) enum Op {
         visible_at: i64,
         reply: Reply<()>,
     },
+    /// At most `n` messages and `bytes` of bodies (a larger first one goes alone); bodies over
+    /// `max_body` are not read.
     Claim {
         queue: String,
         owner: i64,
         n: u32,
+        bytes: u64,
+        max_body: u64,
         until: i64,
-        reply: Reply<Vec<Stored>>,
+        reply: Reply<Claimed>,
     },
+    /// Removes `owner`'s settled messages and records the idempotency keys `done` until
+    /// `until`, in one transaction.
     Ack {
         owner: i64,
         ids: Vec<i64>,
+        done: Vec<String>,
+        until: i64,
+        reply: Reply<()>,
+    },
+    /// Takes an idempotency key for this process until `until`.
+    ClaimKey {
+        key: String,
+        until: i64,
+        reply: Reply<Claim>,
+    },
+    /// Records idempotency keys done until `until`, without an ack.
+    CompleteKeys {
+        keys: Vec<String>,
+        until: i64,
+        reply: Reply<()>,
+    },
+    ReleaseKey {
+        key: String,
         reply: Reply<()>,
     },
     Release {
@@ -59,21 +95,22 @@ pub(super) enum Op {
         ids: Vec<i64>,
         reply: Reply<()>,
     },
+    /// Leases and registrations of consumers, extended to `until`.
     Renew {
-        owner: i64,
-        queue: String,
-        ids: Vec<i64>,
+        renewals: Vec<Renewal>,
         until: i64,
-        register: bool,
         reply: Reply<()>,
-    },
-    HasReady {
-        queue: String,
-        reply: Reply<bool>,
     },
     Stats {
         queue: String,
         reply: Reply<QueueStats>,
+    },
+    /// The queues a publish would reach, with the largest body each takes.
+    Limits {
+        exchange: String,
+        routing_key: String,
+        headers: Headers,
+        reply: Reply<Vec<(String, Option<u64>)>>,
     },
     Delayed(Reply<u32>),
     Drift(Plan, Reply<Vec<Drift>>),
@@ -81,27 +118,125 @@ pub(super) enum Op {
 
 impl Op {
     fn writes(&self) -> bool {
-        !matches!(self, Op::HasReady { .. } | Op::Stats { .. } | Op::Delayed(_) | Op::Drift(..))
+        !matches!(self, Op::Stats { .. } | Op::Limits { .. } | Op::Delayed(_) | Op::Drift(..))
     }
 }
 
+/// One consumer's part of a renewal: its unsettled ids, and what becomes of its registration.
+pub(super) struct Renewal {
+    pub owner: i64,
+    pub queue: String,
+    pub ids: Vec<i64>,
+    pub registration: Registration,
+}
+
+/// A consumer's registration, which makes it count among its queue's consumers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// A new consumer registers.
+    New,
+    /// Extended, if it is still there.
+    Keep,
+    /// Removed.
+    Drop,
+}
+
 /// One [`Notify`] per queue that has consumers in this process: poked after a commit that made
-/// messages ready there, so only that queue's consumers look.
+/// messages ready there, so only that queue's consumers look, and by the writer's [`Watch`].
 #[derive(Default)]
-pub(super) struct Wakers(Mutex<HashMap<String, Arc<Notify>>>);
+pub(super) struct Wakers {
+    queues: Mutex<HashMap<String, Arc<Notify>>>,
+    /// Queues given a consumer since the watch last looked: when their next message comes
+    /// due is not known yet.
+    joined: Mutex<Vec<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 impl Wakers {
-    /// The queue's notifier, made on first use.
+    /// The queue's notifier for a new consumer, made on first use.
     pub fn of(&self, queue: &str) -> Arc<Notify> {
-        let mut map = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        map.entry(queue.to_string()).or_default().clone()
+        lock(&self.joined).push(queue.to_string());
+        lock(&self.queues).entry(queue.to_string()).or_default().clone()
     }
 
     fn wake(&self, queue: &str) {
-        let map = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(notify) = map.get(queue) {
+        if let Some(notify) = lock(&self.queues).get(queue) {
             notify.notify_waiters();
         }
+    }
+
+    /// The queues some consumer of this process still waits on; forgets the others.
+    fn watched(&self) -> Vec<String> {
+        let mut queues = lock(&self.queues);
+        queues.retain(|_, notify| Arc::strong_count(notify) > 1);
+        queues.keys().cloned().collect()
+    }
+
+    fn is_empty(&self) -> bool {
+        lock(&self.queues).is_empty()
+    }
+}
+
+/// What no commit of this process announces, looked for once every [`POLL`] for the whole
+/// process, whatever the number of queues: another process's commits (SQLite's
+/// `data_version` changes; then every watched queue is read once), and delayed copies and
+/// leases coming due (each queue is read when its next one is due). An idle runner reads one
+/// number per look.
+#[derive(Default)]
+struct Watch {
+    version: Option<i64>,
+    /// When each queue's next message not yet visible comes due, by time and by queue.
+    due: BTreeSet<(i64, String)>,
+    at: HashMap<String, i64>,
+}
+
+impl Watch {
+    /// Remembers that `queue` has a message coming due at `at`, unless an earlier one is known.
+    fn schedule(&mut self, queue: &str, at: i64) {
+        match self.at.get(queue) {
+            Some(&known) if known <= at => {}
+            known => {
+                if let Some(known) = known {
+                    self.due.remove(&(*known, queue.to_string()));
+                }
+                self.at.insert(queue.to_string(), at);
+                self.due.insert((at, queue.to_string()));
+            }
+        }
+    }
+
+    /// Wakes the consumers of every queue with something to claim that no commit of this
+    /// process announced.
+    fn look(&mut self, conn: &Connection, store: &Store, wakers: &Wakers) -> Result<(), BrokerError> {
+        let mut queues = std::mem::take(&mut *lock(&wakers.joined));
+        let version = store.data_version(conn)?;
+        if self.version.replace(version).is_some_and(|before| before != version) {
+            queues = wakers.watched();
+        }
+        let now = now_ms();
+        while let Some((at, _)) = self.due.first()
+            && *at <= now
+        {
+            if let Some((_, queue)) = self.due.pop_first() {
+                self.at.remove(&queue);
+                queues.push(queue);
+            }
+        }
+        queues.sort_unstable();
+        queues.dedup();
+        for queue in queues {
+            let (ready, next) = store.due(conn, &queue)?;
+            if ready {
+                wakers.wake(&queue);
+            }
+            if let Some(at) = next {
+                self.schedule(&queue, at);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -117,9 +252,10 @@ fn finish<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) ->
     })
 }
 
-/// Opens the file and starts the writer thread, which wakes `wakers` after its commits.
-pub(super) fn start(path: &Path, wakers: Arc<Wakers>) -> Result<mpsc::Sender<Op>, BrokerError> {
-    let (conn, store) = Store::open(path)?;
+/// Opens the file (with `create`, making it when missing) and starts the writer thread, which
+/// wakes `wakers` after its commits.
+pub(super) fn start(path: &Path, create: bool, wakers: Arc<Wakers>) -> Result<mpsc::Sender<Op>, BrokerError> {
+    let (conn, store) = Store::open(path, create)?;
     let (sender, receiver) = mpsc::channel();
     std::thread::Builder::new()
         .name("sluice-embedded".into())
@@ -128,13 +264,26 @@ pub(super) fn start(path: &Path, wakers: Arc<Wakers>) -> Result<mpsc::Sender<Op>
     Ok(sender)
 }
 
-/// Serves requests until every sender is gone.
+/// Serves requests until every sender is gone, and [watches](Watch) while this process has
+/// consumers.
 fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wakers: &Wakers) {
-    let mut last_reclaim = Instant::now();
+    let (mut last_reclaim, mut last_check, mut last_look) = (Instant::now(), Instant::now(), Instant::now());
+    let mut watch = Watch::default();
+    // Where the sweep of expired idempotency keys goes on.
+    let mut sweep = String::new();
+    // Whether the last look failed: a failure is logged once, not at every look.
+    let mut blind = false;
     // Acks left pages free since the last reclaim.
     let mut freed = false;
+    // Once a file vanished: the answer to every request.
+    let mut gone: Option<BrokerError> = None;
     loop {
-        let first = match receiver.recv_timeout(RECLAIM_EVERY) {
+        let watching = gone.is_none() && !wakers.is_empty();
+        let wait = match watching {
+            true => POLL.saturating_sub(last_look.elapsed()),
+            false => RECLAIM_EVERY.min(CHECK_FILES_EVERY),
+        };
+        let first = match receiver.recv_timeout(wait) {
             Ok(op) => Some(op),
             Err(mpsc::RecvTimeoutError::Timeout) => None,
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
@@ -147,13 +296,33 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
                     Err(_) => break,
                 }
             }
-            freed |= ops.iter().any(|op| matches!(op, Op::Ack { .. }));
-            serve(&mut conn, &mut store, ops, wakers);
+            match &gone {
+                Some(e) => ops.into_iter().for_each(|op| fail(op, e.clone())(None)),
+                None => {
+                    freed |= ops.iter().any(|op| matches!(op, Op::Ack { .. } | Op::CompleteKeys { .. }));
+                    serve(&mut conn, &mut store, ops, wakers, &mut watch);
+                }
+            }
         }
-        if freed && last_reclaim.elapsed() >= RECLAIM_EVERY {
+        if watching && last_look.elapsed() >= POLL {
+            last_look = Instant::now();
+            match watch.look(&conn, &store, wakers) {
+                Ok(()) => blind = false,
+                Err(e) if !blind => {
+                    blind = true;
+                    tracing::warn!(%e, "embedded broker: looking for other processes' messages failed; retrying");
+                }
+                Err(_) => {}
+            }
+        }
+        if gone.is_none() && last_check.elapsed() >= CHECK_FILES_EVERY {
+            last_check = Instant::now();
+            gone = store.vanished().map(|file| store.give_up(&conn, file));
+        }
+        if gone.is_none() && freed && last_reclaim.elapsed() >= RECLAIM_EVERY {
             last_reclaim = Instant::now();
             freed = false;
-            if let Err(e) = store.reclaim(&conn) {
+            if let Err(e) = keys::expire(&store, &conn, now_ms(), &mut sweep).and_then(|_| store.reclaim(&conn)) {
                 tracing::warn!(%e, "embedded broker: reclaiming free pages failed");
             }
             store.empty_log(&conn);
@@ -161,11 +330,18 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
     }
 }
 
+/// What a batch's commit makes claimable: queues with ready messages now, and copies that
+/// come due later.
+#[derive(Default)]
+struct Readied {
+    now: Vec<String>,
+    later: Vec<(String, i64)>,
+}
+
 /// Runs a batch: the writes in one transaction, answered after its commit.
-fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers) {
+fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers, watch: &mut Watch) {
     store.new_batch();
-    // Queues given ready messages by this batch.
-    let mut ready = Vec::new();
+    let mut ready = Readied::default();
     if !ops.iter().any(Op::writes) {
         for op in ops {
             apply(store, conn, op, &mut ready).0(None);
@@ -206,10 +382,13 @@ fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers
         f(failed.as_ref());
     }
     if failed.is_none() {
-        ready.sort_unstable();
-        ready.dedup();
-        for queue in ready {
+        ready.now.sort_unstable();
+        ready.now.dedup();
+        for queue in ready.now {
             wakers.wake(&queue);
+        }
+        for (queue, at) in ready.later {
+            watch.schedule(&queue, at);
         }
     }
 }
@@ -218,55 +397,73 @@ fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers
 fn fail(op: Op, e: BrokerError) -> Finish {
     match op {
         Op::Declare(_, reply)
+        | Op::Unbind(_, reply)
         | Op::Publish { reply, .. }
         | Op::Copy { reply, .. }
         | Op::Ack { reply, .. }
+        | Op::CompleteKeys { reply, .. }
+        | Op::ReleaseKey { reply, .. }
         | Op::Release { reply, .. }
         | Op::Renew { reply, .. } => finish(reply, Err(e)),
         Op::Claim { reply, .. } => finish(reply, Err(e)),
-        Op::HasReady { reply, .. } => finish(reply, Err(e)),
+        Op::ClaimKey { reply, .. } => finish(reply, Err(e)),
         Op::Stats { reply, .. } => finish(reply, Err(e)),
+        Op::Limits { reply, .. } => finish(reply, Err(e)),
         Op::Delayed(reply) => finish(reply, Err(e)),
         Op::Drift(_, reply) => finish(reply, Err(e)),
     }
 }
 
-/// Runs one request, says how it went, and adds to `ready` the queues it gave ready messages.
-fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Vec<String>) -> (Finish, Result<(), BrokerError>) {
+/// Runs one request, says how it went, and adds to `ready` the queues it gave messages.
+fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Readied) -> (Finish, Result<(), BrokerError>) {
     fn done<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) -> (Finish, Result<(), BrokerError>) {
         let outcome = result.as_ref().map(drop).map_err(BrokerError::clone);
         (finish(reply, result), outcome)
     }
     match op {
         Op::Declare(plan, reply) => done(reply, store.declare(db, &plan)),
+        Op::Unbind(bindings, reply) => done(reply, store.unbind(db, &bindings)),
         Op::Publish { exchange, routing_key, message, reply } => {
             let result = store.publish(db, &exchange, &routing_key, &message);
             if let Ok(targets) = &result {
-                ready.extend(targets.iter().cloned());
+                ready.now.extend(targets.iter().cloned());
             }
             done(reply, result.map(drop))
         }
         Op::Copy { queue, message, visible_at, reply } => {
             let result = store.copy(db, &queue, &message, visible_at);
-            if result.is_ok() && visible_at == 0 {
-                ready.push(queue);
+            match (&result, visible_at) {
+                (Err(_), _) => {}
+                (Ok(()), 0) => ready.now.push(queue),
+                (Ok(()), _) => ready.later.push((queue, visible_at)),
             }
             done(reply, result)
         }
-        Op::Claim { queue, owner, n, until, reply } => done(reply, store.claim(db, &queue, owner, n, until)),
-        Op::Ack { owner, ids, reply } => done(reply, store.ack(db, owner, &ids)),
+        Op::Claim { queue, owner, n, bytes, max_body, until, reply } => {
+            done(reply, store.claim(db, &queue, owner, n, bytes, max_body, until))
+        }
+        Op::Ack { owner, ids, done: keys, until, reply } => {
+            done(reply, store.ack(db, owner, &ids).and_then(|()| keys::complete(store, db, &keys, until)))
+        }
+        Op::ClaimKey { key, until, reply } => done(reply, keys::claim(store, db, &key, now_ms(), until)),
+        Op::CompleteKeys { keys, until, reply } => done(reply, keys::complete(store, db, &keys, until)),
+        Op::ReleaseKey { key, reply } => done(reply, keys::release(store, db, &key)),
         Op::Release { owner, queue, ids, reply } => {
             let result = store.release(db, owner, &ids);
             if result.is_ok() && !ids.is_empty() {
-                ready.push(queue);
+                ready.now.push(queue);
             }
             done(reply, result)
         }
-        Op::Renew { owner, queue, ids, until, register, reply } => {
-            done(reply, store.renew(db, owner, &queue, &ids, until, register))
+        Op::Renew { renewals, until, reply } => {
+            let result =
+                renewals.iter().try_for_each(|r| store.renew(db, r.owner, &r.queue, &r.ids, until, r.registration));
+            done(reply, result)
         }
-        Op::HasReady { queue, reply } => done(reply, store.has_ready(db, &queue)),
         Op::Stats { queue, reply } => done(reply, store.stats(db, &queue)),
+        Op::Limits { exchange, routing_key, headers, reply } => {
+            done(reply, store.limits(db, &exchange, &routing_key, &headers))
+        }
         Op::Delayed(reply) => done(reply, store.delayed(db)),
         Op::Drift(plan, reply) => done(reply, store.drift(db, &plan)),
     }

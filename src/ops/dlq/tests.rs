@@ -18,6 +18,7 @@ fn queue(name: &str, role: Role) -> QueueDecl {
         dead_letter: None,
         max_length: None,
         single_active_consumer: false,
+        max_message_bytes: None,
     }
 }
 
@@ -140,4 +141,111 @@ async fn purge_removes_only_the_selected() {
     assert_eq!(tally.expect("purge").done, 2);
     assert_eq!(ids(&broker, "work.dlq"), ["m0", "m3"]);
     assert!(ids(&broker, "work").is_empty());
+}
+
+/// Issue 19: a browse waits out quiet spells and ends only once the broker has had nothing
+/// ready for one more of them; then it says the rest is elsewhere. Here it is told of four
+/// messages: another client holds one and hands it back after a pause (read); the fourth is
+/// gone (not read).
+#[tokio::test]
+async fn a_browse_reads_what_comes_late_and_says_why_it_read_fewer() {
+    let broker = broker().await;
+    for n in 0..3 {
+        dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
+    }
+    let (_held, other) = broker.browse("work.dlq", 1).await.expect("another client");
+    let mut browse = Browse::start(&broker, "work.dlq", 4, MAX_HELD).await.expect("browse");
+    let mut read = Vec::new();
+    for _ in 0..2 {
+        read.push(browse.next().await.expect("read").expect("a message").message_id().map(String::from));
+    }
+    // Handed back after one quiet spell and a depth check that found nothing ready.
+    let (late, ()) = tokio::join!(browse.next(), async {
+        tokio::time::sleep(QUIET + QUIET / 2).await;
+        other.close().await;
+    });
+    read.push(late.expect("read").expect("the late message").message_id().map(String::from));
+    assert_eq!(read, [Some("m1".into()), Some("m2".into()), Some("m0".into())]);
+    assert!(browse.next().await.expect("no error").is_none(), "the fourth is nowhere to be read");
+    assert_eq!(browse.close().await, (1, Some(Unread::Elsewhere)));
+}
+
+/// Issue 19: a purge while another client (a redrive) holds every message of the queue reads
+/// none, and says who holds them. (It said "0 read" and nothing else.)
+#[tokio::test]
+async fn a_pass_that_finds_every_message_held_says_so() {
+    let broker = broker().await;
+    for n in 0..2 {
+        dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
+    }
+    let (mut held, redrive) = broker.browse("work.dlq", 2).await.expect("the redrive's browse");
+    for _ in 0..2 {
+        held.next().await.expect("a delivery").expect("no error");
+    }
+    let job = Job {
+        queue: "work",
+        dlq: "work.dlq",
+        action: Action::Purge,
+        filter: Filter::default(),
+        dry_run: false,
+        rate: None,
+    };
+    let tally = apply(&broker, &job, &no_progress).await.expect("purge");
+    assert_eq!((tally.read, tally.unread_because), (0, Some(Unread::Held { consumers: 1 })));
+    redrive.close().await;
+    let tally = apply(&broker, &job, &no_progress).await.expect("purge");
+    assert_eq!((tally.done, tally.unread_because), (2, None), "read once handed back");
+}
+
+/// Issue 19: a browse that holds its whole window stops there and says so.
+#[tokio::test]
+async fn a_browse_that_fills_its_window_says_it_passed_over_the_rest() {
+    let broker = broker().await;
+    for n in 0..3 {
+        dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
+    }
+    let mut browse = Browse::start(&broker, "work.dlq", 3, 2).await.expect("browse");
+    for _ in 0..2 {
+        assert!(browse.next().await.expect("read").is_some());
+    }
+    assert!(browse.next().await.expect("no error").is_none());
+    assert_eq!(browse.close().await, (1, Some(Unread::PassedOver)));
+    assert_eq!(ids(&broker, "work.dlq"), ["m0", "m1", "m2"], "all handed back, in order");
+}
+
+/// A pass after a lost session waits until the messages that session held are ready again:
+/// begun before, it read the few that were and ended (the cluster test's redrive left 2,613 of
+/// 3,000). A hand-back that never comes is waited for only so long.
+#[tokio::test]
+async fn a_pass_after_a_lost_session_waits_for_what_it_held() {
+    let broker = broker().await;
+    for n in 0..3 {
+        dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
+    }
+    let (_held, lost) = broker.browse("work.dlq", 2).await.expect("the lost session's browse");
+    let within = Duration::from_secs(60);
+    let (waited, closed) = tokio::join!(
+        async {
+            handed_back(&broker, "work.dlq", 3, within).await.expect("depth");
+            tokio::time::Instant::now()
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            lost.close().await;
+            tokio::time::Instant::now()
+        }
+    );
+    assert!(waited >= closed, "returned before the hand-back");
+    let job = Job {
+        queue: "work",
+        dlq: "work.dlq",
+        action: Action::Redrive,
+        filter: Filter::default(),
+        dry_run: false,
+        rate: None,
+    };
+    assert_eq!(apply(&broker, &job, &no_progress).await.expect("redrive").done, 3);
+
+    let gave_up = tokio::time::timeout(within, handed_back(&broker, "work.dlq", 1, Duration::from_millis(300))).await;
+    assert!(matches!(gave_up, Ok(Ok(()))), "gives up waiting after `within`");
 }

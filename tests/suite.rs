@@ -1,0 +1,46 @@
+//! The integration tests, one binary (as ripgrep and cargo have them): each file beside this one
+//! is a module, linked once against sluice and its C libraries instead of once per file. Run
+//! one file's tests with `cargo test --test suite FILE::` (e.g. `cargo test --test suite dlq::`).
+//! `cluster.rs` is a binary of its own (`cargo test --test cluster`), run alone.
+
+#[macro_use]
+mod support;
+mod util;
+
+mod admin;
+mod admin_guard;
+mod cli;
+mod cli_publish;
+mod cli_run;
+mod command;
+mod damaged;
+mod dlq;
+mod downstream;
+mod embedded;
+mod embedded_liveness;
+mod env_interpolation;
+mod failure_injection;
+mod footguns;
+mod hardening;
+mod hostile;
+mod hostile_handlers;
+mod hostile_tree;
+mod idempotency;
+mod large_messages;
+mod log_hygiene;
+mod logs;
+mod monitoring;
+mod packaging;
+mod readme;
+mod readonly;
+mod reload;
+mod reload_concurrency;
+mod reload_links;
+mod reload_unbind;
+mod run_behaviour;
+mod run_env;
+mod run_retries;
+mod sluice_test;
+mod trace;
+mod validation;
+mod webhook;

@@ -1,0 +1,178 @@
+//! A three-node RabbitMQ cluster of a test's own, run by `scripts/rabbitmq-cluster.sh` in a
+//! fresh temporary directory (nodes `c1-<hash>@localhost` .. `c3-<hash>@localhost`, beside the
+//! machine's own `rabbit@localhost`) and taken down on drop. Starting it takes about 40 s on a
+//! two-core machine; nodes are numbered 1 to 3.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Three clustered RabbitMQ nodes, each on an AMQP port of its own; `down` runs on drop, after
+/// a panic too.
+pub struct Cluster {
+    /// Owns the cluster's directory, `dir/cluster`.
+    dir: tempfile::TempDir,
+    ports: [u16; 3],
+}
+
+/// The script, from the crate's root.
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/rabbitmq-cluster.sh")
+}
+
+/// Runs the script on `dir` with `args`: its stdout on success, everything it said otherwise.
+fn run(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new("bash")
+        .arg(script())
+        .arg(dir)
+        .args(args)
+        .output()
+        .map_err(|e| format!("could not run bash {}: {e}", script().display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!(
+            "{} {args:?} exited with {}:\n{stdout}{}",
+            script().display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+impl Cluster {
+    /// Starts the three nodes and waits until they run as one cluster. Panics with the
+    /// script's output (the failing node's log included) if they do not.
+    pub fn up() -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("cluster");
+        if let Err(report) = run(&path, &["up"]) {
+            let _ = run(&path, &["down"]);
+            panic!(
+                "a 3-node RabbitMQ cluster did not start (and was taken down).\n{report}\nIt runs Debian's \
+                 RabbitMQ scripts from /usr/lib/rabbitmq/bin (apt-get install rabbitmq-server) and needs epmd on \
+                 PATH; see scripts/rabbitmq-cluster.sh. SLUICE_CLUSTER_WAIT_SECS lengthens its waits."
+            );
+        }
+        let ports = run(&path, &["ports"]).unwrap_or_else(|e| panic!("{e}"));
+        let ports: Vec<u16> = ports.lines().map(|l| l.trim().parse().expect("a port a line")).collect();
+        let ports = ports.try_into().unwrap_or_else(|p| panic!("three ports, not {p:?}"));
+        Cluster { dir, ports }
+    }
+
+    /// The cluster's directory (nodes' logs in `n<N>/log`).
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().join("cluster")
+    }
+
+    /// Runs a command of the script on node `n`, panicking with its report if it fails.
+    fn node_command(&self, command: &str, n: usize) {
+        assert!((1..=3).contains(&n), "nodes are 1 to 3, not {n}");
+        if let Err(report) = run(&self.dir(), &[command, &n.to_string()]) {
+            panic!("{report}");
+        }
+    }
+
+    /// Node `n`'s AMQP port.
+    pub fn port(&self, n: usize) -> u16 {
+        assert!((1..=3).contains(&n), "nodes are 1 to 3, not {n}");
+        self.ports[n - 1]
+    }
+
+    /// Node `n`'s AMQP URL, as guest on the default vhost.
+    pub fn url(&self, n: usize) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port(n))
+    }
+
+    /// The three nodes' URLs, node 1 first.
+    pub fn urls(&self) -> Vec<String> {
+        (1..=3).map(|n| self.url(n)).collect()
+    }
+
+    /// The node listening on AMQP `port`, if any.
+    pub fn node_of_port(&self, port: u16) -> Option<usize> {
+        self.ports.iter().position(|&p| p == port).map(|i| i + 1)
+    }
+
+    /// kill -9 node `n`'s VM and waits until it is gone.
+    pub fn kill(&self, n: usize) {
+        self.node_command("kill", n);
+    }
+
+    /// SIGSTOPs node `n`'s VM: its sockets stay open and nothing answers.
+    pub fn freeze(&self, n: usize) {
+        self.node_command("freeze", n);
+    }
+
+    /// SIGCONTs node `n`'s VM. A freeze longer than the net tick time (60 s) leaves node `n`
+    /// partitioned from the others; `kill` and `start` it to bring it back.
+    pub fn thaw(&self, n: usize) {
+        self.node_command("thaw", n);
+    }
+
+    /// Starts node `n` again on its data after `kill` or `stop`; waits until it and the other
+    /// nodes up (all three, usually) see each other running.
+    pub fn start(&self, n: usize) {
+        self.node_command("start", n);
+    }
+
+    /// Stops node `n` cleanly.
+    pub fn stop(&self, n: usize) {
+        self.node_command("stop", n);
+    }
+
+    /// Raises (`true`) or clears a disk alarm, which blocks every publisher of the cluster.
+    pub fn disk_alarm(&self, on: bool) {
+        if let Err(report) = run(&self.dir(), &["alarm", if on { "on" } else { "off" }]) {
+            panic!("{report}");
+        }
+    }
+
+    /// The node leading quorum queue `queue`.
+    pub fn leader(&self, queue: &str) -> usize {
+        let out = run(&self.dir(), &["leader", queue]).unwrap_or_else(|e| panic!("{e}"));
+        out.trim().parse().unwrap_or_else(|_| panic!("a node number, not {out:?}"))
+    }
+
+    /// The node process `pid` has an established TCP connection to (its first one found).
+    pub fn connected_node(&self, pid: u32) -> Option<usize> {
+        self.connection(pid).map(|(node, _)| node)
+    }
+
+    /// The node process `pid` has an established TCP connection to (its first one found),
+    /// and the connection's local port (a new connection has another), from the socket
+    /// inodes in `/proc/<pid>/fd` matched against `/proc/net/tcp{,6}`.
+    pub fn connection(&self, pid: u32) -> Option<(usize, u16)> {
+        let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .ok()?
+            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+            .filter_map(|target| {
+                let target = target.to_str()?;
+                Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+            })
+            .collect();
+        ["/proc/net/tcp", "/proc/net/tcp6"].iter().find_map(|table| {
+            let table = std::fs::read_to_string(table).ok()?;
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            table.lines().skip(1).find_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let (remote, state, inode) = (fields.get(2)?, fields.get(3)?, fields.get(9)?);
+                if *state != "01" || !inodes.contains(*inode) {
+                    return None; // not ESTABLISHED, or not the process's
+                }
+                let port = |address: &str| u16::from_str_radix(address.rsplit(':').next()?, 16).ok();
+                Some((self.node_of_port(port(remote)?)?, port(fields.get(1)?)?))
+            })
+        })
+    }
+}
+
+impl Drop for Cluster {
+    /// Takes the cluster down (kill -9, thawing first); reports, never panics, if that fails.
+    fn drop(&mut self) {
+        if let Err(report) = run(&self.dir(), &["down"]) {
+            eprintln!("taking the RabbitMQ cluster down failed: {report}");
+        }
+    }
+}

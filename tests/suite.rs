@@ -9,6 +9,7 @@ mod util;
 
 mod admin;
 mod admin_guard;
+mod broker_arguments;
 mod cli;
 mod cli_publish;
 mod cli_run;

@@ -62,6 +62,8 @@ pub struct Outgoing {
     pub kind: Option<String>,
     /// Seconds since the epoch.
     pub timestamp: Option<u64>,
+    /// Delivered before lower ones from a queue with priority levels (RabbitMQ only).
+    pub priority: Option<u8>,
     pub headers: Headers,
 }
 

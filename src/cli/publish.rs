@@ -52,6 +52,9 @@ pub struct Args {
     /// A file with one payload (JSON) per line; each becomes its own message.
     #[arg(long)]
     jsonl: Option<PathBuf>,
+    /// The messages' priority, for a queue with `priority` levels (RabbitMQ): higher first.
+    #[arg(long)]
+    priority: Option<u8>,
     #[command(flatten)]
     broker: BrokerArg,
 }
@@ -65,13 +68,14 @@ fn parse_key(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
-fn outgoing(envelope: &Envelope) -> Outgoing {
+fn outgoing(envelope: &Envelope, priority: Option<u8>) -> Outgoing {
     let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).ok();
     Outgoing {
         body: envelope.encode(),
         message_id: Some(envelope.id.clone()),
         kind: Some(envelope.kind.clone()),
         timestamp,
+        priority,
         headers: Headers::from([(
             TRACEPARENT_HEADER.to_string(),
             HeaderValue::Str(TraceContext::new_root().to_string()),
@@ -192,7 +196,7 @@ where
         let payload =
             payload.with_context(|| format!("{}:{n}: not JSON (it changed since it was checked)", path.display()))?;
         // Built once: a message sent again after a lost session keeps its id and key.
-        batch.push(outgoing(&Envelope::new(&args.kind, &payload, None)));
+        batch.push(outgoing(&Envelope::new(&args.kind, &payload, None), args.priority));
         if batch.len() == BATCH {
             send_confirmed(session, args, &batch, &progress).await?;
             batch.clear();
@@ -215,7 +219,7 @@ where
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
-    let message = outgoing(&Envelope::new(&args.kind, payload, args.idempotency_key.clone()));
+    let message = outgoing(&Envelope::new(&args.kind, payload, args.idempotency_key.clone()), args.priority);
     if let Some(limit) = limit {
         limit.check(message.body.len(), "the message")?;
     }
@@ -234,7 +238,7 @@ impl Limit {
     /// The limit of the queues a message of `args` would reach; none when the broker cannot
     /// tell (RabbitMQ), or when a queue's is unknown (declared by an earlier version).
     async fn of<B: Broker>(broker: &B, args: &Args) -> Result<Option<Limit>, BrokerError> {
-        let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None)).headers;
+        let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None), None).headers;
         let Some(limits) = broker.body_limits(&args.exchange, &args.routing_key, &headers).await? else {
             return Ok(None);
         };

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::arguments::Finding;
 use super::diagnostic::{Diagnostic, Severity};
 use super::interpolate::{Env, interpolate};
 use super::source::{self, SourceFile, escape_token};
@@ -22,6 +23,9 @@ use crate::handler::template::{Escape, Template, TemplateError};
 /// The most a payload schema file may hold: generated schemas can be large, but a file
 /// without end (a link to a device) must not be read to the end.
 const MAX_SCHEMA_BYTES: u64 = 8 << 20;
+
+/// The longest `message_ttl` RabbitMQ takes: 2^32 - 1 ms.
+const MAX_MESSAGE_TTL: Duration = Duration::from_millis(u32::MAX as u64);
 
 pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
     let discovery = source::discover(paths);
@@ -475,7 +479,12 @@ impl Compiler<'_> {
             self.error(file, &format!("{base}/dead_letter/queue"), message);
         }
 
-        if q.kind.as_deref() == Some("classic") {
+        let kind = if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum };
+        let message_ttl = q.message_ttl.as_deref().and_then(|text| self.message_ttl(file, &base, text));
+        let priority = q.priority.and_then(|levels| self.priority(file, &base, levels, kind));
+        self.arguments(file, &base, &q.arguments, kind);
+
+        if kind == QueueKind::Classic {
             let message = format!(
                 "queue \"{name}\" is a classic queue, which lives on one node of a cluster: while that node is down, publishes to it are confirmed and dropped and consuming it fails (home node down); on a cluster use type: quorum (the default)"
             );
@@ -483,9 +492,12 @@ impl Compiler<'_> {
         }
         (self.error_count() == errors_before).then(|| Queue {
             name: name.to_string(),
-            kind: if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum },
+            kind,
             bindings,
             max_length: q.max_length,
+            message_ttl,
+            priority,
+            arguments: q.arguments,
             max_message_bytes,
             payload_schema,
             concurrency,
@@ -504,6 +516,69 @@ impl Compiler<'_> {
                 "program": program_source,
             }),
         })
+    }
+
+    /// `message_ttl`: RabbitMQ takes whole milliseconds up to 2^32 - 1 (about 49 days).
+    fn message_ttl(&mut self, file: &SourceFile, base: &str, text: &str) -> Option<Duration> {
+        let pointer = format!("{base}/message_ttl");
+        let ttl = super::parse_duration(text);
+        match ttl {
+            None => self.error(file, &pointer, super::duration_problem(text)),
+            Some(ttl) if ttl < Duration::from_millis(1) => {
+                self.error(file, &pointer, "a message_ttl must be at least 1ms (leave it out for none)");
+            }
+            Some(ttl) if ttl > MAX_MESSAGE_TTL => {
+                let message = format!(
+                    "a message_ttl of {text} is more than RabbitMQ takes (at most {} ms, about 49 days)",
+                    MAX_MESSAGE_TTL.as_millis()
+                );
+                self.error(file, &pointer, message);
+            }
+            Some(ttl) => return Some(ttl),
+        }
+        None
+    }
+
+    /// `priority`: levels 1 to 255, on a classic queue (RabbitMQ 3.10's quorum queues have none).
+    fn priority(&mut self, file: &SourceFile, base: &str, levels: u64, kind: QueueKind) -> Option<u8> {
+        let pointer = format!("{base}/priority");
+        let levels = match u8::try_from(levels) {
+            Ok(levels) if levels >= 1 => levels,
+            _ => {
+                self.error(
+                    file,
+                    &pointer,
+                    format!("priority levels must be 1 to 255 (10 or fewer is usual), not {levels}"),
+                );
+                return None;
+            }
+        };
+        if kind == QueueKind::Quorum {
+            let message = "priorities need a classic queue (type: classic): RabbitMQ 3.10's quorum queues have none";
+            self.error(file, &pointer, message);
+            return None;
+        }
+        Some(levels)
+    }
+
+    /// Checks `arguments:`, each against what RabbitMQ takes (see `config::arguments`).
+    fn arguments(
+        &mut self,
+        file: &SourceFile,
+        base: &str,
+        arguments: &BTreeMap<String, serde_json::Value>,
+        kind: QueueKind,
+    ) {
+        for (name, value) in arguments {
+            let pointer = format!("{base}/arguments/{}", escape_token(name));
+            let diag = match super::arguments::check(name, value, kind) {
+                None => continue,
+                Some(Finding::Name(m)) => file.diag_at(file.key_pos(&pointer), Severity::Error, &pointer, m),
+                Some(Finding::Value(m)) => file.diag(Severity::Error, &pointer, m),
+                Some(Finding::Unknown(m)) => file.diag_at(file.key_pos(&pointer), Severity::Warning, &pointer, m),
+            };
+            self.diags.push(diag);
+        }
     }
 
     /// The breaker's settings, the defaults for those not given; `None` when turned off.

@@ -5,6 +5,7 @@
 //! Validation does no IO beyond reading the pipeline files and the files they name
 //! (payload schemas, command programs); the broker is never contacted here.
 
+mod arguments;
 pub(crate) mod compile;
 pub mod diagnostic;
 mod interpolate;
@@ -105,6 +106,12 @@ pub struct Queue {
     pub kind: QueueKind,
     pub bindings: Vec<Binding>,
     pub max_length: Option<u64>,
+    /// How long a message may wait in the queue; then the broker dead-letters it (`expired`).
+    pub message_ttl: Option<Duration>,
+    /// Priority levels (`x-max-priority`): a classic queue on RabbitMQ.
+    pub priority: Option<u8>,
+    /// Other `x-` arguments of the queue, checked against the known ones.
+    pub arguments: BTreeMap<String, serde_json::Value>,
     /// A bigger body is dead-lettered as `too_large`, unparsed.
     pub max_message_bytes: usize,
     pub payload_schema: Option<PayloadSchema>,

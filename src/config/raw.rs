@@ -45,6 +45,12 @@ pub struct Queue {
     #[serde(default)]
     pub bind: Vec<Binding>,
     pub max_length: Option<u64>,
+    /// A duration (`10m`).
+    pub message_ttl: Option<String>,
+    pub priority: Option<u64>,
+    /// Other `x-` arguments of the work queue (checked in `config::arguments`).
+    #[serde(default)]
+    pub arguments: BTreeMap<String, serde_json::Value>,
     /// Bytes as an integer, or text with a unit (`16MiB`).
     pub max_message_bytes: Option<serde_json::Value>,
     pub payload_schema: Option<String>,

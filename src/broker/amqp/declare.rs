@@ -122,6 +122,13 @@ pub fn declarations(plan: &Plan) -> Declarations {
         if q.single_active_consumer {
             args.insert("x-single-active-consumer".into(), json!(true));
         }
+        if let Some(ttl) = q.message_ttl_ms {
+            args.insert("x-message-ttl".into(), json!(ttl));
+        }
+        if let Some(levels) = q.max_priority {
+            args.insert("x-max-priority".into(), json!(levels));
+        }
+        args.extend(q.arguments.iter().map(|(name, value)| (name.clone(), value.clone())));
         d.queues.push(Queue { name: q.name.clone(), role, arguments: args });
     }
     for b in &plan.bindings {

@@ -501,6 +501,9 @@ impl Broker for Amqp {
         if let Some(ts) = message.timestamp {
             properties = properties.with_timestamp(ts);
         }
+        if let Some(priority) = message.priority {
+            properties = properties.with_priority(priority);
+        }
         self.publish_raw(exchange, routing_key, &message.body, properties).await
     }
 

@@ -599,6 +599,11 @@ impl Broker for Embedded {
     }
 
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        if message.priority.is_some() {
+            return Err(BrokerError::Conflict(
+                "the embedded broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
+            ));
+        }
         let message = NewMessage {
             body: Body::New(message.body.into()),
             headers: message.headers,

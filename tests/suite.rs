@@ -10,6 +10,7 @@ mod util;
 mod admin;
 mod admin_guard;
 mod broker_arguments;
+mod channels;
 mod cli;
 mod cli_publish;
 mod cli_run;

@@ -189,6 +189,7 @@ fn describe(disposition: Disposition) -> (String, Option<String>) {
         Disposition::Ack | Disposition::Completed { .. } => ("success".into(), None),
         Disposition::Duplicate => ("duplicate".into(), None),
         Disposition::Wait { why, .. } => ("wait".into(), Some(why)),
+        Disposition::Scheduled { .. } => ("scheduled".into(), None),
         Disposition::Retry { error, .. } => ("retry".into(), Some(error)),
         Disposition::DeadLetter { reason, error, .. } => (format!("dead_letter:{}", reason.as_str()), Some(error)),
     }

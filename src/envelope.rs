@@ -96,8 +96,9 @@ impl Serialize for Timestamp {
 impl<'de> Deserialize<'de> for Timestamp {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let text = <Cow<'de, str>>::deserialize(d)?;
-        Timestamp::parse(&text)
-            .ok_or_else(|| de::Error::custom(format_args!("{text:?} is not an RFC 3339 time such as 2026-12-24T18:00:00Z")))
+        Timestamp::parse(&text).ok_or_else(|| {
+            de::Error::custom(format_args!("{text:?} is not an RFC 3339 time such as 2026-12-24T18:00:00Z"))
+        })
     }
 }
 
@@ -255,7 +256,8 @@ mod tests {
     /// envelope malformed (a message must not run early because its time was misread).
     #[test]
     fn not_before_is_rfc_3339() {
-        let at = |secs: u64, ms: u64| Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_millis(ms));
+        let at =
+            |secs: u64, ms: u64| Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_millis(ms));
         let cases: &[(&str, Option<SystemTime>)] = &[
             ("1970-01-01T00:00:10Z", at(10, 0)),
             ("1970-01-01t00:00:10.250z", at(10, 250)),

@@ -90,11 +90,17 @@ fn check_not_before(not_before: Option<Timestamp>, max_delay: Option<Duration>, 
     if ahead > max {
         bail!(
             "not before {at} is {} ahead, further than this broker can hold a message back (at most {}): nothing was published",
-            humantime::format_duration(Duration::from_secs(ahead.as_secs())),
-            humantime::format_duration(Duration::from_secs(max.as_secs())),
+            days(ahead),
+            days(max),
         );
     }
     Ok(())
+}
+
+/// A long duration to the second, as `38d 20h 44m 3s` (humantime's would say `1month 8days`).
+fn days(d: Duration) -> String {
+    let s = d.as_secs();
+    format!("{}d {}h {}m {}s", s / 86_400, s % 86_400 / 3600, s % 3600 / 60, s % 60)
 }
 
 /// The envelope of one message: a new id, and the schedule of the command.
@@ -478,7 +484,7 @@ mod tests {
                 Some(now + day + Duration::from_secs(1)),
                 Some(day),
                 Some(
-                    "not before 1970-01-13T13:46:41.000Z is 1day 1s ahead, further than this broker can hold a message back (at most 1day): nothing was published",
+                    "not before 1970-01-13T13:46:41.000Z is 1d 0h 0m 1s ahead, further than this broker can hold a message back (at most 1d 0h 0m 0s): nothing was published",
                 ),
             ),
         ];

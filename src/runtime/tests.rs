@@ -478,7 +478,9 @@ async fn dispositions<B: Broker>(new: NewBroker<B>) {
             script: RECORD,
             args: &[],
             extra: "",
-            body: Body::Raw(r#"{"id":"m-1","type":"test","idempotency_key":"k","not_before":"soon","payload":{"n":1}}"#),
+            body: Body::Raw(
+                r#"{"id":"m-1","type":"test","idempotency_key":"k","not_before":"soon","payload":{"n":1}}"#,
+            ),
             copies: 1,
             runs: &[],
             dead: Some(("malformed", "1")),

@@ -75,7 +75,8 @@ impl Suite {
             "payload": m.payload,
         });
         // A `not_before` is checked like any field, and the test runs as at that time.
-        let fields = [("occurred_at", &m.occurred_at), ("idempotency_key", &m.idempotency_key), ("not_before", &m.not_before)];
+        let fields =
+            [("occurred_at", &m.occurred_at), ("idempotency_key", &m.idempotency_key), ("not_before", &m.not_before)];
         for (key, value) in fields {
             if let Some(value) = value {
                 envelope[key] = Value::from(value.as_str());

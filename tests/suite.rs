@@ -42,6 +42,8 @@ mod reload_unbind;
 mod run_behaviour;
 mod run_env;
 mod run_retries;
+mod schedule;
+mod signing;
 mod sluice_test;
 mod trace;
 mod validation;

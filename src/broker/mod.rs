@@ -344,6 +344,10 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// where RabbitMQ has them ready again as soon as the connection is gone.
     fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;
 
+    /// The longest a delayed copy can wait (`publish_delayed` holds a longer delay this long),
+    /// or `None` when the broker holds any delay.
+    fn max_delay(&self) -> Option<Duration>;
+
     /// Whether the session is still connected.
     fn is_connected(&self) -> bool;
 

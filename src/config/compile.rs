@@ -14,8 +14,8 @@ use super::interpolate::{Env, interpolate};
 use super::source::{self, SourceFile, escape_token};
 use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
-    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook,
-    raw,
+    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing, StdinMode,
+    Validation, Webhook, raw,
 };
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
@@ -707,15 +707,7 @@ impl Compiler<'_> {
             Some(b) => Some(self.template(file, &format!("{base}/body"), b, Escape::Json)?),
             None => None,
         };
-        if let Some(s) = &w.signing
-            && std::env::var_os(&s.secret_env).is_none()
-        {
-            let message = format!(
-                "environment variable {} (the signing secret) is not set here; webhooks fail where it is unset",
-                s.secret_env
-            );
-            self.diags.push(file.diag(Severity::Warning, &format!("{base}/signing/secret_env"), message));
-        }
+        let signing = w.signing.and_then(|s| self.signing(file, &format!("{base}/signing"), s));
         let timeout = self.handler_timeout(file, base, w.timeout.as_deref(), Duration::from_secs(10));
         let url = url?;
         Some(Webhook {
@@ -725,9 +717,35 @@ impl Compiler<'_> {
             headers,
             body,
             timeout,
-            signing_secret_env: w.signing.map(|s| s.secret_env),
+            signing,
             on_status: Arc::new(on_status),
         })
+    }
+
+    /// The secrets' sources; a secret unset or unusable here is a warning (CI has no
+    /// secrets), `run` refuses to start on it.
+    fn signing(&mut self, file: &SourceFile, base: &str, s: raw::Signing) -> Option<Signing> {
+        let signing = Signing {
+            secret_env: s.secret_env.into_vec(),
+            secret_file: s.secret_file.map(|path| file.dir().join(path)),
+            keys: None,
+        };
+        if signing.secret_env.is_empty() && signing.secret_file.is_none() {
+            self.error(file, base, "signing needs secret_env, secret_file or both");
+            return None;
+        }
+        for error in signing.load().err().unwrap_or_default() {
+            let message = match &error {
+                SecretError::Unset { var } => {
+                    format!(
+                        "environment variable {var} (the signing secret) is not set here; webhooks fail where it is unset"
+                    )
+                }
+                other => format!("signing secret: {other}; `sluice run` refuses to start until it is fixed"),
+            };
+            self.diags.push(file.diag(Severity::Warning, &format!("{base}/{}", error.field()), message));
+        }
+        Some(signing)
     }
 
     fn command(&mut self, file: &SourceFile, base: &str, c: raw::Command) -> Option<Command> {

@@ -120,7 +120,33 @@ pub struct Webhook {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Signing {
-    pub secret_env: String,
+    #[serde(default)]
+    pub secret_env: EnvNames,
+    pub secret_file: Option<String>,
+}
+
+/// `secret_env: NAME`, or several: `secret_env: [NEW, OLD]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum EnvNames {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Default for EnvNames {
+    fn default() -> Self {
+        EnvNames::Many(Vec::new())
+    }
+}
+
+impl EnvNames {
+    /// The names, in the order given.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            EnvNames::One(name) => vec![name],
+            EnvNames::Many(names) => names,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -32,7 +32,7 @@ use serde_json::Value;
 
 use self::ack::AckWindow;
 use self::declare::DestinationKind;
-pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, declarations, delay_route};
+pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 pub use self::render::{PlanFormat, render};
 use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
 use crate::envelope::{self, ERROR_HEADER};
@@ -623,6 +623,10 @@ impl Broker for Amqp {
             reason: "RabbitMQ lists bindings only through its management plugin; `sluice run` declares them".into(),
         });
         Ok(drift)
+    }
+
+    fn max_delay(&self) -> Option<Duration> {
+        Some(MAX_DELAY)
     }
 
     fn is_connected(&self) -> bool {

@@ -687,6 +687,12 @@ impl Broker for Embedded {
         self.call(Op::Delayed).await
     }
 
+    /// A delayed copy is a row with the time it is due (milliseconds since the epoch, 64 bits):
+    /// any delay fits.
+    fn max_delay(&self) -> Option<Duration> {
+        None
+    }
+
     fn is_connected(&self) -> bool {
         self.connected.load(Ordering::SeqCst)
     }

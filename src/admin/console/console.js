@@ -374,8 +374,8 @@ async function deadLettersPage(name) {
       el('button', { type: 'button', id: 'purge-all', className: 'danger', onclick: purgeAll }, 'Purge matching…'),
       el('a', { href: '#/queue/' + encodeURIComponent(name) }, 'Queue and attempts')),
     confirmRow,
-    el('p', { className: 'muted', id: 'dlq-count' }, data.entries.length + ' message(s) shown; ' + data.tally.read + ' read of ' +
-      data.tally.queued + ' in the dead-letter queue.'),
+    el('p', { className: 'muted', id: 'dlq-count' }, data.entries.length + ' message(s) shown; ' + data.tally.read +
+      ' read from the dead-letter queue' + (data.tally.unread ? ', ' + data.tally.unread + ' not read' : '') + '.'),
     el('table', { id: 'dead-letters' },
       el('thead', {}, el('tr', {}, ['', 'Id', 'Type', 'Reason', 'Attempts', 'Failed at', 'Age', 'Idempotency key', 'Error']
         .map((t) => el('th', {}, t)))),

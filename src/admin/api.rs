@@ -292,6 +292,7 @@ async fn queue<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<Strin
     let running = api.current.get();
     let q = find(&running.config, &name)?;
     Ok(Json(json!({
+        "runner": api.runner,
         "name": q.name,
         "file": q.file.display().to_string(),
         "dead_letter_queue": q.dead_letter,
@@ -500,7 +501,9 @@ async fn topology<B: Broker>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
             (name, target)
         })
         .collect();
-    Ok(Json(json!({ "plan": plan, "handlers": handlers, "drift": drift, "drift_error": drift_error })))
+    Ok(Json(
+        json!({ "runner": api.runner, "plan": plan, "handlers": handlers, "drift": drift, "drift_error": drift_error }),
+    ))
 }
 
 #[cfg(test)]

@@ -53,6 +53,7 @@ function dash(value) {
 
 function ms(value) {
   if (value === null || value === undefined) return '–';
+  if (value >= 60000) return age(Math.round(value / 1000));
   return value < 1000 ? value.toFixed(value < 10 ? 1 : 0) + ' ms' : (value / 1000).toFixed(2) + ' s';
 }
 
@@ -195,11 +196,15 @@ function reloadBox(last) {
       last.errors.map((e) => el('li', {}, e))));
 }
 
-async function overview() {
-  const data = await read('/api/v1/queues');
-  const r = data.runner;
+// Names the runner this console is about, from any answer that says.
+function runner(r) {
   document.getElementById('runner').textContent =
     visible('runner ' + r.host + ', pid ' + r.pid + ', sluice ' + r.version + ' — other runners have consoles of their own');
+}
+
+async function overview() {
+  const data = await read('/api/v1/queues');
+  runner(data.runner);
   const head = ['Queue', 'Ready', 'In flight', 'Consumers', 'Dead letters', 'Oldest', 'Paused', 'Circuit',
     'Limit', 'Handled/min', 'Retried/min', 'DLQ/min', 'p50', 'p99', 'Last 15 min', ''];
   const rows = data.queues.map((q) => {
@@ -234,12 +239,14 @@ async function overview() {
 
 function keyValues(pairs) {
   return el('table', { className: 'kv' }, pairs.map(([k, v]) =>
-    el('tr', {}, el('th', {}, k), el('td', { className: 'wrap' }, typeof v === 'string' ? v : JSON.stringify(v)))));
+    el('tr', {}, el('th', {}, k),
+      el('td', { className: 'wrap' }, v === null || v === undefined ? '–' : typeof v === 'string' ? v : JSON.stringify(v)))));
 }
 
 async function queuePage(name) {
   const path = '/api/v1/queues/' + encodeURIComponent(name);
   const [q, log] = await Promise.all([read(path), read(path + '/attempts')]);
+  runner(q.runner);
   const h = q.handler;
   const handler = h.kind === 'webhook'
     ? [['webhook', h.method + ' ' + h.url], ['headers', h.headers.map(([n, v]) => n + ': ' + v).join('\n') || '–'],
@@ -385,6 +392,7 @@ async function deadLettersPage(name) {
 
 async function topologyPage() {
   const data = await read('/api/v1/topology');
+  runner(data.runner);
   const plan = data.plan;
   const queues = Object.fromEntries(plan.queues.map((q) => [q.name, q]));
   const handler = (name) => {

@@ -316,4 +316,17 @@ async fn hostile_messages_are_shown_inert() {
         assert_eq!(browser.script(ACTIVE).await, json!([0, true]), "the dead-letters page with {id}");
     }
     browser.screenshot("hostile-dead-letter").await;
+
+    // Purge every match once the queue's name is typed (the token asked for first).
+    browser.click("#purge-all").await;
+    browser.type_into("#token-input", TOKEN).await;
+    browser.click("#token-save").await;
+    browser.type_into("#purge-confirm", "wor").await;
+    browser.click("#confirm-purge").await;
+    browser.wait_text("#notice", "a mistyped name refused", |t| t.starts_with("Type the queue name")).await;
+    assert_eq!(place.depth("work.dlq").await, 5, "nothing purged on a mistyped name");
+    browser.type_into("#purge-confirm", "k").await;
+    browser.click("#confirm-purge").await;
+    browser.wait_text("#notice", "the purge done", |t| t.starts_with("5 message(s) purged")).await;
+    assert_eq!(place.depth("work.dlq").await, 0);
 }

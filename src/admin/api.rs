@@ -291,9 +291,12 @@ fn retry_view(q: &Queue) -> Value {
 async fn queue<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
+    let held = api.held().get(&name).copied().unwrap_or_default();
     Ok(Json(json!({
         "runner": api.runner,
         "name": q.name,
+        "paused": held.paused,
+        "circuit": held.circuit_name(),
         "file": q.file.display().to_string(),
         "dead_letter_queue": q.dead_letter,
         "concurrency": q.concurrency.get(),

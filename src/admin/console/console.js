@@ -272,6 +272,7 @@ async function queuePage(name) {
   page(
     el('h2', {}, 'Queue ' + q.name),
     el('div', { className: 'actions' },
+      el('span', { id: 'queue-state' }, (q.paused ? 'paused' : 'consuming') + ', circuit ' + q.circuit), pauseButton(q),
       el('a', { href: '#/dead-letters/' + encodeURIComponent(q.name) }, 'Dead letters (' + q.dead_letter_queue + ')')),
     keyValues([['file', q.file], ['concurrency', q.concurrency + (q.adaptive ? ' (adaptive)' : '')],
       ['rate limit', q.rate_limit || '–'], ['ordered', q.ordered ? 'yes' : 'no'],
@@ -318,7 +319,8 @@ async function showMessage(name, id) {
 async function deadLettersPage(name) {
   if (dlq.queue !== name) Object.assign(dlq, { queue: name, reason: '', since: '', id: '', selected: new Set(), shown: null });
   const base = '/api/v1/queues/' + encodeURIComponent(name) + '/dead-letters';
-  const data = await read(base + '?' + filterQuery());
+  const [q, data] = await Promise.all([read('/api/v1/queues/' + encodeURIComponent(name)), read(base + '?' + filterQuery())]);
+  runner(q.runner);
   const ids = new Set(data.entries.map((e) => e.id));
   for (const id of [...dlq.selected]) if (!ids.has(id)) dlq.selected.delete(id);
   const input = (key, label, placeholder) => el('label', {}, label + ' ',
@@ -379,6 +381,7 @@ async function deadLettersPage(name) {
       el('button', { type: 'button', id: 'redrive-selected', onclick: redriveSelected }, 'Redrive selected'),
       el('button', { type: 'button', id: 'redrive-all', onclick: redriveAll }, 'Redrive all matching…'),
       el('button', { type: 'button', id: 'purge-all', className: 'danger', onclick: purgeAll }, 'Purge matching…'),
+      pauseButton(q),
       el('a', { href: '#/queue/' + encodeURIComponent(name) }, 'Queue and attempts')),
     confirmRow,
     el('p', { className: 'muted', id: 'dlq-count' }, data.entries.length + ' message(s) shown; ' + data.tally.read +

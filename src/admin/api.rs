@@ -430,10 +430,10 @@ async fn act<B: Broker>(api: &Api<B>, name: &str, remote: SocketAddr, action: Ac
             dry_run = act.dry_run,
             selected = tally.selected,
             messages = tally.done,
-            "dead letters {what} from the admin port"
+            "dead letters acted on from the admin port"
         ),
         Err(e) => {
-            tracing::warn!(%remote, queue = name, action = what, error = %e, "dead letters {what} from the admin port failed")
+            tracing::warn!(%remote, queue = name, action = what, error = %e, "dead letters not acted on from the admin port")
         }
     }
     Ok(Json(applied?))

@@ -331,3 +331,61 @@ async fn hostile_messages_are_shown_inert() {
     browser.wait_text("#notice", "the purge done", |t| t.starts_with("5 message(s) purged")).await;
     assert_eq!(place.depth("work.dlq").await, 0);
 }
+
+/// Issue 22: the API's writes without the token, with a wrong one, or from a page of another
+/// origin are refused and change nothing: the dead letters stay, nothing is redriven, the queue
+/// stays unpaused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_writes_refused_change_nothing() {
+    let place = EmbeddedDir::new();
+    let receiver = Receiver::start(|_, _| Reply::status(422)).await;
+    let (_dir, _sluice, admin) = run_console(&place, &receiver).await;
+    let broker = place.connect().await;
+    for key in ["kept-1", "kept-2"] {
+        publish(&broker, "ev", "x", key, json!({})).await;
+    }
+    broker.close().await;
+    wait_until(DEADLINE, "both dead-lettered", || async { place.depth("work.dlq").await == 2 }).await;
+    let calls = receiver.hits().len();
+    let bearer = format!("Bearer {TOKEN}");
+    let own = format!("http://{admin}");
+    let refused: [(&[(&str, &str)], u16); 4] = [
+        (&[], 401),
+        (&[("authorization", "Bearer wrong")], 401),
+        (&[("authorization", &bearer), ("origin", "http://evil.example")], 403),
+        (&[("origin", &own)], 401),
+    ];
+    let writes = [
+        ("dead-letters/redrive", json!({})),
+        ("dead-letters/purge", json!({ "confirm": "work" })),
+        ("pause", json!({})),
+    ];
+    for (path, body) in &writes {
+        for (headers, status) in refused {
+            let mut request = http().post(format!("http://{admin}/api/v1/queues/work/{path}")).body(body.to_string());
+            for (name, value) in headers {
+                request = request.header(*name, *value);
+            }
+            let answered = request.send().await.expect("the admin port answers").status().as_u16();
+            assert_eq!(answered, status, "{path} with {headers:?}");
+        }
+    }
+    // The same writes with the token are taken (counted only: a dry run), so the refusals above
+    // were about the token and the origin alone.
+    let counted = http()
+        .post(format!("http://{admin}/api/v1/queues/work/dead-letters/purge"))
+        .header("authorization", &bearer)
+        .header("origin", &own)
+        .body(json!({ "dry_run": true }).to_string())
+        .send()
+        .await
+        .expect("answers")
+        .text()
+        .await
+        .expect("text");
+    let counted: serde_json::Value = serde_json::from_str(&counted).expect("JSON");
+    assert_eq!(counted["selected"], 2, "{counted}");
+    assert_eq!(place.depth("work.dlq").await, 2, "no dead letter moved or removed");
+    assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0), "not paused");
+    assert_eq!(receiver.hits().len(), calls, "nothing redriven to the receiver");
+}

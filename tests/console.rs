@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
-use sluice::broker::{Broker as _, Headers, Outgoing};
+use sluice::broker::{Broker as _, HeaderValue, Headers, Outgoing};
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -278,10 +278,11 @@ async fn hostile_messages_are_shown_inert() {
         ("binary", b"\xff\xfe\x00bad utf-8 \xc3\x28".to_vec()),
         ("huge", big),
     ];
+    // A producer's credential in a header is masked.
+    let secret = || Headers::from([("authorization".to_string(), HeaderValue::Str("Bearer leaked-secret".into()))]);
     for (id, body) in &bodies {
         let id = Some(format!("hostile-{id}"));
-        let message =
-            Outgoing { body: body.clone(), message_id: id, kind: None, timestamp: None, headers: Headers::new() };
+        let message = Outgoing { body: body.clone(), message_id: id, kind: None, timestamp: None, headers: secret() };
         broker.publish("ev", "x", message).await.expect("publish confirmed");
     }
     publish(&broker, "ev", "x", "answered-with-markup", json!({})).await;
@@ -303,6 +304,9 @@ async fn hostile_messages_are_shown_inert() {
         browser.click(&format!("tr[data-id='hostile-{id}'] a")).await;
         let title = format!("hostile-{id}");
         browser.wait_text("#message h2", "the message shown", |t| t.ends_with(&title)).await;
+        let headers = browser.script("return document.getElementById('message-headers').textContent").await;
+        let headers = headers.as_str().unwrap_or_default().to_string();
+        assert!(headers.contains("authorization***") && !headers.contains("leaked"), "{headers}");
         let text = browser.script("return document.getElementById('message-body').textContent").await;
         let text = text.as_str().unwrap_or_default().to_string();
         match *id {

@@ -380,9 +380,13 @@ async fn dead_letter<B: Broker>(
     let broker = (api.connect)().await?;
     let shown = dlq::show(&broker, &q.dead_letter, &id).await;
     broker.close().await;
-    shown?
-        .map(Json)
-        .ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no message with id \"{id}\" in {}", q.dead_letter)))
+    let mut shown = shown?
+        .ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no message with id \"{id}\" in {}", q.dead_letter)))?;
+    // A producer's credentials in a message's headers are not for whoever reads the port.
+    for (_, value) in shown.headers.iter_mut().filter(|(name, _)| secret_name(name)) {
+        *value = Value::from("***");
+    }
+    Ok(Json(shown))
 }
 
 /// A redrive or purge: which messages (ids or filters), whether only to count them, and for a

@@ -255,7 +255,7 @@ fn handler_view(q: &Queue) -> Value {
             "body": w.body.as_ref().map(|b| b.source()),
             "timeout_ms": w.timeout.as_millis() as u64,
             "signing": w.signing_secret_env.is_some(),
-            "on_status": source("/on_status"),
+            "on_status": source("/definition/on_status"),
         }),
         Handler::Command(c) => json!({
             "kind": "command",
@@ -266,7 +266,7 @@ fn handler_view(q: &Queue) -> Value {
             "stdin": format!("{:?}", c.stdin).to_lowercase(),
             "timeout_ms": c.timeout.as_millis() as u64,
             "permanent_exit_codes": c.permanent_exit_codes,
-            "on_exit": source("/handler/command/on_exit"),
+            "on_exit": source("/definition/handler/command/on_exit"),
             "signing": false,
         }),
     }
@@ -302,7 +302,7 @@ async fn queue<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<Strin
         "concurrency": q.concurrency.get(),
         "adaptive": q.adaptive,
         "ordered": q.ordered,
-        "rate_limit": q.source.pointer("/rate_limit").cloned(),
+        "rate_limit": q.source.pointer("/definition/rate_limit").cloned(),
         "idempotency": q.idempotency.as_ref().map(|i| json!({ "ttl_ms": i.ttl.as_millis() as u64 })),
         "handler": handler_view(q),
         "retry": retry_view(q),

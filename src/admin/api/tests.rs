@@ -40,7 +40,8 @@ fn the_openapi_document_matches_the_routes() {
 /// A runner's port over the in-memory broker, one queue `work` running, with token `s3cret`.
 fn app() -> (Router, Pauses) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n";
+    let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\", headers: \
+                {Authorization: \"Bearer literal-secret\", X-Tenant: t1}}}\n    on_status: {\"404\": dead_letter}\n";
     std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
     let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
     let broker = Memory::new();
@@ -115,6 +116,21 @@ async fn a_purge_needs_the_queue_name_typed_again() {
     let (status, body) = send(&app, "POST", "/api/v1/queues/work/dead-letters/purge", &token).await;
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("confirm"), "{body}");
+}
+
+/// The handler as compiled: its rules, and its headers with secret values masked.
+#[tokio::test]
+async fn a_queue_shows_its_handler_without_secrets() {
+    let (app, _) = app();
+    let (status, body) = send(&app, "GET", "/api/v1/queues/work", &[]).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains("literal-secret"), "{body}");
+    let queue: Value = serde_json::from_str(&body).expect("JSON");
+    let handler = &queue["handler"];
+    assert_eq!(handler["headers"], json!([["Authorization", "***"], ["X-Tenant", "t1"]]));
+    assert_eq!(handler["on_status"], json!({ "404": "dead_letter" }));
+    assert_eq!((handler["kind"].as_str(), handler["signing"].as_bool()), (Some("webhook"), Some(false)));
+    assert_eq!(queue["retry"]["delays_ms"].as_array().map(Vec::len), Some(4), "{}", queue["retry"]);
 }
 
 #[test]

@@ -41,7 +41,9 @@ fn the_openapi_document_matches_the_routes() {
 fn app() -> (Router, Pauses) {
     let dir = tempfile::tempdir().expect("tempdir");
     let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\", headers: \
-                {Authorization: \"Bearer literal-secret\", X-Tenant: t1}}}\n    on_status: {\"404\": dead_letter}\n";
+                {Authorization: \"Bearer literal-secret\", X-Tenant: t1}}}\n    on_status: {\"404\": dead_letter}\n  \
+                job:\n    handler: {command: {program: /bin/true, args: [\"{{payload.x}}\"], env: {API_TOKEN: s3, \
+                BUCKET: b}, on_exit: {\"75\": retry}}}\n";
     std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
     let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
     let broker = Memory::new();
@@ -131,6 +133,15 @@ async fn a_queue_shows_its_handler_without_secrets() {
     assert_eq!(handler["on_status"], json!({ "404": "dead_letter" }));
     assert_eq!((handler["kind"].as_str(), handler["signing"].as_bool()), (Some("webhook"), Some(false)));
     assert_eq!(queue["retry"]["delays_ms"].as_array().map(Vec::len), Some(4), "{}", queue["retry"]);
+
+    let (status, body) = send(&app, "GET", "/api/v1/queues/job", &[]).await;
+    assert_eq!(status, 200, "{body}");
+    let handler = &serde_json::from_str::<Value>(&body).expect("JSON")["handler"];
+    assert_eq!(handler["program"], "/bin/true");
+    assert_eq!(handler["args"], json!(["{{payload.x}}"]));
+    assert_eq!(handler["env"], json!([["API_TOKEN", "***"], ["BUCKET", "b"]]));
+    assert_eq!(handler["on_exit"], json!({ "75": "retry" }));
+    assert_eq!(handler["stdin"], "envelope");
 }
 
 #[test]

@@ -9,6 +9,7 @@
 
 use crate::support;
 
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -40,12 +41,17 @@ fn require_chromium() -> (PathBuf, PathBuf) {
     (browser, driver)
 }
 
-/// chromedriver, killed on drop.
+/// chromedriver in a process group of its own, with the chromium it starts: the whole group
+/// is killed on drop (a test that fails never closes its session, and killing the driver alone
+/// would leave the browser running).
 struct Driver(Child);
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        if let Ok(group) = libc::pid_t::try_from(self.0.id()) {
+            // SAFETY: killpg(2) on the group our child leads; no memory is touched.
+            unsafe { libc::killpg(group, libc::SIGKILL) };
+        }
         let _ = self.0.wait();
     }
 }
@@ -61,6 +67,7 @@ impl Browser {
         let (browser, driver) = require_chromium();
         let port = free_port();
         let driver = Command::new(driver)
+            .process_group(0)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -16,6 +16,7 @@
 //! Generic over [`Broker`]: nothing here knows RabbitMQ.
 
 mod aimd;
+pub mod attempts;
 pub mod backoff;
 mod breaker;
 mod events;
@@ -40,6 +41,7 @@ use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
+use attempts::Attempts;
 use gate::{Gate, Pauses, Slots};
 use worker::{Activity, Worker};
 
@@ -54,6 +56,8 @@ pub struct Options {
     pub readiness: Readiness,
     /// The queues paused by hand (through the admin endpoint); kept across reloads.
     pub pauses: Pauses,
+    /// Each queue's recent attempts, for the console; kept across reloads.
+    pub attempts: Attempts,
 }
 
 /// Why `run` stopped with an error.
@@ -225,7 +229,7 @@ where
     F: Future<Output = Result<B, BrokerError>>,
 {
     let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
-    let activity = Arc::new(Activity::default());
+    let activity = Arc::new(Activity { attempts: options.attempts.clone(), ..Activity::default() });
     let shared = Arc::new(Shared {
         client,
         activity: activity.clone(),

@@ -544,7 +544,8 @@ pub fn main() -> ExitCode {
                 exit_when_idle,
                 readiness: Readiness::default(),
                 pauses: Pauses::default(),
-                attempts: runtime::attempts::Attempts::new(admin_attempts),
+                // Without the admin port nobody reads them: none are kept.
+                attempts: runtime::attempts::Attempts::new(if admin.is_some() { admin_attempts } else { 0 }),
             };
             let watch = !no_watch;
             let admin = admin.map(|addr| (addr, admin_token(admin_token_file)));

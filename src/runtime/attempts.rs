@@ -151,6 +151,11 @@ impl QueueLog {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Whether attempts are kept (the admin port serves them): else only the series counts.
+    pub fn keeps(&self) -> bool {
+        self.capacity > 0
+    }
+
     /// Records `attempt` (its `seq` and `at_ms` are set here) in the ring and the series.
     pub fn record(&self, mut attempt: Attempt) {
         attempt.at_ms = now_ms();

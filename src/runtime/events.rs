@@ -116,6 +116,12 @@ impl QueueEvents {
         self.duration.record(elapsed.as_secs_f64());
     }
 
+    /// Whether the attempt log keeps what a delivery showed ([`Seen`]'s texts): else they
+    /// need not be gathered.
+    pub fn keeps_attempts(&self) -> bool {
+        self.log.keeps()
+    }
+
     /// A delivery's disposition is durable (its copy confirmed) and it is about to be acked;
     /// `seen` is what it showed on the way, for the attempt log.
     pub fn outcome(&self, disposition: &Disposition, seen: Seen) {

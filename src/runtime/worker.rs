@@ -12,6 +12,7 @@
 //! ack, make them duplicates).
 
 use std::any::Any;
+use std::fmt::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -377,21 +378,33 @@ impl Worker {
         seen: &mut Seen,
     ) -> Disposition {
         let q = self.queue();
-        seen.message_id = delivery.message_id().map(str::to_string);
+        let keep = self.events.keeps_attempts();
+        if keep {
+            seen.message_id = delivery.message_id().map(str::to_string);
+        }
         let body = delivery.body();
         let envelope = match outcome::decode(q, body, delivery.size(), attempt) {
             Ok(e) => e,
             Err(disposition) => return disposition,
         };
         events::decoded(message, &envelope, delivery.message_id().is_some());
-        seen.message_id.get_or_insert_with(|| envelope.id.clone());
-        seen.idempotency_key = Some(envelope.idempotency_key().to_string());
+        if keep {
+            seen.message_id.get_or_insert_with(|| envelope.id.clone());
+            seen.idempotency_key = Some(envelope.idempotency_key().to_string());
+        }
         // Before anything is rendered or waited for: a scheduled message holds no slot.
         if let Some(after) = envelope.due_in(SystemTime::now()) {
             return Disposition::Scheduled { attempt, after };
         }
         let context = trace::outgoing(trace::incoming(delivery));
-        seen.trace_id = Some(context.trace_id.iter().map(|b| format!("{b:02x}")).collect());
+        if keep {
+            let mut hex = String::with_capacity(32);
+            for byte in context.trace_id {
+                // Writing to a String cannot fail.
+                let _ = write!(hex, "{byte:02x}");
+            }
+            seen.trace_id = Some(hex);
+        }
         let traceparent = context.to_string();
         let (key, call) = match outcome::prepare(q, &envelope, body, attempt, Some(&traceparent)) {
             Ok(prepared) => prepared,

@@ -19,6 +19,7 @@ mod aimd;
 pub mod backoff;
 mod breaker;
 mod events;
+pub mod filter;
 pub mod gate;
 pub mod outcome;
 pub mod worker;

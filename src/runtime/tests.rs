@@ -205,7 +205,7 @@ impl Inspect for File {
                         other => (k, HeaderValue::Int(other.as_i64().expect("an integer header"))),
                     })
                     .collect();
-                Message { body: body.into(), headers, message_id, timestamp: timestamp.map(|t| t as u64) }
+                Message { body: body.into(), headers, message_id, timestamp: timestamp.map(|t| t as u64), route: None }
             })
             .collect()
     }

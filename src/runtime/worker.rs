@@ -27,7 +27,7 @@ use tracing::{Instrument as _, error, info, warn};
 
 use super::events::{self, QueueEvents, Totals};
 use super::gate::{Admission, Changes, Gate, Mode, Permit};
-use super::{backoff, outcome};
+use super::{backoff, filter, outcome};
 use crate::admin::Readiness;
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
@@ -78,6 +78,8 @@ pub enum Disposition {
     Completed { key: String },
     /// Already done before (its idempotency key is complete): ack without running the handler.
     Duplicate,
+    /// The queue's binding filters refuse it: ack without running the handler.
+    Filtered,
     /// Not now (the key is busy elsewhere, or the store is unreachable): a copy with the same
     /// attempt reaches the queue after `after`, then ack.
     Wait { attempt: u32, after: Duration, why: String },
@@ -357,6 +359,10 @@ impl Worker {
             Err(disposition) => return disposition,
         };
         events::decoded(message, &envelope, delivery.message_id().is_some());
+        let headers = filter::headers(q, |name| delivery.header(name));
+        if let Err(disposition) = outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt) {
+            return disposition;
+        }
         let traceparent = trace::outgoing(trace::incoming(delivery)).to_string();
         let (key, call) = match outcome::prepare(q, &envelope, body, attempt, Some(&traceparent)) {
             Ok(prepared) => prepared,
@@ -432,7 +438,9 @@ impl Worker {
     async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: &Disposition) -> bool {
         let q = self.queue();
         let headers = match disposition {
-            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
+            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
+                return true;
+            }
             Disposition::Retry { next, .. } => attempt_header(*next),
             Disposition::Wait { attempt, .. } => attempt_header(*attempt),
             Disposition::DeadLetter { reason, error, attempts } => {
@@ -446,7 +454,9 @@ impl Worker {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
                 Disposition::DeadLetter { .. } => broker.dead_letter(&q.dead_letter, delivery, headers.clone()).await,
-                Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
+                Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
+                    return true;
+                }
             };
             match published {
                 Ok(()) => {
@@ -631,6 +641,9 @@ mod tests {
         }
         fn message_id(&self) -> Option<&str> {
             Some("m-1")
+        }
+        fn route(&self) -> Option<&crate::broker::Route> {
+            None
         }
         fn headers(&self) -> BTreeMap<String, serde_json::Value> {
             BTreeMap::new()

@@ -9,7 +9,6 @@
 //! Pure: no IO, no broker. The worker and `sluice test` both decide through
 //! `outcome::filter`, which calls [`admits`].
 
-use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
@@ -42,7 +41,8 @@ pub fn admits(
             && kind.is_some_and(|kind| route::routes(kind, &b.routing_key, &b.arguments, &route.routing_key, headers))
     };
     let passes = |b: &crate::config::Binding| b.filter.as_ref().is_none_or(|f| matches(f, message));
-    if q.bindings.iter().any(|b| routed(&b)) {
+    // One binding is the candidate whatever routed the message: no need to route again.
+    if q.bindings.len() > 1 && q.bindings.iter().any(|b| routed(&b)) {
         q.bindings.iter().filter(routed).any(passes)
     } else {
         q.bindings.iter().any(passes)
@@ -77,43 +77,74 @@ pub fn matches(filter: &Filter, message: &Message<'_>) -> bool {
         Filter::All(fs) => fs.iter().all(|f| matches(f, message)),
         Filter::Any(fs) => fs.iter().any(|f| matches(f, message)),
         Filter::Not(f) => !matches(f, message),
-        Filter::Test { field, op } => test(op, lookup(field, message).as_deref()),
+        Filter::Test { field, op } => test(op, lookup(field, message)),
     }
 }
 
-/// The field's value in the message; `None` when absent.
-fn lookup<'v>(field: &Field, message: &Message<'v>) -> Option<Cow<'v, Value>> {
-    let e = message.envelope;
-    let text = |s: &str| Some(Cow::Owned(Value::String(s.to_string())));
-    match field.root {
-        Root::Id => text(&e.id),
-        Root::Type => text(&e.kind),
-        Root::Version => Some(Cow::Owned(Value::from(e.version))),
-        Root::OccurredAt => e.occurred_at.as_deref().and_then(text),
-        // Absent when the producer set none, as the envelope says; the id stands in only for dedup.
-        Root::IdempotencyKey => e.idempotency_key.as_deref().and_then(text),
-        Root::Payload => {
-            let value = field.path.iter().try_fold(message.payload?, |node, step| node.as_object()?.get(step))?;
-            Some(Cow::Borrowed(value))
+/// A field's value as found in a message, borrowed where it can be.
+enum Found<'v> {
+    Str(&'v str),
+    Num(Number),
+    Json(&'v Value),
+}
+
+impl Found<'_> {
+    fn text(&self) -> Option<&str> {
+        match self {
+            Found::Str(s) => Some(s),
+            Found::Json(Value::String(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn number(&self) -> Option<&Number> {
+        match self {
+            Found::Num(n) | Found::Json(Value::Number(n)) => Some(n),
+            _ => None,
+        }
+    }
+
+    fn equals(&self, want: &Value) -> bool {
+        match (self, want) {
+            (Found::Json(value), want) => equal(value, want),
+            (Found::Str(s), Value::String(w)) => s == w,
+            (Found::Num(n), Value::Number(w)) => compare(n, w) == Some(Ordering::Equal),
+            _ => false,
         }
     }
 }
 
-fn test(op: &Op, value: Option<&Value>) -> bool {
-    let Some(value) = value else { return *op == Op::Exists(false) };
-    let number = |bound: &Number, wanted: &[Ordering]| match value {
-        Value::Number(n) => compare(n, bound).is_some_and(|o| wanted.contains(&o)),
-        _ => false,
+/// The field's value in the message; `None` when absent.
+fn lookup<'v>(field: &Field, message: &Message<'v>) -> Option<Found<'v>> {
+    let e = message.envelope;
+    match field.root {
+        Root::Id => Some(Found::Str(&e.id)),
+        Root::Type => Some(Found::Str(&e.kind)),
+        Root::Version => Some(Found::Num(Number::from(e.version))),
+        Root::OccurredAt => e.occurred_at.as_deref().map(Found::Str),
+        // Absent when the producer set none, as the envelope says; the id stands in only for dedup.
+        Root::IdempotencyKey => e.idempotency_key.as_deref().map(Found::Str),
+        Root::Payload => {
+            let value = field.path.iter().try_fold(message.payload?, |node, step| node.as_object()?.get(step))?;
+            Some(Found::Json(value))
+        }
+    }
+}
+
+fn test(op: &Op, found: Option<Found<'_>>) -> bool {
+    let Some(found) = found else { return *op == Op::Exists(false) };
+    let number = |bound: &Number, wanted: &[Ordering]| {
+        found.number().and_then(|n| compare(n, bound)).is_some_and(|o| wanted.contains(&o))
     };
     match op {
-        Op::Eq(want) => equal(value, want),
-        Op::In(wanted) => wanted.iter().any(|w| equal(value, w)),
+        Op::Eq(want) => found.equals(want),
+        Op::In(wanted) => wanted.iter().any(|w| found.equals(w)),
         Op::Gt(b) => number(b, &[Ordering::Greater]),
         Op::Gte(b) => number(b, &[Ordering::Greater, Ordering::Equal]),
         Op::Lt(b) => number(b, &[Ordering::Less]),
         Op::Lte(b) => number(b, &[Ordering::Less, Ordering::Equal]),
         Op::Exists(present) => *present,
-        Op::Prefix(p) => value.as_str().is_some_and(|s| s.starts_with(p.as_str())),
+        Op::Prefix(p) => found.text().is_some_and(|s| s.starts_with(p.as_str())),
     }
 }
 
@@ -217,5 +248,24 @@ mod tests {
         for (op, payload, want) in cases {
             assert_eq!(message_test(op.clone(), payload.clone()), want, "{op:?} on {payload}");
         }
+    }
+
+    #[test]
+    fn envelope_fields_as_the_producer_sent_them() {
+        let body = json!({"id": "m-1", "type": "order.created", "version": 2, "payload": {}}).to_string();
+        let envelope = Envelope::decode(body.as_bytes()).expect("an envelope");
+        let message = Message { envelope: &envelope, payload: None };
+        let holds =
+            |root: Root, op: Op| matches(&Filter::Test { field: Field { root, path: Vec::new() }, op }, &message);
+        assert!(holds(Root::Type, Op::Prefix("order.".into())));
+        assert!(holds(Root::Type, Op::In(vec![json!("x"), json!("order.created")])));
+        assert!(holds(Root::Id, Op::Eq(json!("m-1"))));
+        assert!(holds(Root::Version, Op::Gte(n(json!(2)))));
+        assert!(holds(Root::Version, Op::Eq(json!(2.0))));
+        assert!(!holds(Root::Version, Op::Eq(json!("2"))));
+        // No key set: absent, though the id stands in for it in deduplication.
+        assert!(holds(Root::IdempotencyKey, Op::Exists(false)));
+        assert!(holds(Root::OccurredAt, Op::Exists(false)));
+        assert!(!holds(Root::Payload, Op::Exists(true)), "no payload parsed: none read");
     }
 }

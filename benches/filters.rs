@@ -1,7 +1,9 @@
 //! The per-message cost of binding filters (issue 24): `outcome::filter`, the check the worker
 //! and `sluice test` run on every delivery, timed in a loop on a queue without filters, with a
 //! filter on envelope fields only, and with the README's filter on the payload (which parses the
-//! payload first); and the filter's evaluation alone on a payload already parsed.
+//! payload first), for a message the filter takes and one it refuses (where the bindings
+//! disagree and the message is routed again); and, on a payload already parsed, the decision
+//! alone and the filter's evaluation alone.
 //!
 //! A timing loop, not a criterion harness: it prints nanoseconds per call (the median of 9
 //! rounds of 100,000 calls) for BENCHMARKS.md, and asserts nothing.
@@ -92,11 +94,24 @@ fn main() {
         let ns = time(|| outcome::filter(&config, q, &envelope, Some(&route), &headers, 1).is_ok());
         println!("  outcome::filter, queue {name:<10} {ns:>8.1}");
     }
+    // Refused by the first binding's filter, let in by the second's lack of one: the bindings
+    // disagree, so the message is routed again to tell which of them took it.
+    let small = Envelope::new("order.created", &json!({"amount_cents": 500, "currency": "EUR"}), None).encode();
+    let small = Envelope::decode(&small).expect("an envelope");
+    let ns = time(|| outcome::filter(&config, queue("by_payload"), &small, Some(&route), &headers, 1).is_ok());
+    println!("  outcome::filter, by_payload, refused  {ns:>8.1}");
     let parsed = envelope.payload_value().expect("a payload");
     let message = filter::Message { envelope: &envelope, payload: Some(&parsed) };
     let q = queue("by_payload");
     let ns = time(|| filter::admits(&config.exchanges, q, Some(&route), &headers, &message));
     println!("  filter::admits alone, payload parsed    {ns:>8.1}");
+    let parsed_small = small.payload_value().expect("a payload");
+    let refused = filter::Message { envelope: &small, payload: Some(&parsed_small) };
+    let ns = time(|| filter::admits(&config.exchanges, q, Some(&route), &headers, &refused));
+    println!("  filter::admits alone, refused (routing) {ns:>8.1}");
+    let first = q.bindings[0].filter.as_ref().expect("by_payload's first binding has a filter");
+    let ns = time(|| filter::matches(first, &message));
+    println!("  filter::matches alone (no routing)      {ns:>8.1}");
     let ns = time(|| envelope.payload_value().is_ok());
     println!("  parsing the payload alone              {ns:>8.1}");
 }

@@ -16,7 +16,7 @@ use serde_json::{Number, Value};
 
 use crate::broker::{HeaderValue, Headers, Route, route};
 use crate::config::filter::{Field, Op, Root};
-use crate::config::{Exchange, ExchangeKind, Filter, Queue};
+use crate::config::{Binding, Exchange, ExchangeKind, Filter, Queue};
 use crate::envelope::Envelope;
 
 /// What a filter reads of a message: its envelope, and its payload parsed when a filter of the
@@ -34,19 +34,24 @@ pub fn admits(
     headers: &Headers,
     message: &Message<'_>,
 ) -> bool {
-    let routed = |b: &&crate::config::Binding| {
+    let routed = |b: &Binding| {
         let Some(route) = route else { return false };
         let kind = exchanges.get(&b.exchange).map(|e| e.kind).or(ExchangeKind::builtin(&b.exchange));
         b.exchange == route.exchange
             && kind.is_some_and(|kind| route::routes(kind, &b.routing_key, &b.arguments, &route.routing_key, headers))
     };
-    let passes = |b: &crate::config::Binding| b.filter.as_ref().is_none_or(|f| matches(f, message));
-    // One binding is the candidate whatever routed the message: no need to route again.
-    if q.bindings.len() > 1 && q.bindings.iter().any(|b| routed(&b)) {
-        q.bindings.iter().filter(routed).any(passes)
-    } else {
-        q.bindings.iter().any(passes)
+    let passes = |b: &Binding| b.filter.as_ref().is_none_or(|f| matches(f, message));
+    // Routing again costs more than most filters: only when the bindings disagree does it
+    // matter which of them routed the message.
+    let (mut any, mut all) = (false, true);
+    for b in &q.bindings {
+        let p = passes(b);
+        (any, all) = (any || p, all && p);
     }
+    if all || !any {
+        return any;
+    }
+    q.bindings.iter().any(|b| routed(b) && passes(b)) || !q.bindings.iter().any(routed)
 }
 
 /// The headers a headers exchange's bindings of `q` match on, from the delivery's `header`:

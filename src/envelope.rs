@@ -6,6 +6,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::time::{Duration, SystemTime};
 
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -40,10 +41,65 @@ pub struct Envelope<'a> {
     /// Defaults to `id` when the producer sets none, or an empty or blank one.
     #[serde(default)]
     pub idempotency_key: Option<String>,
+    /// Not handled before this time (RFC 3339); a time past is now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_before: Option<Timestamp>,
     /// As the producer sent it (checked to be JSON that parses into a value): most handlers
     /// pass it on untouched, so it is parsed only when a schema or template reads it.
     #[serde(borrow, deserialize_with = "borrowed_raw")]
     pub payload: Cow<'a, RawValue>,
+}
+
+/// A point in time written as RFC 3339 (`2026-12-24T18:00:00Z`, `2026-12-24T19:00:00.250+01:00`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Timestamp(pub SystemTime);
+
+impl Timestamp {
+    /// Parses RFC 3339: a date, `T`, a time with optional fraction, and `Z` or an offset
+    /// `+HH:MM`/`-HH:MM`.
+    pub fn parse(text: &str) -> Option<Timestamp> {
+        let upper = text.to_ascii_uppercase();
+        if upper.ends_with('Z') {
+            return humantime::parse_rfc3339(&upper).ok().map(Timestamp);
+        }
+        let (local, offset) = upper.split_at_checked(upper.len().checked_sub(6)?)?;
+        let (sign, hhmm) = offset.split_at_checked(1)?;
+        let (hours, minutes) = hhmm.split_once(':')?;
+        let (hours, minutes): (u64, u64) = (hours.parse().ok()?, minutes.parse().ok()?);
+        if hours > 23 || minutes > 59 || hhmm.len() != 5 {
+            return None;
+        }
+        let offset = Duration::from_secs(hours * 3600 + minutes * 60);
+        let local = humantime::parse_rfc3339(&format!("{local}Z")).ok()?;
+        // The local time is ahead of UTC by a positive offset.
+        match sign {
+            "+" => local.checked_sub(offset),
+            "-" => local.checked_add(offset),
+            _ => None,
+        }
+        .map(Timestamp)
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "{}", humantime::format_rfc3339_millis(self.0))
+    }
+}
+
+impl Serialize for Timestamp {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Timestamp {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = <Cow<'de, str>>::deserialize(d)?;
+        Timestamp::parse(&text).ok_or_else(|| {
+            de::Error::custom(format_args!("{text:?} is not an RFC 3339 time such as 2026-12-24T18:00:00Z"))
+        })
+    }
 }
 
 fn borrowed_raw<'de, D: Deserializer<'de>>(d: D) -> Result<Cow<'de, RawValue>, D::Error> {
@@ -128,7 +184,8 @@ impl Envelope<'_> {
             id,
             kind: kind.to_string(),
             version: 1,
-            occurred_at: Some(humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()),
+            occurred_at: Some(humantime::format_rfc3339_seconds(SystemTime::now()).to_string()),
+            not_before: None,
             payload: Cow::Owned(payload),
         }
     }
@@ -143,6 +200,11 @@ impl Envelope<'_> {
         serde_json::from_str::<Parses>(envelope.payload.get())
             .map_err(|e| Malformed(de::Error::custom(format_args!("payload: {e}"))))?;
         Ok(envelope)
+    }
+
+    /// How long until the message may be handled, when `not_before` is still ahead of `now`.
+    pub fn due_in(&self, now: SystemTime) -> Option<Duration> {
+        self.not_before?.0.duration_since(now).ok().filter(|left| !left.is_zero())
     }
 
     /// The payload as a JSON value.
@@ -188,6 +250,43 @@ mod tests {
         for (body, ok) in cases {
             assert_eq!(Envelope::decode(body.as_bytes()).is_ok(), *ok, "{body}");
         }
+    }
+
+    /// Issue 24: `not_before` is RFC 3339, in UTC or with an offset; anything else makes the
+    /// envelope malformed (a message must not run early because its time was misread).
+    #[test]
+    fn not_before_is_rfc_3339() {
+        let at =
+            |secs: u64, ms: u64| Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_millis(ms));
+        let cases: &[(&str, Option<SystemTime>)] = &[
+            ("1970-01-01T00:00:10Z", at(10, 0)),
+            ("1970-01-01t00:00:10.250z", at(10, 250)),
+            ("1970-01-01T01:00:10+01:00", at(10, 0)),
+            ("1970-01-01T00:00:10-00:30", at(1810, 0)),
+            ("2026-12-24T18:00:00Z", at(1_798_135_200, 0)),
+            ("1970-01-01T00:00:10", None),
+            ("1970-01-01 00:00:10Z", None),
+            ("1970-01-01T00:00:10+1:00", None),
+            ("1970-01-01T00:00:10+24:00", None),
+            ("tomorrow", None),
+            ("", None),
+        ];
+        for (text, expected) in cases {
+            assert_eq!(Timestamp::parse(text).map(|t| t.0), *expected, "{text}");
+            let body = format!(r#"{{"id":"1","type":"t","payload":1,"not_before":"{text}"}}"#);
+            assert_eq!(Envelope::decode(body.as_bytes()).is_ok(), expected.is_some(), "{body}");
+        }
+        let body = br#"{"id":"1","type":"t","payload":1,"not_before":12}"#;
+        assert!(Envelope::decode(body).is_err(), "a number is not a time");
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        let envelope = |not_before: &str| {
+            Envelope::decode(format!(r#"{{"id":"1","type":"t","payload":1,"not_before":"{not_before}"}}"#).as_bytes())
+                .map(|e| e.due_in(now))
+                .expect("decodes")
+        };
+        assert_eq!(envelope("1970-01-01T00:01:42.5Z"), Some(Duration::from_millis(2500)));
+        assert_eq!(envelope("1970-01-01T00:01:40Z"), None, "now is due");
+        assert_eq!(envelope("1970-01-01T00:00:01Z"), None, "a time past is now");
     }
 
     /// Issue 9: a payload decodes exactly when it parses into a value, nesting included.

@@ -10,7 +10,8 @@ use serde_json::json;
 use sluice::envelope::Envelope;
 use support::*;
 
-const DEADLINE: Duration = Duration::from_secs(30);
+/// Longer than a refused publish takes to give up (about 30 s of retries, see `Refusals`).
+const DEADLINE: Duration = Duration::from_secs(90);
 
 /// An exchange `ev` with queue `inbox` bound to `order.*`, and a direct exchange `tiny`
 /// feeding `small`, which holds one message.

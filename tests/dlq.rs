@@ -49,6 +49,7 @@ pub async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str, reason: &st
         message_id: Some(envelope.id.clone()),
         kind: Some(envelope.kind.clone()),
         timestamp: None,
+        priority: None,
         headers,
     };
     broker.publish("", "work.dlq", message).await.expect("plant");

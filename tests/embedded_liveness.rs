@@ -156,6 +156,7 @@ async fn plant_large<B: Broker>(broker: &B, n: usize, size: usize) -> Vec<String
             message_id: Some(envelope.id.clone()),
             kind: Some(envelope.kind.clone()),
             timestamp: None,
+            priority: None,
             headers,
         };
         broker.publish("", "work.dlq", message).await.expect("plant a dead letter");

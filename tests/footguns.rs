@@ -245,6 +245,7 @@ async fn dlq_list_and_show_escape_control_characters() {
         message_id: Some(id.into()),
         kind: Some(kind.into()),
         timestamp: None,
+        priority: None,
         headers,
     };
     broker.publish("", "charge.dlq", message).await.expect("plant");

@@ -218,8 +218,14 @@ fn stop(sluice: &mut Sluice) -> String {
 /// broker returns an unroutable mandatory message: nothing was enqueued).
 async fn publish_if_routable(broker: &Amqp, routing_key: &str, key: &str) -> bool {
     let envelope = Envelope::new("test.event", &json!({}), Some(key.to_string()));
-    let message =
-        Outgoing { body: envelope.encode(), message_id: None, kind: None, timestamp: None, headers: Headers::new() };
+    let message = Outgoing {
+        body: envelope.encode(),
+        message_id: None,
+        kind: None,
+        timestamp: None,
+        priority: None,
+        headers: Headers::new(),
+    };
     match broker.publish("ev", routing_key, message).await {
         Ok(()) => true,
         Err(BrokerError::Unroutable { .. }) => false,

@@ -143,10 +143,16 @@ fn outcomes_come_from_the_same_rules_as_run() {
   - name: the default exchange routes by queue name
     message: {exchange: "", routing_key: audit, payload: {id: 1}}
     expect: {queues: [audit]}
+  - name: a scheduled message runs as at its time (issue 24)
+    message: {exchange: orders, routing_key: order.x, payload: {id: 1}, not_before: "2099-01-01T00:00:00Z"}
+    expect: {outcomes: {charge: success}}
+  - name: a not_before that is not a time is malformed
+    message: {exchange: orders, routing_key: order.x, payload: {id: 1}, not_before: tomorrow}
+    expect: {outcomes: {charge: dead_letter:malformed}}
 "#;
     let dir = suite(tests);
     let out = stdout(sluice().arg("test").arg(dir.path()).assert().code(1));
-    assert!(out.contains("test result: FAILED. 6 passed; 1 failed"), "{out}");
+    assert!(out.contains("test result: FAILED. 8 passed; 1 failed"), "{out}");
     // A call that was never rendered says why.
     assert!(
         out.contains("actual:   no call: dead_letter:template (template url: the message has no payload.id"),

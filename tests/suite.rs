@@ -9,6 +9,8 @@ mod util;
 
 mod admin;
 mod admin_guard;
+mod broker_arguments;
+mod channels;
 mod cli;
 mod cli_publish;
 mod cli_run;
@@ -41,6 +43,8 @@ mod reload_unbind;
 mod run_behaviour;
 mod run_env;
 mod run_retries;
+mod schedule;
+mod signing;
 mod sluice_test;
 mod trace;
 mod validation;

@@ -41,6 +41,7 @@ async fn publish_with(broker: &impl Broker, key: &str, headers: Headers) -> Enve
         message_id: Some(envelope.id.clone()),
         kind: None,
         timestamp: None,
+        priority: None,
         headers,
     };
     broker.publish("ev", "x", message).await.expect("publish confirmed");

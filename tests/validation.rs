@@ -158,7 +158,9 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     assert_eq!(charge.idempotency.as_ref().unwrap().key.as_ref().unwrap().source(), "charge:{{payload.order_id}}");
     let Handler::Webhook(hook) = &charge.handler else { panic!("orders.charge has a webhook") };
     assert_eq!((hook.method.as_str(), hook.timeout), ("POST", Duration::from_secs(5)));
-    assert_eq!(hook.signing_secret_env.as_deref(), Some("SLUICE_TEST_VALID_SIGNING_SECRET_UNSET"));
+    let signing = hook.signing.as_ref().expect("orders.charge is signed");
+    assert_eq!(signing.secret_env, ["SLUICE_TEST_VALID_SIGNING_SECRET_UNSET"]);
+    assert_eq!(signing.secret_file, Some(PathBuf::from(util::VALID).join("payments-webhook.secrets")));
     let headers: Vec<&str> = hook.headers.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(headers, ["Content-Type", "X-Queue"]);
     assert_eq!(charge.bindings[1].exchange, "payments");

@@ -252,8 +252,8 @@ async fn signed_requests_carry_the_standard_webhooks_headers() {
     let body = br#"{"test": 2432232314}"#.to_vec();
     let server = MockServer::start().await;
     Mock::given(any()).respond_with(ResponseTemplate::new(200)).expect(1).mount(&server).await;
-    let headers =
-        webhook::signature_headers(secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, &body).expect("valid secret");
+    let key = webhook::SigningKey::parse(secret).expect("valid secret");
+    let headers = webhook::signature_headers(&[key], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, &body);
     let request = Request {
         headers: headers.into_iter().map(|(name, value)| (name.to_owned(), value)).collect(),
         body: body.into(),

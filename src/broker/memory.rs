@@ -456,6 +456,10 @@ impl Broker for Memory {
         Ok(lock(&self.state).delayed)
     }
 
+    fn max_delay(&self) -> Option<Duration> {
+        None
+    }
+
     fn is_connected(&self) -> bool {
         true
     }

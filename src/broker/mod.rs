@@ -62,6 +62,8 @@ pub struct Outgoing {
     pub kind: Option<String>,
     /// Seconds since the epoch.
     pub timestamp: Option<u64>,
+    /// Delivered before lower ones from a queue with priority levels (RabbitMQ only).
+    pub priority: Option<u8>,
     pub headers: Headers,
 }
 
@@ -351,6 +353,10 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// its leased deliveries too: a killed runner's come back only when their lease runs out,
     /// where RabbitMQ has them ready again as soon as the connection is gone.
     fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;
+
+    /// The longest a delayed copy can wait (`publish_delayed` holds a longer delay this long),
+    /// or `None` when the broker holds any delay.
+    fn max_delay(&self) -> Option<Duration>;
 
     /// Whether the session is still connected.
     fn is_connected(&self) -> bool;

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use futures_util::{StreamExt, stream};
@@ -20,7 +20,7 @@ use indicatif::ProgressBar;
 use super::{BrokerArg, Refusals};
 use crate::broker::failover::Failover;
 use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
-use crate::envelope::{Envelope, TRACEPARENT_HEADER};
+use crate::envelope::{Envelope, TRACEPARENT_HEADER, Timestamp};
 use crate::trace::TraceContext;
 
 /// Confirms awaited at once in bulk mode: enough to keep the channel busy.
@@ -52,6 +52,16 @@ pub struct Args {
     /// A file with one payload (JSON) per line; each becomes its own message.
     #[arg(long)]
     jsonl: Option<PathBuf>,
+    /// Not handled before this long from now (`30s`, `10m`, `2h`): sets the envelope's
+    /// `not_before`.
+    #[arg(long, value_parser = super::parse_duration, conflicts_with = "at")]
+    delay: Option<Duration>,
+    /// Not handled before this time (RFC 3339, e.g. 2026-12-24T18:00:00Z); a time past is now.
+    #[arg(long, value_parser = parse_time)]
+    at: Option<Timestamp>,
+    /// The messages' priority, for a queue with `priority` levels (RabbitMQ): higher first.
+    #[arg(long)]
+    priority: Option<u8>,
     #[command(flatten)]
     broker: BrokerArg,
 }
@@ -65,13 +75,52 @@ fn parse_key(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
-fn outgoing(envelope: &Envelope) -> Outgoing {
+fn parse_time(text: &str) -> Result<Timestamp, String> {
+    Timestamp::parse(text).ok_or_else(|| {
+        format!("\"{text}\" is not an RFC 3339 time such as 2026-12-24T18:00:00Z or 2026-12-24T19:00:00+01:00")
+    })
+}
+
+/// When the messages may be handled, from `--delay` (counted from `now`) or `--at`.
+fn not_before(args: &Args, now: SystemTime) -> Option<Timestamp> {
+    args.at.or_else(|| args.delay.map(|delay| Timestamp(now + delay)))
+}
+
+/// Refuses a time further ahead than the broker can hold a message back.
+fn check_not_before(not_before: Option<Timestamp>, max_delay: Option<Duration>, now: SystemTime) -> anyhow::Result<()> {
+    let (Some(at), Some(max)) = (not_before, max_delay) else { return Ok(()) };
+    let ahead = at.0.duration_since(now).unwrap_or_default();
+    if ahead > max {
+        bail!(
+            "not before {at} is {} ahead, further than this broker can hold a message back (at most {}): nothing was published",
+            days(ahead),
+            days(max),
+        );
+    }
+    Ok(())
+}
+
+/// A long duration to the second, as `38d 20h 44m 3s` (humantime's would say `1month 8days`).
+fn days(d: Duration) -> String {
+    let s = d.as_secs();
+    format!("{}d {}h {}m {}s", s / 86_400, s % 86_400 / 3600, s % 3600 / 60, s % 60)
+}
+
+/// The envelope of one message: a new id, and the schedule of the command.
+fn envelope(args: &Args, payload: &serde_json::Value, key: Option<String>, at: Option<Timestamp>) -> Envelope<'static> {
+    let mut envelope = Envelope::new(&args.kind, payload, key);
+    envelope.not_before = at;
+    envelope
+}
+
+fn outgoing(envelope: &Envelope, priority: Option<u8>) -> Outgoing {
     let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).ok();
     Outgoing {
         body: envelope.encode(),
         message_id: Some(envelope.id.clone()),
         kind: Some(envelope.kind.clone()),
         timestamp,
+        priority,
         headers: Headers::from([(
             TRACEPARENT_HEADER.to_string(),
             HeaderValue::Str(TraceContext::new_root().to_string()),
@@ -83,16 +132,18 @@ fn outgoing(envelope: &Envelope) -> Outgoing {
 /// the broker can tell), checks every message against them before sending any, then sends
 /// them, a batch at a time for `--jsonl`.
 pub async fn publish(args: Args) -> anyhow::Result<()> {
-    // What can be checked without the broker is, before connecting.
+    // What can be checked without the broker is, before connecting. Every message of one
+    // command has the same time: `--delay` counts from the start.
+    let at = not_before(&args, SystemTime::now());
     let input = match (&args.payload, &args.payload_file, &args.jsonl) {
         (Some(text), _, _) => Input::Payload(serde_json::from_str(text).context("--payload is not JSON")?),
         (None, Some(path), _) => Input::File(path),
-        (None, None, Some(path)) => Input::Lines { path, lines: check_lines(path, &args.kind)? },
+        (None, None, Some(path)) => Input::Lines { path, lines: check_lines(path, &args, at)? },
         (None, None, None) => bail!("one of --payload, --payload-file or --jsonl is required"),
     };
     let total = super::with_sessions!(&args.broker, |sessions| {
         let mut session = Session { sessions: &mut sessions, broker: None };
-        let result = publish_all(&mut session, &args, &input).await;
+        let result = publish_all(&mut session, &args, &input, at).await;
         if let Some(broker) = session.broker.take() {
             broker.close().await;
         }
@@ -154,7 +205,12 @@ where
 }
 
 /// Checks and publishes every message; how many.
-async fn publish_all<B, F, C>(session: &mut Session<'_, C, B>, args: &Args, input: &Input<'_>) -> anyhow::Result<usize>
+async fn publish_all<B, F, C>(
+    session: &mut Session<'_, C, B>,
+    args: &Args,
+    input: &Input<'_>,
+    at: Option<Timestamp>,
+) -> anyhow::Result<usize>
 where
     B: Broker,
     F: Future<Output = Result<B, BrokerError>>,
@@ -162,6 +218,7 @@ where
 {
     let limit = loop {
         let broker = session.broker().await?;
+        check_not_before(at, broker.max_delay(), SystemTime::now())?;
         match Limit::of(&broker, args).await {
             Ok(limit) => break limit,
             Err(e) if e.is_session_loss() => session.lost(e).await?,
@@ -170,7 +227,7 @@ where
     };
     let (path, lines) = match input {
         Input::Lines { path, lines } => (path, lines),
-        Input::Payload(payload) => return publish_one(session, args, payload, limit.as_ref()).await,
+        Input::Payload(payload) => return publish_one(session, args, payload, limit.as_ref(), at).await,
         Input::File(path) => {
             if let Some(limit) = &limit {
                 limit.check_file(path)?;
@@ -178,7 +235,7 @@ where
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
             let payload = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
             drop(text);
-            return publish_one(session, args, &payload, limit.as_ref()).await;
+            return publish_one(session, args, &payload, limit.as_ref(), at).await;
         }
     };
     if let Some(limit) = &limit {
@@ -192,7 +249,7 @@ where
         let payload =
             payload.with_context(|| format!("{}:{n}: not JSON (it changed since it was checked)", path.display()))?;
         // Built once: a message sent again after a lost session keeps its id and key.
-        batch.push(outgoing(&Envelope::new(&args.kind, &payload, None)));
+        batch.push(outgoing(&envelope(args, &payload, None, at), args.priority));
         if batch.len() == BATCH {
             send_confirmed(session, args, &batch, &progress).await?;
             batch.clear();
@@ -209,13 +266,14 @@ async fn publish_one<B, F, C>(
     args: &Args,
     payload: &serde_json::Value,
     limit: Option<&Limit>,
+    at: Option<Timestamp>,
 ) -> anyhow::Result<usize>
 where
     B: Broker,
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
-    let message = outgoing(&Envelope::new(&args.kind, payload, args.idempotency_key.clone()));
+    let message = outgoing(&envelope(args, payload, args.idempotency_key.clone(), at), args.priority);
     if let Some(limit) = limit {
         limit.check(message.body.len(), "the message")?;
     }
@@ -234,7 +292,7 @@ impl Limit {
     /// The limit of the queues a message of `args` would reach; none when the broker cannot
     /// tell (RabbitMQ), or when a queue's is unknown (declared by an earlier version).
     async fn of<B: Broker>(broker: &B, args: &Args) -> Result<Option<Limit>, BrokerError> {
-        let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None)).headers;
+        let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None), None).headers;
         let Some(limits) = broker.body_limits(&args.exchange, &args.routing_key, &headers).await? else {
             return Ok(None);
         };
@@ -312,13 +370,13 @@ fn payload_lines(
 }
 
 /// Checks a `--jsonl` file before anything is sent: every line JSON; how many messages, and
-/// the largest body (of a message of type `kind`).
-fn check_lines(path: &Path, kind: &str) -> anyhow::Result<Lines> {
+/// the largest body (of a message as `args` and `at` make it).
+fn check_lines(path: &Path, args: &Args, at: Option<Timestamp>) -> anyhow::Result<Lines> {
     let mut lines = Lines { total: 0, largest: (0, 0) };
     for line in payload_lines(path)? {
         let (n, payload) = line?;
         let payload = payload.with_context(|| format!("{}:{n}: not JSON", path.display()))?;
-        let size = Envelope::new(kind, &payload, None).encode().len();
+        let size = envelope(args, &payload, None, at).encode().len();
         if size > lines.largest.0 {
             lines.largest = (size, n);
         }
@@ -414,6 +472,31 @@ async fn send<B: Broker>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 24: a time further ahead than the broker holds is refused, naming both; a time
+    /// past, or any time on a broker without a limit, is not.
+    #[test]
+    fn a_time_too_far_ahead_is_refused() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let day = Duration::from_secs(86_400);
+        let cases: &[(Option<SystemTime>, Option<Duration>, Option<&str>)] = &[
+            (None, Some(day), None),
+            (Some(now + day), Some(day), None),
+            (Some(now - day * 400), Some(day), None),
+            (Some(now + day * 400), None, None),
+            (
+                Some(now + day + Duration::from_secs(1)),
+                Some(day),
+                Some(
+                    "not before 1970-01-13T13:46:41.000Z is 1d 0h 0m 1s ahead, further than this broker can hold a message back (at most 1d 0h 0m 0s): nothing was published",
+                ),
+            ),
+        ];
+        for (at, max, refusal) in cases {
+            let got = check_not_before(at.map(Timestamp), *max, now).map_err(|e| e.to_string());
+            assert_eq!(got.err().as_deref(), *refusal, "{at:?} with {max:?}");
+        }
+    }
 
     /// Never more than the compact form, whatever the spacing, escapes and numbers.
     #[test]

@@ -8,13 +8,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::arguments::Finding;
 use super::diagnostic::{Diagnostic, Severity};
 use super::interpolate::{Env, interpolate};
 use super::source::{self, SourceFile, escape_token};
 use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
-    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, StdinMode, Validation, Webhook,
-    raw,
+    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing, StdinMode,
+    Validation, Webhook, raw,
 };
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
@@ -22,6 +23,9 @@ use crate::handler::template::{Escape, Template, TemplateError};
 /// The most a payload schema file may hold: generated schemas can be large, but a file
 /// without end (a link to a device) must not be read to the end.
 const MAX_SCHEMA_BYTES: u64 = 8 << 20;
+
+/// The longest `message_ttl` RabbitMQ takes: 2^32 - 1 ms.
+const MAX_MESSAGE_TTL: Duration = Duration::from_millis(u32::MAX as u64);
 
 pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
     let discovery = source::discover(paths);
@@ -481,7 +485,12 @@ impl Compiler<'_> {
             self.error(file, &format!("{base}/dead_letter/queue"), message);
         }
 
-        if q.kind.as_deref() == Some("classic") {
+        let kind = if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum };
+        let message_ttl = q.message_ttl.as_deref().and_then(|text| self.message_ttl(file, &base, text));
+        let priority = q.priority.and_then(|levels| self.priority(file, &base, levels, kind));
+        self.arguments(file, &base, &q.arguments, kind);
+
+        if kind == QueueKind::Classic {
             let message = format!(
                 "queue \"{name}\" is a classic queue, which lives on one node of a cluster: while that node is down, publishes to it are confirmed and dropped and consuming it fails (home node down); on a cluster use type: quorum (the default)"
             );
@@ -489,9 +498,12 @@ impl Compiler<'_> {
         }
         (self.error_count() == errors_before).then(|| Queue {
             name: name.to_string(),
-            kind: if q.kind.as_deref() == Some("classic") { QueueKind::Classic } else { QueueKind::Quorum },
+            kind,
             bindings,
             max_length: q.max_length,
+            message_ttl,
+            priority,
+            arguments: q.arguments,
             max_message_bytes,
             payload_schema,
             concurrency,
@@ -510,6 +522,69 @@ impl Compiler<'_> {
                 "program": program_source,
             }),
         })
+    }
+
+    /// `message_ttl`: RabbitMQ takes whole milliseconds up to 2^32 - 1 (about 49 days).
+    fn message_ttl(&mut self, file: &SourceFile, base: &str, text: &str) -> Option<Duration> {
+        let pointer = format!("{base}/message_ttl");
+        let ttl = super::parse_duration(text);
+        match ttl {
+            None => self.error(file, &pointer, super::duration_problem(text)),
+            Some(ttl) if ttl < Duration::from_millis(1) => {
+                self.error(file, &pointer, "a message_ttl must be at least 1ms (leave it out for none)");
+            }
+            Some(ttl) if ttl > MAX_MESSAGE_TTL => {
+                let message = format!(
+                    "a message_ttl of {text} is more than RabbitMQ takes (at most {} ms, about 49 days)",
+                    MAX_MESSAGE_TTL.as_millis()
+                );
+                self.error(file, &pointer, message);
+            }
+            Some(ttl) => return Some(ttl),
+        }
+        None
+    }
+
+    /// `priority`: levels 1 to 255, on a classic queue (RabbitMQ 3.10's quorum queues have none).
+    fn priority(&mut self, file: &SourceFile, base: &str, levels: u64, kind: QueueKind) -> Option<u8> {
+        let pointer = format!("{base}/priority");
+        let levels = match u8::try_from(levels) {
+            Ok(levels) if levels >= 1 => levels,
+            _ => {
+                self.error(
+                    file,
+                    &pointer,
+                    format!("priority levels must be 1 to 255 (10 or fewer is usual), not {levels}"),
+                );
+                return None;
+            }
+        };
+        if kind == QueueKind::Quorum {
+            let message = "priorities need a classic queue (type: classic): RabbitMQ 3.10's quorum queues have none";
+            self.error(file, &pointer, message);
+            return None;
+        }
+        Some(levels)
+    }
+
+    /// Checks `arguments:`, each against what RabbitMQ takes (see `config::arguments`).
+    fn arguments(
+        &mut self,
+        file: &SourceFile,
+        base: &str,
+        arguments: &BTreeMap<String, serde_json::Value>,
+        kind: QueueKind,
+    ) {
+        for (name, value) in arguments {
+            let pointer = format!("{base}/arguments/{}", escape_token(name));
+            let diag = match super::arguments::check(name, value, kind) {
+                None => continue,
+                Some(Finding::Name(m)) => file.diag_at(file.key_pos(&pointer), Severity::Error, &pointer, m),
+                Some(Finding::Value(m)) => file.diag(Severity::Error, &pointer, m),
+                Some(Finding::Unknown(m)) => file.diag_at(file.key_pos(&pointer), Severity::Warning, &pointer, m),
+            };
+            self.diags.push(diag);
+        }
     }
 
     /// The breaker's settings, the defaults for those not given; `None` when turned off.
@@ -638,15 +713,7 @@ impl Compiler<'_> {
             Some(b) => Some(self.template(file, &format!("{base}/body"), b, Escape::Json)?),
             None => None,
         };
-        if let Some(s) = &w.signing
-            && std::env::var_os(&s.secret_env).is_none()
-        {
-            let message = format!(
-                "environment variable {} (the signing secret) is not set here; webhooks fail where it is unset",
-                s.secret_env
-            );
-            self.diags.push(file.diag(Severity::Warning, &format!("{base}/signing/secret_env"), message));
-        }
+        let signing = w.signing.and_then(|s| self.signing(file, &format!("{base}/signing"), s));
         let timeout = self.handler_timeout(file, base, w.timeout.as_deref(), Duration::from_secs(10));
         let url = url?;
         Some(Webhook {
@@ -656,9 +723,35 @@ impl Compiler<'_> {
             headers,
             body,
             timeout,
-            signing_secret_env: w.signing.map(|s| s.secret_env),
+            signing,
             on_status: Arc::new(on_status),
         })
+    }
+
+    /// The secrets' sources; a secret unset or unusable here is a warning (CI has no
+    /// secrets), `run` refuses to start on it.
+    fn signing(&mut self, file: &SourceFile, base: &str, s: raw::Signing) -> Option<Signing> {
+        let signing = Signing {
+            secret_env: s.secret_env.into_vec(),
+            secret_file: s.secret_file.map(|path| file.dir().join(path)),
+            keys: None,
+        };
+        if signing.secret_env.is_empty() && signing.secret_file.is_none() {
+            self.error(file, base, "signing needs secret_env, secret_file or both");
+            return None;
+        }
+        for error in signing.load().err().unwrap_or_default() {
+            let message = match &error {
+                SecretError::Unset { var } => {
+                    format!(
+                        "environment variable {var} (the signing secret) is not set here; webhooks fail where it is unset"
+                    )
+                }
+                other => format!("signing secret: {other}; `sluice run` refuses to start until it is fixed"),
+            };
+            self.diags.push(file.diag(Severity::Warning, &format!("{base}/{}", error.field()), message));
+        }
+        Some(signing)
     }
 
     fn command(&mut self, file: &SourceFile, base: &str, c: raw::Command) -> Option<Command> {

@@ -5,6 +5,7 @@
 //! Validation does no IO beyond reading the pipeline files and the files they name
 //! (payload schemas, command programs); the broker is never contacted here.
 
+mod arguments;
 pub(crate) mod compile;
 pub mod diagnostic;
 pub mod filter;
@@ -29,6 +30,7 @@ pub use interpolate::Unset;
 
 use crate::handler::rules::Rules;
 use crate::handler::template::Template;
+use crate::handler::webhook::{SigningError, SigningKey};
 
 /// The broker's consumer timeout (RabbitMQ's default): a handler must finish well before it.
 pub const CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -109,6 +111,12 @@ pub struct Queue {
     pub kind: QueueKind,
     pub bindings: Vec<Binding>,
     pub max_length: Option<u64>,
+    /// How long a message may wait in the queue; then the broker dead-letters it (`expired`).
+    pub message_ttl: Option<Duration>,
+    /// Priority levels (`x-max-priority`): a classic queue on RabbitMQ.
+    pub priority: Option<u8>,
+    /// Other `x-` arguments of the queue, checked against the known ones.
+    pub arguments: BTreeMap<String, serde_json::Value>,
     /// A bigger body is dead-lettered as `too_large`, unparsed.
     pub max_message_bytes: usize,
     pub payload_schema: Option<PayloadSchema>,
@@ -222,10 +230,88 @@ pub struct Webhook {
     /// `None`: the whole envelope as JSON.
     pub body: Option<Template>,
     pub timeout: Duration,
-    /// The environment variable holding the Standard Webhooks secret.
-    pub signing_secret_env: Option<String>,
+    /// Standard Webhooks signing, when configured.
+    pub signing: Option<Signing>,
     /// The queue's `on_status` rules.
     pub on_status: Arc<Rules>,
+}
+
+/// Where a webhook's Standard Webhooks secrets come from: each one signs every call (one
+/// signature each, so receivers can roll over from one secret to the next).
+#[derive(Debug)]
+pub struct Signing {
+    /// Environment variables holding one secret each, in the order given.
+    pub secret_env: Vec<String>,
+    /// A file holding one secret a line (resolved relative to the pipeline file); watched,
+    /// so that an edit reloads the queue with the new secrets.
+    pub secret_file: Option<PathBuf>,
+    /// The keys, read once by [`Config::prepare_run`]; `None` until then (`sluice test` and
+    /// `render` read them per call).
+    pub keys: Option<Arc<[SigningKey]>>,
+}
+
+/// The most a secrets file may hold: a few secrets, with room for comments.
+const MAX_SECRETS_FILE_BYTES: u64 = 64 * 1024;
+
+impl Signing {
+    /// Reads every secret now, the variables' first, then the file's in line order. Every
+    /// problem is reported; none quotes a secret.
+    pub fn load(&self) -> Result<Vec<SigningKey>, Vec<SecretError>> {
+        let mut keys = Vec::new();
+        let mut errors = Vec::new();
+        for var in &self.secret_env {
+            match std::env::var(var) {
+                Ok(secret) => match SigningKey::parse(&secret) {
+                    Ok(key) => keys.push(key),
+                    Err(reason) => errors.push(SecretError::Env { var: var.clone(), reason }),
+                },
+                Err(_) => errors.push(SecretError::Unset { var: var.clone() }),
+            }
+        }
+        if let Some(path) = &self.secret_file {
+            match source::read_regular(path, MAX_SECRETS_FILE_BYTES) {
+                Ok(text) => {
+                    let before = keys.len() + errors.len();
+                    for (line, secret) in crate::handler::webhook::secrets_in(&text) {
+                        match SigningKey::parse(secret) {
+                            Ok(key) => keys.push(key),
+                            Err(reason) => errors.push(SecretError::Line { path: path.clone(), line, reason }),
+                        }
+                    }
+                    if keys.len() + errors.len() == before {
+                        errors.push(SecretError::Empty { path: path.clone() });
+                    }
+                }
+                Err(error) => errors.push(SecretError::Unreadable { path: path.clone(), error }),
+            }
+        }
+        if errors.is_empty() { Ok(keys) } else { Err(errors) }
+    }
+}
+
+/// A signing secret that cannot be used; no message quotes the secret itself.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("environment variable {var} is not set")]
+    Unset { var: String },
+    #[error("environment variable {var}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)")]
+    Env { var: String, reason: SigningError },
+    #[error("cannot read secrets file {}: {error}", .path.display())]
+    Unreadable { path: PathBuf, error: source::ReadError },
+    #[error("secrets file {}, line {line}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)", .path.display())]
+    Line { path: PathBuf, line: usize, reason: SigningError },
+    #[error("secrets file {} holds no secret (one a line: whsec_ followed by base64)", .path.display())]
+    Empty { path: PathBuf },
+}
+
+impl SecretError {
+    /// The key of `signing` the problem is about.
+    pub fn field(&self) -> &'static str {
+        match self {
+            SecretError::Unset { .. } | SecretError::Env { .. } => "secret_env",
+            SecretError::Unreadable { .. } | SecretError::Line { .. } | SecretError::Empty { .. } => "secret_file",
+        }
+    }
 }
 
 /// A subprocess per message.
@@ -352,16 +438,28 @@ impl Queue {
         out
     }
 
-    /// The webhook's signing secret, when it has one, can sign: a malformed one would
-    /// dead-letter every message. (Unset ones are [`Config::missing_env`]'s to report.)
-    fn check_signing_secret(&self) -> Result<(), StartError> {
-        let Handler::Webhook(Webhook { signing_secret_env: Some(var), .. }) = &self.handler else { return Ok(()) };
-        let Ok(secret) = std::env::var(var) else { return Ok(()) };
-        crate::handler::webhook::check_secret(&secret).map_err(|reason| StartError::SigningSecret {
-            queue: self.name.clone(),
-            var: var.clone(),
-            reason,
-        })
+    /// Reads the webhook's signing secrets, when it has any, once for the run: one that
+    /// cannot sign would dead-letter every message. (Unset variables are
+    /// [`Config::missing_env`]'s to report.)
+    fn load_signing_keys(&mut self) -> Vec<StartError> {
+        let Handler::Webhook(Webhook { signing: Some(signing), .. }) = &mut self.handler else { return Vec::new() };
+        match signing.load() {
+            Ok(keys) => {
+                signing.keys = Some(keys.into());
+                Vec::new()
+            }
+            Err(errors) => {
+                errors.into_iter().map(|error| StartError::SigningSecret { queue: self.name.clone(), error }).collect()
+            }
+        }
+    }
+
+    /// The signing keys read for the run: a reload that reads other keys changes the queue.
+    pub fn signing_keys(&self) -> Option<&[SigningKey]> {
+        match &self.handler {
+            Handler::Webhook(Webhook { signing: Some(signing), .. }) => signing.keys.as_deref(),
+            _ => None,
+        }
     }
 
     /// Puts the environment's values into the scheme and host of the webhook URL
@@ -419,11 +517,9 @@ pub enum StartError {
     MissingEnv(Vec<MissingEnv>),
     #[error("queue \"{queue}\": webhook URL \"{url}\": {reason}")]
     WebhookUrl { queue: String, url: String, reason: String },
-    /// Set, but not a secret a webhook can be signed with; the secret itself is never quoted.
-    #[error(
-        "queue \"{queue}\": environment variable {var}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)"
-    )]
-    SigningSecret { queue: String, var: String, reason: crate::handler::webhook::SigningError },
+    /// Not a secret a webhook can be signed with; the secret itself is never quoted.
+    #[error("queue \"{queue}\": signing secret: {error}")]
+    SigningSecret { queue: String, error: SecretError },
 }
 
 impl Config {
@@ -455,15 +551,17 @@ impl Config {
                     note(name, format!("queue {}, {field}", queue.name));
                 }
             }
-            if let Handler::Webhook(Webhook { signing_secret_env: Some(name), .. }) = &queue.handler {
-                note(name, format!("queue {}, signing secret", queue.name));
+            if let Handler::Webhook(Webhook { signing: Some(signing), .. }) = &queue.handler {
+                for name in &signing.secret_env {
+                    note(name, format!("queue {}, signing secret", queue.name));
+                }
             }
         }
         missing.into_values().collect()
     }
 
     /// Readies the config for `run` in this environment: every variable it reads is set,
-    /// signing secrets are secrets a webhook can be signed with, and webhook URLs whose scheme
+    /// signing secrets are read (once: a reload reads them again) and can sign, and webhook URLs whose scheme
     /// and host come from the environment are resolved and checked.
     pub fn prepare_run(&mut self) -> Result<(), Vec<StartError>> {
         let missing = self.missing_env();
@@ -473,8 +571,11 @@ impl Config {
         let errors: Vec<StartError> = self
             .queues
             .values_mut()
-            .flat_map(|queue| [queue.check_signing_secret().err(), queue.resolve_webhook_url().err()])
-            .flatten()
+            .flat_map(|queue| {
+                let mut errors = queue.load_signing_keys();
+                errors.extend(queue.resolve_webhook_url().err());
+                errors
+            })
             .collect();
         if errors.is_empty() { Ok(()) } else { Err(errors) }
     }

@@ -47,6 +47,12 @@ pub struct Queue {
     #[serde(default)]
     pub bind: Vec<Binding>,
     pub max_length: Option<u64>,
+    /// A duration (`10m`).
+    pub message_ttl: Option<String>,
+    pub priority: Option<u64>,
+    /// Other `x-` arguments of the work queue (checked in `config::arguments`).
+    #[serde(default)]
+    pub arguments: BTreeMap<String, serde_json::Value>,
     /// Bytes as an integer, or text with a unit (`16MiB`).
     pub max_message_bytes: Option<serde_json::Value>,
     pub payload_schema: Option<String>,
@@ -116,7 +122,33 @@ pub struct Webhook {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Signing {
-    pub secret_env: String,
+    #[serde(default)]
+    pub secret_env: EnvNames,
+    pub secret_file: Option<String>,
+}
+
+/// `secret_env: NAME`, or several: `secret_env: [NEW, OLD]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum EnvNames {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Default for EnvNames {
+    fn default() -> Self {
+        EnvNames::Many(Vec::new())
+    }
+}
+
+impl EnvNames {
+    /// The names, in the order given.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            EnvNames::One(name) => vec![name],
+            EnvNames::Many(names) => names,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]

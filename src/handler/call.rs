@@ -168,12 +168,20 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                 headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
                 headers.push((name.clone(), value));
             }
-            if let Some(var) = &w.signing_secret_env {
-                let secret = std::env::var(var)
-                    .map_err(|_| PrepareError::Signing(format!("environment variable {var} is not set")))?;
+            if let Some(signing) = &w.signing {
+                // Read once for `run`; `test` and `render` read them here.
+                let loaded;
+                let keys = match &signing.keys {
+                    Some(keys) => keys,
+                    None => {
+                        loaded = signing.load().map_err(|errors| {
+                            PrepareError::Signing(errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))
+                        })?;
+                        &loaded[..]
+                    }
+                };
                 let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default();
-                let signed = webhook::signature_headers(&secret, &message.envelope.id, now as i64, &body)
-                    .map_err(|e| PrepareError::Signing(e.to_string()))?;
+                let signed = webhook::signature_headers(keys, &message.envelope.id, now as i64, &body);
                 headers.extend(signed.into_iter().map(|(k, v)| (k.to_string(), v)));
             }
             let method = reqwest::Method::from_bytes(w.method.as_bytes()).unwrap_or(reqwest::Method::POST);

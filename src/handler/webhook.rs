@@ -212,47 +212,69 @@ pub enum SigningError {
     EmptyKey,
 }
 
-/// The HMAC key of a Standard Webhooks secret: `whsec_` + base64 of a non-empty key.
-fn signing_key(secret: &str) -> Result<Vec<u8>, SigningError> {
-    let encoded = secret.strip_prefix("whsec_").ok_or(SigningError::MissingPrefix)?;
-    // The decode error is dropped on purpose: it quotes the offending byte of the secret.
-    let key = BASE64.decode(encoded).map_err(|_| SigningError::InvalidBase64)?;
-    if key.is_empty() {
-        return Err(SigningError::EmptyKey);
+/// The HMAC key of a Standard Webhooks secret. Its `Debug` shows no byte of it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SigningKey(Vec<u8>);
+
+impl std::fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SigningKey(***)")
     }
-    Ok(key)
 }
 
-/// Whether `secret` can sign: `run` checks this at start-up, before any message needs it.
-pub fn check_secret(secret: &str) -> Result<(), SigningError> {
-    signing_key(secret).map(drop)
+impl SigningKey {
+    /// The key of a Standard Webhooks secret: `whsec_` + base64 of a non-empty key.
+    pub fn parse(secret: &str) -> Result<SigningKey, SigningError> {
+        let encoded = secret.strip_prefix("whsec_").ok_or(SigningError::MissingPrefix)?;
+        // The decode error is dropped on purpose: it quotes the offending byte of the secret.
+        let key = BASE64.decode(encoded).map_err(|_| SigningError::InvalidBase64)?;
+        if key.is_empty() {
+            return Err(SigningError::EmptyKey);
+        }
+        Ok(SigningKey(key))
+    }
+
+    /// The key's raw bytes, for telling whether a reload changed it (never for printing).
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The secrets of a secrets file, with their 1-based line numbers: one a line, surrounding
+/// white space trimmed, blank lines and lines starting with `#` skipped.
+pub fn secrets_in(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.lines()
+        .enumerate()
+        .map(|(i, line)| (i + 1, line.trim()))
+        .filter(|(_, line)| !line.is_empty() && !line.starts_with('#'))
 }
 
 /// Signs a webhook the Standard Webhooks way: `v1,` + base64 HMAC-SHA256 of `id.timestamp.body`.
-pub fn sign(secret: &str, msg_id: &str, timestamp: i64, body: &[u8]) -> Result<String, SigningError> {
-    let key = signing_key(secret)?;
-    let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("HMAC accepts keys of any length");
+pub fn sign(key: &SigningKey, msg_id: &str, timestamp: i64, body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key.0).expect("HMAC accepts keys of any length");
     mac.update(msg_id.as_bytes());
     mac.update(b".");
     mac.update(timestamp.to_string().as_bytes());
     mac.update(b".");
     mac.update(body);
-    Ok(format!("v1,{}", BASE64.encode(mac.finalize().into_bytes())))
+    format!("v1,{}", BASE64.encode(mac.finalize().into_bytes()))
 }
 
-/// The three Standard Webhooks headers: `webhook-id`, `webhook-timestamp`, `webhook-signature`.
+/// The three Standard Webhooks headers: `webhook-id`, `webhook-timestamp`, and
+/// `webhook-signature` with one signature per key, space-separated, so that a receiver
+/// holding any one of the keys verifies (a secret rotated with no window of failures).
 pub fn signature_headers(
-    secret: &str,
+    keys: &[SigningKey],
     msg_id: &str,
     timestamp: i64,
     body: &[u8],
-) -> Result<[(&'static str, String); 3], SigningError> {
-    let signature = sign(secret, msg_id, timestamp, body)?;
-    Ok([
+) -> [(&'static str, String); 3] {
+    let signatures: Vec<String> = keys.iter().map(|key| sign(key, msg_id, timestamp, body)).collect();
+    [
         ("webhook-id", msg_id.to_owned()),
         ("webhook-timestamp", timestamp.to_string()),
-        ("webhook-signature", signature),
-    ])
+        ("webhook-signature", signatures.join(" ")),
+    ]
 }
 
 #[cfg(test)]
@@ -282,17 +304,18 @@ mod tests {
         assert!(error.is_connect(), "{error:?}");
     }
 
+    fn key(secret: &str) -> SigningKey {
+        SigningKey::parse(secret).expect("valid secret")
+    }
+
     #[test]
     fn signature_matches_the_standard_webhooks_test_vector() {
-        assert_eq!(
-            sign(SECRET, MSG_ID, TIMESTAMP, BODY).as_deref(),
-            Ok("v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=")
-        );
+        assert_eq!(sign(&key(SECRET), MSG_ID, TIMESTAMP, BODY), "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
     }
 
     #[test]
     fn signature_headers_carry_id_timestamp_and_signature() {
-        let headers = signature_headers(SECRET, MSG_ID, TIMESTAMP, BODY).expect("valid secret");
+        let headers = signature_headers(&[key(SECRET)], MSG_ID, TIMESTAMP, BODY);
         assert_eq!(
             headers,
             [
@@ -311,13 +334,32 @@ mod tests {
             ("whsec_", SigningError::EmptyKey),
         ];
         for (secret, expected) in cases {
-            let error = sign(secret, MSG_ID, TIMESTAMP, BODY).expect_err(secret);
+            let error = SigningKey::parse(secret).expect_err(secret);
             assert_eq!(error, expected, "secret {secret:?}");
             let key = secret.trim_start_matches("whsec_");
             if !key.is_empty() {
                 assert!(!error.to_string().contains(key), "{error}");
             }
         }
+    }
+
+    /// Issue 24: one signature per secret, space-separated, in the order the secrets are
+    /// given, so that a receiver holding either the old or the new secret verifies.
+    #[test]
+    fn several_secrets_sign_once_each() {
+        let other = "whsec_c2Vjb25kIHNlY3JldCBmb3Igcm90YXRpb24=";
+        let [_, _, (_, signature)] = signature_headers(&[key(SECRET), key(other)], MSG_ID, TIMESTAMP, BODY);
+        let expected =
+            format!("{} {}", sign(&key(SECRET), MSG_ID, TIMESTAMP, BODY), sign(&key(other), MSG_ID, TIMESTAMP, BODY));
+        assert_eq!(signature, expected);
+        assert!(signature.starts_with("v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE= v1,"), "{signature}");
+    }
+
+    #[test]
+    fn secrets_files_hold_one_secret_a_line() {
+        let text = "# rotated 2026-12-01\n  whsec_b2xk  \n\n\twhsec_bmV3\n";
+        assert_eq!(secrets_in(text).collect::<Vec<_>>(), [(2, "whsec_b2xk"), (4, "whsec_bmV3")]);
+        assert_eq!(format!("{:?}", key("whsec_bmV3")), "SigningKey(***)");
     }
 
     #[test]

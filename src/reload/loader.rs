@@ -117,15 +117,17 @@ fn load(paths: &[PathBuf]) -> Option<Config> {
 }
 
 /// What to watch for a config: the pipeline paths, and the files its queues read (payload
-/// schemas, command programs given as paths).
+/// schemas, command programs given as paths, signing secrets files).
 pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
     let mut watched = paths.to_vec();
     for q in config.queues.values() {
         watched.extend(q.payload_schema.as_ref().map(|s| s.path.clone()));
-        if let config::Handler::Command(c) = &q.handler
-            && c.program.components().count() > 1
-        {
-            watched.push(c.program.clone());
+        match &q.handler {
+            config::Handler::Command(c) if c.program.components().count() > 1 => watched.push(c.program.clone()),
+            config::Handler::Webhook(w) => {
+                watched.extend(w.signing.as_ref().and_then(|s| s.secret_file.clone()));
+            }
+            config::Handler::Command(_) => {}
         }
     }
     watched.sort();

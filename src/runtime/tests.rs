@@ -336,6 +336,9 @@ enum Body {
     Payload(Value),
     /// These bytes, verbatim.
     Raw(&'static str),
+    /// An envelope with the row's key, not to be handled before this many milliseconds from
+    /// its publish (before it, when negative).
+    NotBefore(i64),
 }
 
 /// One disposition: the queue's YAML, what is published (how many times), the attempts the
@@ -449,6 +452,39 @@ async fn dispositions<B: Broker>(new: NewBroker<B>) {
             runs: &[],
             dead: Some(("too_large", "1")),
         },
+        // Issue 24: handed back until its time (a delayed copy), then run as attempt 1.
+        Row {
+            name: "scheduled",
+            script: RECORD,
+            args: &[],
+            extra: "",
+            body: Body::NotBefore(300),
+            copies: 1,
+            runs: &["1"],
+            dead: None,
+        },
+        Row {
+            name: "scheduled in the past",
+            script: RECORD,
+            args: &[],
+            extra: "",
+            body: Body::NotBefore(-86_400_000),
+            copies: 1,
+            runs: &["1"],
+            dead: None,
+        },
+        Row {
+            name: "not_before not a time",
+            script: RECORD,
+            args: &[],
+            extra: "",
+            body: Body::Raw(
+                r#"{"id":"m-1","type":"test","idempotency_key":"k","not_before":"soon","payload":{"n":1}}"#,
+            ),
+            copies: 1,
+            runs: &[],
+            dead: Some(("malformed", "1")),
+        },
         // One at a time: the second arrives once the first is recorded done.
         Row {
             name: "duplicate",
@@ -488,9 +524,23 @@ async fn dispositions<B: Broker>(new: NewBroker<B>) {
         let body = match &row.body {
             Body::Payload(payload) => message(&key, payload),
             Body::Raw(text) => text.as_bytes().to_vec(),
+            Body::NotBefore(wait) => {
+                let mut envelope = Envelope::new("test", &json!({"n": 1}), Some(key.clone()));
+                let now = std::time::SystemTime::now();
+                let offset = Duration::from_millis(wait.unsigned_abs());
+                let at = if *wait < 0 { now - offset } else { now + offset };
+                envelope.not_before = Some(envelope::Timestamp(at));
+                envelope.encode()
+            }
         };
         for _ in 0..row.copies {
             runner.publish("work", body.clone()).await;
+        }
+        if let Body::NotBefore(ms) = row.body
+            && ms > 0
+        {
+            wait_until("a scheduled message is handed back as a delayed copy", || runner.look.delayed() == 1).await;
+            assert!(pipeline.lines("runs").is_empty(), "{}: ran before its time", row.name);
         }
         let dead_copies = usize::from(row.dead.is_some());
         wait_until(row.name, || {

@@ -83,6 +83,9 @@ pub enum Disposition {
     /// Not now (the key is busy elsewhere, or the store is unreachable): a copy with the same
     /// attempt reaches the queue after `after`, then ack.
     Wait { attempt: u32, after: Duration, why: String },
+    /// Not yet (the envelope's `not_before` is ahead): a copy with the same attempt reaches the
+    /// queue after `after`, then ack.
+    Scheduled { attempt: u32, after: Duration },
     /// Try again: a copy with attempt `next` reaches the queue after `after`, then ack.
     Retry { next: u32, after: Duration, error: String },
     /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
@@ -363,6 +366,10 @@ impl Worker {
         if let Err(disposition) = outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt) {
             return disposition;
         }
+        // Before anything is rendered or waited for: a scheduled message holds no slot.
+        if let Some(after) = envelope.due_in(SystemTime::now()) {
+            return Disposition::Scheduled { attempt, after };
+        }
         let traceparent = trace::outgoing(trace::incoming(delivery)).to_string();
         let (key, call) = match outcome::prepare(q, &envelope, body, attempt, Some(&traceparent)) {
             Ok(prepared) => prepared,
@@ -442,7 +449,7 @@ impl Worker {
                 return true;
             }
             Disposition::Retry { next, .. } => attempt_header(*next),
-            Disposition::Wait { attempt, .. } => attempt_header(*attempt),
+            Disposition::Wait { attempt, .. } | Disposition::Scheduled { attempt, .. } => attempt_header(*attempt),
             Disposition::DeadLetter { reason, error, attempts } => {
                 dead_letter_headers(*reason, error, *attempts, &q.name)
             }
@@ -450,7 +457,9 @@ impl Worker {
         let mut failures = 0;
         loop {
             let published = match disposition {
-                Disposition::Retry { after, .. } | Disposition::Wait { after, .. } => {
+                Disposition::Retry { after, .. }
+                | Disposition::Wait { after, .. }
+                | Disposition::Scheduled { after, .. } => {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
                 Disposition::DeadLetter { .. } => broker.dead_letter(&q.dead_letter, delivery, headers.clone()).await,
@@ -460,7 +469,10 @@ impl Worker {
             };
             match published {
                 Ok(()) => {
-                    if let Disposition::Retry { after, .. } | Disposition::Wait { after, .. } = disposition {
+                    if let Disposition::Retry { after, .. }
+                    | Disposition::Wait { after, .. }
+                    | Disposition::Scheduled { after, .. } = disposition
+                    {
                         self.activity.delayed_until(*after);
                     }
                     return true;

@@ -50,6 +50,7 @@ pub struct Message {
     pub version: Option<u32>,
     pub occurred_at: Option<String>,
     pub idempotency_key: Option<String>,
+    pub not_before: Option<String>,
     pub attempt: Option<u32>,
 }
 

@@ -75,7 +75,10 @@ impl Suite {
             "type": m.kind.clone().unwrap_or_else(|| if m.routing_key.is_empty() { "test".into() } else { m.routing_key.clone() }),
             "payload": m.payload,
         });
-        for (key, value) in [("occurred_at", &m.occurred_at), ("idempotency_key", &m.idempotency_key)] {
+        // A `not_before` is checked like any field, and the test runs as at that time.
+        let fields =
+            [("occurred_at", &m.occurred_at), ("idempotency_key", &m.idempotency_key), ("not_before", &m.not_before)];
+        for (key, value) in fields {
             if let Some(value) = value {
                 envelope[key] = Value::from(value.as_str());
             }
@@ -209,6 +212,7 @@ fn describe(disposition: Disposition) -> (String, Option<String>) {
         Disposition::Duplicate => ("duplicate".into(), None),
         Disposition::Filtered => (FILTERED.into(), None),
         Disposition::Wait { why, .. } => ("wait".into(), Some(why)),
+        Disposition::Scheduled { .. } => ("scheduled".into(), None),
         Disposition::Retry { error, .. } => ("retry".into(), Some(error)),
         Disposition::DeadLetter { reason, error, .. } => (format!("dead_letter:{}", reason.as_str()), Some(error)),
     }

@@ -47,7 +47,8 @@ pub fn diff(old: &Config, new: &Config) -> Diff {
             None => {
                 d.added.insert(name.clone());
             }
-            Some(before) if before.source != q.source => {
+            // The same definition with other signing keys (a secrets file edited) changes too.
+            Some(before) if before.source != q.source || before.signing_keys() != q.signing_keys() => {
                 d.changed.insert(name.clone());
             }
             Some(_) => {}

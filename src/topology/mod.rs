@@ -54,6 +54,17 @@ pub struct QueueDecl {
     pub max_length: Option<u64>,
     /// One consumer at a time receives, in queue order.
     pub single_active_consumer: bool,
+    /// Milliseconds a message may wait here before the broker dead-letters it (`expired`).
+    /// Left out of the declaration when unset, as are the two below, so that the
+    /// declarations of earlier versions read the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message_ttl_ms: Option<u64>,
+    /// Priority levels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_priority: Option<u8>,
+    /// Other broker arguments, as the pipeline gives them (RabbitMQ's `x-` arguments).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub arguments: BTreeMap<String, serde_json::Value>,
     /// The largest body its consumers take (`max_message_bytes`): the runner's limit, not
     /// the broker's, so not part of the declaration (a change is no conflict); a broker that
     /// can keep it tells publishers what no queue would accept.
@@ -92,6 +103,9 @@ pub fn plan(config: &Config) -> Plan {
             dead_letter: Some(q.dead_letter.clone()),
             max_length: q.max_length,
             single_active_consumer: q.ordered,
+            message_ttl_ms: q.message_ttl.map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
+            max_priority: q.priority,
+            arguments: q.arguments.clone(),
             max_message_bytes: Some(q.max_message_bytes),
         });
         plan.queues.push(QueueDecl {
@@ -101,6 +115,9 @@ pub fn plan(config: &Config) -> Plan {
             dead_letter: None,
             max_length: None,
             single_active_consumer: false,
+            message_ttl_ms: None,
+            max_priority: None,
+            arguments: BTreeMap::new(),
             max_message_bytes: None,
         });
         plan.bindings.extend(bindings(q));
@@ -140,6 +157,9 @@ mod tests {
                     dead_letter: Some("work.dlq".into()),
                     max_length: Some(10),
                     single_active_consumer: true,
+                    message_ttl_ms: None,
+                    max_priority: None,
+                    arguments: Default::default(),
                     max_message_bytes: Some(crate::config::DEFAULT_MAX_MESSAGE_BYTES),
                 },
                 QueueDecl {
@@ -149,6 +169,9 @@ mod tests {
                     dead_letter: None,
                     max_length: None,
                     single_active_consumer: false,
+                    message_ttl_ms: None,
+                    max_priority: None,
+                    arguments: Default::default(),
                     max_message_bytes: None,
                 },
             ]

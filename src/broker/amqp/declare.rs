@@ -20,6 +20,9 @@ pub const DELAY_UNIT: Duration = Duration::from_millis(100);
 /// (about 38.8 days), beyond the 30 days `validate` allows.
 pub const DELAY_LEVELS: u32 = 25;
 
+/// The longest delay the cascade holds: every level once, 2^LEVELS - 1 units.
+pub const MAX_DELAY: Duration = Duration::from_millis(DELAY_UNIT.as_millis() as u64 * ((1 << DELAY_LEVELS) - 1));
+
 /// Where delayed copies leave the cascade, bound to every work queue.
 pub const DELIVERY_EXCHANGE: &str = "sluice.delay.delivery";
 
@@ -122,6 +125,13 @@ pub fn declarations(plan: &Plan) -> Declarations {
         if q.single_active_consumer {
             args.insert("x-single-active-consumer".into(), json!(true));
         }
+        if let Some(ttl) = q.message_ttl_ms {
+            args.insert("x-message-ttl".into(), json!(ttl));
+        }
+        if let Some(levels) = q.max_priority {
+            args.insert("x-max-priority".into(), json!(levels));
+        }
+        args.extend(q.arguments.iter().map(|(name, value)| (name.clone(), value.clone())));
         d.queues.push(Queue { name: q.name.clone(), role, arguments: args });
     }
     for b in &plan.bindings {
@@ -263,6 +273,18 @@ mod tests {
                 let want = Duration::from_millis(ms.div_ceil(100) * 100);
                 assert_eq!(waited, want, "{ms}ms to {queue}");
             }
+        }
+    }
+
+    /// Issue 24: `publish --delay` refuses what the cascade cannot hold; it holds every level
+    /// once, the 30 days `validate` allows a retry and more, and a longer delay waits that long.
+    #[test]
+    fn the_longest_delay_is_every_level_once() {
+        let plan = two_queues();
+        assert!(MAX_DELAY >= crate::config::MAX_RETRY_DELAY, "{MAX_DELAY:?}");
+        for delay in [MAX_DELAY, MAX_DELAY + Duration::from_secs(3600)] {
+            let (exchange, key) = delay_route("work", delay);
+            assert_eq!(simulate(&plan, &exchange, &key), ("work".to_string(), MAX_DELAY), "{delay:?}");
         }
     }
 

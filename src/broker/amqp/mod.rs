@@ -32,7 +32,7 @@ use serde_json::Value;
 
 use self::ack::AckWindow;
 use self::declare::DestinationKind;
-pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, declarations, delay_route};
+pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 pub use self::render::{PlanFormat, render};
 use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route};
 use crate::envelope::{self, ERROR_HEADER};
@@ -69,6 +69,12 @@ pub struct Amqp {
 
 struct Inner {
     connection: Connection,
+    /// Connections opened for consumers once the first one's channels ran out (the
+    /// negotiated `channel_max`, 2,047 on RabbitMQ by default): one channel per consumer.
+    more: tokio::sync::Mutex<Vec<Arc<Connection>>>,
+    /// How to open one of those: the URL as connected, and the time it may take.
+    url: String,
+    connect_timeout: Duration,
     publisher: Channel,
     control: tokio::sync::Mutex<Channel>,
     confirm_timeout: Duration,
@@ -117,25 +123,57 @@ impl Amqp {
     /// a broker that accepts TCP and never finishes the handshake must not hang the caller.
     pub async fn connect(url: &str, timeouts: Timeouts) -> Result<Amqp, BrokerError> {
         let timeout = timeouts.connect;
+        let url = with_heartbeat(url);
         let opening = async {
-            let properties = ConnectionProperties::default().with_connection_name("sluice".into());
-            let connection = Connection::connect(&with_heartbeat(url), properties).await?;
+            let connection = open(&url).await?;
             let publisher = connection.create_channel().await?;
             publisher.confirm_select(ConfirmSelectOptions::default()).await?;
             let control = connection.create_channel().await?;
             Ok::<_, lapin::Error>((connection, publisher, control))
         };
-        let (connection, publisher, control) = match tokio::time::timeout(timeout, opening).await {
-            Ok(Ok(opened)) => opened,
-            Ok(Err(e)) => return Err(connect_error(url, &e)),
-            Err(_) => {
-                let reason = format!("no AMQP handshake within {timeout:?} (is it a RabbitMQ port?)");
-                return Err(BrokerError::Connect { url: redact(url), reason });
-            }
-        };
+        let (connection, publisher, control) = within(&url, timeout, opening).await?;
         let control = tokio::sync::Mutex::new(control);
         let (confirm_timeout, broken) = (timeouts.confirm, AtomicBool::new(false));
-        Ok(Amqp { inner: Arc::new(Inner { connection, publisher, control, confirm_timeout, broken }) })
+        let more = tokio::sync::Mutex::default();
+        let inner =
+            Inner { connection, more, url, connect_timeout: timeout, publisher, control, confirm_timeout, broken };
+        Ok(Amqp { inner: Arc::new(inner) })
+    }
+
+    /// Closes every connection of the session (the first, and those opened for more consumers)
+    /// at once, each waiting at most [`CLOSE_TIMEOUT`]: a frozen or blocked node never answers.
+    async fn close_all(&self, code: u16, why: &str) {
+        let more: Vec<Arc<Connection>> = self.inner.more.lock().await.clone();
+        let connections = std::iter::once(&self.inner.connection).chain(more.iter().map(|c| &**c));
+        let closing = connections.map(|connection| async move {
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, connection.close(code, why.into())).await;
+        });
+        futures_util::future::join_all(closing).await;
+    }
+
+    /// A channel for a consumer, on the first connection with one free; a new connection when
+    /// none has.
+    async fn consumer_channel(&self) -> Result<Channel, BrokerError> {
+        let mut more = self.inner.more.lock().await;
+        for connection in std::iter::once(&self.inner.connection).chain(more.iter().map(|c| &**c)) {
+            match connection.create_channel().await {
+                Err(e) if matches!(e.kind(), lapin::ErrorKind::ChannelsLimitReached) => continue,
+                created => return created.map_err(lost),
+            }
+        }
+        let url = &self.inner.url;
+        let opening = async {
+            let connection = open(url).await?;
+            let channel = connection.create_channel().await?;
+            Ok((connection, channel))
+        };
+        let (connection, channel) = within(url, self.inner.connect_timeout, opening).await?;
+        tracing::info!(
+            connections = more.len() + 2,
+            "another connection for consumers: the others have no channel left"
+        );
+        more.push(Arc::new(connection));
+        Ok(channel)
     }
 
     /// Gives the session up: a confirm that never came says the node is frozen or cut off.
@@ -146,10 +184,7 @@ impl Amqp {
             return;
         }
         let session = self.clone();
-        tokio::spawn(async move {
-            let closing = session.inner.connection.close(320, "sluice: no publisher confirm in time".into());
-            let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
-        });
+        tokio::spawn(async move { session.close_all(320, "sluice: no publisher confirm in time").await });
     }
 
     /// The control channel, reopened if the broker closed it after an error.
@@ -169,7 +204,7 @@ impl Amqp {
         prefetch: u16,
         hold: usize,
     ) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
-        let channel = self.inner.connection.create_channel().await.map_err(lost)?;
+        let channel = self.consumer_channel().await?;
         channel.basic_qos(prefetch, BasicQosOptions::default()).await.map_err(lost)?;
         let tag: ShortString = format!("sluice-{}", uuid::Uuid::now_v7()).into();
         let inner = channel
@@ -511,6 +546,9 @@ impl Broker for Amqp {
         if let Some(ts) = message.timestamp {
             properties = properties.with_timestamp(ts);
         }
+        if let Some(priority) = message.priority {
+            properties = properties.with_priority(priority);
+        }
         self.publish_raw(exchange, routing_key, &message.body, properties).await
     }
 
@@ -597,16 +635,21 @@ impl Broker for Amqp {
         Ok(drift)
     }
 
+    fn max_delay(&self) -> Option<Duration> {
+        Some(MAX_DELAY)
+    }
+
     fn is_connected(&self) -> bool {
+        // A consumers' connection being opened holds the lock: the others are looked at next time.
+        let more = self.inner.more.try_lock().map_or(true, |more| more.iter().all(|c| c.status().connected()));
         !self.inner.broken.load(Ordering::SeqCst)
             && self.inner.connection.status().connected()
             && self.inner.publisher.status().connected()
+            && more
     }
 
     async fn close(&self) {
-        // A frozen or blocked node never answers the close: bounded.
-        let closing = self.inner.connection.close(200, "sluice shutting down".into());
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
+        self.close_all(200, "sluice shutting down").await;
     }
 }
 
@@ -628,6 +671,29 @@ async fn declare_queue(channel: &Channel, q: &declare::Queue, passive: bool) -> 
     let options = QueueDeclareOptions { durable: true, passive, ..Default::default() };
     let args = if passive { FieldTable::default() } else { table(q.arguments.iter()) };
     channel.queue_declare(q.name.as_str().into(), options, args).await.map(|_| ())
+}
+
+/// Opens a connection to `url` (which carries the heartbeat), named for the broker's lists.
+async fn open(url: &str) -> Result<Connection, lapin::Error> {
+    let properties = ConnectionProperties::default().with_connection_name("sluice".into());
+    Connection::connect(url, properties).await
+}
+
+/// `opening` (a connection and its first channels), given at most `timeout`: a broker that
+/// accepts TCP and never finishes the handshake must not hang the caller.
+async fn within<T>(
+    url: &str,
+    timeout: Duration,
+    opening: impl Future<Output = Result<T, lapin::Error>>,
+) -> Result<T, BrokerError> {
+    match tokio::time::timeout(timeout, opening).await {
+        Ok(Ok(opened)) => Ok(opened),
+        Ok(Err(e)) => Err(connect_error(url, &e)),
+        Err(_) => {
+            let reason = format!("no AMQP handshake within {timeout:?} (is it a RabbitMQ port?)");
+            Err(BrokerError::Connect { url: redact(url), reason })
+        }
+    }
 }
 
 /// The AMQP reply code of a protocol error (the broker's own words are in its message).

@@ -605,6 +605,11 @@ impl Broker for Embedded {
     }
 
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        if message.priority.is_some() {
+            return Err(BrokerError::Conflict(
+                "the embedded broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
+            ));
+        }
         let message = NewMessage {
             body: Body::New(message.body.into()),
             headers: message.headers,
@@ -687,6 +692,12 @@ impl Broker for Embedded {
 
     async fn delayed(&self) -> Result<u32, BrokerError> {
         self.call(Op::Delayed).await
+    }
+
+    /// A delayed copy is a row with the time it is due (milliseconds since the epoch, 64 bits):
+    /// any delay fits.
+    fn max_delay(&self) -> Option<Duration> {
+        None
     }
 
     fn is_connected(&self) -> bool {

@@ -29,7 +29,7 @@ use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::ATTEMPT_HEADER;
 use crate::runtime::worker::{Reason, attempt_in, dead_letter_headers};
-use crate::topology::{BindingDecl, Plan};
+use crate::topology::{BindingDecl, Plan, QueueDecl};
 
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -651,6 +651,9 @@ impl Store {
     /// what is missing.
     pub fn declare(&self, db: &Connection, plan: &Plan) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
+        if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q)?))) {
+            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name)));
+        }
         if let Some(Drift::Conflict { what, name, detail }) =
             self.drift(db, plan)?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
         {
@@ -1210,6 +1213,10 @@ impl Store {
             }
         }
         for q in &plan.queues {
+            if let Some(detail) = unsupported(q) {
+                drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
+                continue;
+            }
             let declared = serde_json::to_string(q).map_err(|err| self.error(err))?;
             let existing: Option<String> = db
                 .query_row("SELECT declaration FROM queues WHERE name = ?1", [&q.name], |r| r.get(0))
@@ -1270,6 +1277,26 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// What of a queue's declaration this broker cannot honour, said as a person can act on it.
+fn unsupported(q: &QueueDecl) -> Option<String> {
+    let mut settings = Vec::new();
+    if q.message_ttl_ms.is_some() {
+        settings.push("message_ttl".to_string());
+    }
+    if q.max_priority.is_some() {
+        settings.push("priority".to_string());
+    }
+    settings.extend(q.arguments.keys().map(|name| format!("arguments.{name}")));
+    (!settings.is_empty()).then(|| {
+        format!(
+            "{}: the embedded broker cannot honour {}; remove {} or run on RabbitMQ (--broker amqp://...)",
+            settings.join(", "),
+            if settings.len() == 1 { "it" } else { "them" },
+            if settings.len() == 1 { "it" } else { "them" },
+        )
+    })
 }
 
 /// The settings two queue declarations (as stored, JSON objects) differ in, each with both

@@ -24,6 +24,9 @@ fn queue(name: &str) -> QueueDecl {
         dead_letter: None,
         max_length: None,
         single_active_consumer: false,
+        message_ttl_ms: None,
+        max_priority: None,
+        arguments: Default::default(),
         max_message_bytes: None,
     }
 }
@@ -47,6 +50,7 @@ fn message(body: &str) -> Outgoing {
         message_id: Some(format!("id-{body}")),
         kind: Some("t".into()),
         timestamp: Some(1_700_000_000),
+        priority: None,
         headers: Headers::from([(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1))]),
     }
 }

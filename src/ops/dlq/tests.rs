@@ -18,6 +18,9 @@ fn queue(name: &str, role: Role) -> QueueDecl {
         dead_letter: None,
         max_length: None,
         single_active_consumer: false,
+        message_ttl_ms: None,
+        max_priority: None,
+        arguments: Default::default(),
         max_message_bytes: None,
     }
 }

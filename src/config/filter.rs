@@ -325,8 +325,8 @@ impl Checker<'_> {
     fn types(&mut self, pointer: &str, text: &str, field: &Field) -> Option<Option<Vec<String>>> {
         let fixed = |t: &[&str]| Some(Some(t.iter().map(|s| s.to_string()).collect()));
         match field.root {
-            Root::Id | Root::Type | Root::IdempotencyKey => return fixed(&["string"]),
-            Root::OccurredAt => return fixed(&["string", "null"]),
+            // A null occurred_at or idempotency_key reads as absent: `exists: false` tests it.
+            Root::Id | Root::Type | Root::OccurredAt | Root::IdempotencyKey => return fixed(&["string"]),
             Root::Version => return fixed(&["integer"]),
             Root::Payload => {}
         }
@@ -605,6 +605,7 @@ mod tests {
                 (9, 25),
                 "\"paylod.amount\" is not a field of a message: a filter reads id, type, version, occurred_at, idempotency_key, or payload and paths into it (payload.amount); did you mean \"payload\"?",
             ),
+            ("{field: occurred_at, eq: null}", (9, 42), "occurred_at is a string; it never equals null"),
             (
                 "{field: type.name, eq: a}",
                 (9, 25),

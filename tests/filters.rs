@@ -2,7 +2,7 @@
 //! receivers get (counts per message), what the runner counts as filtered, and that nothing
 //! filtered is left in a queue or dead-lettered. A retry copy of a message the filter took
 //! comes back through the broker's own delay route (RabbitMQ's delay queues), and is taken
-//! again.
+//! again; a message published straight to the queue is judged by all of its bindings.
 
 use crate::support;
 
@@ -72,17 +72,20 @@ async fn filtered_messages_are_acked_and_counted_and_never_reach_the_handler<P: 
     for (routing_key, key, payload) in &sent {
         support::publish(&broker, "ev", routing_key, key, payload.clone()).await;
     }
+    // Straight to the queue: no binding routes it, so every binding has a say, and the one
+    // without a filter takes it.
+    support::publish(&broker, "", "work", "direct", json!({"amount": 1})).await;
     let (mut runner, admin) = support::run_with_admin(dir.path(), &place.url(), "work").await;
     // Settled: every message of each queue has its final outcome counted.
     support::wait_until(Duration::from_secs(60), "every message settled", || async {
-        total(&admin, "work", "success").await + total(&admin, "work", "filtered").await == 6.0
+        total(&admin, "work", "success").await + total(&admin, "work", "filtered").await == 7.0
             && total(&admin, "audit", "success").await == 6.0
     })
     .await;
     assert_eq!(total(&admin, "work", "filtered").await, 3.0, "small, test and text");
     assert_eq!(total(&admin, "work", "retry").await, 1.0);
     let at_work = support::counts(work.hits().iter().map(|h| h.key().to_string()));
-    let expected = support::counts(["big", "retried", "retried", "refund"]);
+    let expected = support::counts(["big", "retried", "retried", "refund", "direct"]);
     assert_eq!(at_work, expected, "calls at the work receiver, by key");
     let at_audit = support::counts(audit.hits().iter().map(|h| h.key().to_string()));
     assert_eq!(at_audit, support::counts(sent.iter().map(|(_, key, _)| *key)), "audit takes everything");

@@ -1,7 +1,8 @@
 //! The admin HTTP endpoint: `/metrics` (Prometheus text format), `/healthz` (the process is
 //! alive), `/readyz` (connected to the broker and consuming, and no queue's acks failing; else
-//! 503 saying which), and `POST /queues/{name}/pause` and `/resume` (what `sluice
-//! pause|resume` call).
+//! 503 saying which), `POST /queues/{name}/pause` and `/resume` (what `sluice pause|resume`
+//! call), the operator console at `/` ([`console`]) and the JSON API it uses under `/api/v1/`
+//! ([`api`]).
 //!
 //! Reads (GET, HEAD) are open to whoever reaches the port. Every other request is a write: it
 //! needs `Authorization: Bearer` with the runner's [`token`], and is refused when it carries an
@@ -16,6 +17,8 @@
 //! It only reports and describes the metrics (their `# HELP` lines); they are recorded where
 //! the events happen (`runtime::events`, `reload::loader`).
 
+pub mod api;
+pub mod console;
 pub mod token;
 
 use std::collections::BTreeMap;
@@ -134,7 +137,7 @@ pub fn install_recorder() -> Result<PrometheusHandle, String> {
 fn describe_metrics() {
     describe_counter!(
         "sluice_messages_total",
-        "Messages settled, by queue and outcome (success, retry, dead_lettered, duplicate)."
+        "Messages settled, by queue and outcome (success, retry, dead_lettered, duplicate, filtered)."
     );
     describe_histogram!("sluice_handler_duration_seconds", "How long handler calls took, by queue.");
     describe_gauge!(
@@ -252,8 +255,9 @@ async fn guard_writes(
     response
 }
 
-/// The routes, writes guarded.
-fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token: Token) -> Router {
+/// The routes, `more` (the console and its API) among them, writes guarded, every answer with
+/// the console's security headers.
+fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token: Token, more: Router) -> Router {
     let resumes = pauses.clone();
     Router::new()
         .route("/metrics", get(move || std::future::ready(metrics.render())))
@@ -279,30 +283,34 @@ fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token
                 std::future::ready(set_paused(&resumes, &name, false, remote))
             }),
         )
+        .merge(more)
         .layer(axum::middleware::from_fn_with_state(token, guard_writes))
+        .layer(axum::middleware::map_response(console::secure))
 }
 
-/// Serves the admin endpoints on `listener` until `shutdown`; writes need `token` (from
-/// `source`, named in the log).
+/// Serves the admin endpoints, and `more` (the console and its API), on `listener` until
+/// `shutdown`; writes need `token` (from `source`, named in the log).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: PrometheusHandle,
     readiness: Readiness,
     pauses: Pauses,
     (token, source): (Token, Source),
+    more: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let app = routes(metrics, readiness, pauses, token);
+    let app = routes(metrics, readiness, pauses, token, more);
     let addr = listener.local_addr()?;
     tracing::info!(
         %addr,
         token = %source,
-        "admin endpoint listening (/metrics, /healthz, /readyz, /queues/NAME/pause|resume); writes need the token"
+        console = %format_args!("http://{addr}/"),
+        "admin endpoint listening (the console at /, /api/v1/, /metrics, /healthz, /readyz, /queues/NAME/pause|resume); writes need the token"
     );
     if !addr.ip().is_loopback() {
         tracing::warn!(
             %addr,
-            "the admin endpoint is open to the network: whoever reaches it reads the metrics, health and queue names (writes still need the token)"
+            "the admin endpoint is open to the network: whoever reaches it reads the metrics, health, queues, recent attempts and dead-lettered messages (writes still need the token)"
         );
     }
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));

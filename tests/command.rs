@@ -25,7 +25,7 @@ fn sh(script: &str, args: &[&str]) -> Invocation {
 }
 
 async fn run_ok(invocation: &Invocation) -> Output {
-    match command::run(invocation).await {
+    match command::run(invocation, &mut Default::default()).await {
         Ok(output) => output,
         Err(error) => panic!("expected success, got {error:?}"),
     }
@@ -53,7 +53,7 @@ async fn exit_codes_map_to_outcomes() {
         ("kill -9 $$", Err(HandlerError::transient("killed by signal 9"))),
     ];
     for (script, expected) in cases {
-        let result = command::run(&sh(script, &[])).await.map(|_| ());
+        let result = command::run(&sh(script, &[]), &mut Default::default()).await.map(|_| ());
         assert_eq!(result, expected, "script {script:?}");
     }
 }
@@ -83,7 +83,7 @@ async fn on_exit_rules_decide_each_action() {
     ];
     for (script, expected) in cases {
         let invocation = Invocation { on_exit: rules.clone().into(), ..sh(script, &[]) };
-        let result = command::run(&invocation).await.map(|_| ());
+        let result = command::run(&invocation, &mut Default::default()).await.map(|_| ());
         assert_eq!(result, expected, "script {script:?}");
     }
 }
@@ -92,7 +92,7 @@ async fn on_exit_rules_decide_each_action() {
 async fn the_error_quotes_the_end_of_stderr() {
     let script = "for i in $(seq 1 500); do echo \"progress $i\" >&2; done; \
                   echo 'fatal: bad payload' >&2; exit 65";
-    let Err(HandlerError::Permanent { error }) = command::run(&sh(script, &[])).await else {
+    let Err(HandlerError::Permanent { error }) = command::run(&sh(script, &[]), &mut Default::default()).await else {
         panic!("expected a permanent failure");
     };
     assert!(error.starts_with("exit 65: …"), "{error}");
@@ -108,7 +108,7 @@ async fn a_timeout_kills_the_whole_process_group() {
     invocation.timeout = Duration::from_millis(500);
 
     let started = Instant::now();
-    let result = command::run(&invocation).await;
+    let result = command::run(&invocation, &mut Default::default()).await;
 
     assert_eq!(result, Err(HandlerError::unwell("timeout after 500ms", None)));
     assert!(started.elapsed() < Duration::from_secs(10), "run ended late");
@@ -122,10 +122,11 @@ async fn a_cancelled_run_kills_the_whole_process_group() {
     let pidfile = dir.path().join("grandchild.pid");
     let invocation = sh("sleep 30 & echo $! > \"$1\"; wait", &["sh", pidfile.to_str().expect("utf-8 path")]);
     let pid = std::cell::Cell::new(None);
+    let mut observed = Default::default();
 
     // The caller gives up (as a drain deadline would) once the grandchild is running.
     tokio::select! {
-        result = command::run(&invocation) => panic!("run ended on its own: {result:?}"),
+        result = command::run(&invocation, &mut observed) => panic!("run ended on its own: {result:?}"),
         () = wait_until(Duration::from_secs(5), "the grandchild is started", || {
             pid.set(read_pid(&pidfile));
             pid.get().is_some()
@@ -239,7 +240,7 @@ async fn background_children_die_when_the_run_ends_and_do_not_delay_it() {
         invocation.timeout = Duration::from_secs(20);
 
         let started = Instant::now();
-        let result = command::run(&invocation).await;
+        let result = command::run(&invocation, &mut Default::default()).await;
 
         let elapsed = started.elapsed();
         assert!(elapsed < Duration::from_secs(5), "{script:?}: the run took {elapsed:?}");
@@ -274,7 +275,7 @@ async fn args_arrive_verbatim() {
 async fn a_missing_program_is_permanent_and_named() {
     let invocation = Invocation { program: PathBuf::from("/nonexistent/resize.sh"), ..sh("", &[]) };
 
-    let result = command::run(&invocation).await;
+    let result = command::run(&invocation, &mut Default::default()).await;
 
     let Err(HandlerError::Permanent { error }) = result else {
         panic!("expected permanent, got {result:?}");
@@ -289,7 +290,7 @@ async fn a_file_that_is_not_executable_is_permanent() {
     std::fs::write(&script, "#!/bin/sh\nexit 0\n").expect("write script");
     let invocation = Invocation { program: script, ..sh("", &[]) };
 
-    let result = command::run(&invocation).await;
+    let result = command::run(&invocation, &mut Default::default()).await;
 
     assert!(matches!(&result, Err(HandlerError::Permanent { error }) if error.contains("script.sh")), "{result:?}");
 }

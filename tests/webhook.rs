@@ -27,7 +27,7 @@ async fn call_with(response: ResponseTemplate) -> Result<(), HandlerError> {
     let server = MockServer::start().await;
     Mock::given(any()).respond_with(response).mount(&server).await;
     let client = webhook::client().expect("client builds");
-    webhook::call(&client, post(server.uri()), TIMEOUT, &Rules::default()).await
+    webhook::call(&client, post(server.uri()), TIMEOUT, &Rules::default(), &mut Default::default()).await
 }
 
 fn assert_transient(result: &Result<(), HandlerError>, expected_text: &str) {
@@ -118,7 +118,11 @@ async fn on_status_rules_decide_by_code_then_class() {
     ];
     for (status, expected) in cases {
         let url = format!("{}/{status}", server.uri());
-        assert_eq!(webhook::call(&client, post(url), TIMEOUT, &rules).await, expected, "status {status}");
+        assert_eq!(
+            webhook::call(&client, post(url), TIMEOUT, &rules, &mut Default::default()).await,
+            expected,
+            "status {status}"
+        );
     }
 }
 
@@ -143,7 +147,14 @@ async fn redirects_are_permanent_and_not_followed() {
     Mock::given(path("/new")).respond_with(ResponseTemplate::new(200)).expect(0).mount(&server).await;
     let client = webhook::client().expect("client builds");
 
-    let result = webhook::call(&client, post(format!("{}/old", server.uri())), TIMEOUT, &Rules::default()).await;
+    let result = webhook::call(
+        &client,
+        post(format!("{}/old", server.uri())),
+        TIMEOUT,
+        &Rules::default(),
+        &mut Default::default(),
+    )
+    .await;
 
     assert_permanent(&result, "HTTP 301");
     server.verify().await;
@@ -194,7 +205,13 @@ async fn a_slow_server_is_a_transient_timeout() {
 
     let result = tokio::time::timeout(
         Duration::from_secs(5),
-        webhook::call(&client, post(server.uri()), Duration::from_millis(200), &Rules::default()),
+        webhook::call(
+            &client,
+            post(server.uri()),
+            Duration::from_millis(200),
+            &Rules::default(),
+            &mut Default::default(),
+        ),
     )
     .await
     .expect("call honours its own timeout");
@@ -209,7 +226,9 @@ async fn connection_refused_is_a_transient_connect_error() {
     drop(listener);
     let client = webhook::client().expect("client builds");
 
-    let result = webhook::call(&client, post(format!("http://{address}/")), TIMEOUT, &Rules::default()).await;
+    let result =
+        webhook::call(&client, post(format!("http://{address}/")), TIMEOUT, &Rules::default(), &mut Default::default())
+            .await;
 
     assert_transient(&result, "connect error: ");
     let Err(error) = result else { unreachable!() };
@@ -242,7 +261,7 @@ async fn method_headers_and_body_arrive_as_given() {
         body: body.into(),
     };
 
-    assert_eq!(webhook::call(&client, request, TIMEOUT, &Rules::default()).await, Ok(()));
+    assert_eq!(webhook::call(&client, request, TIMEOUT, &Rules::default(), &mut Default::default()).await, Ok(()));
     server.verify().await;
 }
 
@@ -261,7 +280,7 @@ async fn signed_requests_carry_the_standard_webhooks_headers() {
     };
     let client = webhook::client().expect("client builds");
 
-    assert_eq!(webhook::call(&client, request, TIMEOUT, &Rules::default()).await, Ok(()));
+    assert_eq!(webhook::call(&client, request, TIMEOUT, &Rules::default(), &mut Default::default()).await, Ok(()));
     // Read back raw: wiremock's header matcher would split the signature at its comma.
     let received = server.received_requests().await.expect("recording is on");
     let [received] = received.as_slice() else {
@@ -285,7 +304,7 @@ async fn malformed_requests_are_permanent_and_keep_values_private() {
         (with_header("Authorization", "Bearer s3cret\r\nX-Evil: 1"), "invalid value for header \"Authorization\""),
     ];
     for (request, expected) in cases {
-        let result = webhook::call(&client, request, TIMEOUT, &Rules::default()).await;
+        let result = webhook::call(&client, request, TIMEOUT, &Rules::default(), &mut Default::default()).await;
         assert_permanent(&result, expected);
         let Err(error) = result else { unreachable!() };
         assert!(!error.to_string().contains("s3cret"), "{error}");
@@ -312,7 +331,13 @@ async fn a_huge_error_body_is_not_read_whole() {
 
     let result = tokio::time::timeout(
         Duration::from_secs(5),
-        webhook::call(&client, post(format!("http://{address}/")), Duration::from_secs(60), &Rules::default()),
+        webhook::call(
+            &client,
+            post(format!("http://{address}/")),
+            Duration::from_secs(60),
+            &Rules::default(),
+            &mut Default::default(),
+        ),
     )
     .await
     .expect("call returns without waiting for the rest of the body");
@@ -358,7 +383,11 @@ async fn a_dot_segment_value_is_refused_before_the_call() {
         let call = renderer.call(&body, &key, None);
         match (call, expected) {
             (Ok(call), Some(_)) => {
-                assert_eq!(sluice::handler::call::execute(call, &client).await, Ok(()), "{user:?}");
+                assert_eq!(
+                    sluice::handler::call::execute(call, &client, &mut Default::default()).await,
+                    Ok(()),
+                    "{user:?}"
+                );
             }
             (Err(error), None) => {
                 let text = error.to_string();

@@ -19,6 +19,7 @@ use anyhow::Context as _;
 use clap::{CommandFactory as _, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::api::Connect;
 use crate::admin::{Readiness, token};
 use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::broker::embedded::Embedded;
@@ -142,6 +143,9 @@ enum Command {
         /// directory, else .sluice) as `admin-token`, mode 0600, where `sluice pause` finds it.
         #[arg(long, value_name = "PATH")]
         admin_token_file: Option<PathBuf>,
+        /// How many recent attempts per queue the console keeps (in memory) and shows.
+        #[arg(long, default_value_t = runtime::attempts::DEFAULT_CAPACITY, value_name = "N")]
+        admin_attempts: usize,
         /// Idempotency store: redis://host:port (shared by runners on many hosts), or a state
         /// directory whose broker.db holds the keys (default: the embedded broker's directory,
         /// else .sluice; runners on one directory share it).
@@ -529,6 +533,7 @@ pub fn main() -> ExitCode {
             exit_when_idle,
             admin,
             admin_token_file,
+            admin_attempts,
             dedup,
             no_watch,
             threads,
@@ -539,6 +544,7 @@ pub fn main() -> ExitCode {
                 exit_when_idle,
                 readiness: Readiness::default(),
                 pauses: Pauses::default(),
+                attempts: runtime::attempts::Attempts::new(admin_attempts),
             };
             let watch = !no_watch;
             let admin = admin.map(|addr| (addr, admin_token(admin_token_file)));
@@ -709,19 +715,17 @@ async fn run(
     let shutdown = CancellationToken::new();
     let forced = CancellationToken::new();
     tokio::spawn(signals(shutdown.clone(), forced.clone()));
-    if let Some((addr, token)) = admin {
-        let token = token.for_runner(&state_dir(&broker.urls)?)?;
-        let metrics = crate::admin::install_recorder().map_err(anyhow::Error::msg)?;
-        let listener = tokio::net::TcpListener::bind(addr.as_str())
-            .await
-            .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
-        let (readiness, pauses, stop) = (options.readiness.clone(), options.pauses.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            if let Err(e) = crate::admin::serve(listener, metrics, readiness, pauses, token, stop).await {
-                tracing::error!(error = %e, "admin endpoint failed");
-            }
-        });
-    }
+    let mut admin = match admin {
+        Some((addr, token)) => {
+            let token = token.for_runner(&state_dir(&broker.urls)?)?;
+            let metrics = crate::admin::install_recorder().map_err(anyhow::Error::msg)?;
+            let listener = tokio::net::TcpListener::bind(addr.as_str())
+                .await
+                .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
+            Some(AdminPort { listener, metrics, token })
+        }
+        None => None,
+    };
     let queues: Vec<&str> = config.queues.keys().map(String::as_str).collect();
     let dedup = match (&store, &dedup) {
         (None, _) => "none".to_string(),
@@ -739,17 +743,31 @@ async fn run(
     let (reload, reloads) = tokio::sync::mpsc::unbounded_channel();
     let mut requests = requests;
     requests.set_paths(reload::loader::watched(&paths, &config));
-    tokio::spawn(reload::loader::serve(paths, requests, reload, shutdown.clone()));
     let config = Arc::new(config);
+    let current = reload::loader::Current::new(config.clone());
+    tokio::spawn(reload::loader::serve(paths, requests, reload, current.clone(), shutdown.clone()));
     let running = async {
         match opened {
             Opened::Amqp(urls) => {
                 let timeouts = broker.timeouts();
                 let names = urls.iter().map(|u| amqp::node_name(u)).collect();
+                if let Some(port) = admin.take() {
+                    let nodes: Arc<[String]> = urls.iter().map(|u| u.to_string()).collect();
+                    let connect: Connect<Amqp> = Arc::new(move || {
+                        let nodes = nodes.clone();
+                        Box::pin(async move { first_node(&nodes, timeouts).await })
+                    });
+                    port.spawn(connect, &options, current, shutdown.clone());
+                }
                 let sessions = Failover::new(names, |node| Amqp::connect(urls[node], timeouts));
                 runtime::run(config, sessions, store, options, reloads, shutdown).await
             }
             Opened::Embedded(path, file) => {
+                if let Some(port) = admin.take() {
+                    let file = file.clone();
+                    let connect: Connect<Embedded> = Arc::new(move || Box::pin(std::future::ready(Ok(file.session()))));
+                    port.spawn(connect, &options, current, shutdown.clone());
+                }
                 let sessions =
                     Failover::new(vec![path.display().to_string()], |_| std::future::ready(Ok(file.session())));
                 runtime::run(config, sessions, store, options, reloads, shutdown).await
@@ -764,6 +782,54 @@ async fn run(
             "a second signal during the graceful shutdown: stopped at once; messages in flight go back to the broker"
         ),
     }
+}
+
+/// The admin port, bound, with its metrics and token; served once the broker is known.
+struct AdminPort {
+    listener: tokio::net::TcpListener,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+    token: (token::Token, token::Source),
+}
+
+impl AdminPort {
+    /// Serves the admin endpoints and the console, whose API reaches the broker through `connect`.
+    fn spawn<B: crate::broker::Broker>(
+        self,
+        connect: Connect<B>,
+        options: &runtime::Options,
+        current: reload::loader::Current,
+        shutdown: CancellationToken,
+    ) {
+        let api = crate::admin::api::Api::new(
+            crate::admin::api::Runner::this(VERSION),
+            current,
+            options.attempts.clone(),
+            options.pauses.clone(),
+            self.metrics.clone(),
+            connect,
+        );
+        let more = crate::admin::api::routes::<B>().router(Arc::new(api)).merge(crate::admin::console::routes());
+        let (readiness, pauses) = (options.readiness.clone(), options.pauses.clone());
+        tokio::spawn(async move {
+            let served =
+                crate::admin::serve(self.listener, self.metrics, readiness, pauses, self.token, more, shutdown);
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "admin endpoint failed");
+            }
+        });
+    }
+}
+
+/// A session with the first of `nodes` that takes one.
+async fn first_node(nodes: &[String], timeouts: amqp::Timeouts) -> Result<Amqp, crate::broker::BrokerError> {
+    let mut last = crate::broker::BrokerError::Lost("no broker node given".into());
+    for node in nodes {
+        match Amqp::connect(node, timeouts).await {
+            Ok(session) => return Ok(session),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 /// Cancels `shutdown` on the first SIGTERM or SIGINT, and `forced` on the second.

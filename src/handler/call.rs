@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 use super::command::{Invocation, Stdin};
 use super::rules::Rules;
 use super::webhook::{self, Request};
-use super::{HandlerError, command};
+use super::{HandlerError, Observed, command};
 use crate::config::{Handler, Queue, StdinMode};
 use crate::envelope::{Envelope, Malformed};
 use crate::handler::template::Template;
@@ -300,10 +300,12 @@ fn within(whole: &Bytes, part: &[u8]) -> Bytes {
 }
 
 /// Runs a prepared call.
-pub async fn execute(call: Call, client: &reqwest::Client) -> Result<(), HandlerError> {
+pub async fn execute(call: Call, client: &reqwest::Client, observed: &mut Observed) -> Result<(), HandlerError> {
     match call {
-        Call::Webhook { request, timeout, on_status } => webhook::call(client, request, timeout, &on_status).await,
-        Call::Command(invocation) => command::run(&invocation).await.map(|_| ()),
+        Call::Webhook { request, timeout, on_status } => {
+            webhook::call(client, request, timeout, &on_status, observed).await
+        }
+        Call::Command(invocation) => command::run(&invocation, observed).await.map(|_| ()),
     }
 }
 

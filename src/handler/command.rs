@@ -20,7 +20,7 @@ use tokio::process::{ChildStdin, Command};
 
 use super::rules::{Action, Rules, Verdict};
 use super::template::{Escape, Template};
-use super::{HandlerError, tail_excerpt, with_excerpt};
+use super::{HandlerError, Observed, tail_excerpt, with_excerpt};
 
 /// How much of stdout and of stderr is kept, each; older bytes are dropped.
 pub const CAPTURE_BYTES: usize = 64 * 1024;
@@ -76,7 +76,8 @@ pub struct Output {
 /// The run ends when the program exits, and its exit status alone decides the outcome: a
 /// background process that keeps stdout open neither holds the run up nor survives it, since
 /// the process group is killed then. Output written before the exit is kept.
-pub async fn run(invocation: &Invocation) -> Result<Output, HandlerError> {
+/// The exit code and the start of the stderr captured go into `observed`.
+pub async fn run(invocation: &Invocation, observed: &mut Observed) -> Result<Output, HandlerError> {
     let mut command = Command::new(&invocation.program);
     command
         .args(&invocation.args)
@@ -168,6 +169,8 @@ pub async fn run(invocation: &Invocation) -> Result<Output, HandlerError> {
         stderr = %tail_excerpt(&output.stderr),
         "command exited"
     );
+    observed.exit_code = status.code();
+    observed.keep(&output.stderr);
     exit_result(status, &output.stderr, invocation)?;
     fed.map_err(|error| io_error("writing stdin", &error))?;
     Ok(output)

@@ -77,6 +77,25 @@ impl HandlerError {
     }
 }
 
+/// What a handler run showed beside its verdict, for the console's attempts: the response's
+/// status or the exit code, and the start of the response body or of the stderr captured.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    pub http_status: Option<u16>,
+    pub exit_code: Option<i32>,
+    /// At most [`Observed::BYTES`].
+    pub excerpt: Vec<u8>,
+}
+
+impl Observed {
+    /// Bytes of a response body or of stderr kept.
+    pub const BYTES: usize = 1024;
+
+    fn keep(&mut self, bytes: &[u8]) {
+        self.excerpt = bytes[..bytes.len().min(Self::BYTES)].to_vec();
+    }
+}
+
 /// How many bytes of a response body or stderr an error text quotes.
 const EXCERPT_BYTES: usize = 200;
 

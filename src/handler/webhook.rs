@@ -17,7 +17,7 @@ use sha2::Sha256;
 use tokio::time::{Instant, timeout_at};
 
 use super::rules::{Action, Rules, Verdict};
-use super::{HandlerError, head_excerpt};
+use super::{HandlerError, Observed, head_excerpt};
 
 /// How long establishing a TCP (and TLS) connection may take before it counts as a connect error.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -62,12 +62,14 @@ pub struct Request {
 }
 
 /// Sends `request` and classifies the response by `on_status`; `timeout` bounds the whole
-/// exchange. Failures without a response (connect errors, timeouts) are always retried.
+/// exchange. Failures without a response (connect errors, timeouts) are always retried. The
+/// response's status and the start of its body go into `observed`.
 pub async fn call(
     client: &reqwest::Client,
     request: Request,
     timeout: Duration,
     on_status: &Rules,
+    observed: &mut Observed,
 ) -> Result<(), HandlerError> {
     let deadline = Instant::now() + timeout;
     let request = build(client, request)?;
@@ -88,6 +90,8 @@ pub async fn call(
     let mut body = Vec::new();
     let _ = timeout_at(deadline, read_bounded(&mut response, &mut body)).await;
     drop(response);
+    observed.http_status = Some(status.as_u16());
+    observed.keep(&body);
 
     outcome(status.as_u16(), on_status, retry_after, &body)
 }

@@ -40,10 +40,13 @@ pub struct Held {
     /// The highest `sluice_circuit_state` (0 closed, 1 half-open, 2 open).
     pub circuit: f64,
     pub paused: bool,
+    /// The handlers allowed at once (`sluice_concurrency_limit`), summed.
+    pub concurrency_limit: f64,
 }
 
 impl Held {
-    fn circuit_name(&self) -> &'static str {
+    /// The breaker's state by name.
+    pub fn circuit_name(&self) -> &'static str {
         match self.circuit {
             c if c >= 2.0 => "open",
             c if c >= 1.0 => "half-open",
@@ -157,7 +160,7 @@ pub fn connected_node(metrics: &str) -> Option<String> {
 }
 
 /// Adds what one runner's `/metrics` text says of each queue (`sluice_in_flight`,
-/// `sluice_circuit_state`, `sluice_paused`) to `held`. Queue names are plain (validate allows
+/// `sluice_circuit_state`, `sluice_paused`, `sluice_concurrency_limit`) to `held`. Queue names are plain (validate allows
 /// no quotes or backslashes), so no label unescaping.
 pub fn add_runner(metrics: &str, held: &mut BTreeMap<String, Held>) {
     for line in metrics.lines() {
@@ -165,7 +168,7 @@ pub fn add_runner(metrics: &str, held: &mut BTreeMap<String, Held>) {
         let Some((labels, value)) = rest.rsplit_once("} ") else { continue };
         let queue = labels.split(',').find_map(|l| l.strip_prefix("queue=\"")?.strip_suffix('"'));
         let (Some(queue), Ok(value)) = (queue, value.trim().parse::<f64>()) else { continue };
-        if !matches!(name, "sluice_in_flight" | "sluice_circuit_state" | "sluice_paused") {
+        if !matches!(name, "sluice_in_flight" | "sluice_circuit_state" | "sluice_paused" | "sluice_concurrency_limit") {
             continue;
         }
         let entry = held.entry(queue.to_string()).or_default();
@@ -174,6 +177,7 @@ pub fn add_runner(metrics: &str, held: &mut BTreeMap<String, Held>) {
             "sluice_in_flight" => entry.in_flight += value.max(0.0) as u64,
             "sluice_circuit_state" => entry.circuit = entry.circuit.max(value),
             "sluice_paused" => entry.paused |= value >= 1.0,
+            "sluice_concurrency_limit" => entry.concurrency_limit += value.max(0.0),
             _ => {}
         }
     }
@@ -190,14 +194,15 @@ mod tests {
         let a = "# HELP sluice_in_flight Deliveries being handled.\n# TYPE sluice_in_flight gauge\n\
                  sluice_in_flight{queue=\"orders.charge\"} 3\nsluice_in_flight{queue=\"orders.email\"} 0\n\
                  sluice_in_flight_other{queue=\"x\"} 9\nsluice_queue_depth{queue=\"orders.charge\"} 7\n\
-                 sluice_circuit_state{queue=\"orders.charge\"} 1\nsluice_paused{queue=\"orders.email\"} 0\n";
+                 sluice_circuit_state{queue=\"orders.charge\"} 1\nsluice_paused{queue=\"orders.email\"} 0\n\
+                 sluice_concurrency_limit{queue=\"orders.charge\"} 4\n";
         let b = "sluice_in_flight{queue=\"orders.charge\"} 2\nsluice_in_flight{queue=\"broken\"} nonsense\n\
                  sluice_circuit_state{queue=\"orders.charge\"} 2\nsluice_paused{queue=\"orders.email\"} 1\n";
         let mut held = BTreeMap::new();
         super::add_runner(a, &mut held);
         super::add_runner(b, &mut held);
-        let charge = Held { in_flight: 5, circuit: 2.0, paused: false };
-        let email = Held { in_flight: 0, circuit: 0.0, paused: true };
+        let charge = Held { in_flight: 5, circuit: 2.0, paused: false, concurrency_limit: 4.0 };
+        let email = Held { in_flight: 0, circuit: 0.0, paused: true, concurrency_limit: 0.0 };
         assert_eq!(held, BTreeMap::from([("orders.charge".to_string(), charge), ("orders.email".to_string(), email)]));
         assert_eq!((charge.circuit_name(), email.circuit_name()), ("open", "closed"));
     }

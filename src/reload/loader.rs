@@ -5,22 +5,75 @@
 //! (or, if the broker refuses its declarations, keeps the old one) and says what changed.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use metrics::counter;
+use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::{Reloads, Trigger};
-use crate::config::{self, Config, Severity};
+use crate::config::{self, Config, Diagnostic, Severity};
 use crate::runtime::Reload;
 
-/// Serves reload requests until `shutdown` or until the runtime is gone.
+/// The config running and how the last reload went, for the console.
+#[derive(Debug, Clone)]
+pub struct Current(Arc<Mutex<Running>>);
+
+/// What [`Current`] holds.
+#[derive(Debug, Clone)]
+pub struct Running {
+    pub config: Arc<Config>,
+    /// None until a reload was asked for.
+    pub last_reload: Option<LastReload>,
+}
+
+/// How the last reload went.
+#[derive(Debug, Clone, Serialize)]
+pub struct LastReload {
+    /// When it ended, in milliseconds since the epoch.
+    pub at_ms: u64,
+    /// `applied` or `rejected`.
+    pub result: &'static str,
+    /// Why it was rejected: the files' diagnostics (file:line:column), errors only.
+    pub diagnostics: Vec<Diagnostic>,
+    /// Why it was rejected, when no file position says it (a secret unset, the broker's refusal).
+    pub errors: Vec<String>,
+}
+
+impl Current {
+    pub fn new(config: Arc<Config>) -> Current {
+        Current(Arc::new(Mutex::new(Running { config, last_reload: None })))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Running> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A copy of what runs now.
+    pub fn get(&self) -> Running {
+        self.lock().clone()
+    }
+
+    fn reloaded(&self, config: Option<Arc<Config>>, diagnostics: Vec<Diagnostic>, errors: Vec<String>) {
+        let at_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let mut running = self.lock();
+        let result = if config.is_some() { "applied" } else { "rejected" };
+        if let Some(config) = config {
+            running.config = config;
+        }
+        running.last_reload = Some(LastReload { at_ms, result, diagnostics, errors });
+    }
+}
+
+/// Serves reload requests until `shutdown` or until the runtime is gone; `current` follows.
 pub async fn serve(
     paths: Vec<PathBuf>,
     mut requests: Reloads,
     runtime: mpsc::UnboundedSender<Reload>,
+    current: Current,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -37,9 +90,13 @@ pub async fn serve(
                 info!(changed = %listed(files.iter().map(|f| f.display())), "pipeline files changed; reloading");
             }
         }
-        let Some(config) = load(&paths) else {
-            rejected();
-            continue;
+        let config = match load(&paths) {
+            Ok(config) => config,
+            Err((diagnostics, errors)) => {
+                rejected();
+                current.reloaded(None, diagnostics, errors);
+                continue;
+            }
         };
         let config = Arc::new(config);
         let (applied, outcome) = oneshot::channel();
@@ -67,10 +124,12 @@ pub async fn serve(
                     info!(queue = %b.queue, exchange = %b.exchange, routing_key = ?b.routing_key, "binding removed from the pipeline files: unbound");
                 }
                 requests.set_paths(watched(&paths, &config));
+                current.reloaded(Some(config), Vec::new(), Vec::new());
             }
             Ok(Err(e)) => {
                 error!(error = %e, "reload rejected by the broker; the running config stays");
                 rejected();
+                current.reloaded(None, Vec::new(), vec![e.to_string()]);
             }
             Err(_) => return,
         }
@@ -96,24 +155,28 @@ fn rejected() {
     counter!("sluice_config_reloads_total", "result" => "rejected").increment(1);
 }
 
-/// Loads the files; on errors logs each diagnostic as `validate` prints it and returns `None`.
-fn load(paths: &[PathBuf]) -> Option<Config> {
+/// Loads the files; on errors logs each diagnostic as `validate` prints it and returns them
+/// (and the errors without a file position).
+fn load(paths: &[PathBuf]) -> Result<Config, (Vec<Diagnostic>, Vec<String>)> {
     let validation = config::load(paths);
-    for d in validation.diagnostics.iter().filter(|d| d.severity == Severity::Error) {
+    let errors: Vec<Diagnostic> =
+        validation.diagnostics.into_iter().filter(|d| d.severity == Severity::Error).collect();
+    for d in &errors {
         error!("{}", d.headline());
     }
     let Some(mut config) = validation.config else {
         error!("invalid pipeline files; the running config stays");
-        return None;
+        return Err((errors, Vec::new()));
     };
-    if let Err(errors) = config.prepare_run() {
-        for e in errors {
+    if let Err(unprepared) = config.prepare_run() {
+        let unprepared: Vec<String> = unprepared.iter().map(ToString::to_string).collect();
+        for e in &unprepared {
             error!("{e}");
         }
         error!("the running config stays");
-        return None;
+        return Err((errors, unprepared));
     }
-    Some(config)
+    Ok(config)
 }
 
 /// What to watch for a config: the pipeline paths, and the files its queues read (payload

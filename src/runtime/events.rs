@@ -11,7 +11,8 @@ use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 use tracing::field::Empty;
 use tracing::{Span, debug, error, info, warn};
 
-use super::worker::{Activity, Disposition};
+use super::attempts::{Attempt, QueueLog};
+use super::worker::{Activity, Disposition, Seen};
 use crate::envelope::Envelope;
 
 /// The span a delivery is handled in: every line logged while handling it carries its
@@ -77,10 +78,12 @@ pub struct QueueEvents {
     retry: Counter,
     dead_lettered: Counter,
     retries: Counter,
+    /// The queue's recent attempts, for the console.
+    log: Arc<QueueLog>,
 }
 
 impl QueueEvents {
-    pub fn new(queue: &str, activity: Arc<Activity>) -> QueueEvents {
+    pub fn new(queue: &str, activity: Arc<Activity>, log: Arc<QueueLog>) -> QueueEvents {
         let outcome = |o: &'static str| counter!("sluice_messages_total", "queue" => queue.to_string(), "outcome" => o);
         QueueEvents {
             queue: queue.to_string(),
@@ -94,6 +97,7 @@ impl QueueEvents {
             retry: outcome("retry"),
             dead_lettered: outcome("dead_lettered"),
             retries: counter!("sluice_retries_total", "queue" => queue.to_string()),
+            log,
         }
     }
 
@@ -116,8 +120,10 @@ impl QueueEvents {
         self.duration.record(elapsed.as_secs_f64());
     }
 
-    /// A delivery's disposition is durable (its copy confirmed) and it is about to be acked.
-    pub fn outcome(&self, disposition: &Disposition) {
+    /// A delivery's disposition is durable (its copy confirmed) and it is about to be acked;
+    /// `seen` is what it showed on the way, for the attempt log.
+    pub fn outcome(&self, disposition: &Disposition, seen: Seen) {
+        self.log.record(attempt(disposition, seen));
         let queue = self.queue.as_str();
         let totals = &self.activity.totals;
         match disposition {
@@ -205,6 +211,36 @@ impl QueueEvents {
     pub fn copy_abandoned(&self, error: &dyn std::fmt::Display) {
         let queue = self.queue.as_str();
         warn!(queue, %error, "retry or dead-letter copy not confirmed and the channel is gone; the broker will redeliver");
+    }
+}
+
+/// The attempt log's entry for a delivery settled with `disposition`.
+fn attempt(disposition: &Disposition, seen: Seen) -> Attempt {
+    let (outcome, reason, error) = match disposition {
+        Disposition::Ack | Disposition::Completed { .. } => ("success", None, None),
+        Disposition::Duplicate => ("duplicate", None, None),
+        Disposition::Filtered => ("filtered", None, None),
+        Disposition::Retry { error, .. } => ("retry", None, Some(error.clone())),
+        Disposition::Wait { why, .. } => ("wait", None, Some(why.clone())),
+        Disposition::Scheduled { .. } => ("scheduled", None, None),
+        Disposition::DeadLetter { reason, error, .. } => ("dead_lettered", Some(reason.as_str()), Some(error.clone())),
+    };
+    let (observed, latency) = seen.handler.unzip();
+    let observed = observed.unwrap_or_default();
+    Attempt {
+        seq: 0,
+        at_ms: 0,
+        message_id: seen.message_id,
+        idempotency_key: seen.idempotency_key,
+        attempt: seen.attempt,
+        outcome,
+        reason,
+        http_status: observed.http_status,
+        exit_code: observed.exit_code,
+        latency_ms: latency.map(|l| l.as_secs_f64() * 1000.0),
+        error,
+        excerpt: (!observed.excerpt.is_empty()).then(|| String::from_utf8_lossy(&observed.excerpt).into_owned()),
+        trace_id: seen.trace_id,
     }
 }
 

@@ -60,7 +60,7 @@ impl Pauses {
     /// The queues of a new config: flags of queues it keeps stay as they are, new ones start
     /// unpaused unless they were paused when a reload removed them; the flags of queues it
     /// removes go, and their pauses are remembered.
-    pub(super) fn keep<'a>(&self, queues: impl Iterator<Item = &'a String>) {
+    pub(crate) fn keep<'a>(&self, queues: impl Iterator<Item = &'a String>) {
         let mut flags = self.lock();
         let mut kept = BTreeMap::new();
         for name in queues {

@@ -16,6 +16,7 @@
 //! Generic over [`Broker`]: nothing here knows RabbitMQ.
 
 mod aimd;
+pub mod attempts;
 pub mod backoff;
 mod breaker;
 mod events;
@@ -41,6 +42,7 @@ use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
+use attempts::Attempts;
 use gate::{Gate, Pauses, Slots};
 use worker::{Activity, Worker};
 
@@ -55,6 +57,8 @@ pub struct Options {
     pub readiness: Readiness,
     /// The queues paused by hand (through the admin endpoint); kept across reloads.
     pub pauses: Pauses,
+    /// Each queue's recent attempts, for the console; kept across reloads.
+    pub attempts: Attempts,
 }
 
 /// Why `run` stopped with an error.
@@ -226,7 +230,7 @@ where
     F: Future<Output = Result<B, BrokerError>>,
 {
     let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
-    let activity = Arc::new(Activity::default());
+    let activity = Arc::new(Activity { attempts: options.attempts.clone(), ..Activity::default() });
     let shared = Arc::new(Shared {
         client,
         activity: activity.clone(),

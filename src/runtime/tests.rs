@@ -268,6 +268,7 @@ impl<B: Broker> Runner<B> {
             exit_when_idle: false,
             readiness: readiness.clone(),
             pauses: pauses.clone(),
+            attempts: Default::default(),
         };
         let session = broker.clone();
         let connect = move |_| {

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, error, info, warn};
 
+use super::attempts::Attempts;
 use super::events::{self, QueueEvents, Totals};
 use super::gate::{Admission, Changes, Gate, Mode, Permit};
 use super::{backoff, filter, outcome};
@@ -33,8 +34,8 @@ use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Header
 use crate::config::{Config, Queue};
 use crate::dedup::{self, Claim, Store};
 use crate::envelope;
-use crate::handler::HandlerError;
 use crate::handler::call::{self, Call};
+use crate::handler::{HandlerError, Observed};
 use crate::trace;
 
 /// What a runner has under way, for telling when it is idle, and what it has done.
@@ -47,6 +48,8 @@ pub struct Activity {
     pub delayed_due_ms: AtomicU64,
     /// Messages settled so far, by outcome.
     pub totals: Totals,
+    /// Each queue's recent attempts, for the console.
+    pub attempts: Attempts,
 }
 
 impl Activity {
@@ -90,6 +93,17 @@ pub enum Disposition {
     Retry { next: u32, after: Duration, error: String },
     /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
     DeadLetter { reason: Reason, error: String, attempts: u32 },
+}
+
+/// What a delivery showed on its way to its disposition, for the console's attempt log.
+#[derive(Debug, Default)]
+pub struct Seen {
+    pub message_id: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub attempt: u32,
+    pub trace_id: Option<String>,
+    /// What the handler showed and how long it ran, when it ran.
+    pub handler: Option<(Observed, Duration)>,
 }
 
 /// Why a message was dead-lettered (the `x-sluice-reason` header).
@@ -176,7 +190,7 @@ impl Worker {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
-        let events = QueueEvents::new(name, activity.clone());
+        let events = QueueEvents::new(name, activity.clone(), activity.attempts.of(name));
         Worker { config, name: name.to_string(), limiter, client, activity, store, events, gate, readiness }
     }
 
@@ -286,10 +300,11 @@ impl Worker {
                         let (exported, logged) = (receive.clone(), message.clone());
                         tracker.spawn(async move {
                             let handle = trace::handle_span(&receive);
-                            let disposition = worker.decide(&delivery, &message).instrument(handle).await;
+                            let mut seen = Seen::default();
+                            let disposition = worker.decide(&delivery, &message, &mut seen).instrument(handle).await;
                             let settle = trace::settle_span(&receive);
                             if worker.settle(&broker, &delivery, &disposition).instrument(settle).await {
-                                worker.events.outcome(&disposition);
+                                worker.events.outcome(&disposition, seen);
                                 let key = match disposition {
                                     Disposition::Completed { key } => Some(key),
                                     _ => None,
@@ -336,9 +351,11 @@ impl Worker {
 
     /// Decides what happens to a delivery. Whatever goes wrong in here, a panic included, ends
     /// as a disposition of this delivery alone: a panic is dead-lettered as `internal`.
-    pub async fn decide<D: Delivery>(&self, delivery: &D, message: &tracing::Span) -> Disposition {
+    /// What it showed on the way goes into `seen`.
+    pub async fn decide<D: Delivery>(&self, delivery: &D, message: &tracing::Span, seen: &mut Seen) -> Disposition {
         let attempt = attempt_of(delivery);
-        match AssertUnwindSafe(self.decide_unguarded(delivery, attempt, message)).catch_unwind().await {
+        seen.attempt = attempt;
+        match AssertUnwindSafe(self.decide_unguarded(delivery, attempt, message, seen)).catch_unwind().await {
             Ok(disposition) => disposition,
             Err(panic) => {
                 let error = panic_text(panic.as_ref());
@@ -354,14 +371,23 @@ impl Worker {
 
     /// Bad messages are dead-lettered, duplicates acked, the rest run the handler under an
     /// idempotency claim taken only once the rate limiter lets the handler run.
-    async fn decide_unguarded<D: Delivery>(&self, delivery: &D, attempt: u32, message: &tracing::Span) -> Disposition {
+    async fn decide_unguarded<D: Delivery>(
+        &self,
+        delivery: &D,
+        attempt: u32,
+        message: &tracing::Span,
+        seen: &mut Seen,
+    ) -> Disposition {
         let q = self.queue();
+        seen.message_id = delivery.message_id().map(str::to_string);
         let body = delivery.body();
         let envelope = match outcome::decode(q, body, delivery.size(), attempt) {
             Ok(e) => e,
             Err(disposition) => return disposition,
         };
         events::decoded(message, &envelope, delivery.message_id().is_some());
+        seen.message_id.get_or_insert_with(|| envelope.id.clone());
+        seen.idempotency_key = Some(envelope.idempotency_key().to_string());
         let headers = filter::headers(q, |name| delivery.header(name));
         if let Err(disposition) = outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt) {
             return disposition;
@@ -370,7 +396,9 @@ impl Worker {
         if let Some(after) = envelope.due_in(SystemTime::now()) {
             return Disposition::Scheduled { attempt, after };
         }
-        let traceparent = trace::outgoing(trace::incoming(delivery)).to_string();
+        let context = trace::outgoing(trace::incoming(delivery));
+        seen.trace_id = Some(context.trace_id.iter().map(|b| format!("{b:02x}")).collect());
+        let traceparent = context.to_string();
         let (key, call) = match outcome::prepare(q, &envelope, body, attempt, Some(&traceparent)) {
             Ok(prepared) => prepared,
             Err(disposition) => return disposition,
@@ -385,7 +413,7 @@ impl Worker {
             limiter.until_ready().await;
         }
         let (Some(_), Some(store)) = (&q.idempotency, &self.store) else {
-            return self.handle(call, attempt, permit).await;
+            return self.handle(call, attempt, permit, seen).await;
         };
         match store.claim(&q.name, &key, lease(q)).await {
             Ok(Claim::Claimed) => {}
@@ -399,7 +427,7 @@ impl Worker {
                 return Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") };
             }
         }
-        match self.handle(call, attempt, permit).await {
+        match self.handle(call, attempt, permit, seen).await {
             Disposition::Ack => Disposition::Completed { key },
             other => {
                 if let Err(e) = store.release(&q.name, &key).await {
@@ -431,11 +459,13 @@ impl Worker {
     }
 
     /// Runs the handler's call under its gate permit, tells the gate how it went, and
-    /// classifies the result.
-    async fn handle(&self, call: Call, attempt: u32, permit: Permit<'_>) -> Disposition {
+    /// classifies the result; what the handler showed goes into `seen`.
+    async fn handle(&self, call: Call, attempt: u32, permit: Permit<'_>, seen: &mut Seen) -> Disposition {
         let started = Instant::now();
-        let result = call::execute(call, &self.client).await;
+        let mut observed = Observed::default();
+        let result = call::execute(call, &self.client, &mut observed).await;
         let rtt = started.elapsed();
+        seen.handler = Some((observed, rtt));
         self.events.handler_ran(rtt);
         permit.finish(rtt, result.as_ref().is_err_and(HandlerError::is_unwell));
         outcome::disposition(self.queue(), result, attempt)
@@ -675,7 +705,7 @@ mod tests {
         let client = crate::handler::webhook::client().expect("client");
         let gate = Gate::new(&config.queues["work"], &Default::default(), &Default::default());
         let worker = Worker::new(Arc::new(config), "work", gate, client, Arc::default(), None, Readiness::default());
-        let disposition = worker.decide(&Panicking, &tracing::Span::none()).await;
+        let disposition = worker.decide(&Panicking, &tracing::Span::none(), &mut Seen::default()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {
             panic!("not dead-lettered: {disposition:?}");
         };

@@ -1,0 +1,517 @@
+//! The JSON API under `/api/v1/` that the console reads and writes (described in
+//! `openapi.json` beside this file, served at `/api/v1/openapi.json`): the queues at a glance,
+//! one queue's handler and recent attempts, its dead letters (list, show, redrive, purge),
+//! pause and resume, and the topology with its drift on the broker.
+//!
+//! The work is `ops`'s (`ops::status`, `ops::dlq`), as for the CLI; this only gathers what
+//! this runner knows beside it (its attempts, its breakers, the last reload) and answers in
+//! JSON. Writes are guarded by `admin` (the token, no foreign origin) before they get here;
+//! each logs once what it did, naming the remote address. Secrets never leave: header and
+//! variable values whose names look secret are masked, and signing says only on or off.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{ConnectInfo, Path, Query, State};
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, get, post};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::broker::{Broker, BrokerError};
+use crate::config::{Backoff, Config, Handler, Queue};
+use crate::ops::dlq::{self, Action, Filter};
+use crate::ops::status;
+use crate::reload::loader::Current;
+use crate::runtime::attempts::Attempts;
+use crate::runtime::gate::Pauses;
+
+/// The OpenAPI document of every route below.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// Opens a broker session for the API.
+pub type Connect<B> = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<B, BrokerError>> + Send>> + Send + Sync>;
+
+/// Which runner this is, for the overview: other runners have consoles of their own.
+#[derive(Debug, Clone, Serialize)]
+pub struct Runner {
+    pub host: String,
+    pub pid: u32,
+    pub version: &'static str,
+}
+
+impl Runner {
+    /// This process.
+    pub fn this(version: &'static str) -> Runner {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into());
+        Runner { host, pid: std::process::id(), version }
+    }
+}
+
+/// What the API reads and acts on.
+pub struct Api<B: Broker> {
+    pub runner: Runner,
+    pub current: Current,
+    pub attempts: Attempts,
+    pub pauses: Pauses,
+    pub metrics: PrometheusHandle,
+    pub connect: Connect<B>,
+    /// A session kept for the frequent reads (status, drift); replaced once it is lost.
+    session: tokio::sync::Mutex<Option<B>>,
+}
+
+impl<B: Broker> Api<B> {
+    pub fn new(
+        runner: Runner,
+        current: Current,
+        attempts: Attempts,
+        pauses: Pauses,
+        metrics: PrometheusHandle,
+        connect: Connect<B>,
+    ) -> Api<B> {
+        Api { runner, current, attempts, pauses, metrics, connect, session: tokio::sync::Mutex::new(None) }
+    }
+
+    /// The kept session, or a new one.
+    async fn session(&self) -> Result<B, BrokerError> {
+        let mut kept = self.session.lock().await;
+        if let Some(session) = kept.as_ref().filter(|s| s.is_connected()) {
+            return Ok(session.clone());
+        }
+        let session = (self.connect)().await?;
+        *kept = Some(session.clone());
+        Ok(session)
+    }
+
+    /// What this runner's metrics say of each queue (held deliveries, breaker, pause, limit).
+    fn held(&self) -> BTreeMap<String, status::Held> {
+        let mut held = BTreeMap::new();
+        status::add_runner(&self.metrics.render(), &mut held);
+        held
+    }
+}
+
+/// The routes of the API, each also named in [`Routes::names`] (which the OpenAPI test reads).
+pub struct Routes<B: Broker> {
+    router: Router<Arc<Api<B>>>,
+    names: Vec<(Method, &'static str)>,
+}
+
+impl<B: Broker> Routes<B> {
+    fn route(mut self, method: Method, path: &'static str, handler: MethodRouter<Arc<Api<B>>>) -> Self {
+        self.names.push((method, path));
+        self.router = self.router.route(path, handler);
+        self
+    }
+
+    /// Every route, as `(method, path)` with `{name}` placeholders.
+    pub fn names(&self) -> &[(Method, &'static str)] {
+        &self.names
+    }
+
+    /// The router, with its state.
+    pub fn router(self, api: Arc<Api<B>>) -> Router {
+        self.router.with_state(api)
+    }
+}
+
+/// Every route of the API.
+pub fn routes<B: Broker>() -> Routes<B> {
+    Routes { router: Router::new(), names: Vec::new() }
+        .route(Method::GET, "/api/v1/openapi.json", get(openapi))
+        .route(Method::GET, "/api/v1/queues", get(queues::<B>))
+        .route(Method::GET, "/api/v1/queues/{name}", get(queue::<B>))
+        .route(Method::GET, "/api/v1/queues/{name}/attempts", get(attempts::<B>))
+        .route(Method::GET, "/api/v1/queues/{name}/dead-letters", get(dead_letters::<B>))
+        .route(Method::GET, "/api/v1/queues/{name}/dead-letters/{id}", get(dead_letter::<B>))
+        .route(Method::POST, "/api/v1/queues/{name}/dead-letters/redrive", post(redrive::<B>))
+        .route(Method::POST, "/api/v1/queues/{name}/dead-letters/purge", post(purge::<B>))
+        .route(Method::POST, "/api/v1/queues/{name}/pause", post(pause::<B>))
+        .route(Method::POST, "/api/v1/queues/{name}/resume", post(resume::<B>))
+        .route(Method::GET, "/api/v1/topology", get(topology::<B>))
+}
+
+/// An error answer: `{"error": "..."}` with its status.
+struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<BrokerError> for Failure {
+    fn from(e: BrokerError) -> Failure {
+        Failure(StatusCode::BAD_GATEWAY, format!("the broker: {e}"))
+    }
+}
+
+type Answer<T> = Result<Json<T>, Failure>;
+
+/// The queue `name` of the running config.
+fn find<'a>(config: &'a Config, name: &str) -> Result<&'a Queue, Failure> {
+    config.queues.get(name).ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no queue \"{name}\" runs here")))
+}
+
+async fn openapi() -> impl IntoResponse {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI)
+}
+
+/// One queue on the overview.
+#[derive(Serialize)]
+struct QueueView {
+    name: String,
+    /// The broker's counts; None while the broker cannot be read.
+    status: Option<status::Row>,
+    paused: bool,
+    circuit: &'static str,
+    concurrency_limit: f64,
+    in_flight: u64,
+    #[serde(flatten)]
+    summary: crate::runtime::attempts::Summary,
+}
+
+#[derive(Serialize)]
+struct Overview {
+    runner: Runner,
+    queues: Vec<QueueView>,
+    retries_waiting: Option<u32>,
+    broker_error: Option<String>,
+    last_reload: Option<crate::reload::loader::LastReload>,
+}
+
+async fn queues<B: Broker>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> {
+    let running = api.current.get();
+    let held = api.held();
+    let read = async {
+        let session = api.session().await?;
+        status::read(&mut status::Session(&session), &running.config, Some(&held)).await
+    }
+    .await;
+    let (mut rows, retries_waiting, broker_error) = match read {
+        Ok(status) => {
+            (status.queues.into_iter().map(|r| (r.queue.clone(), r)).collect(), Some(status.retries_waiting), None)
+        }
+        Err(e) => (BTreeMap::new(), None, Some(e.to_string())),
+    };
+    let queues = running
+        .config
+        .queues
+        .keys()
+        .map(|name| {
+            let h = held.get(name).copied().unwrap_or_default();
+            QueueView {
+                name: name.clone(),
+                status: rows.remove(name),
+                paused: h.paused,
+                circuit: h.circuit_name(),
+                concurrency_limit: h.concurrency_limit,
+                in_flight: h.in_flight,
+                summary: api.attempts.of(name).summary(),
+            }
+        })
+        .collect();
+    Ok(Json(Overview {
+        runner: api.runner.clone(),
+        queues,
+        retries_waiting,
+        broker_error,
+        last_reload: running.last_reload,
+    }))
+}
+
+/// Header and variable names whose values are never shown.
+fn secret_name(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["authorization", "signature", "secret", "token", "password", "passwd", "cookie", "key", "credential", "auth"]
+        .iter()
+        .any(|word| name.contains(word))
+}
+
+/// `(name, value)` pairs with secret-looking values masked.
+fn masked<'a>(pairs: impl Iterator<Item = (&'a String, &'a str)>) -> Vec<(String, String)> {
+    pairs.map(|(n, v)| (n.clone(), if secret_name(n) { "***".to_string() } else { v.to_string() })).collect()
+}
+
+/// The handler as compiled, without a secret.
+fn handler_view(q: &Queue) -> Value {
+    let source = |pointer: &str| q.source.pointer(pointer).cloned().unwrap_or(Value::Null);
+    match &q.handler {
+        Handler::Webhook(w) => json!({
+            "kind": "webhook",
+            "method": w.method,
+            "url": w.url.source(),
+            "headers": masked(w.headers.iter().map(|(n, t)| (n, t.source()))),
+            "body": w.body.as_ref().map(|b| b.source()),
+            "timeout_ms": w.timeout.as_millis() as u64,
+            "signing": w.signing.is_some(),
+            "on_status": source("/definition/on_status"),
+        }),
+        Handler::Command(c) => json!({
+            "kind": "command",
+            "program": c.program.display().to_string(),
+            "args": c.args.iter().map(|a| a.source()).collect::<Vec<_>>(),
+            "env": masked(c.env.iter().map(|(n, t)| (n, t.source()))),
+            "pass_env": c.pass_env,
+            "stdin": format!("{:?}", c.stdin).to_lowercase(),
+            "timeout_ms": c.timeout.as_millis() as u64,
+            "permanent_exit_codes": c.permanent_exit_codes,
+            "on_exit": source("/definition/handler/command/on_exit"),
+            "signing": false,
+        }),
+    }
+}
+
+fn retry_view(q: &Queue) -> Value {
+    let r = &q.retry;
+    let backoff = match &r.backoff {
+        Backoff::Exponential => "exponential",
+        Backoff::Fixed => "fixed",
+        Backoff::Schedule(_) => "schedule",
+    };
+    json!({
+        "max_attempts": r.max_attempts.get(),
+        "backoff": backoff,
+        "jitter": format!("{:?}", r.jitter).to_lowercase(),
+        // The delay before each retry (attempt 2, 3, ...) before jitter.
+        "delays_ms": (2..=r.max_attempts.get()).map(|next| r.ceiling(next).as_millis() as u64).collect::<Vec<_>>(),
+    })
+}
+
+async fn queue<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+    let running = api.current.get();
+    let q = find(&running.config, &name)?;
+    let held = api.held().get(&name).copied().unwrap_or_default();
+    Ok(Json(json!({
+        "runner": api.runner,
+        "name": q.name,
+        "paused": held.paused,
+        "circuit": held.circuit_name(),
+        "file": q.file.display().to_string(),
+        "dead_letter_queue": q.dead_letter,
+        "concurrency": q.concurrency.get(),
+        "adaptive": q.adaptive,
+        "ordered": q.ordered,
+        "rate_limit": q.source.pointer("/definition/rate_limit").cloned(),
+        "idempotency": q.idempotency.as_ref().map(|i| json!({ "ttl_ms": i.ttl.as_millis() as u64 })),
+        "handler": handler_view(q),
+        "retry": retry_view(q),
+    })))
+}
+
+async fn attempts<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+    find(&api.current.get().config, &name)?;
+    let log = api.attempts.of(&name);
+    Ok(Json(json!({ "capacity": log.capacity(), "attempts": log.recent() })))
+}
+
+/// The dead-letter filters, as query parameters or in a write's body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Filters {
+    reason: Option<String>,
+    /// A duration such as `1h`.
+    since: Option<String>,
+    /// Message ids, comma-separated in a query.
+    #[serde(default, deserialize_with = "ids")]
+    id: Vec<String>,
+    limit: Option<usize>,
+}
+
+/// Ids as a list, or as one comma-separated string.
+fn ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Ids {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Ids::deserialize(d)? {
+        Ids::One(text) => text.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect(),
+        Ids::Many(ids) => ids,
+    })
+}
+
+impl Filters {
+    fn filter(self) -> Result<Filter, Failure> {
+        let since = match self.since.as_deref().filter(|s| !s.is_empty()) {
+            None => None,
+            Some(text) => Some(
+                crate::config::parse_duration(text)
+                    .ok_or_else(|| Failure(StatusCode::BAD_REQUEST, crate::config::duration_problem(text)))?,
+            ),
+        };
+        let reason = self.reason.filter(|r| !r.is_empty());
+        Ok(Filter { reason, since, ids: self.id, limit: self.limit })
+    }
+}
+
+async fn dead_letters<B: Broker>(
+    State(api): State<Arc<Api<B>>>,
+    Path(name): Path<String>,
+    Query(filters): Query<Filters>,
+) -> Answer<Value> {
+    let running = api.current.get();
+    let q = find(&running.config, &name)?;
+    let filter = filters.filter()?;
+    let broker = (api.connect)().await?;
+    let listed = dlq::list(&broker, &q.dead_letter, &filter).await;
+    broker.close().await;
+    let (entries, tally) = listed?;
+    Ok(Json(json!({ "dead_letter_queue": q.dead_letter, "entries": entries, "tally": tally })))
+}
+
+async fn dead_letter<B: Broker>(
+    State(api): State<Arc<Api<B>>>,
+    Path((name, id)): Path<(String, String)>,
+) -> Answer<dlq::Shown> {
+    let running = api.current.get();
+    let q = find(&running.config, &name)?;
+    let broker = (api.connect)().await?;
+    let shown = dlq::show(&broker, &q.dead_letter, &id).await;
+    broker.close().await;
+    let mut shown = shown?
+        .ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no message with id \"{id}\" in {}", q.dead_letter)))?;
+    // A producer's credentials in a message's headers are not for whoever reads the port.
+    for (_, value) in shown.headers.iter_mut().filter(|(name, _)| secret_name(name)) {
+        *value = Value::from("***");
+    }
+    Ok(Json(shown))
+}
+
+/// A redrive or purge: which messages (ids or filters), whether only to count them, and for a
+/// purge the queue's name typed again.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Act {
+    #[serde(flatten)]
+    filters: Filters,
+    #[serde(default)]
+    dry_run: bool,
+    /// A purge that is not a dry run needs the queue's name here.
+    confirm: Option<String>,
+}
+
+async fn act<B: Broker>(api: &Api<B>, name: &str, remote: SocketAddr, action: Action, act: Act) -> Answer<dlq::Tally> {
+    let running = api.current.get();
+    let q = find(&running.config, name)?;
+    if action == Action::Purge && !act.dry_run && act.confirm.as_deref() != Some(name) {
+        return Err(Failure(
+            StatusCode::BAD_REQUEST,
+            format!("a purge deletes messages for good: give \"confirm\": \"{name}\" (or \"dry_run\": true)"),
+        ));
+    }
+    let job = dlq::Job {
+        queue: &q.name,
+        dlq: &q.dead_letter,
+        action,
+        filter: act.filters.filter()?,
+        dry_run: act.dry_run,
+        rate: None,
+    };
+    let broker = (api.connect)().await?;
+    let applied = dlq::apply(&broker, &job, &|_| {}).await;
+    broker.close().await;
+    let what = match action {
+        Action::Redrive => "redrive",
+        Action::Purge => "purge",
+    };
+    match &applied {
+        Ok(tally) => tracing::info!(
+            %remote,
+            queue = name,
+            action = what,
+            dry_run = act.dry_run,
+            selected = tally.selected,
+            messages = tally.done,
+            "dead letters acted on from the admin port"
+        ),
+        Err(e) => {
+            tracing::warn!(%remote, queue = name, action = what, error = %e, "dead letters not acted on from the admin port")
+        }
+    }
+    Ok(Json(applied?))
+}
+
+/// A write's body: JSON, or none at all (then every message matches).
+fn body(bytes: &[u8]) -> Result<Act, Failure> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Act::default());
+    }
+    serde_json::from_slice(bytes).map_err(|e| Failure(StatusCode::BAD_REQUEST, format!("the request body: {e}")))
+}
+
+async fn redrive<B: Broker>(
+    State(api): State<Arc<Api<B>>>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Answer<dlq::Tally> {
+    act(&api, &name, remote, Action::Redrive, body(&bytes)?).await
+}
+
+async fn purge<B: Broker>(
+    State(api): State<Arc<Api<B>>>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Answer<dlq::Tally> {
+    act(&api, &name, remote, Action::Purge, body(&bytes)?).await
+}
+
+async fn pause<B: Broker>(
+    State(api): State<Arc<Api<B>>>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+) -> impl IntoResponse {
+    super::set_paused(&api.pauses, &name, true, remote)
+}
+
+async fn resume<B: Broker>(
+    State(api): State<Arc<Api<B>>>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+) -> impl IntoResponse {
+    super::set_paused(&api.pauses, &name, false, remote)
+}
+
+/// How long a drift check may take before the topology is shown without it.
+const DRIFT_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn topology<B: Broker>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
+    let config = api.current.get().config;
+    let plan = crate::topology::plan(&config);
+    let drift = tokio::time::timeout(DRIFT_TIMEOUT, async { api.session().await?.drift(&plan).await }).await;
+    let (drift, drift_error) = match drift {
+        Ok(Ok(drift)) => (Some(drift), None),
+        Ok(Err(e)) => (None, Some(e.to_string())),
+        Err(_) => (None, Some(format!("the broker did not answer within {DRIFT_TIMEOUT:?}"))),
+    };
+    let handlers: BTreeMap<&String, Value> = config
+        .queues
+        .iter()
+        .map(|(name, q)| {
+            let target = match &q.handler {
+                Handler::Webhook(w) => json!({ "kind": "webhook", "method": w.method, "url": w.url.source() }),
+                Handler::Command(c) => json!({ "kind": "command", "program": c.program.display().to_string() }),
+            };
+            (name, target)
+        })
+        .collect();
+    Ok(Json(
+        json!({ "runner": api.runner, "plan": plan, "handlers": handlers, "drift": drift, "drift_error": drift_error }),
+    ))
+}
+
+#[cfg(test)]
+mod tests;

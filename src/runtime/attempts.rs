@@ -1,0 +1,377 @@
+//! What the console shows of each queue's recent work, kept in memory: the last N attempts
+//! (a ring buffer per queue) and, per 10-second bucket over the last 15 minutes, how many
+//! messages were handled, retried and dead-lettered and how long the handler took (a coarse
+//! histogram, for p50 and p99).
+//!
+//! Recorded where a delivery's outcome is emitted (`runtime::events`), read by the admin port.
+//! A record is one short lock of the queue's own log (no IO, no allocation beyond the attempt
+//! itself); reads copy out under the same lock. Nothing here is persisted: a restart starts
+//! empty, and another runner has its own.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+/// Attempts kept per queue unless `--admin-attempts` says otherwise.
+pub const DEFAULT_CAPACITY: usize = 200;
+
+/// The width of one bucket of the series.
+pub const BUCKET: Duration = Duration::from_secs(10);
+
+/// Buckets kept: 15 minutes.
+pub const BUCKETS: usize = 90;
+
+/// Latency classes of the histogram: class `i` holds latencies up to `0.5 ms × √2^(i+1)`; the
+/// last one everything longer (about 9 minutes and up).
+const CLASSES: usize = 40;
+
+/// One handler attempt (or a delivery settled without one: a duplicate, a malformed message).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Attempt {
+    /// The order attempts of this queue were recorded in, from 1.
+    pub seq: u64,
+    /// When it was settled, in milliseconds since the epoch.
+    pub at_ms: u64,
+    pub message_id: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub attempt: u32,
+    /// success, duplicate, retry, wait, dead_lettered.
+    pub outcome: &'static str,
+    /// Why it was dead-lettered.
+    pub reason: Option<&'static str>,
+    pub http_status: Option<u16>,
+    pub exit_code: Option<i32>,
+    /// How long the handler ran; None when it did not run.
+    pub latency_ms: Option<f64>,
+    pub error: Option<String>,
+    /// The first [`Observed::BYTES`](crate::handler::Observed::BYTES) of the response body or
+    /// of stderr, as text (invalid UTF-8 replaced).
+    pub excerpt: Option<String>,
+    pub trace_id: Option<String>,
+}
+
+/// One bucket of the series.
+#[derive(Debug, Clone)]
+struct Bucket {
+    /// Its start, in seconds since the epoch (a multiple of [`BUCKET`]).
+    start: u64,
+    handled: u32,
+    retried: u32,
+    dead_lettered: u32,
+    latencies: [u32; CLASSES],
+}
+
+impl Bucket {
+    fn new(start: u64) -> Bucket {
+        Bucket { start, handled: 0, retried: 0, dead_lettered: 0, latencies: [0; CLASSES] }
+    }
+}
+
+/// The latency class of `ms`.
+fn class(ms: f64) -> usize {
+    if ms <= 0.5 {
+        return 0;
+    }
+    // Truncating a positive float: the class below the one `ms` reaches into.
+    let class = (2.0 * (ms / 0.5).log2()).ceil() as usize;
+    class.saturating_sub(1).min(CLASSES - 1)
+}
+
+/// The upper bound of class `i`, in milliseconds.
+fn upper(i: usize) -> f64 {
+    0.5 * 2f64.powf((i + 1) as f64 / 2.0)
+}
+
+/// The `q` quantile of a histogram: the upper bound of the class it falls in.
+fn quantile(counts: &[u32; CLASSES], q: f64) -> Option<f64> {
+    let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+    if total == 0 {
+        return None;
+    }
+    let rank = (q * total as f64).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (i, &c) in counts.iter().enumerate() {
+        seen += u64::from(c);
+        if seen >= rank {
+            return Some(upper(i));
+        }
+    }
+    None
+}
+
+/// A queue's numbers over the last minute, and its series.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    pub handled_per_minute: u32,
+    pub retried_per_minute: u32,
+    pub dead_lettered_per_minute: u32,
+    /// Over the last minute; None without a handler run in it.
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+    /// Oldest first, one per bucket of the last 15 minutes (empty ones included).
+    pub series: Vec<Point>,
+}
+
+/// One bucket of the series.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Point {
+    /// The bucket's start, in seconds since the epoch.
+    pub start: u64,
+    /// Messages settled in it (handled, retried or dead-lettered).
+    pub settled: u32,
+    pub p99_ms: Option<f64>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    next_seq: u64,
+    ring: VecDeque<Attempt>,
+    buckets: VecDeque<Bucket>,
+}
+
+/// One queue's log.
+#[derive(Debug)]
+pub struct QueueLog {
+    capacity: usize,
+    inner: Mutex<Inner>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl QueueLog {
+    fn new(capacity: usize) -> QueueLog {
+        QueueLog { capacity, inner: Mutex::new(Inner::default()) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Records `attempt` (its `seq` and `at_ms` are set here) in the ring and the series.
+    pub fn record(&self, mut attempt: Attempt) {
+        attempt.at_ms = now_ms();
+        let start = attempt.at_ms / 1000 / BUCKET.as_secs() * BUCKET.as_secs();
+        let mut inner = self.lock();
+        inner.next_seq += 1;
+        attempt.seq = inner.next_seq;
+        if inner.buckets.back().is_none_or(|b| b.start < start) {
+            if inner.buckets.len() == BUCKETS {
+                inner.buckets.pop_front();
+            }
+            inner.buckets.push_back(Bucket::new(start));
+        }
+        if let Some(bucket) = inner.buckets.back_mut() {
+            match attempt.outcome {
+                "success" | "duplicate" => bucket.handled += 1,
+                "retry" => bucket.retried += 1,
+                "dead_lettered" => bucket.dead_lettered += 1,
+                _ => {}
+            }
+            if let Some(ms) = attempt.latency_ms {
+                bucket.latencies[class(ms)] += 1;
+            }
+        }
+        if self.capacity == 0 {
+            return;
+        }
+        if inner.ring.len() == self.capacity {
+            inner.ring.pop_front();
+        }
+        inner.ring.push_back(attempt);
+    }
+
+    /// The attempts kept, newest first.
+    pub fn recent(&self) -> Vec<Attempt> {
+        self.lock().ring.iter().rev().cloned().collect()
+    }
+
+    /// How many attempts it keeps.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The last minute's numbers and the series, as of now.
+    pub fn summary(&self) -> Summary {
+        self.summary_at(now_ms() / 1000)
+    }
+
+    fn summary_at(&self, now: u64) -> Summary {
+        let step = BUCKET.as_secs();
+        let current = now / step * step;
+        let first = current.saturating_sub(step * (BUCKETS as u64 - 1));
+        let minute = current.saturating_sub(step * 5);
+        let inner = self.lock();
+        let mut summary = Summary {
+            handled_per_minute: 0,
+            retried_per_minute: 0,
+            dead_lettered_per_minute: 0,
+            p50_ms: None,
+            p99_ms: None,
+            series: Vec::with_capacity(BUCKETS),
+        };
+        let mut last_minute = [0; CLASSES];
+        let mut buckets = inner.buckets.iter().filter(|b| b.start >= first).peekable();
+        for start in (first..=current).step_by(step as usize) {
+            let Some(bucket) = buckets.next_if(|b| b.start == start) else {
+                summary.series.push(Point { start, settled: 0, p99_ms: None });
+                continue;
+            };
+            summary.series.push(Point {
+                start,
+                settled: bucket.handled + bucket.retried + bucket.dead_lettered,
+                p99_ms: quantile(&bucket.latencies, 0.99),
+            });
+            if start >= minute {
+                summary.handled_per_minute += bucket.handled;
+                summary.retried_per_minute += bucket.retried;
+                summary.dead_lettered_per_minute += bucket.dead_lettered;
+                for (sum, n) in last_minute.iter_mut().zip(bucket.latencies) {
+                    *sum += n;
+                }
+            }
+        }
+        summary.p50_ms = quantile(&last_minute, 0.5);
+        summary.p99_ms = quantile(&last_minute, 0.99);
+        summary
+    }
+}
+
+/// Every queue's log, by name; kept across reloads (a queue changed by a reload keeps its
+/// history), shared by the workers and the admin port.
+#[derive(Debug, Clone)]
+pub struct Attempts {
+    capacity: usize,
+    queues: Arc<Mutex<HashMap<String, Arc<QueueLog>>>>,
+}
+
+impl Default for Attempts {
+    fn default() -> Attempts {
+        Attempts::new(DEFAULT_CAPACITY)
+    }
+}
+
+impl Attempts {
+    /// Logs keeping the last `capacity` attempts of each queue.
+    pub fn new(capacity: usize) -> Attempts {
+        Attempts { capacity, queues: Arc::default() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<QueueLog>>> {
+        self.queues.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The log of `queue`, made on first use (by its worker).
+    pub fn of(&self, queue: &str) -> Arc<QueueLog> {
+        self.lock().entry(queue.to_string()).or_insert_with(|| Arc::new(QueueLog::new(self.capacity))).clone()
+    }
+
+    /// The log of `queue`, if anything made it.
+    pub fn get(&self, queue: &str) -> Option<Arc<QueueLog>> {
+        self.lock().get(queue).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attempt(outcome: &'static str, latency_ms: Option<f64>) -> Attempt {
+        Attempt {
+            seq: 0,
+            at_ms: 0,
+            message_id: None,
+            idempotency_key: None,
+            attempt: 1,
+            outcome,
+            reason: None,
+            http_status: None,
+            exit_code: None,
+            latency_ms,
+            error: None,
+            excerpt: None,
+            trace_id: None,
+        }
+    }
+
+    /// Issue 22: under concurrent records, the ring keeps exactly the last N (the N highest
+    /// sequence numbers), newest first, and counts every record.
+    #[test]
+    fn the_ring_keeps_exactly_the_last_n_under_concurrency() {
+        const THREADS: usize = 8;
+        const EACH: usize = 1000;
+        for capacity in [0, 1, 7, 200, THREADS * EACH, THREADS * EACH + 5] {
+            let attempts = Attempts::new(capacity);
+            std::thread::scope(|scope| {
+                for t in 0..THREADS {
+                    let log = attempts.of("work");
+                    scope.spawn(move || {
+                        for i in 0..EACH {
+                            let mut a = attempt("success", Some(1.0));
+                            a.message_id = Some(format!("{t}-{i}"));
+                            log.record(a);
+                        }
+                    });
+                }
+            });
+            let log = attempts.get("work").expect("made by the threads");
+            let recent = log.recent();
+            let total = (THREADS * EACH) as u64;
+            let kept = capacity.min(THREADS * EACH);
+            let seqs: Vec<u64> = recent.iter().map(|a| a.seq).collect();
+            let expected: Vec<u64> = (total - kept as u64 + 1..=total).rev().collect();
+            assert_eq!(seqs, expected, "capacity {capacity}");
+            // Each thread's own records stay in its order.
+            for t in 0..THREADS {
+                let own: Vec<usize> = recent
+                    .iter()
+                    .rev()
+                    .filter_map(|a| a.message_id.as_ref()?.strip_prefix(&format!("{t}-"))?.parse().ok())
+                    .collect();
+                assert!(own.windows(2).all(|w| w[0] < w[1]), "thread {t} out of order: {own:?}");
+            }
+            assert_eq!(log.summary().handled_per_minute as usize, THREADS * EACH, "capacity {capacity}");
+        }
+    }
+
+    #[test]
+    fn latency_classes_bound_what_they_hold() {
+        for ms in [0.1, 0.5, 0.7, 1.0, 3.3, 10.0, 99.0, 1000.0, 65_000.0] {
+            let c = class(ms);
+            assert!(ms <= upper(c), "{ms} ms is above its class's bound {}", upper(c));
+            assert!(c == 0 || ms > upper(c - 1), "{ms} ms belongs in a lower class than {c}");
+        }
+        assert_eq!(class(1e9), CLASSES - 1);
+    }
+
+    #[test]
+    fn the_summary_counts_the_last_minute_and_fills_fifteen_minutes() {
+        let log = QueueLog::new(10);
+        let now = 1_000_000;
+        {
+            let mut inner = log.lock();
+            let mut old = Bucket::new(now - 600);
+            old.handled = 50;
+            let mut recent = Bucket::new(now - 20);
+            recent.handled = 9;
+            recent.retried = 2;
+            recent.dead_lettered = 1;
+            recent.latencies[class(10.0)] = 98;
+            recent.latencies[class(900.0)] = 2;
+            inner.buckets.extend([Bucket::new(now - 2000), old, recent]);
+        }
+        let summary = log.summary_at(now);
+        assert_eq!(summary.series.len(), BUCKETS);
+        assert_eq!(summary.series.last().map(|p| p.start), Some(now));
+        assert_eq!(summary.series.iter().map(|p| p.settled).sum::<u32>(), 62, "the bucket 2000 s ago is out");
+        assert_eq!(
+            (summary.handled_per_minute, summary.retried_per_minute, summary.dead_lettered_per_minute),
+            (9, 2, 1)
+        );
+        assert_eq!(summary.p50_ms, Some(upper(class(10.0))));
+        assert_eq!(summary.p99_ms, Some(upper(class(900.0))));
+    }
+}

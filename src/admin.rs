@@ -137,7 +137,7 @@ pub fn install_recorder() -> Result<PrometheusHandle, String> {
 fn describe_metrics() {
     describe_counter!(
         "sluice_messages_total",
-        "Messages settled, by queue and outcome (success, retry, dead_lettered, duplicate)."
+        "Messages settled, by queue and outcome (success, retry, dead_lettered, duplicate, filtered)."
     );
     describe_histogram!("sluice_handler_duration_seconds", "How long handler calls took, by queue.");
     describe_gauge!(

@@ -110,6 +110,38 @@ fn the_test_file_example_passes() {
     assert!(stdout(&out).ends_with("test result: ok. 1 passed; 0 failed\n"), "{}", stdout(&out));
 }
 
+// Issue 24: the example of binding filters validates against a payload schema that rules out
+// other fields, and routes and filters as the text says.
+#[test]
+fn the_filter_example_validates_and_filters() {
+    let example = block_after(&readme(), "### Binding filters", "yaml");
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("p.yaml"), example).expect("write");
+    let schema = r#"{"type": "object", "additionalProperties": false, "properties": {
+        "amount_cents": {"type": "integer"}, "currency": {"type": "string"}, "test": {"type": "boolean"}}}"#;
+    std::fs::write(dir.path().join("order.json"), schema).expect("write");
+    let tests = r#"version: 1
+tests:
+  - name: large
+    message: {exchange: orders, routing_key: order.created, payload: {amount_cents: 10000, currency: EUR}}
+    expect: {queues: [orders.large]}
+  - name: small
+    message: {exchange: orders, routing_key: order.created, payload: {amount_cents: 9999, currency: EUR}}
+    expect: {queues: [], outcomes: {orders.large: filtered}}
+  - name: a test
+    message: {exchange: orders, routing_key: order.created, payload: {amount_cents: 10000, currency: USD, test: true}}
+    expect: {queues: [], outcomes: {orders.large: filtered}}
+  - name: a refund
+    message: {exchange: orders, routing_key: refund.partial, payload: {amount_cents: 1}}
+    expect: {queues: [orders.large]}
+"#;
+    std::fs::write(dir.path().join("p.test.yaml"), tests).expect("write");
+    let out = sluice().arg("validate").arg(dir.path()).output().expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let out = sluice().arg("test").arg(dir.path()).output().expect("runs");
+    assert!(stdout(&out).ends_with("test result: ok. 4 passed; 0 failed\n"), "{}", stdout(&out));
+}
+
 // Issue 21: the example of `${VAR}` in a pipeline file, what `validate` says without the
 // variables, and the call `render` shows with them.
 #[test]

@@ -290,3 +290,50 @@ fn two_hundred_tests_in_one_suite() {
     let out = stdout(sluice().arg("test").arg(dir.path()).assert().success());
     assert!(out.ends_with("test result: ok. 200 passed; 0 failed\n"), "{out}");
 }
+
+/// Issue 24: `sluice test` applies binding filters: a queue whose filters refuse the message is
+/// not reached (its outcome is `filtered`), through whichever binding routed it.
+#[test]
+fn binding_filters_decide_which_queues_a_message_reaches() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = r##"version: 1
+exchanges:
+  orders: {type: topic}
+queues:
+  big:
+    bind:
+      - exchange: orders
+        routing_key: order.*
+        filter: {all: [{field: payload.amount, gte: 100}, {not: {field: payload.test, exists: true}}]}
+      - exchange: orders
+        routing_key: refund.#
+    handler: {webhook: {url: "http://127.0.0.1:9/big"}}
+  eu:
+    bind: [{exchange: orders, routing_key: "#", filter: {field: payload.region, prefix: "eu-"}}]
+    handler: {webhook: {url: "http://127.0.0.1:9/eu"}}
+"##;
+    std::fs::write(dir.path().join("p.yaml"), pipeline).expect("write");
+    let tests = r#"version: 1
+tests:
+  - name: a big order in the EU reaches both
+    message: {exchange: orders, routing_key: order.created, payload: {amount: 150, region: eu-west}}
+    expect: {queues: [big, eu], outcomes: {big: success, eu: success}}
+  - name: a small order is filtered out of big
+    message: {exchange: orders, routing_key: order.created, payload: {amount: 5, region: eu-west}}
+    expect: {queues: [eu], outcomes: {big: filtered}}
+  - name: a test order is filtered out of big
+    message: {exchange: orders, routing_key: order.created, payload: {amount: 500, test: true}}
+    expect: {queues: [], outcomes: {big: filtered, eu: filtered}}
+  - name: a refund comes through the binding without a filter
+    message: {exchange: orders, routing_key: refund.issued, payload: {amount: 5, region: us-east}}
+    expect: {queues: [big], outcomes: {eu: filtered}}
+  - name: a wrong expectation fails
+    message: {exchange: orders, routing_key: order.created, payload: {amount: 5, region: us-east}}
+    expect: {queues: [big]}
+"#;
+    std::fs::write(dir.path().join("t.test.yaml"), tests).expect("write");
+    let out = stdout(sluice().arg("test").arg(dir.path()).assert().code(1));
+    assert!(out.contains("test result: FAILED. 4 passed; 1 failed"), "{out}");
+    assert!(out.contains("expected: [\"big\"]"), "{out}");
+    assert!(out.contains("actual:   []"), "{out}");
+}

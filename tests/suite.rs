@@ -23,6 +23,7 @@ mod embedded;
 mod embedded_liveness;
 mod env_interpolation;
 mod failure_injection;
+mod filters;
 mod footguns;
 mod hardening;
 mod hostile;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use sluice::config::{
-    self, Backoff, ExchangeKind, Handler, Jitter, QueueKind, RateLimit, Severity, StdinMode, Validation,
+    self, Backoff, ExchangeKind, Filter, Handler, Jitter, QueueKind, RateLimit, Severity, StdinMode, Validation,
 };
 use sluice::handler::rules::{Action, Key, Rules};
 use util::{Expected, Fixture, Shown};
@@ -141,6 +141,9 @@ fn valid_fixtures_resolve_names_defaults_and_durations() {
     let charge = &config.queues["orders.charge"];
     assert_eq!(charge.kind, QueueKind::Quorum);
     assert_eq!(charge.max_length, Some(100_000));
+    let Some(Filter::Any(conditions)) = &charge.bindings[0].filter else { panic!("a filter of any: {charge:?}") };
+    assert_eq!(conditions.len(), 6);
+    assert_eq!(charge.bindings[1].filter, None);
     assert_eq!(charge.concurrency.get(), 8);
     assert_eq!(charge.rate_limit, Some(RateLimit { count: NonZeroU32::new(50).unwrap(), per: Duration::from_secs(1) }));
     assert_eq!(charge.dead_letter, "orders.charge.failed");

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, route};
+use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route, route};
 use crate::config::ExchangeKind;
 use crate::envelope;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
@@ -29,6 +29,8 @@ pub struct Message {
     pub headers: Headers,
     pub message_id: Option<String>,
     pub timestamp: Option<u64>,
+    /// The exchange and routing key it was published with (a copy keeps its original's).
+    pub route: Option<Route>,
 }
 
 impl Message {
@@ -178,6 +180,10 @@ impl Delivery for MemoryDelivery {
         self.message.message_id.as_deref()
     }
 
+    fn route(&self) -> Option<&Route> {
+        self.message.route.as_ref()
+    }
+
     fn headers(&self) -> BTreeMap<String, serde_json::Value> {
         self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
     }
@@ -321,6 +327,7 @@ impl Broker for Memory {
             headers: message.headers,
             message_id: message.message_id,
             timestamp: message.timestamp,
+            route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
         };
         for queue in targets {
             self.push(&queue, m.clone())?;

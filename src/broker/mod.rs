@@ -180,6 +180,13 @@ impl BrokerError {
     }
 }
 
+/// Where a message was published to: the exchange and the routing key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub exchange: String,
+    pub routing_key: String,
+}
+
 /// One message handed to a consumer; settled through its consumer's [`Consumer::ack`].
 pub trait Delivery: Send + Sync + 'static {
     /// The body as published, shared (not copied) with whatever sends it on; empty for one
@@ -193,6 +200,9 @@ pub trait Delivery: Send + Sync + 'static {
     /// The `timestamp` property, seconds since the epoch.
     fn timestamp(&self) -> Option<u64>;
     fn message_id(&self) -> Option<&str>;
+    /// The exchange and routing key the message was published with, as far as the broker
+    /// keeps them (a delayed or redriven copy may carry the broker's own).
+    fn route(&self) -> Option<&Route>;
     /// Every header, as JSON (tables and arrays included), for showing a message to a person.
     fn headers(&self) -> BTreeMap<String, serde_json::Value>;
     /// Whether this delivery can still be acked (its consumer is open).

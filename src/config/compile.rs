@@ -396,15 +396,25 @@ impl Compiler<'_> {
         let base = format!("/queues/{}", escape_token(name));
         let errors_before = self.error_count();
 
+        let max_message_bytes = self.max_message_bytes(file, &format!("{base}/max_message_bytes"), q.max_message_bytes);
+        let payload_schema =
+            q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
+
         let mut bindings = Vec::new();
         for (i, b) in q.bind.into_iter().enumerate() {
+            let pointer = format!("{base}/bind/{i}");
             let defined = exchanges.contains_key(&b.exchange) || ExchangeKind::builtin(&b.exchange).is_some();
             if !defined && self.complete {
                 let close = super::suggest::did_you_mean(&b.exchange, exchanges.keys().map(String::as_str));
                 let message = format!("binding to undefined exchange \"{}\"{close}", b.exchange);
-                self.error(file, &format!("{base}/bind/{i}/exchange"), message);
+                self.error(file, &format!("{pointer}/exchange"), message);
             }
-            bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments });
+            let schema = payload_schema.as_ref().map(|s| &s.schema);
+            let filter = b
+                .filter
+                .as_ref()
+                .and_then(|f| super::filter::compile(file, &format!("{pointer}/filter"), f, schema, self.diags));
+            bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments, filter });
         }
 
         let (concurrency, adaptive) = match q.concurrency {
@@ -441,10 +451,6 @@ impl Compiler<'_> {
             }
             rate
         });
-
-        let max_message_bytes = self.max_message_bytes(file, &format!("{base}/max_message_bytes"), q.max_message_bytes);
-        let payload_schema =
-            q.payload_schema.as_deref().and_then(|p| self.payload_schema(file, &format!("{base}/payload_schema"), p));
 
         let on_status_pointer = format!("{base}/on_status");
         if !q.on_status.is_empty() && q.handler.webhook.is_none() && q.handler.command.is_some() {

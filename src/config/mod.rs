@@ -8,6 +8,7 @@
 mod arguments;
 pub(crate) mod compile;
 pub mod diagnostic;
+pub mod filter;
 mod interpolate;
 pub mod raw;
 pub mod reference;
@@ -24,6 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use diagnostic::{Diagnostic, Format, Severity};
+pub use filter::Filter;
 pub use interpolate::Unset;
 
 use crate::handler::rules::Rules;
@@ -90,6 +92,8 @@ pub struct Binding {
     pub exchange: String,
     pub routing_key: String,
     pub arguments: BTreeMap<String, serde_json::Value>,
+    /// The queue takes a message through this binding only when this holds.
+    pub filter: Option<Filter>,
 }
 
 /// Quorum (replicated, the default) or classic.

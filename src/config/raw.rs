@@ -35,6 +35,8 @@ pub struct Binding {
     pub routing_key: String,
     #[serde(default)]
     pub arguments: BTreeMap<String, serde_json::Value>,
+    /// As written; `compile` checks it (against the payload schema too) and builds it.
+    pub filter: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]

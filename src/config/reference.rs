@@ -49,11 +49,20 @@ fn resolve<'a>(root: &'a Value, node: &'a Value) -> &'a Value {
 /// Every key of the schema `root`, each followed by the keys inside it.
 pub fn keys(root: &Value) -> Vec<Key<'_>> {
     let mut out = Vec::new();
-    walk(root, root, &[], &mut out);
+    walk(root, root, &[], &mut Vec::new(), &mut out);
     out
 }
 
-fn walk<'a>(root: &'a Value, node: &'a Value, path: &[String], out: &mut Vec<Key<'a>>) {
+/// Walks the keys inside `node`; `inside` names the definitions walked into on the way, which
+/// are not walked into again (a filter holds filters: the table lists their keys once).
+fn walk<'a>(root: &'a Value, node: &'a Value, path: &[String], inside: &mut Vec<&'a str>, out: &mut Vec<Key<'a>>) {
+    let definition = node.get("$ref").and_then(Value::as_str);
+    if let Some(name) = definition {
+        if inside.contains(&name) {
+            return;
+        }
+        inside.push(name);
+    }
     let node = resolve(root, node);
     let named = |prefix: &[String], step: &str| -> Vec<String> {
         prefix.iter().cloned().chain(std::iter::once(step.to_string())).collect()
@@ -61,18 +70,21 @@ fn walk<'a>(root: &'a Value, node: &'a Value, path: &[String], out: &mut Vec<Key
     for (name, schema) in node.get("properties").and_then(Value::as_object).into_iter().flatten() {
         let here = named(path, name);
         out.push(Key { path: here.clone(), schema });
+        walk(root, schema, &here, inside, out);
         let inner = resolve(root, schema);
-        walk(root, inner, &here, out);
         if let Some(items) = inner.get("items") {
-            walk(root, items, &named(&here, "[]"), out);
+            walk(root, items, &named(&here, "[]"), inside, out);
         }
         if let Some(values) = inner.get("additionalProperties").filter(|v| v.is_object()) {
-            walk(root, values, &named(&here, "<name>"), out);
+            walk(root, values, &named(&here, "<name>"), inside, out);
         }
     }
     for (pattern, schema) in node.get("patternProperties").and_then(Value::as_object).into_iter().flatten() {
         let name = pattern.trim_start_matches('^').to_string() + "*";
         out.push(Key { path: named(path, &name), schema });
+    }
+    if definition.is_some() {
+        inside.pop();
     }
 }
 
@@ -92,6 +104,7 @@ fn kind(root: &Value, schema: &Value) -> String {
             "templateMap" => "map of templates".into(),
             "envName" => "variable name".into(),
             "name" => "name".into(),
+            "filter" => "filter".into(),
             _ => kind(root, resolve(root, schema)),
         };
     }

@@ -154,6 +154,9 @@ fn diagnostics(schema: &Value, file: &SourceFile, error: &ValidationError<'_>) -
             let message = format!("{} is not a percentage from 1% to 100%", error.instance());
             vec![file.diag(Severity::Error, &pointer, message)]
         }
+        ValidationErrorKind::Type { .. } if let Some(text) = file.infinite_number(&pointer) => {
+            vec![file.diag(Severity::Error, &pointer, super::filter::infinite(text))]
+        }
         ValidationErrorKind::Required { property } => {
             let message = format!("missing required key {property}");
             vec![file.diag(Severity::Error, &pointer, message)]

@@ -71,6 +71,30 @@ impl SourceFile {
         self.spans.values.get(pointer).is_some_and(|node| node.typed)
     }
 
+    /// The text of the plain scalar at `pointer` as written (`1e400`), when it is written on
+    /// its own in this file (not through an alias or a merge): the value alone may not say
+    /// what was written (YAML reads `1e400` as infinity, which JSON holds as null).
+    pub fn scalar_text(&self, pointer: &str) -> Option<&str> {
+        let pos = self.spans.values.get(pointer)?.pos;
+        let line = lines(&self.text).nth(pos.line.checked_sub(1)?)?;
+        let start = line.char_indices().nth(pos.column.checked_sub(1)?).map(|(i, _)| i)?;
+        let rest = &line[start..];
+        let end = rest.find([' ', '\t', ',', ']', '}', '#']).unwrap_or(rest.len());
+        Some(&rest[..end])
+    }
+
+    /// The text of a number too large for a float (`1e400`, `.inf`) at `pointer`: YAML reads
+    /// `.inf` as infinity, which JSON holds as null, and `1e400` as a string.
+    pub fn infinite_number(&self, pointer: &str) -> Option<&str> {
+        let written = self.scalar_text(pointer)?;
+        let infinite = match self.value.pointer(pointer)? {
+            serde_json::Value::Null => !matches!(written, "" | "~" | "null" | "Null" | "NULL"),
+            serde_json::Value::String(_) => written.parse::<f64>().is_ok_and(f64::is_infinite),
+            _ => false,
+        };
+        infinite.then_some(written)
+    }
+
     /// A diagnostic at the value of `pointer`.
     pub fn diag(&self, severity: Severity, pointer: &str, message: impl Into<String>) -> Diagnostic {
         self.diag_at(self.pos(pointer), severity, pointer, message)
@@ -400,7 +424,18 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
     let mut yaml: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| {
         let pos =
             e.location().map(|l| Pos { line: l.line(), column: l.column() }).unwrap_or(Pos { line: 1, column: 1 });
-        at(pos, format!("YAML error: {e}"))
+        let message = e.to_string();
+        // An integer past 64 bits stops the YAML loader, which says so in its own words.
+        match message.split_once("invalid type: integer `").and_then(|(_, rest)| rest.split_once('`')) {
+            Some((digits, _)) => at(
+                pos,
+                format!(
+                    "{digits} is too large: integers here are at most 64 bits (-9223372036854775808 to 18446744073709551615); write a float ({:e}) or quote it as a string",
+                    digits.parse::<f64>().unwrap_or_default()
+                ),
+            ),
+            None => at(pos, format!("YAML error: {message}")),
+        }
     })?;
     yaml.apply_merge().map_err(|e| at(Pos { line: 1, column: 1 }, format!("YAML merge key error: {e}")))?;
     let value = match yaml {

@@ -46,6 +46,7 @@ pub fn broker_node(nodes: &[String], connected: Option<usize>) {
 pub struct Totals {
     handled: AtomicU64,
     duplicates: AtomicU64,
+    filtered: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
 }
@@ -56,6 +57,7 @@ pub fn stopped(totals: &Totals) {
     info!(
         handled = count(&totals.handled),
         duplicates = count(&totals.duplicates),
+        filtered = count(&totals.filtered),
         retried = count(&totals.retried),
         dead_lettered = count(&totals.dead_lettered),
         "stopped"
@@ -72,6 +74,7 @@ pub struct QueueEvents {
     duration: Histogram,
     success: Counter,
     duplicate: Counter,
+    filtered: Counter,
     retry: Counter,
     dead_lettered: Counter,
     retries: Counter,
@@ -90,6 +93,7 @@ impl QueueEvents {
             duration: histogram!("sluice_handler_duration_seconds", "queue" => queue.to_string()),
             success: outcome("success"),
             duplicate: outcome("duplicate"),
+            filtered: outcome("filtered"),
             retry: outcome("retry"),
             dead_lettered: outcome("dead_lettered"),
             retries: counter!("sluice_retries_total", "queue" => queue.to_string()),
@@ -138,6 +142,11 @@ impl QueueEvents {
                 info!(queue, "duplicate of a message already handled; acked without running the handler");
                 self.duplicate.increment(1);
                 totals.duplicates.fetch_add(1, Ordering::Relaxed);
+            }
+            Disposition::Filtered => {
+                debug!(queue, "refused by the queue's binding filters; acked without running the handler");
+                self.filtered.increment(1);
+                totals.filtered.fetch_add(1, Ordering::Relaxed);
             }
             Disposition::Retry { next, after, error } => {
                 warn!(queue, attempt = next - 1, retry_in = ?after, error, "handler failed; retrying");
@@ -216,6 +225,7 @@ fn attempt(disposition: &Disposition, seen: Seen) -> Attempt {
     let (outcome, reason, error) = match disposition {
         Disposition::Ack | Disposition::Completed { .. } => ("success", None, None),
         Disposition::Duplicate => ("duplicate", None, None),
+        Disposition::Filtered => ("filtered", None, None),
         Disposition::Retry { error, .. } => ("retry", None, Some(error.clone())),
         Disposition::Wait { why, .. } => ("wait", None, Some(why.clone())),
         Disposition::Scheduled { .. } => ("scheduled", None, None),

@@ -20,6 +20,7 @@ pub mod attempts;
 pub mod backoff;
 mod breaker;
 mod events;
+pub mod filter;
 pub mod gate;
 pub mod outcome;
 pub mod worker;

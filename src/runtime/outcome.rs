@@ -1,5 +1,5 @@
 //! What a delivery's outcome is, decided without a broker: the checks before a handler runs
-//! (size, envelope, payload schema, templates), and the disposition a handler's result leads
+//! (size, envelope, binding filters, payload schema, templates), and the disposition a handler's result leads
 //! to. The worker runs these around the real handler; `sluice test` runs them around a
 //! simulated one, so both classify every message the same way.
 //!
@@ -7,9 +7,10 @@
 
 use bytes::Bytes;
 
-use super::backoff;
 use super::worker::{Disposition, Reason};
-use crate::config::Queue;
+use super::{backoff, filter};
+use crate::broker::{Headers, Route};
+use crate::config::{Config, Queue};
 use crate::envelope::Envelope;
 use crate::handler::HandlerError;
 use crate::handler::call::{Call, PrepareError, Renderer};
@@ -23,6 +24,35 @@ pub fn decode<'a>(q: &Queue, body: &'a Bytes, size: usize, attempt: u32) -> Resu
         return Err(dead(Reason::TooLarge, error));
     }
     Envelope::decode(body).map_err(|e| dead(Reason::Malformed, e.to_string()))
+}
+
+/// Whether `q` takes the message through one of its bindings' filters ([`filter::admits`]):
+/// one refused is acked as `Filtered`, before the payload schema, the idempotency claim and
+/// the handler (what the queue does not take is none of its business). `route` and `headers`
+/// are what the message was published with, as far as known.
+pub fn filter(
+    config: &Config,
+    q: &Queue,
+    envelope: &Envelope<'_>,
+    route: Option<&Route>,
+    headers: &Headers,
+    attempt: u32,
+) -> Result<(), Disposition> {
+    if q.bindings.iter().all(|b| b.filter.is_none()) {
+        return Ok(());
+    }
+    let payload = if filter::reads_payload(q) {
+        let parsed = envelope.payload_value().map_err(|e| Disposition::DeadLetter {
+            reason: Reason::Malformed,
+            error: e.to_string(),
+            attempts: attempt,
+        })?;
+        Some(parsed)
+    } else {
+        None
+    };
+    let message = filter::Message { envelope, payload: payload.as_ref() };
+    if filter::admits(&config.exchanges, q, route, headers, &message) { Ok(()) } else { Err(Disposition::Filtered) }
 }
 
 /// Checks the payload against the queue's schema and renders the idempotency key and the

@@ -205,7 +205,7 @@ impl Inspect for File {
                         other => (k, HeaderValue::Int(other.as_i64().expect("an integer header"))),
                     })
                     .collect();
-                Message { body: body.into(), headers, message_id, timestamp: timestamp.map(|t| t as u64) }
+                Message { body: body.into(), headers, message_id, timestamp: timestamp.map(|t| t as u64), route: None }
             })
             .collect()
     }
@@ -1121,4 +1121,51 @@ async fn shutdown_releases_what_a_retiring_worker_holds_within_the_grace() {
     assert_eq!((memory.messages("work").len(), memory.unacked("work"), memory.consumers("work")), (2, 0, 0));
     assert!(memory.messages("work.dlq").is_empty());
     std::fs::write(&gate, "").expect("let the abandoned calls end");
+}
+
+/// Issue 24: a queue bound twice, once with a filter: through the filtered binding only the
+/// messages the filter holds for run the handler; the rest are acked as filtered (no run, no
+/// copy, nothing left). The unfiltered binding takes everything, a publish straight to the
+/// queue (no binding routed it) is taken because one binding takes anything, and a retry copy
+/// of a message the filter took is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binding_filters_decide_before_the_handler() {
+    binding_filters(memory).await;
+}
+
+/// Issue 24: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binding_filters_decide_before_the_handler_on_the_embedded_broker() {
+    binding_filters(embedded).await;
+}
+
+async fn binding_filters<B: Broker>(new: NewBroker<B>) {
+    let pipeline = Pipeline::new();
+    let runs = pipeline.file("runs");
+    // Fails the first attempt of key "retried", so that its retry copy comes back.
+    let script = r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; [ "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" != "retried 1" ]"#;
+    let extra = "    bind:\n      - exchange: ev\n        routing_key: order.*\n        filter: {all: [{field: payload.amount, gte: 100}, {not: {field: payload.test, exists: true}}]}\n      - exchange: ev\n        routing_key: refund.#\n";
+    let config = pipeline.config(&[("work", command(script, &[runs.as_str()], extra))]);
+    let (broker, look) = new();
+    let runner = Runner::start_on(broker, look, config, None, GRACE).await;
+    let sent = [
+        ("order.created", "big", json!({"amount": 150})),
+        ("order.created", "small", json!({"amount": 5})),
+        ("order.created", "test", json!({"amount": 500, "test": true})),
+        ("order.created", "not a number", json!({"amount": "150"})),
+        ("order.created", "retried", json!({"amount": 100})),
+        ("refund.issued", "refund", json!({"amount": 5})),
+    ];
+    for (routing_key, key, payload) in &sent {
+        runner.publish_to("ev", routing_key, message(key, payload)).await;
+    }
+    runner.publish("work", message("direct", &json!({"amount": 1}))).await;
+    let taken = ["big 1", "direct 1", "refund 1", "retried 1", "retried 2"];
+    wait_until("every message settled", || runner.settled("work") && pipeline.lines("runs").len() == taken.len()).await;
+    let mut runs = pipeline.lines("runs");
+    runs.sort();
+    assert_eq!(runs, taken);
+    assert_eq!(runner.depth("work.dlq"), 0, "nothing filtered is dead-lettered");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
 }

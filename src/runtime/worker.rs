@@ -29,7 +29,7 @@ use tracing::{Instrument as _, error, info, warn};
 use super::attempts::Attempts;
 use super::events::{self, QueueEvents, Totals};
 use super::gate::{Admission, Changes, Gate, Mode, Permit};
-use super::{backoff, outcome};
+use super::{backoff, filter, outcome};
 use crate::admin::Readiness;
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::config::{Config, Queue};
@@ -82,6 +82,8 @@ pub enum Disposition {
     Completed { key: String },
     /// Already done before (its idempotency key is complete): ack without running the handler.
     Duplicate,
+    /// The queue's binding filters refuse it: ack without running the handler.
+    Filtered,
     /// Not now (the key is busy elsewhere, or the store is unreachable): a copy with the same
     /// attempt reaches the queue after `after`, then ack.
     Wait { attempt: u32, after: Duration, why: String },
@@ -392,6 +394,10 @@ impl Worker {
             seen.message_id.get_or_insert_with(|| envelope.id.clone());
             seen.idempotency_key = Some(envelope.idempotency_key().to_string());
         }
+        let headers = filter::headers(q, |name| delivery.header(name));
+        if let Err(disposition) = outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt) {
+            return disposition;
+        }
         // Before anything is rendered or waited for: a scheduled message holds no slot.
         if let Some(after) = envelope.due_in(SystemTime::now()) {
             return Disposition::Scheduled { attempt, after };
@@ -482,7 +488,9 @@ impl Worker {
     async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: &Disposition) -> bool {
         let q = self.queue();
         let headers = match disposition {
-            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
+            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
+                return true;
+            }
             Disposition::Retry { next, .. } => attempt_header(*next),
             Disposition::Wait { attempt, .. } | Disposition::Scheduled { attempt, .. } => attempt_header(*attempt),
             Disposition::DeadLetter { reason, error, attempts } => {
@@ -498,7 +506,9 @@ impl Worker {
                     broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
                 }
                 Disposition::DeadLetter { .. } => broker.dead_letter(&q.dead_letter, delivery, headers.clone()).await,
-                Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate => return true,
+                Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
+                    return true;
+                }
             };
             match published {
                 Ok(()) => {
@@ -686,6 +696,9 @@ mod tests {
         }
         fn message_id(&self) -> Option<&str> {
             Some("m-1")
+        }
+        fn route(&self) -> Option<&crate::broker::Route> {
+            None
         }
         fn headers(&self) -> BTreeMap<String, serde_json::Value> {
             BTreeMap::new()

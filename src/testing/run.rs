@@ -1,5 +1,6 @@
 //! Running one test: the message is routed over the topology plan as the broker would route
-//! it, then each queue reached decodes, checks and renders it with the runtime's own code
+//! it, then each queue routed to applies its binding filters (a queue they refuse is not
+//! reached: its outcome is `filtered`), and each queue reached decodes, checks and renders it with the runtime's own code
 //! (`runtime::outcome`), its handler's answer is simulated and classified by the handler's own
 //! code, and what happened is compared with what the test expects, field by field.
 //!
@@ -14,7 +15,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::file::{HeaderArg, Request, Response, Test};
-use crate::broker::{HeaderValue, Headers, route};
+use crate::broker::{HeaderValue, Headers, Route, route};
 use crate::config::source::escape_token;
 use crate::config::{Config, Queue};
 use crate::handler::call::Call;
@@ -109,22 +110,26 @@ impl Suite {
             return out;
         };
         let attempt = m.attempt.unwrap_or(1);
+        let route = Route { exchange: m.exchange.clone(), routing_key: m.routing_key.clone() };
         let reached: BTreeMap<&str, Reached> = targets
             .iter()
             .filter_map(|name| self.config.queues.get(name))
-            .map(|q| (q.name.as_str(), self.handle(q, &body, attempt, test.responses.get(&q.name))))
+            .map(|q| (q.name.as_str(), self.handle(q, &body, &route, &headers, attempt, test.responses.get(&q.name))))
             .collect();
+        // A queue whose binding filters refuse the message is routed to, but not reached.
+        let taken: Vec<String> =
+            targets.iter().filter(|q| reached.get(q.as_str()).is_none_or(|r| r.outcome != FILTERED)).cloned().collect();
 
         if let Some(expected) = &test.expect.queues {
             let mut expected = expected.clone();
             expected.sort();
             expected.dedup();
-            if expected != targets {
+            if expected != taken {
                 out.push(Mismatch {
                     pointer: format!("{base}/expect/queues"),
                     field: "queues".into(),
                     expected: list(&expected),
-                    actual: list(&targets),
+                    actual: list(&taken),
                 });
             }
         }
@@ -162,7 +167,15 @@ impl Suite {
 
     /// What one queue does with the message: the runtime's checks and rendering, then the
     /// simulated answer classified as the handler classifies a real one.
-    fn handle(&self, q: &Queue, body: &Bytes, attempt: u32, response: Option<&Response>) -> Reached {
+    fn handle(
+        &self,
+        q: &Queue,
+        body: &Bytes,
+        route: &Route,
+        headers: &Headers,
+        attempt: u32,
+        response: Option<&Response>,
+    ) -> Reached {
         if let Some(reason) = self.refused.get(&q.name) {
             return Reached { call: None, outcome: "not run".into(), error: Some(reason.clone()) };
         }
@@ -174,6 +187,9 @@ impl Suite {
             Ok(e) => e,
             Err(disposition) => return ended(disposition, None),
         };
+        if let Err(disposition) = outcome::filter(&self.config, q, &envelope, Some(route), headers, attempt) {
+            return ended(disposition, None);
+        }
         // No trace context: a traceparent is random per delivery, so a test could not expect it.
         let (_key, call) = match outcome::prepare(q, &envelope, body, attempt, None) {
             Ok(prepared) => prepared,
@@ -186,11 +202,15 @@ impl Suite {
 
 const NOT_REACHED: &str = "not reached";
 
+/// The outcome of a queue whose binding filters refuse the message.
+const FILTERED: &str = "filtered";
+
 /// A disposition as a test names it, and the error it carries.
 fn describe(disposition: Disposition) -> (String, Option<String>) {
     match disposition {
         Disposition::Ack | Disposition::Completed { .. } => ("success".into(), None),
         Disposition::Duplicate => ("duplicate".into(), None),
+        Disposition::Filtered => (FILTERED.into(), None),
         Disposition::Wait { why, .. } => ("wait".into(), Some(why)),
         Disposition::Scheduled { .. } => ("scheduled".into(), None),
         Disposition::Retry { error, .. } => ("retry".into(), Some(error)),

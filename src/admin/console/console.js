@@ -261,7 +261,7 @@ async function queuePage(name) {
     el('td', { className: 'wrap' }, dash(a.message_id)),
     el('td', { className: 'wrap' }, dash(a.idempotency_key)),
     el('td', { className: 'num' }, String(a.attempt)),
-    el('td', { className: a.outcome === 'success' || a.outcome === 'duplicate' ? 'good' : 'bad' },
+    el('td', { className: ['success', 'duplicate', 'filtered'].includes(a.outcome) ? 'good' : 'bad' },
       a.outcome + (a.reason ? ' (' + a.reason + ')' : '')),
     el('td', { className: 'num', 'data-col': 'status' },
       a.http_status !== null ? String(a.http_status) : a.exit_code !== null ? 'exit ' + a.exit_code : '–'),

@@ -34,7 +34,7 @@ use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 pub use self::render::{PlanFormat, render};
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
+use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route};
 use crate::envelope::{self, ERROR_HEADER};
 use crate::topology::{BindingDecl, Plan};
 
@@ -342,6 +342,8 @@ fn without(headers: Option<&FieldTable>, drop: impl Fn(&str) -> bool) -> FieldTa
 /// A delivery from RabbitMQ; its body is moved out of lapin's delivery, to be shared.
 pub struct AmqpDelivery {
     body: Bytes,
+    /// Copied out of lapin's delivery once, to be lent as the trait lends it.
+    route: Route,
     delivery: lapin::message::Delivery,
 }
 
@@ -372,6 +374,10 @@ impl Delivery for AmqpDelivery {
 
     fn message_id(&self) -> Option<&str> {
         self.delivery.properties.message_id().as_ref().map(|s| s.as_str())
+    }
+
+    fn route(&self) -> Option<&Route> {
+        Some(&self.route)
     }
 
     fn headers(&self) -> BTreeMap<String, Value> {
@@ -405,7 +411,11 @@ impl Stream for AmqpDeliveries {
             item.map(|result| {
                 let mut delivery = result.map_err(lost)?;
                 lock(&self.window).received(delivery.delivery_tag);
-                Ok(AmqpDelivery { body: Bytes::from(std::mem::take(&mut delivery.data)), delivery })
+                let route = Route {
+                    exchange: delivery.exchange.as_str().to_string(),
+                    routing_key: delivery.routing_key.as_str().to_string(),
+                };
+                Ok(AmqpDelivery { body: Bytes::from(std::mem::take(&mut delivery.data)), route, delivery })
             })
         })
     }

@@ -63,7 +63,9 @@ pub use self::reader::{Messages, ReadOnly};
 pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Stored, ms};
 use self::writer::{Op, Registration, Renewal, Wakers};
-use super::{BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats};
+use super::{
+    BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route,
+};
 use crate::dedup::Claim;
 use crate::envelope;
 use crate::topology::{BindingDecl, Plan};
@@ -485,6 +487,10 @@ impl Delivery for EmbeddedDelivery {
         self.message.message_id.as_deref()
     }
 
+    fn route(&self) -> Option<&Route> {
+        self.message.route.as_ref()
+    }
+
     fn headers(&self) -> BTreeMap<String, serde_json::Value> {
         self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
     }
@@ -610,6 +616,7 @@ impl Broker for Embedded {
             message_id: message.message_id,
             kind: message.kind,
             timestamp: message.timestamp,
+            route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
         };
         self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
             .await

@@ -23,7 +23,7 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
-use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, route};
+use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route, route};
 use super::writer::Registration;
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
@@ -68,6 +68,8 @@ pub(super) struct NewMessage {
     pub message_id: Option<String>,
     pub kind: Option<String>,
     pub timestamp: Option<u64>,
+    /// The exchange and routing key it was published with (a copy keeps its original's).
+    pub route: Option<Route>,
 }
 
 /// A message claimed from the file: its body [stored](Body::Stored), and read unless it is
@@ -259,6 +261,11 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
         }
     };
     let (message_id, kind) = (text(3, "message_id")?, text(4, "kind")?);
+    // Absent from rows written before sluice kept them, or by another program.
+    let route = match (text(6, "exchange")?, text(7, "routing_key")?) {
+        (Some(exchange), Some(routing_key)) => Some(Route { exchange, routing_key }),
+        _ => None,
+    };
     let timestamp = match r.get_ref(5)? {
         ValueRef::Null => None,
         ValueRef::Integer(t) if t >= 0 => u64::try_from(t).ok(),
@@ -271,7 +278,7 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
             None
         }
     };
-    Ok((id, NewMessage { body, headers, message_id, kind, timestamp }, faults))
+    Ok((id, NewMessage { body, headers, message_id, kind, timestamp, route }, faults))
 }
 
 fn headers_from(text: &str) -> Result<Headers, String> {
@@ -469,6 +476,17 @@ impl Store {
             .map_err(sql)?;
         if limits.is_none() {
             tx.execute_batch("ALTER TABLE queues ADD COLUMN max_message_bytes INTEGER;").map_err(sql)?;
+        }
+        // Where a message was published to, for binding filters; rows from before have none.
+        let routes = tx
+            .query_row("SELECT 1 FROM pragma_table_info('messages') WHERE name = 'exchange'", [], |_| Ok(()))
+            .optional()
+            .map_err(sql)?;
+        if routes.is_none() {
+            tx.execute_batch(
+                "ALTER TABLE messages ADD COLUMN exchange TEXT; ALTER TABLE messages ADD COLUMN routing_key TEXT;",
+            )
+            .map_err(sql)?;
         }
         if !bodies_apart {
             // A file of an earlier version keeps each body in its row: it moves to `bodies`,
@@ -815,11 +833,22 @@ impl Store {
         }
         let timestamp = m.timestamp.map(|t| i64::try_from(t).unwrap_or(i64::MAX));
         db.prepare_cached(
-            "INSERT INTO messages (queue, visible_at, body, headers, message_id, kind, timestamp)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO messages (queue, visible_at, body, headers, message_id, kind, timestamp, exchange, routing_key)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         )
         .and_then(|mut s| {
-            s.execute(params![queue, visible_at, body, headers_text(&m.headers), m.message_id, m.kind, timestamp])
+            let (exchange, routing_key) = m.route.as_ref().map(|r| (&r.exchange, &r.routing_key)).unzip();
+            s.execute(params![
+                queue,
+                visible_at,
+                body,
+                headers_text(&m.headers),
+                m.message_id,
+                m.kind,
+                timestamp,
+                exchange,
+                routing_key
+            ])
         })
         .map_err(|e| self.error(e))?;
         Ok(())
@@ -890,7 +919,7 @@ impl Store {
             .prepare_cached(
                 "UPDATE messages SET visible_at = ?3, lease_owner = ?4
                  WHERE queue = ?1 AND visible_at = 0 AND id <= ?2
-                 RETURNING id, body, headers, message_id, kind, timestamp",
+                 RETURNING id, body, headers, message_id, kind, timestamp, exchange, routing_key",
             )
             .map_err(e)?;
         let rows =
@@ -1108,7 +1137,7 @@ impl Store {
         let e = |err| self.error(err);
         let mut s = db
             .prepare_cached(
-                "SELECT id, body, headers, message_id, kind, timestamp FROM messages
+                "SELECT id, body, headers, message_id, kind, timestamp, exchange, routing_key FROM messages
                  WHERE queue = ?1 AND id > ?2 AND id <= ?3 ORDER BY id LIMIT ?4",
             )
             .map_err(e)?;

@@ -848,7 +848,7 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
     let mut out = String::new();
     match renderer.call(&body, &renderer.key()?, None)? {
-        Call::Webhook { request, timeout, .. } => {
+        Call::Webhook { request, timeout, oauth2, .. } => {
             let mut url = request.url;
             // Environment values are shown as ***; one may hold the URL's credentials.
             if url.password().is_some() {
@@ -857,6 +857,10 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
             writeln!(out, "{} {url}", request.method)?;
             for (name, value) in &request.headers {
                 writeln!(out, "{name}: {value}")?;
+            }
+            if let Some(oauth2) = oauth2 {
+                // Nothing is fetched: a dry run sends nothing, the token endpoint included.
+                writeln!(out, "authorization: Bearer *** (an OAuth2 token from {})", oauth2.token_url)?;
             }
             writeln!(out, "(timeout {})\n", humantime::format_duration(timeout))?;
             writeln!(out, "{}", String::from_utf8_lossy(&request.body))?;

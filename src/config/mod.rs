@@ -12,6 +12,7 @@ pub mod raw;
 pub mod reference;
 mod rules;
 pub mod schema;
+pub mod secret;
 pub mod source;
 pub mod suggest;
 mod url;
@@ -25,6 +26,7 @@ use std::time::Duration;
 pub use diagnostic::{Diagnostic, Format, Severity};
 pub use interpolate::Unset;
 
+use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::Template;
 
@@ -222,6 +224,38 @@ pub struct Webhook {
     pub signing_secret_env: Option<String>,
     /// The queue's `on_status` rules.
     pub on_status: Arc<Rules>,
+    /// OAuth 2.0 client credentials (`auth.oauth2`) and the queue's token cache, shared by
+    /// every call of the queue.
+    pub oauth2: Option<Arc<OAuth2>>,
+    /// `tls:`: the files, and the client of its own they make.
+    pub tls: Option<Tls>,
+}
+
+/// A webhook's TLS files (resolved relative to the pipeline file) and the client they make.
+#[derive(Debug)]
+pub struct Tls {
+    pub client_cert_file: Option<PathBuf>,
+    pub client_key_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+    /// The webhook's own client; `None` while a file cannot be read here (`validate` warns,
+    /// `run` refuses to start).
+    pub client: Option<reqwest::Client>,
+    /// SHA-256 of what the files held (empty while one cannot be read): in the queue's
+    /// `source`, so that a reload restarts the queue when a file changed.
+    pub fingerprint: String,
+}
+
+impl Tls {
+    /// Every file named, with its setting's name.
+    pub fn files(&self) -> impl Iterator<Item = (&'static str, &PathBuf)> {
+        [
+            ("client_cert_file", &self.client_cert_file),
+            ("client_key_file", &self.client_key_file),
+            ("ca_file", &self.ca_file),
+        ]
+        .into_iter()
+        .filter_map(|(name, path)| Some((name, path.as_ref()?)))
+    }
 }
 
 /// A subprocess per message.
@@ -360,6 +394,27 @@ impl Queue {
         })
     }
 
+    /// The files `auth` and `tls` read can be read: a client secret file (unset variables are
+    /// [`Config::missing_env`]'s to report), and every `tls:` file, whose client is made here
+    /// when one was missing at load.
+    fn check_outbound_auth(&mut self) -> Vec<StartError> {
+        let Handler::Webhook(w) = &mut self.handler else { return Vec::new() };
+        let mut errors = Vec::new();
+        if let Some(oauth2) = &w.oauth2
+            && let SecretSource::File(_) = &oauth2.secret
+            && let Err(reason) = oauth2.secret.check()
+        {
+            errors.push(StartError::ClientSecret { queue: self.name.clone(), reason });
+        }
+        if let Some(tls) = w.tls.as_mut().filter(|t| t.client.is_none()) {
+            match compile::tls_client(tls) {
+                Ok((client, _)) => tls.client = Some(client),
+                Err(problem) => errors.push(StartError::Tls { queue: self.name.clone(), problem }),
+            }
+        }
+        errors
+    }
+
     /// Puts the environment's values into the scheme and host of the webhook URL
     /// (`{{env.HOOK_BASE}}/x`), once, so that no message renders them; a URL left without an
     /// expression is parsed here too, like a literal one at load.
@@ -420,6 +475,12 @@ pub enum StartError {
         "queue \"{queue}\": environment variable {var}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)"
     )]
     SigningSecret { queue: String, var: String, reason: crate::handler::webhook::SigningError },
+    /// The OAuth 2.0 client secret file cannot be read; its content is never quoted.
+    #[error("queue \"{queue}\": OAuth2 client secret: {reason}")]
+    ClientSecret { queue: String, reason: String },
+    /// The `tls:` files cannot be read or make no client.
+    #[error("queue \"{queue}\": tls: {problem}")]
+    Tls { queue: String, problem: compile::TlsProblem },
 }
 
 impl Config {
@@ -451,8 +512,13 @@ impl Config {
                     note(name, format!("queue {}, {field}", queue.name));
                 }
             }
-            if let Handler::Webhook(Webhook { signing_secret_env: Some(name), .. }) = &queue.handler {
-                note(name, format!("queue {}, signing secret", queue.name));
+            if let Handler::Webhook(w) = &queue.handler {
+                if let Some(name) = &w.signing_secret_env {
+                    note(name, format!("queue {}, signing secret", queue.name));
+                }
+                if let Some(SecretSource::Env(name)) = w.oauth2.as_ref().map(|o| &o.secret) {
+                    note(name, format!("queue {}, OAuth2 client secret", queue.name));
+                }
             }
         }
         missing.into_values().collect()
@@ -469,8 +535,12 @@ impl Config {
         let errors: Vec<StartError> = self
             .queues
             .values_mut()
-            .flat_map(|queue| [queue.check_signing_secret().err(), queue.resolve_webhook_url().err()])
-            .flatten()
+            .flat_map(|queue| {
+                let mut errors = queue.check_outbound_auth();
+                errors.extend(queue.check_signing_secret().err());
+                errors.extend(queue.resolve_webhook_url().err());
+                errors
+            })
             .collect();
         if errors.is_empty() { Ok(()) } else { Err(errors) }
     }

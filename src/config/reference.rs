@@ -208,6 +208,11 @@ mod tests {
             if path.starts_with(&["handler".to_string(), "command".to_string()]) {
                 base["handler"] = serde_json::json!({"command": {"program": "/bin/true"}});
             }
+            if path.starts_with(&["handler".to_string(), "webhook".to_string(), "auth".to_string()]) {
+                base["handler"]["webhook"]["auth"] = serde_json::json!({"oauth2": {
+                    "token_url": "https://idp.example/token", "client_id": "c", "client_secret_env": "S"
+                }});
+            }
             if path.first().is_some_and(|s| s == "concurrency") && path.len() > 1 {
                 base["concurrency"] = serde_json::json!({"max": 4});
             }

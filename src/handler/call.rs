@@ -10,6 +10,7 @@ use bytes::Bytes;
 use handlebars::Context;
 use serde_json::{Map, Value, json};
 
+use super::auth::OAuth2;
 use super::command::{Invocation, Stdin};
 use super::rules::Rules;
 use super::webhook::{self, Request};
@@ -32,11 +33,14 @@ pub struct Message<'a> {
 /// A rendered handler call, ready to run.
 #[derive(Debug)]
 pub enum Call {
-    /// `on_status`: the queue's rules for the response's status.
+    /// `on_status`: the queue's rules for the response's status; `oauth2`: the queue's token
+    /// cache; `client`: the queue's own HTTP client (its `tls:`), else the shared one.
     Webhook {
         request: Request,
         timeout: Duration,
         on_status: Arc<Rules>,
+        oauth2: Option<Arc<OAuth2>>,
+        client: Option<reqwest::Client>,
     },
     Command(Invocation),
 }
@@ -189,6 +193,8 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                 request: Request { method, url, headers, body },
                 timeout: w.timeout,
                 on_status: w.on_status.clone(),
+                oauth2: w.oauth2.clone(),
+                client: w.tls.as_ref().and_then(|t| t.client.clone()),
             })
         }
         Handler::Command(c) => {
@@ -299,11 +305,16 @@ fn within(whole: &Bytes, part: &[u8]) -> Bytes {
     }
 }
 
-/// Runs a prepared call.
-pub async fn execute(call: Call, client: &reqwest::Client, observed: &mut Observed) -> Result<(), HandlerError> {
+/// Runs a prepared call; `shared` is the client of webhooks without one of their own. What the
+/// handler answered goes into `observed`.
+pub async fn execute(call: Call, shared: &reqwest::Client, observed: &mut Observed) -> Result<(), HandlerError> {
     match call {
-        Call::Webhook { request, timeout, on_status } => {
-            webhook::call(client, request, timeout, &on_status, observed).await
+        Call::Webhook { request, timeout, on_status, oauth2, client } => {
+            let client = client.as_ref().unwrap_or(shared);
+            match oauth2 {
+                Some(oauth2) => webhook::call_authorized(client, request, &oauth2, timeout, &on_status, observed).await,
+                None => webhook::call(client, request, timeout, &on_status, observed).await,
+            }
         }
         Call::Command(invocation) => command::run(&invocation, observed).await.map(|_| ()),
     }

@@ -9,6 +9,7 @@
 //! disposition. Error texts end up in logs and DLQ headers, so they stay short and never
 //! carry secrets.
 
+pub mod auth;
 pub mod call;
 pub mod command;
 pub mod rules;

@@ -11,11 +11,12 @@ use std::time::{Duration, SystemTime};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use hmac::{Hmac, Mac as _};
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use reqwest::{Method, Url};
 use sha2::Sha256;
 use tokio::time::{Instant, timeout_at};
 
+use super::auth::OAuth2;
 use super::rules::{Action, Rules, Verdict};
 use super::{HandlerError, Observed, head_excerpt};
 
@@ -35,6 +36,58 @@ pub struct ClientError(#[source] reqwest::Error);
 
 /// Builds the HTTP client all webhooks share, so connections stay warm across messages.
 pub fn client() -> Result<reqwest::Client, ClientError> {
+    builder().build().map_err(ClientError)
+}
+
+/// The certificates a webhook's own client presents and trusts, as PEM (`tls:`).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct TlsPem {
+    /// The client certificate chain and its private key, for mutual TLS.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// Certificate authorities trusted beside the system's (a private CA).
+    pub ca: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for TlsPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsPem").field("identity", &self.identity.is_some()).field("ca", &self.ca.is_some()).finish()
+    }
+}
+
+/// Why a webhook's TLS settings cannot make a client; never quotes the files.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("client_cert_file and client_key_file make no client identity: {0}")]
+    Identity(String),
+    #[error("ca_file: {0}")]
+    Ca(String),
+    #[error("{0}")]
+    Client(String),
+}
+
+/// A client of its own for a webhook with `tls:` settings: the shared client's behaviour, plus
+/// the client certificate it presents and the CAs it trusts.
+pub fn tls_client(pem: &TlsPem) -> Result<reqwest::Client, TlsError> {
+    let mut builder = builder();
+    if let Some((cert, key)) = &pem.identity {
+        let mut both = cert.clone();
+        both.push(b'\n');
+        both.extend_from_slice(key);
+        let identity = reqwest::Identity::from_pem(&both).map_err(|e| TlsError::Identity(cause(&e)))?;
+        builder = builder.identity(identity);
+    }
+    if let Some(ca) = &pem.ca {
+        let certs = reqwest::Certificate::from_pem_bundle(ca).map_err(|e| TlsError::Ca(cause(&e)))?;
+        if certs.is_empty() {
+            return Err(TlsError::Ca("no PEM certificate in it".into()));
+        }
+        builder = builder.tls_certs_merge(certs);
+    }
+    builder.build().map_err(|e| TlsError::Client(cause(&e)))
+}
+
+/// The settings every webhook client has.
+fn builder() -> reqwest::ClientBuilder {
     crate::install_tls_provider();
     reqwest::Client::builder()
         .tls_backend_rustls()
@@ -44,8 +97,6 @@ pub fn client() -> Result<reqwest::Client, ClientError> {
         .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
         .tcp_nodelay(true)
         .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .map_err(ClientError)
 }
 
 /// A fully rendered HTTP request.
@@ -72,7 +123,59 @@ pub async fn call(
     observed: &mut Observed,
 ) -> Result<(), HandlerError> {
     let deadline = Instant::now() + timeout;
-    let request = build(client, request)?;
+    exchange(client, request, None, deadline, timeout).await?.outcome(on_status, observed)
+}
+
+/// [`call`] with an OAuth 2.0 bearer token: the queue's cached one, or one fetched first. A 401
+/// answer fetches a new token once and sends the request again; `timeout` bounds it all.
+pub async fn call_authorized(
+    client: &reqwest::Client,
+    request: Request,
+    oauth2: &OAuth2,
+    timeout: Duration,
+    on_status: &Rules,
+    observed: &mut Observed,
+) -> Result<(), HandlerError> {
+    let deadline = Instant::now() + timeout;
+    let in_time = |result: Result<Result<HeaderValue, HandlerError>, _>| match result {
+        Err(_elapsed) => Err(HandlerError::timeout(timeout)),
+        Ok(token) => token,
+    };
+    let token = in_time(timeout_at(deadline, oauth2.bearer(client)).await)?;
+    let answer = exchange(client, request.clone(), Some(&token), deadline, timeout).await?;
+    if answer.status != 401 {
+        return answer.outcome(on_status, observed);
+    }
+    let token = in_time(timeout_at(deadline, oauth2.refresh(client, &token)).await)?;
+    exchange(client, request, Some(&token), deadline, timeout).await?.outcome(on_status, observed)
+}
+
+/// What came back for a request.
+struct Answer {
+    status: u16,
+    retry_after: Option<Duration>,
+    /// The start of the body, for quoting.
+    body: Vec<u8>,
+}
+
+impl Answer {
+    /// The call's verdict; the status and the start of the body go into `observed`.
+    fn outcome(self, on_status: &Rules, observed: &mut Observed) -> Result<(), HandlerError> {
+        observed.http_status = Some(self.status);
+        observed.keep(&self.body);
+        outcome(self.status, on_status, self.retry_after, &self.body)
+    }
+}
+
+/// Sends `request` (with `authorization`, when given) and reads the answer before `deadline`.
+async fn exchange(
+    client: &reqwest::Client,
+    request: Request,
+    authorization: Option<&HeaderValue>,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Answer, HandlerError> {
+    let request = build(client, request, authorization)?;
     let mut response = match timeout_at(deadline, client.execute(request)).await {
         Err(_elapsed) => return Err(HandlerError::timeout(timeout)),
         Ok(Err(error)) => return Err(send_error(&error)),
@@ -88,12 +191,9 @@ pub async fn call(
     // Reading the body even on success lets a small response finish, so the connection
     // goes back to the pool; a timeout or error here cannot change the status's verdict.
     let mut body = Vec::new();
-    let _ = timeout_at(deadline, read_bounded(&mut response, &mut body)).await;
+    let _ = timeout_at(deadline, read_bounded(&mut response, &mut body, MAX_BODY_BYTES)).await;
     drop(response);
-    observed.http_status = Some(status.as_u16());
-    observed.keep(&body);
-
-    outcome(status.as_u16(), on_status, retry_after, &body)
+    Ok(Answer { status: status.as_u16(), retry_after, body })
 }
 
 /// How a response ends a call: by its status, through the queue's `on_status` rules or
@@ -111,7 +211,11 @@ pub(crate) fn outcome(
 }
 
 /// Turns the rendered parts into a request, rejecting what no retry could fix.
-fn build(client: &reqwest::Client, request: Request) -> Result<reqwest::Request, HandlerError> {
+fn build(
+    client: &reqwest::Client,
+    request: Request,
+    authorization: Option<&HeaderValue>,
+) -> Result<reqwest::Request, HandlerError> {
     let url = request.url;
     if !matches!(url.scheme(), "http" | "https") {
         return Err(HandlerError::permanent(format!("invalid URL: scheme \"{}\" is not http or https", url.scheme())));
@@ -125,6 +229,9 @@ fn build(client: &reqwest::Client, request: Request) -> Result<reqwest::Request,
             .map_err(|_| HandlerError::permanent(format!("invalid value for header \"{name}\"")))?;
         headers.append(header, value);
     }
+    if let Some(value) = authorization {
+        headers.insert(AUTHORIZATION, value.clone());
+    }
     client
         .request(request.method, url)
         .headers(headers)
@@ -134,7 +241,7 @@ fn build(client: &reqwest::Client, request: Request) -> Result<reqwest::Request,
 }
 
 /// Classifies a request that got no response at all.
-fn send_error(error: &reqwest::Error) -> HandlerError {
+pub(super) fn send_error(error: &reqwest::Error) -> HandlerError {
     if error.is_builder() {
         HandlerError::permanent(format!("invalid request: {}", cause(error)))
     } else if error.is_connect() {
@@ -157,12 +264,12 @@ fn cause(error: &reqwest::Error) -> String {
     innermost.map_or_else(|| "no detail given".to_owned(), ToString::to_string)
 }
 
-/// Appends the start of the response body to `body`, stopping after [`MAX_BODY_BYTES`].
-async fn read_bounded(response: &mut reqwest::Response, body: &mut Vec<u8>) {
-    while body.len() < MAX_BODY_BYTES {
+/// Appends the start of the response body to `body`, stopping after `limit` bytes.
+pub(super) async fn read_bounded(response: &mut reqwest::Response, body: &mut Vec<u8>, limit: usize) {
+    while body.len() < limit {
         match response.chunk().await {
             Ok(Some(chunk)) => {
-                let room = MAX_BODY_BYTES - body.len();
+                let room = limit - body.len();
                 body.extend_from_slice(&chunk[..chunk.len().min(room)]);
             }
             // A broken body is no reason to lose the status we already have.

@@ -180,7 +180,8 @@ fn load(paths: &[PathBuf]) -> Result<Config, (Vec<Diagnostic>, Vec<String>)> {
 }
 
 /// What to watch for a config: the pipeline paths, and the files its queues read (payload
-/// schemas, command programs given as paths, signing secrets files).
+/// schemas, command programs given as paths, signing secrets files, webhooks' `tls:` files: a
+/// renewed certificate reloads).
 pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
     let mut watched = paths.to_vec();
     for q in config.queues.values() {
@@ -192,6 +193,9 @@ pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
             }
             config::Handler::Command(_) => {}
         }
+        if let config::Handler::Webhook(config::Webhook { tls: Some(tls), .. }) = &q.handler {
+            watched.extend(tls.files().map(|(_, path)| path.clone()));
+        }
     }
     watched.sort();
     watched.dedup();
@@ -201,6 +205,37 @@ pub fn watched(paths: &[PathBuf], config: &Config) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 24: a webhook's `tls:` files are watched, and a certificate renewed in place
+    /// makes its queue changed, so the reload restarts it with a client that reads it again;
+    /// the same files leave it running.
+    #[test]
+    fn renewed_tls_files_are_watched_and_restart_their_queue() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let certs = std::path::Path::new("tests/fixtures/valid/billing/certs");
+        for file in ["ca.pem", "client.pem", "client.key"] {
+            std::fs::copy(certs.join(file), dir.path().join(file)).expect("copy");
+        }
+        let yaml = "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://h.example/x\n        \
+                    tls: {client_cert_file: client.pem, client_key_file: client.key, ca_file: ca.pem}\n  \
+                    other:\n    handler: {webhook: {url: https://h.example/y}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let paths = [dir.path().to_path_buf()];
+        let first = load(&paths).expect("valid");
+        let watched = watched(&paths, &first);
+        for file in ["ca.pem", "client.pem", "client.key"] {
+            assert!(watched.contains(&dir.path().join(file)), "{file}: {watched:?}");
+        }
+        let same = load(&paths).expect("valid");
+        assert!(crate::topology::diff(&first, &same).changed.is_empty());
+        // Renewed: another certificate for the same key would do; another CA bundle shows it.
+        let mut bundle = std::fs::read_to_string(certs.join("ca.pem")).expect("read");
+        bundle.push_str(&std::fs::read_to_string(certs.join("client.pem")).expect("read"));
+        std::fs::write(dir.path().join("ca.pem"), bundle).expect("write");
+        let renewed = load(&paths).expect("valid");
+        let diff = crate::topology::diff(&first, &renewed);
+        assert_eq!(diff.changed.into_iter().collect::<Vec<_>>(), ["work"]);
+    }
 
     /// Issue 19: one reload line listed 5,000 file names (116 KB). A line names the first
     /// few and counts the rest.

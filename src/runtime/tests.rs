@@ -950,6 +950,36 @@ async fn an_open_breaker_stops_consuming_and_hands_back_unattempted() {
     assert!(ended.is_ok());
 }
 
+/// Issue 24: a token endpoint that gives no token says the receiver is unwell: the breaker
+/// opens and the queue stops consuming, the calls made are retried, and nothing is
+/// dead-lettered (the receiver is never reached).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_token_endpoint_opens_the_breaker_and_dead_letters_nothing() {
+    let pipeline = Pipeline::new();
+    pipeline.write("client-secret", "s3cret\n");
+    // Port 9 refuses connections: every token fetch fails.
+    let queue = "    concurrency: 4\n    circuit_breaker: {failure_rate: 100%, min_calls: 1, open_for: 1h}\n    \
+                 retry: {max_attempts: 3, initial: 1ms, max: 5ms}\n    \
+                 handler:\n      webhook:\n        url: \"http://127.0.0.1:9/hook\"\n        \
+                 auth: {oauth2: {token_url: \"http://127.0.0.1:9/token\", client_id: c, client_secret_file: client-secret}}\n"
+        .to_string();
+    let runner = Runner::start(pipeline.config(&[("work", queue)]), None, GRACE).await;
+    for i in 0..10 {
+        runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
+    }
+    wait_until("the breaker has opened: no consumer, nothing held", || {
+        runner.look.consumers("work") == 0 && runner.look.unacked("work") == 0
+    })
+    .await;
+    wait_until("every message is back in the queue or on its way", || {
+        runner.look.messages("work").len() + runner.look.delayed() as usize == 10
+    })
+    .await;
+    assert!(runner.look.messages("work.dlq").is_empty());
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok());
+}
+
 /// Issue 13: a queue paused by hand stops consuming, stays paused through a reload that
 /// restarts its worker, and handles everything once resumed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -345,7 +345,13 @@ mod tests {
             };
             // One rule, to show a simulated answer goes through the queue's rules too.
             let on_status = Rules::new(BTreeMap::from([(Key::Code(409), Action::Success)]));
-            let call = Call::Webhook { request, timeout: Duration::from_secs(3), on_status: Arc::new(on_status) };
+            let call = Call::Webhook {
+                request,
+                timeout: Duration::from_secs(3),
+                on_status: Arc::new(on_status),
+                oauth2: None,
+                client: None,
+            };
             simulate(&call, &Response { status: Some(status), timeout, ..Response::default() })
         };
         assert_eq!(webhook(204, false), Ok(()));

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The happy path of two sluice builds side by side (issue 24's "no regression" check): for each
+# run, a fresh embedded broker, one webhook queue (concurrency 50, idempotency on) to
+# `sluice demo-receiver`, MESSAGES published with `publish --jsonl`, then `run --exit-when-idle`
+# timed as a whole process. The builds alternate; the ratios of the medians come last.
+#
+#   scripts/bench-ab.sh OLD_SLUICE NEW_SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
+set -euo pipefail
+cd "$(dirname "$0")/.."
+old=$(realpath "$1") new=$(realpath "$2")
+messages=${3:-30000}
+runs=${4:-5}
+source scripts/bench-lib.sh
+
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$new" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
+receiver=$!
+mkdir -p "$tmp/p"
+cat >"$tmp/p/p.yaml" <<YAML
+version: 1
+exchanges:
+  bench: {type: topic}
+queues:
+  bench.work:
+    bind: [{exchange: bench, routing_key: work}]
+    concurrency: 50
+    handler:
+      webhook: {url: "http://127.0.0.1:$port/hook"}
+YAML
+python3 -c "
+import json
+with open('$tmp/m.jsonl', 'w') as f:
+    for i in range($messages): f.write(json.dumps({'n': i, 'pad': 'x' * 100}) + '\n')"
+
+# run_once BINARY: prints messages/s and CPU seconds (user + system) of one drain.
+run_once() {
+  local dir
+  dir=$(mktemp -d "$tmp/run.XXXX")
+  (cd "$dir" && "$1" run "$tmp/p" --exit-when-idle 2>/dev/null &&
+    "$1" publish --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" >/dev/null 2>&1)
+  local start end
+  start=$(date +%s.%N)
+  (cd "$dir" && /usr/bin/time -f "%U %S" -o "$dir/time" "$1" run "$tmp/p" --exit-when-idle 2>/dev/null)
+  end=$(date +%s.%N)
+  python3 -c "u, s = open('$dir/time').read().split(); print(round($messages / ($end - $start)), round(float(u) + float(s), 2))"
+  rm -rf "$dir"
+}
+
+results=()
+for i in $(seq "$runs"); do
+  for build in old new; do
+    binary=$old; [[ $build == new ]] && binary=$new
+    read -r rate cpu < <(run_once "$binary")
+    printf '%s run %d: %6d messages/s, %5.2f CPU s\n' "$build" "$i" "$rate" "$cpu"
+    results+=("$build $rate $cpu")
+  done
+done
+kill "$receiver"
+printf '%s\n' "${results[@]}" | python3 -c "
+import sys, statistics as st
+rows = [l.split() for l in sys.stdin]
+med = lambda b, i: st.median(float(r[i]) for r in rows if r[0] == b)
+print(f'median: old {med(\"old\", 1):.0f} msg/s, {med(\"old\", 2):.2f} CPU s; new {med(\"new\", 1):.0f} msg/s, {med(\"new\", 2):.2f} CPU s')
+print(f'throughput new / old {med(\"new\", 1) / med(\"old\", 1):.3f}; CPU per message new / old {med(\"new\", 2) / med(\"old\", 2):.3f}')"

@@ -48,9 +48,8 @@ pub async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str, reason: &st
         body: envelope.encode(),
         message_id: Some(envelope.id.clone()),
         kind: Some(envelope.kind.clone()),
-        timestamp: None,
-        priority: None,
         headers,
+        ..Default::default()
     };
     broker.publish("", "work.dlq", message).await.expect("plant");
     envelope.id.clone()

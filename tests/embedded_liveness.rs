@@ -155,9 +155,8 @@ async fn plant_large<B: Broker>(broker: &B, n: usize, size: usize) -> Vec<String
             body: envelope.encode(),
             message_id: Some(envelope.id.clone()),
             kind: Some(envelope.kind.clone()),
-            timestamp: None,
-            priority: None,
             headers,
+            ..Default::default()
         };
         broker.publish("", "work.dlq", message).await.expect("plant a dead letter");
         ids.push(envelope.id.clone());

@@ -244,9 +244,8 @@ async fn dlq_list_and_show_escape_control_characters() {
         body: body.to_string().into_bytes(),
         message_id: Some(id.into()),
         kind: Some(kind.into()),
-        timestamp: None,
-        priority: None,
         headers,
+        ..Default::default()
     };
     broker.publish("", "charge.dlq", message).await.expect("plant");
     broker.close().await;

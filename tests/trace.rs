@@ -36,14 +36,8 @@ fn carried(hit: &Hit) -> TraceContext {
 /// Publishes an envelope (with its id as `message_id`, as `sluice publish` does) and headers.
 async fn publish_with(broker: &impl Broker, key: &str, headers: Headers) -> Envelope<'static> {
     let envelope = Envelope::new("test.event", &json!({"key": key}), Some(key.to_string()));
-    let message = Outgoing {
-        body: envelope.encode(),
-        message_id: Some(envelope.id.clone()),
-        kind: None,
-        timestamp: None,
-        priority: None,
-        headers,
-    };
+    let message =
+        Outgoing { body: envelope.encode(), message_id: Some(envelope.id.clone()), headers, ..Default::default() };
     broker.publish("ev", "x", message).await.expect("publish confirmed");
     envelope
 }

@@ -133,9 +133,7 @@ async fn preload<B: Broker>(broker: &B, exchange: &str, routing_key: &str, count
                 body: envelope.encode(),
                 message_id: Some(envelope.id.clone()),
                 kind: Some(envelope.kind.clone()),
-                timestamp: None,
-                priority: None,
-                headers: Default::default(),
+                ..Default::default()
             };
             async move { broker.publish(exchange, routing_key, message).await }
         })

@@ -3,6 +3,7 @@
 # run, a fresh embedded broker, one webhook queue (concurrency 50, idempotency on) to
 # `sluice demo-receiver`, MESSAGES published with `publish --jsonl`, then `run --exit-when-idle`
 # timed as a whole process. The builds alternate; the ratios of the medians come last.
+# BROKER=rabbitmq runs each drain on a quorum queue in a vhost of its own instead.
 #
 #   scripts/bench-ab.sh OLD_SLUICE NEW_SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
 set -euo pipefail
@@ -36,12 +37,18 @@ with open('$tmp/m.jsonl', 'w') as f:
 run_once() {
   local dir
   dir=$(mktemp -d "$tmp/run.XXXX")
-  (cd "$dir" && "$1" run "$tmp/p" --exit-when-idle 2>/dev/null &&
-    "$1" publish --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" >/dev/null 2>&1)
+  local on=()
+  if [ "${BROKER:-embedded}" = rabbitmq ]; then
+    make_vhost "bench-ab-$$-$RANDOM"
+    on=(--broker "$url")
+  fi
+  (cd "$dir" && "$1" run "$tmp/p" --exit-when-idle "${on[@]}" 2>/dev/null &&
+    "$1" publish --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" "${on[@]}" >/dev/null 2>&1)
   local start end
   start=$(date +%s.%N)
-  (cd "$dir" && /usr/bin/time -f "%U %S %M" -o "$dir/time" "$1" run "$tmp/p" --exit-when-idle 2>/dev/null)
+  (cd "$dir" && /usr/bin/time -f "%U %S %M" -o "$dir/time" "$1" run "$tmp/p" --exit-when-idle "${on[@]}" 2>/dev/null)
   end=$(date +%s.%N)
+  if [ -n "$vhost" ]; then drop_vhost; fi
   python3 -c "u, s, m = open('$dir/time').read().split(); print(round($messages / ($end - $start)), round(float(u) + float(s), 2), round(int(m) / 1024))"
   rm -rf "$dir"
 }

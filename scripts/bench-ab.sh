@@ -3,6 +3,7 @@
 # run, a fresh embedded broker, one webhook queue (concurrency 50, idempotency on) to
 # `sluice demo-receiver`, MESSAGES published with `publish --jsonl`, then `run --exit-when-idle`
 # timed as a whole process. The builds alternate; the ratios of the medians come last.
+# BROKER=rabbitmq runs each drain on a quorum queue in a vhost of its own instead.
 #
 #   scripts/bench-ab.sh OLD_SLUICE NEW_SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
 set -euo pipefail
@@ -32,17 +33,23 @@ import json
 with open('$tmp/m.jsonl', 'w') as f:
     for i in range($messages): f.write(json.dumps({'n': i, 'pad': 'x' * 100}) + '\n')"
 
-# run_once BINARY: prints messages/s and CPU seconds (user + system) of one drain.
+# run_once BINARY: prints messages/s, CPU seconds (user + system) and peak RSS (MiB) of one drain.
 run_once() {
   local dir
   dir=$(mktemp -d "$tmp/run.XXXX")
-  (cd "$dir" && "$1" run "$tmp/p" --exit-when-idle 2>/dev/null &&
-    "$1" publish --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" >/dev/null 2>&1)
+  local on=()
+  if [ "${BROKER:-embedded}" = rabbitmq ]; then
+    make_vhost "bench-ab-$$-$RANDOM"
+    on=(--broker "$url")
+  fi
+  (cd "$dir" && "$1" run "$tmp/p" --exit-when-idle "${on[@]}" 2>/dev/null &&
+    "$1" publish --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" "${on[@]}" >/dev/null 2>&1)
   local start end
   start=$(date +%s.%N)
-  (cd "$dir" && /usr/bin/time -f "%U %S" -o "$dir/time" "$1" run "$tmp/p" --exit-when-idle 2>/dev/null)
+  (cd "$dir" && /usr/bin/time -f "%U %S %M" -o "$dir/time" "$1" run "$tmp/p" --exit-when-idle "${on[@]}" 2>/dev/null)
   end=$(date +%s.%N)
-  python3 -c "u, s = open('$dir/time').read().split(); print(round($messages / ($end - $start)), round(float(u) + float(s), 2))"
+  if [ -n "$vhost" ]; then drop_vhost; fi
+  python3 -c "u, s, m = open('$dir/time').read().split(); print(round($messages / ($end - $start)), round(float(u) + float(s), 2), round(int(m) / 1024))"
   rm -rf "$dir"
 }
 
@@ -50,9 +57,9 @@ results=()
 for i in $(seq "$runs"); do
   for build in old new; do
     binary=$old; [[ $build == new ]] && binary=$new
-    read -r rate cpu < <(run_once "$binary")
-    printf '%s run %d: %6d messages/s, %5.2f CPU s\n' "$build" "$i" "$rate" "$cpu"
-    results+=("$build $rate $cpu")
+    read -r rate cpu rss < <(run_once "$binary")
+    printf '%s run %d: %6d messages/s, %5.2f CPU s, %4d MiB peak RSS\n' "$build" "$i" "$rate" "$cpu" "$rss"
+    results+=("$build $rate $cpu $rss")
   done
 done
 kill "$receiver"
@@ -60,5 +67,5 @@ printf '%s\n' "${results[@]}" | python3 -c "
 import sys, statistics as st
 rows = [l.split() for l in sys.stdin]
 med = lambda b, i: st.median(float(r[i]) for r in rows if r[0] == b)
-print(f'median: old {med(\"old\", 1):.0f} msg/s, {med(\"old\", 2):.2f} CPU s; new {med(\"new\", 1):.0f} msg/s, {med(\"new\", 2):.2f} CPU s')
-print(f'throughput new / old {med(\"new\", 1) / med(\"old\", 1):.3f}; CPU per message new / old {med(\"new\", 2) / med(\"old\", 2):.3f}')"
+print(f'median: old {med(\"old\", 1):.0f} msg/s, {med(\"old\", 2):.2f} CPU s, {med(\"old\", 3):.0f} MiB; new {med(\"new\", 1):.0f} msg/s, {med(\"new\", 2):.2f} CPU s, {med(\"new\", 3):.0f} MiB')
+print(f'throughput new / old {med(\"new\", 1) / med(\"old\", 1):.3f}; CPU per message new / old {med(\"new\", 2) / med(\"old\", 2):.3f}; peak RSS new / old {med(\"new\", 3) / med(\"old\", 3):.3f}')"

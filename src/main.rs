@@ -1,8 +1,8 @@
-/// glibc's malloc was a tenth of the runner's CPU, and more beside the embedded store, whose
-/// long-lived memtable entries fragment its heap. jemalloc cost 0.84-0.9x the CPU per message
-/// at the same peak RSS (BENCHMARKS.md); mimalloc saved as much but held 20 MiB more.
+/// glibc's malloc cost 1.08-1.14x the CPU per message of jemalloc; mimalloc does as well as
+/// jemalloc at the same peak RSS (its transparent huge pages off: they held 9 MiB more), and
+/// builds in 7 CPU seconds where jemalloc took 143 (BENCHMARKS.md "Build and test time").
 #[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
     sluice::cli::main()

@@ -1,7 +1,8 @@
 //! The README tells the truth (issue 14): "A complete pipeline" is the shipped
 //! `pipelines/orders.yaml` and validates; every sample output it shows is what the binary
 //! prints; its example test file passes; its `${VAR}` example (issue 21) says what happens; its
-//! first-pipeline walkthrough runs as written; its configuration reference is the schema's.
+//! first-pipeline walkthrough runs as written; its configuration reference is the schema's; its
+//! first command, `scripts/demo`, does what it says.
 
 use crate::{support, util};
 
@@ -407,4 +408,31 @@ fn the_contents_list_every_section() {
         .filter_map(|l| Some(l.split_once("](")?.1.strip_suffix(')')?.to_string()))
         .collect();
     assert_eq!(listed, headings, "README's contents (left) and its sections (right), in order");
+}
+
+/// The README's first command: `scripts/demo` (with this build's binary, as `SLUICE_BIN` lets
+/// it) runs the shipped pipeline on the embedded broker, prints the receiver's calls, the audit
+/// log, `sluice status` and the order whose payload failed its schema in `orders.charge.dlq`.
+#[test]
+fn the_demo_runs_as_the_readme_says() {
+    let out = std::process::Command::new("bash")
+        .arg("scripts/demo")
+        .env("SLUICE_BIN", env!("CARGO_BIN_EXE_sluice"))
+        .env_remove("SLUICE_BROKER")
+        .output()
+        .expect("run scripts/demo");
+    let printed = format!("{}{}", stdout(&out), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "scripts/demo failed:\n{printed}");
+    for expected in [
+        "/charge/1001",
+        "/charge/1002",
+        "order=1001 attempt=1 key=order:1001",
+        "order=1002 attempt=1 key=order:1002",
+        "demo done",
+    ] {
+        assert!(printed.contains(expected), "scripts/demo printed no {expected:?}:\n{printed}");
+    }
+    let dead = printed.lines().any(|l| l.contains("order.created  schema") && l.contains("order:1003"));
+    assert!(dead, "`dlq list orders.charge` shows no order:1003 dead-lettered for its schema:\n{printed}");
+    assert!(!printed.contains("/charge/not-a-number"), "the bad order reached the receiver:\n{printed}");
 }

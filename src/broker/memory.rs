@@ -17,9 +17,10 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route, route};
+use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route};
 use crate::config::ExchangeKind;
 use crate::envelope;
+use crate::topology::route;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
 
 /// A message as the broker keeps it.

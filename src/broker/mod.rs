@@ -14,7 +14,6 @@ pub mod embedded;
 pub mod failover;
 #[cfg(test)]
 pub mod memory;
-pub mod route;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -26,33 +25,7 @@ use serde::Serialize;
 
 use crate::topology::{BindingDecl, Plan};
 
-/// AMQP header values sluice reads and writes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HeaderValue {
-    Str(String),
-    Int(i64),
-}
-
-impl HeaderValue {
-    /// The value as text, whatever its type.
-    pub fn to_text(&self) -> String {
-        match self {
-            HeaderValue::Str(s) => s.clone(),
-            HeaderValue::Int(i) => i.to_string(),
-        }
-    }
-
-    /// The value as JSON, for showing a message to a person.
-    pub fn to_json(&self) -> serde_json::Value {
-        match self {
-            HeaderValue::Str(s) => serde_json::Value::from(s.as_str()),
-            HeaderValue::Int(i) => serde_json::Value::from(*i),
-        }
-    }
-}
-
-/// Headers to set on a message (merged over the original's on a copy).
-pub type Headers = BTreeMap<String, HeaderValue>;
+pub use crate::envelope::{HeaderValue, Headers};
 
 /// A new message: the body and the properties sluice sets.
 #[derive(Debug, Clone, Default)]

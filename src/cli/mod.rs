@@ -20,15 +20,16 @@ use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::api::Connect;
-use crate::admin::{Readiness, token};
+use crate::admin::token;
 use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::broker::embedded::Embedded;
 use crate::broker::failover::Failover;
+use crate::call::{self, Call};
 use crate::config::{self, Format};
 use crate::dedup::{self, Location, Store};
 use crate::envelope::Envelope;
-use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
+use crate::runtime::Readiness;
 use crate::runtime::gate::Pauses;
 use crate::topology;
 use crate::{reload, runtime, testing};

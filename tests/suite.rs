@@ -35,6 +35,7 @@ mod log_hygiene;
 mod logs;
 mod monitoring;
 mod outbound_auth;
+mod overlapping_acks;
 mod packaging;
 mod readme;
 mod readonly;

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::api::Connect;
 use crate::admin::token;
+use crate::broker::Operate as _;
 use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::broker::embedded::Embedded;
 use crate::broker::failover::Failover;
@@ -856,7 +857,7 @@ struct AdminPort {
 
 impl AdminPort {
     /// Serves the admin endpoints and the console, whose API reaches the broker through `connect`.
-    fn spawn<B: crate::broker::Broker>(
+    fn spawn<B: crate::broker::Operate>(
         self,
         connect: Connect<B>,
         options: &runtime::Options,

@@ -21,9 +21,8 @@ pub mod api;
 pub mod console;
 pub mod token;
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -38,6 +37,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt as _;
 
+use crate::runtime::Readiness;
 use crate::runtime::gate::Pauses;
 use token::{Source, Token};
 
@@ -53,71 +53,6 @@ const LIFETIME: Duration = Duration::from_secs(30);
 
 /// How often a full admin port says so in the log.
 const CROWDED_EVERY: Duration = Duration::from_secs(60);
-
-/// Whether the runner is ready: connected to the broker and consuming, with every queue able to
-/// settle (ack) what it handled. Set by the runtime, read by `/readyz`.
-#[derive(Debug, Clone, Default)]
-pub struct Readiness(Arc<Mutex<Ready>>);
-
-#[derive(Debug, Default)]
-struct Ready {
-    connected: bool,
-    /// Per queue, its batches whose acks are failing ([`AcksFailing`] guards alive).
-    acks_failing: BTreeMap<String, usize>,
-}
-
-impl Readiness {
-    fn lock(&self) -> MutexGuard<'_, Ready> {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Connected and consuming, or not (set by the runtime per session, and by a worker
-    /// ending its session).
-    pub fn set(&self, connected: bool) {
-        self.lock().connected = connected;
-    }
-
-    /// Reports `queue` unable to settle what it handled until the guard is dropped.
-    pub fn acks_failing(&self, queue: &str) -> AcksFailing {
-        *self.lock().acks_failing.entry(queue.to_string()).or_default() += 1;
-        AcksFailing { readiness: self.clone(), queue: queue.to_string() }
-    }
-
-    /// Whether the runner is ready.
-    pub fn get(&self) -> bool {
-        self.why_not().is_none()
-    }
-
-    /// Why the runner is not ready; `None` when it is.
-    pub fn why_not(&self) -> Option<String> {
-        let ready = self.lock();
-        if !ready.connected {
-            return Some("not connected to the broker".into());
-        }
-        let failing: Vec<String> = ready.acks_failing.keys().map(|q| format!("\"{q}\"")).collect();
-        (!failing.is_empty())
-            .then(|| format!("acks failing on {}: messages handled but not settled (retrying)", failing.join(", ")))
-    }
-}
-
-/// A queue's acks are failing while this lives (see [`Readiness::acks_failing`]).
-#[derive(Debug)]
-pub struct AcksFailing {
-    readiness: Readiness,
-    queue: String,
-}
-
-impl Drop for AcksFailing {
-    fn drop(&mut self) {
-        let mut ready = self.readiness.lock();
-        if let Some(n) = ready.acks_failing.get_mut(&self.queue) {
-            *n -= 1;
-            if *n == 0 {
-                ready.acks_failing.remove(&self.queue);
-            }
-        }
-    }
-}
 
 /// Installs the global Prometheus recorder and describes every metric sluice records (the
 /// `# HELP` lines).

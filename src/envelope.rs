@@ -5,6 +5,7 @@
 //! so producers can add fields without breaking older runners.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
@@ -26,6 +27,34 @@ pub const SOURCE_QUEUE_HEADER: &str = "x-sluice-source-queue";
 /// What a dead-letter copy adds, and a redrive takes away.
 pub const FAILURE_HEADERS: [&str; 5] =
     [REASON_HEADER, ERROR_HEADER, ATTEMPTS_HEADER, FAILED_AT_HEADER, SOURCE_QUEUE_HEADER];
+
+/// Header values sluice reads and writes (AMQP's types, as every broker carries them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderValue {
+    Str(String),
+    Int(i64),
+}
+
+impl HeaderValue {
+    /// The value as text, whatever its type.
+    pub fn to_text(&self) -> String {
+        match self {
+            HeaderValue::Str(s) => s.clone(),
+            HeaderValue::Int(i) => i.to_string(),
+        }
+    }
+
+    /// The value as JSON, for showing a message to a person.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            HeaderValue::Str(s) => serde_json::Value::from(s.as_str()),
+            HeaderValue::Int(i) => serde_json::Value::from(*i),
+        }
+    }
+}
+
+/// Headers to set on a message (merged over the original's on a copy).
+pub type Headers = BTreeMap<String, HeaderValue>;
 
 /// A message body: decoded, it borrows the payload from the delivery's bytes, so an in-flight
 /// message is held once.

@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod broker;
+pub mod call;
 pub mod cli;
 pub mod config;
 pub mod dedup;

@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use sluice::broker::Broker as _;
 use sluice::broker::amqp::{Amqp, Timeouts};
+use sluice::broker::{Broker as _, Operate as _};
 use support::cluster::Cluster;
 use support::*;
 

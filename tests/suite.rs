@@ -37,6 +37,7 @@ mod log_hygiene;
 mod logs;
 mod monitoring;
 mod outbound_auth;
+mod overlapping_acks;
 mod packaging;
 mod readme;
 mod readonly;

@@ -378,16 +378,12 @@ async fn a_dot_segment_value_is_refused_before_the_call() {
     for (user, expected) in cases {
         let envelope = sluice::envelope::Envelope::new("t", &serde_json::json!({"user": user}), None);
         let body = bytes::Bytes::from(envelope.encode());
-        let renderer = sluice::handler::call::Renderer::new(queue, &envelope, 1, false).expect("payload parses");
+        let renderer = sluice::call::Renderer::new(queue, &envelope, 1, false).expect("payload parses");
         let key = renderer.key().expect("key");
         let call = renderer.call(&body, &key, None);
         match (call, expected) {
             (Ok(call), Some(_)) => {
-                assert_eq!(
-                    sluice::handler::call::execute(call, &client, &mut Default::default()).await,
-                    Ok(()),
-                    "{user:?}"
-                );
+                assert_eq!(sluice::call::execute(call, &client, &mut Default::default()).await, Ok(()), "{user:?}");
             }
             (Err(error), None) => {
                 let text = error.to_string();

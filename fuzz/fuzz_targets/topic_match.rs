@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use libfuzzer_sys::fuzz_target;
-use sluice::broker::route::topic_match;
+use sluice::topology::route::topic_match;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };

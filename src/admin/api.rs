@@ -26,7 +26,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::broker::{Broker, BrokerError};
+use crate::broker::{BrokerError, Operate};
 use crate::config::{Backoff, Config, Handler, Queue};
 use crate::ops::dlq::{self, Action, Filter};
 use crate::ops::status;
@@ -59,7 +59,7 @@ impl Runner {
 }
 
 /// What the API reads and acts on.
-pub struct Api<B: Broker> {
+pub struct Api<B: Operate> {
     pub runner: Runner,
     pub current: Current,
     pub attempts: Attempts,
@@ -70,7 +70,7 @@ pub struct Api<B: Broker> {
     session: tokio::sync::Mutex<Option<B>>,
 }
 
-impl<B: Broker> Api<B> {
+impl<B: Operate> Api<B> {
     pub fn new(
         runner: Runner,
         current: Current,
@@ -102,12 +102,12 @@ impl<B: Broker> Api<B> {
 }
 
 /// The routes of the API, each also named in [`Routes::names`] (which the OpenAPI test reads).
-pub struct Routes<B: Broker> {
+pub struct Routes<B: Operate> {
     router: Router<Arc<Api<B>>>,
     names: Vec<(Method, &'static str)>,
 }
 
-impl<B: Broker> Routes<B> {
+impl<B: Operate> Routes<B> {
     fn route(mut self, method: Method, path: &'static str, handler: MethodRouter<Arc<Api<B>>>) -> Self {
         self.names.push((method, path));
         self.router = self.router.route(path, handler);
@@ -126,7 +126,7 @@ impl<B: Broker> Routes<B> {
 }
 
 /// Every route of the API.
-pub fn routes<B: Broker>() -> Routes<B> {
+pub fn routes<B: Operate>() -> Routes<B> {
     Routes { router: Router::new(), names: Vec::new() }
         .route(Method::GET, "/api/v1/openapi.json", get(openapi))
         .route(Method::GET, "/api/v1/queues", get(queues::<B>))
@@ -190,7 +190,7 @@ struct Overview {
     last_reload: Option<crate::reload::loader::LastReload>,
 }
 
-async fn queues<B: Broker>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> {
+async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> {
     let running = api.current.get();
     let held = api.held();
     let read = async {
@@ -288,7 +288,7 @@ fn retry_view(q: &Queue) -> Value {
     })
 }
 
-async fn queue<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
     let held = api.held().get(&name).copied().unwrap_or_default();
@@ -309,7 +309,7 @@ async fn queue<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<Strin
     })))
 }
 
-async fn attempts<B: Broker>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+async fn attempts<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
     find(&api.current.get().config, &name)?;
     let log = api.attempts.of(&name);
     Ok(Json(json!({ "capacity": log.capacity(), "attempts": log.recent() })))
@@ -356,7 +356,7 @@ impl Filters {
     }
 }
 
-async fn dead_letters<B: Broker>(
+async fn dead_letters<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     Path(name): Path<String>,
     Query(filters): Query<Filters>,
@@ -371,7 +371,7 @@ async fn dead_letters<B: Broker>(
     Ok(Json(json!({ "dead_letter_queue": q.dead_letter, "entries": entries, "tally": tally })))
 }
 
-async fn dead_letter<B: Broker>(
+async fn dead_letter<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     Path((name, id)): Path<(String, String)>,
 ) -> Answer<dlq::Shown> {
@@ -402,7 +402,7 @@ struct Act {
     confirm: Option<String>,
 }
 
-async fn act<B: Broker>(api: &Api<B>, name: &str, remote: SocketAddr, action: Action, act: Act) -> Answer<dlq::Tally> {
+async fn act<B: Operate>(api: &Api<B>, name: &str, remote: SocketAddr, action: Action, act: Act) -> Answer<dlq::Tally> {
     let running = api.current.get();
     let q = find(&running.config, name)?;
     if action == Action::Purge && !act.dry_run && act.confirm.as_deref() != Some(name) {
@@ -451,7 +451,7 @@ fn body(bytes: &[u8]) -> Result<Act, Failure> {
     serde_json::from_slice(bytes).map_err(|e| Failure(StatusCode::BAD_REQUEST, format!("the request body: {e}")))
 }
 
-async fn redrive<B: Broker>(
+async fn redrive<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
     Path(name): Path<String>,
@@ -460,7 +460,7 @@ async fn redrive<B: Broker>(
     act(&api, &name, remote, Action::Redrive, body(&bytes)?).await
 }
 
-async fn purge<B: Broker>(
+async fn purge<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
     Path(name): Path<String>,
@@ -469,7 +469,7 @@ async fn purge<B: Broker>(
     act(&api, &name, remote, Action::Purge, body(&bytes)?).await
 }
 
-async fn pause<B: Broker>(
+async fn pause<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
     Path(name): Path<String>,
@@ -477,7 +477,7 @@ async fn pause<B: Broker>(
     super::set_paused(&api.pauses, &name, true, remote)
 }
 
-async fn resume<B: Broker>(
+async fn resume<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
     Path(name): Path<String>,
@@ -488,7 +488,7 @@ async fn resume<B: Broker>(
 /// How long a drift check may take before the topology is shown without it.
 const DRIFT_TIMEOUT: Duration = Duration::from_secs(10);
 
-async fn topology<B: Broker>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
+async fn topology<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
     let config = api.current.get().config;
     let plan = crate::topology::plan(&config);
     let drift = tokio::time::timeout(DRIFT_TIMEOUT, async { api.session().await?.drift(&plan).await }).await;

@@ -17,9 +17,11 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route, route};
+use super::{
+    Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing, QueueStats, Route,
+};
 use crate::config::ExchangeKind;
-use crate::envelope;
+use crate::topology::route;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
 
 /// A message as the broker keeps it.
@@ -390,19 +392,6 @@ impl Broker for Memory {
         Ok((MemoryDeliveries(receiver), MemoryConsumer { broker: self.clone(), id }))
     }
 
-    async fn browse(&self, queue: &str, window: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
-        self.consume(queue, window).await
-    }
-
-    async fn redrive(&self, queue: &str, original: &MemoryDelivery) -> Result<(), BrokerError> {
-        let mut message = original.message.clone();
-        for name in envelope::FAILURE_HEADERS {
-            message.headers.remove(name);
-        }
-        message.headers.insert(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1));
-        self.push(queue, message)
-    }
-
     async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
         let stalled = lock(&self.state).stall_stats;
         if stalled {
@@ -415,6 +404,32 @@ impl Broker for Memory {
             ready: u32::try_from(ready.len()).unwrap_or(u32::MAX),
             consumers: u32::try_from(consumers).unwrap_or(u32::MAX),
         })
+    }
+
+    async fn delayed(&self) -> Result<u32, BrokerError> {
+        Ok(lock(&self.state).delayed)
+    }
+
+    fn max_delay(&self) -> Option<Duration> {
+        None
+    }
+
+    fn is_connected(&self) -> bool {
+        true
+    }
+
+    async fn close(&self) {}
+}
+
+impl Operate for Memory {
+    async fn browse(&self, queue: &str, window: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
+        self.consume(queue, window).await
+    }
+
+    async fn copy(&self, queue: &str, original: &MemoryDelivery, edits: &Edits) -> Result<(), BrokerError> {
+        let mut message = original.message.clone();
+        edits.apply(&mut message.headers);
+        self.push(queue, message)
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
@@ -451,18 +466,4 @@ impl Broker for Memory {
         }
         Ok(drift)
     }
-
-    async fn delayed(&self) -> Result<u32, BrokerError> {
-        Ok(lock(&self.state).delayed)
-    }
-
-    fn max_delay(&self) -> Option<Duration> {
-        None
-    }
-
-    fn is_connected(&self) -> bool {
-        true
-    }
-
-    async fn close(&self) {}
 }

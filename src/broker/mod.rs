@@ -1,9 +1,11 @@
-//! The broker seen by the runtime and the operator's commands: declare a plan, remove the
-//! bindings a reload dropped, publish with confirm, consume with prefetch through a consumer
-//! handle (ack a batch, cancel, close), delayed publish to one queue, dead-lettering, queue
-//! statistics; and for operators, browsing a queue in order, redriving a dead-lettered copy,
-//! and how the broker differs from a plan.
-//! One trait, so the embedded broker and RabbitMQ share every rule in the runtime.
+//! The broker contract, in two traits. [`Broker`] is what `run` needs: declare a plan (and
+//! make sure it still stands after a lost session), remove the bindings a reload dropped,
+//! publish with confirm, consume with a bound through a consumer handle (ack, cancel, close),
+//! a delayed copy to one queue, a dead-letter copy, queue statistics and delayed copies for
+//! the depth metrics and `--exit-when-idle`. [`Operate`] is what operators' tools add: browsing
+//! a queue in order, copying a message into a queue with edited headers (a redrive), and how
+//! the broker differs from a plan. One contract, so every broker shares every rule in the
+//! runtime; a new broker implements both and passes the conformance suite.
 //!
 //! The trait carries no broker's notions (delivery tags, `multiple` acks, `x-` arguments,
 //! delay queues): each implementation maps them its own way. Implementations do transport
@@ -14,7 +16,6 @@ pub mod embedded;
 pub mod failover;
 #[cfg(test)]
 pub mod memory;
-pub mod route;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -26,33 +27,7 @@ use serde::Serialize;
 
 use crate::topology::{BindingDecl, Plan};
 
-/// AMQP header values sluice reads and writes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HeaderValue {
-    Str(String),
-    Int(i64),
-}
-
-impl HeaderValue {
-    /// The value as text, whatever its type.
-    pub fn to_text(&self) -> String {
-        match self {
-            HeaderValue::Str(s) => s.clone(),
-            HeaderValue::Int(i) => i.to_string(),
-        }
-    }
-
-    /// The value as JSON, for showing a message to a person.
-    pub fn to_json(&self) -> serde_json::Value {
-        match self {
-            HeaderValue::Str(s) => serde_json::Value::from(s.as_str()),
-            HeaderValue::Int(i) => serde_json::Value::from(*i),
-        }
-    }
-}
-
-/// Headers to set on a message (merged over the original's on a copy).
-pub type Headers = BTreeMap<String, HeaderValue>;
+pub use crate::envelope::{HeaderValue, Headers};
 
 /// A new message: the body and the properties sluice sets.
 #[derive(Debug, Clone, Default)]
@@ -65,6 +40,41 @@ pub struct Outgoing {
     /// Delivered before lower ones from a queue with priority levels (RabbitMQ only).
     pub priority: Option<u8>,
     pub headers: Headers,
+}
+
+/// How a copy's headers differ from its original's ([`Operate::copy`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Edits {
+    /// Headers removed from the original's.
+    pub remove: Vec<String>,
+    /// Headers set over the original's (after `remove`).
+    pub set: Headers,
+    /// Whether to drop what the broker itself recorded of the original being dead-lettered
+    /// (RabbitMQ's `x-death`), so the copy starts afresh.
+    pub drop_history: bool,
+}
+
+impl Edits {
+    /// `headers` with these edits applied, for a broker that keeps headers as [`Headers`]
+    /// (and keeps no dead-letter history of its own).
+    pub fn apply(&self, headers: &mut Headers) {
+        for name in &self.remove {
+            headers.remove(name);
+        }
+        headers.extend(self.set.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+}
+
+/// What a broker itself recorded when it dead-lettered a message (RabbitMQ's `x-death`: a
+/// quorum queue's delivery limit, a full queue), as [`Delivery::broker_death`] reads it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BrokerDeath {
+    /// The broker's word for why (`delivery_limit`, `maxlen`, `rejected`, `expired`).
+    pub reason: Option<String>,
+    /// How many times it was dead-lettered so.
+    pub count: Option<i64>,
+    /// When, in seconds since the epoch.
+    pub time: Option<u64>,
 }
 
 /// The queues a publish would reach, each with the largest body it takes where known.
@@ -207,6 +217,11 @@ pub trait Delivery: Send + Sync + 'static {
     fn headers(&self) -> BTreeMap<String, serde_json::Value>;
     /// Whether this delivery can still be acked (its consumer is open).
     fn is_live(&self) -> bool;
+    /// What the broker itself recorded when it last dead-lettered this message, if it keeps
+    /// such a record (RabbitMQ does, in `x-death`); `None` by default.
+    fn broker_death(&self) -> Option<BrokerDeath> {
+        None
+    }
 }
 
 /// One consumer of one queue: what the runtime holds to settle, stop and hand back what it
@@ -215,8 +230,11 @@ pub trait Consumer: Clone + Send + Sync + 'static {
     type Delivery: Delivery;
 
     /// Acknowledges settled deliveries of this consumer, in any order; the broker may batch.
-    /// On an error each delivery is either still live (this consumer's, unsettled: acking it
-    /// again may succeed) or no longer live (handed back: the broker delivers it again).
+    /// Calls may overlap (from many tasks at once, on clones): each delivery given is acked
+    /// exactly once, and no call's ack may make another's fail (an AMQP `multiple` ack must
+    /// never cover a tag another call still sends). Acking a delivery twice is the caller's
+    /// bug. On an error each delivery is either still live (this consumer's, unsettled: acking
+    /// it again may succeed) or no longer live (handed back: the broker delivers it again).
     fn ack(&self, settled: &[Self::Delivery]) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
     /// Acks settled deliveries and records `keys` (idempotency keys, as the store names them)
@@ -310,19 +328,6 @@ pub trait Broker: Clone + Send + Sync + 'static {
         self.consume(queue, prefetch)
     }
 
-    /// Opens a browsing consumer of `queue`: its messages in queue order, at most `window`
-    /// unsettled; each one acked is removed at once, and closing the consumer hands back the
-    /// rest in their order. For reading a dead-letter queue without losing anything.
-    fn browse(
-        &self,
-        queue: &str,
-        window: u16,
-    ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
-
-    /// Publishes a copy of a dead-lettered delivery into `queue` as if new: the failure
-    /// headers and the broker's dead-letter history dropped, attempt 1; waits for the confirm.
-    fn redrive(&self, queue: &str, original: &Self::Delivery) -> impl Future<Output = Result<(), BrokerError>> + Send;
-
     /// The queues a message published to `exchange` with `routing_key` and `headers` would
     /// reach, each with the largest body it takes where the broker was told (the runner's
     /// `max_message_bytes`, kept by the embedded broker when declared); `None` from a broker
@@ -346,9 +351,6 @@ pub trait Broker: Clone + Send + Sync + 'static {
         async move { Ok(self.stats(queue).await?.ready) }
     }
 
-    /// How what exists on the broker differs from `plan`, changing nothing.
-    fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
-
     /// Delayed copies not yet due back, whoever published them. The embedded broker counts
     /// its leased deliveries too: a killed runner's come back only when their lease runs out,
     /// where RabbitMQ has them ready again as soon as the connection is gone.
@@ -363,4 +365,33 @@ pub trait Broker: Clone + Send + Sync + 'static {
 
     /// Closes the session cleanly.
     fn close(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// What operators' tools (`sluice dlq`, `status`, `plan --broker`, the console) need beyond
+/// what `run` needs: reading a queue in order, copying a message into a queue with edited
+/// headers (a redrive), and comparing the broker with a plan. A broker that only runs
+/// pipelines need not offer it (apalis splits a backend's capabilities the same way).
+pub trait Operate: Broker {
+    /// Opens a browsing consumer of `queue`: its messages in queue order, at most `window`
+    /// unsettled; each one acked is removed at once, and closing the consumer hands back the
+    /// rest in their order. For reading a dead-letter queue without losing anything.
+    fn browse(
+        &self,
+        queue: &str,
+        window: u16,
+    ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
+
+    /// Publishes a copy of a delivery (original body and properties) into `queue`, and only
+    /// it, with its headers edited as `edits` says; waits for the confirm. What the edits are
+    /// (a redrive's: sluice's failure headers removed, attempt 1, the broker's own dead-letter
+    /// history dropped) is for the caller to decide: the broker knows no envelope.
+    fn copy(
+        &self,
+        queue: &str,
+        original: &Self::Delivery,
+        edits: &Edits,
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// How what exists on the broker differs from `plan`, changing nothing.
+    fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
 }

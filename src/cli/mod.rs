@@ -20,15 +20,17 @@ use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::api::Connect;
-use crate::admin::{Readiness, token};
+use crate::admin::token;
+use crate::broker::Operate as _;
 use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::broker::embedded::Embedded;
 use crate::broker::failover::Failover;
+use crate::call::{self, Call};
 use crate::config::{self, Format};
 use crate::dedup::{self, Location, Store};
 use crate::envelope::Envelope;
-use crate::handler::call::{self, Call};
 use crate::handler::command::Stdin;
+use crate::runtime::Readiness;
 use crate::runtime::gate::Pauses;
 use crate::topology;
 use crate::{reload, runtime, testing};
@@ -855,7 +857,7 @@ struct AdminPort {
 
 impl AdminPort {
     /// Serves the admin endpoints and the console, whose API reaches the broker through `connect`.
-    fn spawn<B: crate::broker::Broker>(
+    fn spawn<B: crate::broker::Operate>(
         self,
         connect: Connect<B>,
         options: &runtime::Options,

@@ -110,7 +110,7 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
 /// characters is not shown: it is not pipeline text (a link to `/proc/self/environ` holds NULs),
 /// and escape sequences would reach the terminal.
 fn snippet(text: &str, line: usize, column: usize) -> String {
-    let Some(src) = super::source::lines(text).nth(line.saturating_sub(1)) else {
+    let Some(src) = lines(text).nth(line.saturating_sub(1)) else {
         return String::new();
     };
     if src.chars().any(|c| c != '\t' && terminal::is_hidden(c)) {
@@ -132,9 +132,40 @@ fn github_property(s: &str) -> String {
     github_data(s).replace(':', "%3A").replace(',', "%2C")
 }
 
+/// Lines as YAML counts them, and so every position: `\n`, `\r\n` and a lone `\r` each end one
+/// (`str::lines` ignores a lone `\r`).
+pub fn lines(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = rest.find(['\n', '\r']).unwrap_or(rest.len());
+        let line = &rest[..end];
+        let ending = if rest[end..].starts_with("\r\n") { 2 } else { usize::from(end < rest.len()) };
+        rest = &rest[end + ending..];
+        Some(line)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_end_as_in_yaml() {
+        let cases: &[(&str, &[&str])] = &[
+            ("", &[]),
+            ("a", &["a"]),
+            ("a\n", &["a"]),
+            ("a\n\nb", &["a", "", "b"]),
+            ("a\r\nb\rc\n", &["a", "b", "c"]),
+            ("a\r\r\n", &["a", ""]),
+        ];
+        for (text, want) in cases {
+            assert_eq!(lines(text).collect::<Vec<_>>(), *want, "{text:?}");
+        }
+    }
 
     fn diag() -> Diagnostic {
         Diagnostic {

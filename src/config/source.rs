@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use saphyr_parser::{Event, Parser, ScalarStyle, Span};
 
-use super::diagnostic::{Diagnostic, Severity};
+use super::diagnostic::{Diagnostic, Severity, lines};
 
 /// A 1-based line and column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -460,22 +460,6 @@ fn within(end: Option<Pos>, pos: Pos) -> Pos {
 /// Just after the last character of the last line that holds anything; `None` for blank text.
 fn end_of(text: &str) -> Option<Pos> {
     lines(text.trim_end()).enumerate().last().map(|(i, last)| Pos { line: i + 1, column: last.chars().count() + 1 })
-}
-
-/// Lines as YAML counts them, and so every position: `\n`, `\r\n` and a lone `\r` each end one
-/// (`str::lines` ignores a lone `\r`).
-pub fn lines(text: &str) -> impl Iterator<Item = &str> {
-    let mut rest = text;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let end = rest.find(['\n', '\r']).unwrap_or(rest.len());
-        let line = &rest[..end];
-        let ending = if rest[end..].starts_with("\r\n") { 2 } else { usize::from(end < rest.len()) };
-        rest = &rest[end + ending..];
-        Some(line)
-    })
 }
 
 /// Escapes one JSON pointer token (RFC 6901).
@@ -988,18 +972,7 @@ mod tests {
     }
 
     #[test]
-    fn lines_end_as_in_yaml() {
-        let cases: &[(&str, &[&str])] = &[
-            ("", &[]),
-            ("a", &["a"]),
-            ("a\n", &["a"]),
-            ("a\n\nb", &["a", "", "b"]),
-            ("a\r\nb\rc\n", &["a", "b", "c"]),
-            ("a\r\r\n", &["a", ""]),
-        ];
-        for (text, want) in cases {
-            assert_eq!(lines(text).collect::<Vec<_>>(), *want, "{text:?}");
-        }
+    fn positions_count_a_lone_cr_as_a_line_end() {
         let f = parsed("version: 1\rqueues:\r  a: 1\r");
         assert_eq!(f.pos("/queues/a"), Pos { line: 3, column: 6 });
     }

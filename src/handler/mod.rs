@@ -3,14 +3,13 @@
 //! permanent failure.
 //!
 //! Templates are compiled at validate time ([`template`]) and rendered per message into a
-//! ready call ([`call`]); [`webhook`] and [`command`] execute such calls and know nothing of
+//! ready call ([`crate::call`], above this module: it reads the config); [`webhook`] and [`command`] execute such calls and know nothing of
 //! config, envelopes or brokers. A call carries the queue's [`rules`] (`on_status`,
 //! `on_exit`), which override the default classification. The runtime turns the [`HandlerError`] class into a
 //! disposition. Error texts end up in logs and DLQ headers, so they stay short and never
 //! carry secrets.
 
 pub mod auth;
-pub mod call;
 pub mod command;
 pub mod rules;
 pub mod template;

@@ -20,7 +20,7 @@ use governor::{DefaultDirectRateLimiter, Quota};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::broker::{Broker, BrokerError, Consumer, Delivery, embedded};
+use crate::broker::{BrokerError, Consumer, Delivery, Edits, HeaderValue, Operate, embedded};
 use crate::envelope::{self, Envelope};
 
 /// The most messages held (read, not removed) at once. A filter that passes over more than
@@ -155,27 +155,23 @@ fn text(headers: &BTreeMap<String, Value>, name: &str) -> Option<String> {
     }
 }
 
-/// What a delivery says of its failure: sluice's headers, else the broker's `x-death` (a quorum
-/// queue's delivery limit, a full queue).
+/// What a delivery says of its failure: sluice's headers, else what the broker recorded when it
+/// dead-lettered the message itself (a quorum queue's delivery limit, a full queue).
 pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
     let headers = delivery.headers();
-    let death = headers.get("x-death").and_then(|d| d.get(0));
+    let death = delivery.broker_death().unwrap_or_default();
     let envelope = Envelope::decode(delivery.body()).ok();
     let failed_epoch = text(&headers, envelope::FAILED_AT_HEADER)
         .and_then(|t| humantime::parse_rfc3339(&t).ok())
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map(|d| d.as_secs())
-        .or_else(|| death.and_then(|d| d.get("time")).and_then(Value::as_u64));
+        .or(death.time);
     Entry {
         id: delivery.message_id().map(str::to_string).or_else(|| envelope.as_ref().map(|e| e.id.clone())),
         kind: envelope.as_ref().map(|e| e.kind.clone()),
-        reason: text(&headers, envelope::REASON_HEADER)
-            .or_else(|| death.and_then(|d| d.get("reason")).and_then(Value::as_str).map(str::to_string)),
+        reason: text(&headers, envelope::REASON_HEADER).or(death.reason),
         error: text(&headers, envelope::ERROR_HEADER),
-        attempts: headers
-            .get(envelope::ATTEMPTS_HEADER)
-            .and_then(Value::as_i64)
-            .or_else(|| death.and_then(|d| d.get("count")).and_then(Value::as_i64)),
+        attempts: headers.get(envelope::ATTEMPTS_HEADER).and_then(Value::as_i64).or(death.count),
         failed_at: failed_epoch
             .map(|t| humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(t)).to_string()),
         idempotency_key: envelope.as_ref().map(|e| e.idempotency_key().to_string()),
@@ -187,7 +183,7 @@ pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
 /// A browse of a dead-letter queue: each message once, in order, up to the depth it had when
 /// the browse began (later arrivals wait for the next run). However long a delivery takes, it
 /// reads on while the broker has messages ready.
-struct Browse<B: Broker> {
+struct Browse<B: Operate> {
     broker: B,
     queue: String,
     deliveries: B::Deliveries,
@@ -200,7 +196,7 @@ struct Browse<B: Broker> {
     short: Option<Unread>,
 }
 
-impl<B: Broker> Browse<B> {
+impl<B: Operate> Browse<B> {
     async fn open(broker: &B, dlq: &str) -> Result<Browse<B>, BrokerError> {
         let stats = broker.stats(dlq).await?;
         let mut browse = Browse::start(broker, dlq, stats.ready, MAX_HELD).await?;
@@ -276,7 +272,7 @@ pub trait Reading {
     fn close(self) -> impl Future<Output = (u32, Option<Unread>)>;
 }
 
-impl<B: Broker> Reading for Browse<B> {
+impl<B: Operate> Reading for Browse<B> {
     type Delivery = B::Delivery;
 
     async fn next(&mut self) -> Result<Option<B::Delivery>, BrokerError> {
@@ -316,7 +312,7 @@ pub async fn list_read_only(
 }
 
 /// The dead-lettered messages `filter` selects, in queue order.
-pub async fn list<B: Broker>(broker: &B, dlq: &str, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
+pub async fn list<B: Operate>(broker: &B, dlq: &str, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
     list_in(Browse::open(broker, dlq).await?, filter).await
 }
 
@@ -340,7 +336,7 @@ async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entr
 }
 
 /// The message at the head of a dead-letter queue (the oldest), read and handed back.
-pub async fn head<B: Broker>(broker: &B, dlq: &str) -> Result<Option<Entry>, BrokerError> {
+pub async fn head<B: Operate>(broker: &B, dlq: &str) -> Result<Option<Entry>, BrokerError> {
     head_in(Browse::start(broker, dlq, 1, 1).await?).await
 }
 
@@ -357,7 +353,7 @@ async fn head_in<R: Reading>(mut browse: R) -> Result<Option<Entry>, BrokerError
 }
 
 /// One dead-lettered message by id, headers and body.
-pub async fn show<B: Broker>(broker: &B, dlq: &str, id: &str) -> Result<Option<Shown>, BrokerError> {
+pub async fn show<B: Operate>(broker: &B, dlq: &str, id: &str) -> Result<Option<Shown>, BrokerError> {
     show_in(Browse::open(broker, dlq).await?, id).await
 }
 
@@ -409,7 +405,7 @@ pub struct Job<'a> {
 
 /// Redrives or purges the messages the job's filter selects; `progress` hears of each batch
 /// done.
-pub async fn apply<B: Broker>(
+pub async fn apply<B: Operate>(
     broker: &B,
     job: &Job<'_>,
     progress: &(dyn Fn(&Tally) + Sync),
@@ -423,9 +419,7 @@ pub async fn apply<B: Broker>(
     let now = now();
     // Copies awaiting their confirms, concurrently; each yields its delivery once confirmed.
     let mut pending = FuturesUnordered::new();
-    // Confirmed, to be acked. Acks go from this one task, in order: acks sent concurrently
-    // could reach the broker out of order, and an ack for a tag a later `multiple` ack
-    // already covered closes the channel.
+    // Confirmed, to be acked in batches.
     let mut confirmed = Vec::new();
     // Body bytes of the messages in `pending` and `confirmed`.
     let mut held_bytes = 0;
@@ -460,7 +454,7 @@ pub async fn apply<B: Broker>(
             held_bytes += delivery.body().len();
             pending.push(async move {
                 if action == Action::Redrive {
-                    broker.redrive(queue, &delivery).await?;
+                    broker.copy(queue, &delivery, &redrive_edits()).await?;
                 }
                 Ok::<_, BrokerError>(delivery)
             });
@@ -479,6 +473,16 @@ pub async fn apply<B: Broker>(
     result.and(taken.map(drop)).map(|()| tally)
 }
 
+/// How a redriven copy differs from its dead-lettered original: as if new, without sluice's
+/// failure headers nor the broker's dead-letter history, at attempt 1.
+pub fn redrive_edits() -> Edits {
+    Edits {
+        remove: envelope::FAILURE_HEADERS.iter().map(|h| h.to_string()).collect(),
+        set: [(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(1))].into(),
+        drop_history: true,
+    }
+}
+
 /// How long a pass after a lost session waits for the messages that session held to be ready
 /// again before it reads what is there.
 pub const HAND_BACK: Duration = Duration::from_secs(30);
@@ -487,7 +491,12 @@ pub const HAND_BACK: Duration = Duration::from_secs(30);
 /// session held unacked are handed back only once the queue learns the session is gone (a
 /// quorum queue whose leader was on the lost node elects a new one first), and a pass begun
 /// before reads only the few that were ready and ends.
-pub async fn handed_back<B: Broker>(broker: &B, dlq: &str, expected: u32, within: Duration) -> Result<(), BrokerError> {
+pub async fn handed_back<B: Operate>(
+    broker: &B,
+    dlq: &str,
+    expected: u32,
+    within: Duration,
+) -> Result<(), BrokerError> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
         let depth = broker.depth(dlq).await?;
@@ -512,7 +521,7 @@ const ACK_BATCH: usize = 64;
 
 /// Acks `confirmed` (removing those messages from the dead-letter queue) and counts them; the
 /// body bytes let go.
-async fn take<B: Broker>(
+async fn take<B: Operate>(
     browse: &mut Browse<B>,
     confirmed: &mut Vec<B::Delivery>,
     tally: &mut Tally,

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::dlq;
-use crate::broker::{Broker, BrokerError, QueueStats, embedded};
+use crate::broker::{BrokerError, Operate, QueueStats, embedded};
 use crate::config::Config;
 
 /// One pipeline queue.
@@ -90,7 +90,7 @@ pub trait Counts {
 /// A broker session as [`Counts`].
 pub struct Session<'a, B>(pub &'a B);
 
-impl<B: Broker> Counts for Session<'_, B> {
+impl<B: Operate> Counts for Session<'_, B> {
     async fn stats(&mut self, queue: &str) -> Result<QueueStats, BrokerError> {
         self.0.stats(queue).await
     }

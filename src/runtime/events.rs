@@ -4,16 +4,17 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 use tracing::field::Empty;
 use tracing::{Span, debug, error, info, warn};
 
-use super::attempts::{Attempt, QueueLog};
-use super::worker::{Activity, Disposition, Seen};
+use super::attempts::{Attempt, Attempts, QueueLog};
+use super::outcome::Disposition;
 use crate::envelope::Envelope;
+use crate::handler::Observed;
 
 /// The span a delivery is handled in: every line logged while handling it carries its
 /// `message_id`, and once the envelope is decoded ([`decoded`]) its `idempotency_key` and
@@ -62,6 +63,51 @@ pub fn stopped(totals: &Totals) {
         dead_lettered = count(&totals.dead_lettered),
         "stopped"
     );
+}
+
+/// What a runner has under way, for telling when it is idle, and what it has done.
+#[derive(Debug, Default)]
+pub struct Activity {
+    /// Deliveries received and not yet settled.
+    pub in_flight: AtomicUsize,
+    /// When the last delayed copy this runner published is due back (ms since the epoch).
+    /// Queue depths alone miss copies the broker has expired but not yet dead-lettered on.
+    pub delayed_due_ms: AtomicU64,
+    /// Messages settled so far, by outcome.
+    pub totals: Totals,
+    /// Each queue's recent attempts, for the console.
+    pub attempts: Attempts,
+}
+
+impl Activity {
+    pub fn delayed_until(&self, after: Duration) {
+        let due = now_ms().saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
+        self.delayed_due_ms.fetch_max(due, Ordering::SeqCst);
+    }
+
+    /// Nothing in flight, and every delayed copy due back at least `slack` ago.
+    pub fn is_quiet(&self, slack: Duration) -> bool {
+        let slack = u64::try_from(slack.as_millis()).unwrap_or(u64::MAX);
+        self.in_flight.load(Ordering::SeqCst) == 0
+            && self.delayed_due_ms.load(Ordering::SeqCst).saturating_add(slack) <= now_ms()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// What a delivery showed on its way to its disposition, for the console's attempt log.
+#[derive(Debug, Default)]
+pub struct Seen {
+    pub message_id: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub attempt: u32,
+    pub trace_id: Option<String>,
+    /// What the handler showed and how long it ran, when it ran.
+    pub handler: Option<(Observed, Duration)>,
 }
 
 /// A queue's delivery events. The metric handles are registered once, not per message: the
@@ -202,12 +248,12 @@ impl QueueEvents {
     }
 
     /// Acks kept failing: the session ends, and the broker delivers those messages again.
-    pub fn acks_given_up(&self, failures: u32, error: &dyn std::fmt::Display) {
+    pub fn acks_given_up(&self, failures: u32, retried_for: Duration, error: &dyn std::fmt::Display) {
         let queue = self.queue.as_str();
         error!(
             queue,
             failures,
-            retried_for = ?super::worker::ACK_RETRY_FOR,
+            ?retried_for,
             %error,
             "acks kept failing; ending the broker session, so that the broker delivers these messages again"
         );

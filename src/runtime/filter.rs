@@ -14,10 +14,11 @@ use std::collections::BTreeMap;
 
 use serde_json::{Number, Value};
 
-use crate::broker::{HeaderValue, Headers, Route, route};
+use crate::broker::{HeaderValue, Headers, Route};
 use crate::config::filter::{Field, Op, Root};
 use crate::config::{Binding, Exchange, ExchangeKind, Filter, Queue};
 use crate::envelope::Envelope;
+use crate::topology::route;
 
 /// What a filter reads of a message: its envelope, and its payload parsed when a filter of the
 /// queue reads the payload.

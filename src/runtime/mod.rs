@@ -27,8 +27,8 @@ pub mod worker;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
@@ -36,15 +36,80 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::admin::Readiness;
 use crate::broker::failover::Failover;
 use crate::broker::{Broker, BrokerError};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
 use attempts::Attempts;
+use events::Activity;
 use gate::{Gate, Pauses, Slots};
-use worker::{Activity, Worker};
+use worker::Worker;
+
+/// Whether the runner is ready: connected to the broker and consuming, with every queue able to
+/// settle (ack) what it handled. Set by the runtime, read by `/readyz`.
+#[derive(Debug, Clone, Default)]
+pub struct Readiness(Arc<Mutex<Ready>>);
+
+#[derive(Debug, Default)]
+struct Ready {
+    connected: bool,
+    /// Per queue, its batches whose acks are failing ([`AcksFailing`] guards alive).
+    acks_failing: BTreeMap<String, usize>,
+}
+
+impl Readiness {
+    fn lock(&self) -> MutexGuard<'_, Ready> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Connected and consuming, or not (set by the runtime per session, and by a worker
+    /// ending its session).
+    pub fn set(&self, connected: bool) {
+        self.lock().connected = connected;
+    }
+
+    /// Reports `queue` unable to settle what it handled until the guard is dropped.
+    pub fn acks_failing(&self, queue: &str) -> AcksFailing {
+        *self.lock().acks_failing.entry(queue.to_string()).or_default() += 1;
+        AcksFailing { readiness: self.clone(), queue: queue.to_string() }
+    }
+
+    /// Whether the runner is ready.
+    pub fn get(&self) -> bool {
+        self.why_not().is_none()
+    }
+
+    /// Why the runner is not ready; `None` when it is.
+    pub fn why_not(&self) -> Option<String> {
+        let ready = self.lock();
+        if !ready.connected {
+            return Some("not connected to the broker".into());
+        }
+        let failing: Vec<String> = ready.acks_failing.keys().map(|q| format!("\"{q}\"")).collect();
+        (!failing.is_empty())
+            .then(|| format!("acks failing on {}: messages handled but not settled (retrying)", failing.join(", ")))
+    }
+}
+
+/// A queue's acks are failing while this lives (see [`Readiness::acks_failing`]).
+#[derive(Debug)]
+pub struct AcksFailing {
+    readiness: Readiness,
+    queue: String,
+}
+
+impl Drop for AcksFailing {
+    fn drop(&mut self) {
+        let mut ready = self.readiness.lock();
+        if let Some(n) = ready.acks_failing.get_mut(&self.queue) {
+            *n -= 1;
+            if *n == 0 {
+                ready.acks_failing.remove(&self.queue);
+            }
+        }
+    }
+}
 
 /// How `run` behaves beyond the config.
 #[derive(Debug, Clone)]

@@ -19,9 +19,9 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::Readiness;
 use super::gate::{self, Pauses};
 use super::{Options, Reload, RunError, run};
-use crate::admin::Readiness;
 use crate::broker::embedded::Embedded;
 use crate::broker::memory::{Memory, Message};
 use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};

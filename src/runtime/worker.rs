@@ -15,7 +15,7 @@ use std::any::Any;
 use std::fmt::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::{FutureExt as _, StreamExt};
@@ -26,116 +26,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, error, info, warn};
 
-use super::attempts::Attempts;
-use super::events::{self, QueueEvents, Totals};
+use super::events::{self, Activity, QueueEvents, Seen};
 use super::gate::{Admission, Changes, Gate, Mode, Permit};
-use super::{backoff, filter, outcome};
-use crate::admin::Readiness;
+use super::outcome::{self, Disposition, Reason, attempt_in, dead_letter_headers};
+use super::{Readiness, backoff, filter};
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
+use crate::call::{self, Call};
 use crate::config::{Config, Queue};
 use crate::dedup::{self, Claim, Store};
 use crate::envelope;
-use crate::handler::call::{self, Call};
 use crate::handler::{HandlerError, Observed};
 use crate::trace;
-
-/// What a runner has under way, for telling when it is idle, and what it has done.
-#[derive(Debug, Default)]
-pub struct Activity {
-    /// Deliveries received and not yet settled.
-    pub in_flight: AtomicUsize,
-    /// When the last delayed copy this runner published is due back (ms since the epoch).
-    /// Queue depths alone miss copies the broker has expired but not yet dead-lettered on.
-    pub delayed_due_ms: AtomicU64,
-    /// Messages settled so far, by outcome.
-    pub totals: Totals,
-    /// Each queue's recent attempts, for the console.
-    pub attempts: Attempts,
-}
-
-impl Activity {
-    fn delayed_until(&self, after: Duration) {
-        let due = now_ms().saturating_add(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
-        self.delayed_due_ms.fetch_max(due, Ordering::SeqCst);
-    }
-
-    /// Nothing in flight, and every delayed copy due back at least `slack` ago.
-    pub fn is_quiet(&self, slack: Duration) -> bool {
-        let slack = u64::try_from(slack.as_millis()).unwrap_or(u64::MAX);
-        self.in_flight.load(Ordering::SeqCst) == 0
-            && self.delayed_due_ms.load(Ordering::SeqCst).saturating_add(slack) <= now_ms()
-    }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-/// How a delivery ends. Every delivery gets exactly one.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Disposition {
-    /// Done: ack.
-    Ack,
-    /// Done under an idempotency claim: the key is recorded done, then ack.
-    Completed { key: String },
-    /// Already done before (its idempotency key is complete): ack without running the handler.
-    Duplicate,
-    /// The queue's binding filters refuse it: ack without running the handler.
-    Filtered,
-    /// Not now (the key is busy elsewhere, or the store is unreachable): a copy with the same
-    /// attempt reaches the queue after `after`, then ack.
-    Wait { attempt: u32, after: Duration, why: String },
-    /// Not yet (the envelope's `not_before` is ahead): a copy with the same attempt reaches the
-    /// queue after `after`, then ack.
-    Scheduled { attempt: u32, after: Duration },
-    /// Try again: a copy with attempt `next` reaches the queue after `after`, then ack.
-    Retry { next: u32, after: Duration, error: String },
-    /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
-    DeadLetter { reason: Reason, error: String, attempts: u32 },
-}
-
-/// What a delivery showed on its way to its disposition, for the console's attempt log.
-#[derive(Debug, Default)]
-pub struct Seen {
-    pub message_id: Option<String>,
-    pub idempotency_key: Option<String>,
-    pub attempt: u32,
-    pub trace_id: Option<String>,
-    /// What the handler showed and how long it ran, when it ran.
-    pub handler: Option<(Observed, Duration)>,
-}
-
-/// Why a message was dead-lettered (the `x-sluice-reason` header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    Permanent,
-    Exhausted,
-    Malformed,
-    Schema,
-    Template,
-    /// The webhook could not be signed (its secret unset or malformed).
-    Signing,
-    TooLarge,
-    Internal,
-}
-
-impl Reason {
-    /// The header value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Permanent => "permanent",
-            Reason::Exhausted => "exhausted",
-            Reason::Malformed => "malformed",
-            Reason::Schema => "schema",
-            Reason::Template => "template",
-            Reason::Signing => "signing",
-            Reason::TooLarge => "too_large",
-            Reason::Internal => "internal",
-        }
-    }
-}
 
 /// A claim's lease outlives the handler's timeout (twice over, for recording the success in
 /// the store afterwards) by this much. After a crash, a key claimed in Redis is free again once its lease
@@ -149,9 +50,6 @@ fn lease(q: &Queue) -> Duration {
 
 /// The longest wait before retrying a message whose key could not be claimed.
 const STORE_DOWN_WAIT: Duration = Duration::from_secs(5);
-
-/// Error texts in headers are kept short.
-const MAX_ERROR_HEADER: usize = 1000;
 
 /// How long a batch whose acks fail is retried before the session ends. The embedded broker's
 /// leases, renewed meanwhile if the store takes writes at all, last as long.
@@ -619,7 +517,7 @@ impl Worker {
             }
             failures += 1;
             if started.elapsed() >= ACK_RETRY_FOR {
-                self.events.acks_given_up(failures, &error);
+                self.events.acks_given_up(failures, ACK_RETRY_FOR, &error);
                 // Not ready until a new session consumes: closing this one can take a while
                 // when the broker cannot write.
                 self.readiness.set(false);
@@ -638,15 +536,6 @@ fn attempt_of<D: Delivery>(delivery: &D) -> u32 {
     attempt_in(delivery.header(envelope::ATTEMPT_HEADER).as_ref())
 }
 
-/// The attempt number an attempt header says (1 when absent or nonsense).
-pub fn attempt_in(header: Option<&HeaderValue>) -> u32 {
-    match header {
-        Some(HeaderValue::Int(n)) if *n >= 1 => u32::try_from(*n).unwrap_or(u32::MAX),
-        Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
-        _ => 1,
-    }
-}
-
 /// What a panic said, when it said it with a string.
 fn panic_text(panic: &(dyn Any + Send)) -> String {
     match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
@@ -654,19 +543,6 @@ fn panic_text(panic: &(dyn Any + Send)) -> String {
         (None, Some(s)) => s.clone(),
         (None, None) => "a panic without a message".to_string(),
     }
-}
-
-/// The headers a dead-letter copy adds: why, after how many attempts, when, and from which queue.
-pub fn dead_letter_headers(reason: Reason, error: &str, attempts: u32, queue: &str) -> Headers {
-    let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
-    let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-    Headers::from([
-        (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
-        (envelope::ERROR_HEADER.to_string(), HeaderValue::Str(error)),
-        (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(attempts))),
-        (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
-        (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(queue.to_string())),
-    ])
 }
 
 fn attempt_header(attempt: u32) -> Headers {

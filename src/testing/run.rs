@@ -15,14 +15,15 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 
 use super::file::{HeaderArg, Request, Response, Test};
-use crate::broker::{HeaderValue, Headers, Route, route};
+use crate::broker::{HeaderValue, Headers, Route};
+use crate::call::Call;
 use crate::config::source::escape_token;
 use crate::config::{Config, Queue};
-use crate::handler::call::Call;
 use crate::handler::command::{self, Stdin};
 use crate::handler::{HandlerError, webhook};
 use crate::runtime::outcome;
-use crate::runtime::worker::Disposition;
+use crate::runtime::outcome::Disposition;
+use crate::topology::route;
 use crate::topology::{self, Plan};
 
 /// One difference between what a test expects and what happened.

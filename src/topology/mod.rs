@@ -6,6 +6,7 @@
 //! each broker maps the plan to its own declarations (`broker::amqp::declare`).
 
 mod diff;
+pub mod route;
 
 use std::collections::BTreeMap;
 

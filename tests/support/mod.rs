@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice::broker::amqp::Amqp;
-use sluice::broker::{Broker, HeaderValue, Headers, Outgoing};
+use sluice::broker::{Broker, HeaderValue, Headers, Operate, Outgoing};
 use sluice::envelope::Envelope;
 
 pub mod cluster;
@@ -58,7 +58,7 @@ fn management(method: &str, path: &str, body: &str) -> Result<u16, String> {
 /// repeatedly: RabbitMQ in a vhost ([`Vhost`]) or the embedded broker in a directory
 /// ([`EmbeddedDir`]). One test body, generic over it, checks both (see [`on_both_brokers`]).
 pub trait Place: Send + Sync {
-    type Broker: Broker;
+    type Broker: Operate;
 
     /// What `sluice --broker` takes.
     fn url(&self) -> String;

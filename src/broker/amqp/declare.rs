@@ -227,7 +227,7 @@ pub fn delay_route(queue: &str, delay: Duration) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::route::topic_match;
+    use crate::topology::route::topic_match;
 
     /// Follows a copy through the planned cascade the way the broker would, summing the TTLs.
     fn simulate(plan: &Declarations, exchange: &str, key: &str) -> (String, Duration) {

@@ -34,8 +34,11 @@ use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 pub use self::render::{PlanFormat, render};
-use super::{Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route};
-use crate::envelope::{self, ERROR_HEADER};
+use super::{
+    Broker, BrokerDeath, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
+    QueueStats, Route,
+};
+use crate::envelope::ERROR_HEADER;
 use crate::topology::{BindingDecl, Plan};
 
 /// How long connecting (TCP, TLS, the AMQP handshake and the first channels) and waiting for
@@ -212,7 +215,8 @@ impl Amqp {
             .await
             .map_err(|err| conflict("queue", queue, err))?;
         let window = Arc::new(Mutex::new(AckWindow::new(hold)));
-        Ok((AmqpDeliveries { inner, window: window.clone() }, AmqpConsumer { channel, tag, window }))
+        let sending = Arc::default();
+        Ok((AmqpDeliveries { inner, window: window.clone() }, AmqpConsumer { channel, tag, window, sending }))
     }
 
     async fn publish_raw(
@@ -250,7 +254,7 @@ impl Amqp {
 
     /// Publishes the original's body and properties with `headers` merged over `base`, shedding
     /// the largest original headers if the copy would not fit the connection's frame size.
-    async fn copy(
+    async fn send_copy(
         &self,
         exchange: &str,
         routing_key: &str,
@@ -390,6 +394,18 @@ impl Delivery for AmqpDelivery {
     fn is_live(&self) -> bool {
         self.delivery.acker.usable()
     }
+
+    /// The newest entry of `x-death`: RabbitMQ puts the latest dead-lettering first.
+    fn broker_death(&self) -> Option<BrokerDeath> {
+        let table = self.delivery.properties.headers().as_ref()?;
+        let AMQPValue::FieldArray(deaths) = table.inner().get("x-death")? else { return None };
+        let death = json_value(deaths.as_slice().first()?);
+        Some(BrokerDeath {
+            reason: death.get("reason").and_then(Value::as_str).map(str::to_string),
+            count: death.get("count").and_then(Value::as_i64),
+            time: death.get("time").and_then(Value::as_u64),
+        })
+    }
 }
 
 fn lock(window: &Mutex<AckWindow>) -> MutexGuard<'_, AckWindow> {
@@ -428,12 +444,17 @@ pub struct AmqpConsumer {
     channel: Channel,
     tag: ShortString,
     window: Arc<Mutex<AckWindow>>,
+    /// Held from choosing a call's acks until they are sent: a `multiple` ack of a later call
+    /// must not reach the broker before the acks it covers (an ack of a tag already acked
+    /// closes the channel).
+    sending: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Consumer for AmqpConsumer {
     type Delivery = AmqpDelivery;
 
     async fn ack(&self, settled: &[AmqpDelivery]) -> Result<(), BrokerError> {
+        let _turn = self.sending.lock().await;
         let acks = lock(&self.window).settle(settled.iter().map(|d| d.delivery.delivery_tag));
         for (tag, multiple) in acks {
             if let Err(e) = self.channel.basic_ack(tag, BasicAckOptions { multiple }).await {
@@ -561,7 +582,7 @@ impl Broker for Amqp {
     ) -> Result<(), BrokerError> {
         let (exchange, routing_key) = delay_route(queue, delay);
         let base = without_death_history(original.delivery.properties.headers().as_ref());
-        self.copy(&exchange, &routing_key, original, base, &headers).await
+        self.send_copy(&exchange, &routing_key, original, base, &headers).await
     }
 
     async fn dead_letter(
@@ -571,24 +592,12 @@ impl Broker for Amqp {
         headers: Headers,
     ) -> Result<(), BrokerError> {
         let base = original.delivery.properties.headers().clone().unwrap_or_default();
-        self.copy("", dead_letter, original, base, &headers).await
+        self.send_copy("", dead_letter, original, base, &headers).await
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
         // One slow handler may hold up the acks of at most half the window behind it.
         self.open_consumer(queue, prefetch, usize::from(prefetch) / 2).await
-    }
-
-    async fn browse(&self, queue: &str, window: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
-        // Held messages are never settled: each settled one is acked at once, not behind them.
-        self.open_consumer(queue, window, 0).await
-    }
-
-    async fn redrive(&self, queue: &str, original: &AmqpDelivery) -> Result<(), BrokerError> {
-        let history = without_death_history(original.delivery.properties.headers().as_ref());
-        let base = without(Some(&history), |name| envelope::FAILURE_HEADERS.contains(&name));
-        let attempt = Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(1))]);
-        self.copy("", queue, original, base, &attempt).await
     }
 
     async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
@@ -607,6 +616,40 @@ impl Broker for Amqp {
             total = total.saturating_add(self.depth(&declare::level_name(level)).await?);
         }
         Ok(total)
+    }
+
+    fn max_delay(&self) -> Option<Duration> {
+        Some(MAX_DELAY)
+    }
+
+    fn is_connected(&self) -> bool {
+        // A consumers' connection being opened holds the lock: the others are looked at next time.
+        let more = self.inner.more.try_lock().map_or(true, |more| more.iter().all(|c| c.status().connected()));
+        !self.inner.broken.load(Ordering::SeqCst)
+            && self.inner.connection.status().connected()
+            && self.inner.publisher.status().connected()
+            && more
+    }
+
+    async fn close(&self) {
+        self.close_all(200, "sluice shutting down").await;
+    }
+}
+
+impl Operate for Amqp {
+    async fn browse(&self, queue: &str, window: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
+        // Held messages are never settled: each settled one is acked at once, not behind them.
+        self.open_consumer(queue, window, 0).await
+    }
+
+    async fn copy(&self, queue: &str, original: &AmqpDelivery, edits: &Edits) -> Result<(), BrokerError> {
+        let headers = original.delivery.properties.headers().as_ref();
+        let base = match edits.drop_history {
+            true => without_death_history(headers),
+            false => headers.cloned().unwrap_or_default(),
+        };
+        let base = without(Some(&base), |name| edits.remove.iter().any(|r| r == name));
+        self.send_copy("", queue, original, base, &edits.set).await
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
@@ -633,23 +676,6 @@ impl Broker for Amqp {
             reason: "RabbitMQ lists bindings only through its management plugin; `sluice run` declares them".into(),
         });
         Ok(drift)
-    }
-
-    fn max_delay(&self) -> Option<Duration> {
-        Some(MAX_DELAY)
-    }
-
-    fn is_connected(&self) -> bool {
-        // A consumers' connection being opened holds the lock: the others are looked at next time.
-        let more = self.inner.more.try_lock().map_or(true, |more| more.iter().all(|c| c.status().connected()));
-        !self.inner.broken.load(Ordering::SeqCst)
-            && self.inner.connection.status().connected()
-            && self.inner.publisher.status().connected()
-            && more
-    }
-
-    async fn close(&self) {
-        self.close_all(200, "sluice shutting down").await;
     }
 }
 

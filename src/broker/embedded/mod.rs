@@ -64,10 +64,10 @@ pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Stored, ms};
 use self::writer::{Op, Registration, Renewal, Wakers};
 use super::{
-    BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, HeaderValue, Headers, Outgoing, QueueStats, Route,
+    BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
+    QueueStats, Route,
 };
 use crate::dedup::Claim;
-use crate::envelope;
 use crate::topology::{BindingDecl, Plan};
 
 /// How long a delivered message stays leased to its consumer without a renewal. A live
@@ -209,7 +209,7 @@ impl Embedded {
         self.call(|reply| Op::ReleaseKey { key: key.into(), reply }).await
     }
 
-    async fn copy(&self, queue: &str, message: NewMessage, visible_at: i64) -> Result<(), BrokerError> {
+    async fn send_copy(&self, queue: &str, message: NewMessage, visible_at: i64) -> Result<(), BrokerError> {
         self.call(|reply| Op::Copy { queue: queue.into(), message, visible_at, reply }).await
     }
 
@@ -629,7 +629,7 @@ impl Broker for Embedded {
         original: &EmbeddedDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        self.copy(queue, original.copy(headers), now_ms().saturating_add(ms(delay)).max(1)).await
+        self.send_copy(queue, original.copy(headers), now_ms().saturating_add(ms(delay)).max(1)).await
     }
 
     async fn dead_letter(
@@ -638,7 +638,7 @@ impl Broker for Embedded {
         original: &EmbeddedDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        self.copy(dead_letter, original.copy(headers), 0).await
+        self.send_copy(dead_letter, original.copy(headers), 0).await
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
@@ -654,19 +654,6 @@ impl Broker for Embedded {
         max_body: usize,
     ) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
         self.open_consumer(queue, prefetch, u64::try_from(max_body).unwrap_or(u64::MAX)).await
-    }
-
-    async fn browse(&self, queue: &str, window: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
-        self.open_consumer(queue, window, u64::MAX).await
-    }
-
-    async fn redrive(&self, queue: &str, original: &EmbeddedDelivery) -> Result<(), BrokerError> {
-        let mut message = original.message.clone();
-        for name in envelope::FAILURE_HEADERS {
-            message.headers.remove(name);
-        }
-        message.headers.insert(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1));
-        self.copy(queue, message, 0).await
     }
 
     async fn body_limits(
@@ -686,10 +673,6 @@ impl Broker for Embedded {
         self.call(|reply| Op::Stats { queue: queue.into(), reply }).await
     }
 
-    async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
-        self.call(|reply| Op::Drift(plan.clone(), reply)).await
-    }
-
     async fn delayed(&self) -> Result<u32, BrokerError> {
         self.call(Op::Delayed).await
     }
@@ -706,5 +689,21 @@ impl Broker for Embedded {
 
     async fn close(&self) {
         self.connected.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Operate for Embedded {
+    async fn browse(&self, queue: &str, window: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
+        self.open_consumer(queue, window, u64::MAX).await
+    }
+
+    async fn copy(&self, queue: &str, original: &EmbeddedDelivery, edits: &Edits) -> Result<(), BrokerError> {
+        let mut message = original.message.clone();
+        edits.apply(&mut message.headers);
+        self.send_copy(queue, message, 0).await
+    }
+
+    async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
+        self.call(|reply| Op::Drift(plan.clone(), reply)).await
     }
 }

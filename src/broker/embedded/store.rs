@@ -23,12 +23,13 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
-use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route, route};
+use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route};
 use super::writer::Registration;
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::ATTEMPT_HEADER;
-use crate::runtime::worker::{Reason, attempt_in, dead_letter_headers};
+use crate::runtime::outcome::{Reason, attempt_in, dead_letter_headers};
+use crate::topology::route;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
 
 /// How long a writer waits for another process's write lock before failing.

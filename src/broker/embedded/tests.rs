@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::config::{ExchangeKind, QueueKind};
+use crate::envelope;
 use crate::topology::{BindingDecl, ExchangeDecl, QueueDecl, Role};
 
 /// How long a condition may take before the test fails.
@@ -398,7 +399,7 @@ async fn dead_letter_and_redrive_carry_the_right_headers() {
     for (k, v) in &failure {
         assert_eq!(copy.header(k).as_ref(), Some(v), "{k}");
     }
-    broker.redrive("work", &copy).await.expect("redrive");
+    broker.copy("work", &copy, &crate::ops::dlq::redrive_edits()).await.expect("redrive");
     browser.ack(&[copy]).await.expect("ack");
     browser.close().await;
     assert_eq!(broker.depth("work.dlq").await.expect("depth"), 0);

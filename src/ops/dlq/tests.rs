@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use super::*;
 use crate::broker::memory::Memory;
-use crate::broker::{HeaderValue, Outgoing};
+use crate::broker::{Broker as _, HeaderValue, Outgoing};
 use crate::config::{ExchangeKind, QueueKind};
 use crate::topology::{ExchangeDecl, Plan, QueueDecl, Role};
 

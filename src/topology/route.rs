@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::{HeaderValue, Headers};
+use super::Plan;
 use crate::config::ExchangeKind;
-use crate::topology::Plan;
+use crate::envelope::{HeaderValue, Headers};
 
 /// The queues a message published to `exchange` with `routing_key` and `headers` reaches
 /// under `plan`, sorted, each once; empty when it is unroutable. The default exchange (`""`)

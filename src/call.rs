@@ -2,6 +2,9 @@
 //! the headers (or env vars) every handler receives, and signs webhooks. A command's
 //! environment is built whole here, from an allowlist of the runner's variables and what the
 //! pipeline names. `sluice render` prints what this produces; the runtime executes it.
+//!
+//! It stands between the config and [`crate::handler`]: it reads the queue's config and
+//! hands the handlers a ready request, so the handlers never read the config themselves.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -10,14 +13,14 @@ use bytes::Bytes;
 use handlebars::Context;
 use serde_json::{Map, Value, json};
 
-use super::auth::OAuth2;
-use super::command::{Invocation, Stdin};
-use super::rules::Rules;
-use super::webhook::{self, Request};
-use super::{HandlerError, Observed, command};
 use crate::config::{Handler, Queue, StdinMode};
 use crate::envelope::{Envelope, Malformed};
+use crate::handler::auth::OAuth2;
+use crate::handler::command::{self, Invocation, Stdin};
+use crate::handler::rules::Rules;
 use crate::handler::template::Template;
+use crate::handler::webhook::{self, Request};
+use crate::handler::{HandlerError, Observed};
 
 /// One message as a handler sees it.
 pub struct Message<'a> {

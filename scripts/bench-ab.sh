@@ -2,12 +2,15 @@
 # The happy path of two sluice builds side by side (issue 24's "no regression" check): for each
 # run, a fresh embedded broker, one webhook queue (concurrency 50, idempotency on) to
 # `sluice demo-receiver`, MESSAGES published with `publish --jsonl`, then `run --exit-when-idle`
-# timed as a whole process. The builds alternate; the ratios of the medians come last.
-# BROKER=rabbitmq runs each drain on a quorum queue in a vhost of its own instead.
+# timed as a whole process. The builds alternate; the ratios of the medians come last. With
+# --rabbitmq, the queue is a quorum queue on RabbitMQ at 127.0.0.1:5672 (a fresh vhost per
+# run), the idempotency keys in the run's state directory.
 #
-#   scripts/bench-ab.sh OLD_SLUICE NEW_SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
+#   scripts/bench-ab.sh [--rabbitmq] OLD_SLUICE NEW_SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
 set -euo pipefail
 cd "$(dirname "$0")/.."
+rabbitmq=0
+if [[ ${1:-} == --rabbitmq ]]; then rabbitmq=1; shift; fi
 old=$(realpath "$1") new=$(realpath "$2")
 messages=${3:-30000}
 runs=${4:-5}
@@ -35,20 +38,19 @@ with open('$tmp/m.jsonl', 'w') as f:
 
 # run_once BINARY: prints messages/s, CPU seconds (user + system) and peak RSS (MiB) of one drain.
 run_once() {
-  local dir
+  local dir broker=()
   dir=$(mktemp -d "$tmp/run.XXXX")
-  local on=()
-  if [ "${BROKER:-embedded}" = rabbitmq ]; then
-    make_vhost "bench-ab-$$-$RANDOM"
-    on=(--broker "$url")
+  if [[ $rabbitmq == 1 ]]; then
+    make_vhost "sluice-bench-ab-$$-${dir##*.}"
+    broker=(--broker "$url")
   fi
-  (cd "$dir" && "$1" run "$tmp/p" --exit-when-idle "${on[@]}" 2>/dev/null &&
-    "$1" publish --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" "${on[@]}" >/dev/null 2>&1)
+  (cd "$dir" && "$1" run "$tmp/p" "${broker[@]}" --exit-when-idle 2>/dev/null &&
+    "$1" publish "${broker[@]}" --exchange bench --routing-key work --type t --jsonl "$tmp/m.jsonl" >/dev/null 2>&1)
   local start end
   start=$(date +%s.%N)
-  (cd "$dir" && /usr/bin/time -f "%U %S %M" -o "$dir/time" "$1" run "$tmp/p" --exit-when-idle "${on[@]}" 2>/dev/null)
+  (cd "$dir" && /usr/bin/time -f "%U %S %M" -o "$dir/time" "$1" run "$tmp/p" "${broker[@]}" --exit-when-idle 2>/dev/null)
   end=$(date +%s.%N)
-  if [ -n "$vhost" ]; then drop_vhost; fi
+  if [[ $rabbitmq == 1 ]]; then drop_vhost; fi
   python3 -c "u, s, m = open('$dir/time').read().split(); print(round($messages / ($end - $start)), round(float(u) + float(s), 2), round(int(m) / 1024))"
   rm -rf "$dir"
 }

@@ -2,7 +2,8 @@
 //! `broker::embedded::keys`). With the embedded broker it is the broker's own file, and a
 //! runner's completed keys are written in the transaction that acks their messages; with
 //! RabbitMQ it is a file of its own, written just before the acks. Several processes may
-//! share it: two runners on one state directory see each other's keys and claims.
+//! share it: two runners on one state directory see each other's keys and claims (a runner
+//! alone keeps its claims in memory until another registers beside it).
 
 use std::path::Path;
 use std::time::Duration;

@@ -59,6 +59,7 @@ use futures_util::Stream;
 use tokio::sync::{Notify, mpsc as channel, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use self::keys::{Begin, Claims};
 pub use self::reader::{Messages, ReadOnly};
 pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Stored, ms};
@@ -97,6 +98,8 @@ pub struct Embedded {
 struct Inner {
     ops: mpsc::Sender<Op>,
     wakers: Arc<Wakers>,
+    /// The writer's holder of idempotency keys, and the claims it holds.
+    claims: Arc<Claims>,
     lease: Duration,
     /// The consumers of this handle, whose leases and registrations [`renew_all`] renews.
     consumers: Mutex<Vec<Weak<ConsumerState>>>,
@@ -153,10 +156,11 @@ impl Embedded {
     /// Opens the file (with `create`, making it and its directory when missing).
     fn open_file(path: &Path, lease: Duration, create: bool) -> Result<Embedded, BrokerError> {
         let wakers = Arc::new(Wakers::default());
-        let ops = writer::start(path, create, wakers.clone())?;
+        let (ops, claims) = writer::start(path, create, wakers.clone())?;
         let inner = Inner {
             ops,
             wakers,
+            claims,
             lease,
             consumers: Mutex::new(Vec::new()),
             renewing: AtomicBool::new(false),
@@ -190,11 +194,35 @@ impl Embedded {
         Ok(answer)
     }
 
-    /// Takes the idempotency key for this process for `lease`, unless it is done or another
-    /// live process holds it: the embedded idempotency store (keys as the store names them).
+    /// Takes the idempotency key for this session's writer for `lease`, unless it is done or
+    /// another live holder has it: the embedded idempotency store (keys as the store names
+    /// them). In memory while no other holder is on the file, else by row (see [`keys`]).
     pub async fn claim_key(&self, key: &str, lease: Duration) -> Result<Claim, BrokerError> {
-        let until = now_ms().saturating_add(ms(lease));
-        self.call(|reply| Op::ClaimKey { key: key.into(), until, reply }).await
+        let claims = &self.inner.claims;
+        loop {
+            let now = now_ms();
+            let until = now.saturating_add(ms(lease));
+            let taken = match claims.begin(key, now, until) {
+                Begin::Held => return Ok(Claim::Busy),
+                Begin::Unregistered => {
+                    self.call(Op::RegisterKeys).await?;
+                    continue;
+                }
+                Begin::Alone => claims.read(key, now),
+                Begin::Shared => {
+                    let taken = self.call(|reply| Op::ClaimKey { key: key.into(), until, reply }).await;
+                    if let Ok(Claim::Claimed) = taken {
+                        claims.written(key);
+                    }
+                    taken
+                }
+            };
+            if !matches!(taken, Ok(Claim::Claimed)) && claims.forget(key) {
+                // Written as a row meanwhile (a neighbour came): not this holder's after all.
+                self.call(|reply| Op::ReleaseKey { key: key.into(), reply }).await?;
+            }
+            return taken;
+        }
     }
 
     /// Records the idempotency keys handled for `ttl` (without an ack: see
@@ -204,9 +232,12 @@ impl Embedded {
         self.call(|reply| Op::CompleteKeys { keys: keys.to_vec(), until, reply }).await
     }
 
-    /// Gives up this process's claim on the idempotency key.
+    /// Gives up this session's writer's claim on the idempotency key.
     pub async fn release_key(&self, key: &str) -> Result<(), BrokerError> {
-        self.call(|reply| Op::ReleaseKey { key: key.into(), reply }).await
+        if self.inner.claims.forget(key) {
+            self.call(|reply| Op::ReleaseKey { key: key.into(), reply }).await?;
+        }
+        Ok(())
     }
 
     async fn send_copy(&self, queue: &str, message: NewMessage, visible_at: i64) -> Result<(), BrokerError> {

@@ -779,3 +779,70 @@ async fn a_file_of_a_newer_layout_is_refused_not_misread() {
         "{refused:?}"
     );
 }
+
+/// Issue 21: a runner alone on its file takes and gives up idempotency keys in memory, with no
+/// request to the writer once registered; completing a key still goes through the file.
+#[tokio::test]
+async fn a_holder_alone_claims_in_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let minute = Duration::from_secs(60);
+    assert_eq!(broker.claim_key("q\0first", minute).await.expect("claim"), Claim::Claimed);
+    assert_eq!(broker.inner.claims.mode(), keys::Mode::Alone);
+    let before = broker.inner.requests.load(Ordering::SeqCst);
+    for n in 0..100 {
+        let key = format!("q\0{n}");
+        assert_eq!(broker.claim_key(&key, minute).await.expect("claim"), Claim::Claimed);
+        assert_eq!(broker.claim_key(&key, minute).await.expect("claim"), Claim::Busy, "held by this holder");
+        broker.release_key(&key).await.expect("release");
+    }
+    assert_eq!(broker.inner.requests.load(Ordering::SeqCst), before, "no request for claims and releases");
+    broker.complete_keys(&["q\0first".into()], minute).await.expect("complete");
+    assert_eq!(broker.claim_key("q\0first", minute).await.expect("claim"), Claim::Done);
+}
+
+/// Issue 21: a second holder (another runner on the same state directory) arriving while the
+/// first holds claims in memory: it takes no key until the first has written them as rows,
+/// then sees them held, and a key the first still holds is handled by neither twice. Once the
+/// second is gone, the first is alone again.
+#[tokio::test]
+async fn a_second_holder_waits_for_the_first_to_share_its_claims() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = open(&dir).await;
+    let minute = Duration::from_secs(60);
+    assert_eq!(first.claim_key("q\0held", minute).await.expect("claim"), Claim::Claimed);
+    assert_eq!(first.inner.claims.mode(), keys::Mode::Alone);
+    let second = open(&dir).await;
+    // The second's claims wait for the first to share; a free key is its own once it has.
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        assert_eq!(second.claim_key("q\0held", minute).await.expect("claim"), Claim::Busy, "the first holds it");
+        match second.claim_key("q\0free", minute).await.expect("claim") {
+            Claim::Claimed => break,
+            found => assert_eq!(found, Claim::Busy),
+        }
+        assert!(Instant::now() < deadline, "the first never shared its claims");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(first.inner.claims.mode(), keys::Mode::Shared);
+    assert_eq!(second.inner.claims.mode(), keys::Mode::Shared);
+    assert_eq!(first.claim_key("q\0free", minute).await.expect("claim"), Claim::Busy, "the second holds it");
+    // Claims taken while sharing are rows the other sees at once.
+    assert_eq!(first.claim_key("q\0later", minute).await.expect("claim"), Claim::Claimed);
+    assert_eq!(second.claim_key("q\0later", minute).await.expect("claim"), Claim::Busy);
+    // The first's success: the second finds the key done; a release frees the key for it.
+    first.complete_keys(&["q\0held".into()], minute).await.expect("complete");
+    assert_eq!(second.claim_key("q\0held", minute).await.expect("claim"), Claim::Done);
+    first.release_key("q\0later").await.expect("release");
+    assert_eq!(second.claim_key("q\0later", minute).await.expect("claim"), Claim::Claimed);
+    // The second leaves (its writer deregisters it, its claims with it): the first is alone
+    // again, and the keys the second held are free.
+    drop(second);
+    let deadline = Instant::now() + DEADLINE;
+    while first.inner.claims.mode() != keys::Mode::Alone {
+        assert!(Instant::now() < deadline, "the first never found itself alone again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(first.claim_key("q\0free", minute).await.expect("claim"), Claim::Claimed);
+    assert_eq!(first.claim_key("q\0later", minute).await.expect("claim"), Claim::Claimed);
+}

@@ -19,7 +19,7 @@ use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::{Notify, oneshot};
 
 use super::POLL;
-use super::keys;
+use super::keys::{self, Claims};
 use super::store::{Claimed, NewMessage, Store, now_ms};
 use crate::broker::{BrokerError, Drift, Headers, QueueStats};
 use crate::dedup::Claim;
@@ -73,7 +73,9 @@ pub(super) enum Op {
         until: i64,
         reply: Reply<()>,
     },
-    /// Takes an idempotency key for this process until `until`.
+    /// Registers this writer's holder of idempotency keys (see [`keys`]).
+    RegisterKeys(Reply<keys::Mode>),
+    /// Takes an idempotency key by row for this writer's holder until `until`.
     ClaimKey {
         key: String,
         until: i64,
@@ -254,21 +256,30 @@ fn finish<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) ->
 
 /// Opens the file (with `create`, making it when missing) and starts the writer thread, which
 /// wakes `wakers` after its commits.
-pub(super) fn start(path: &Path, create: bool, wakers: Arc<Wakers>) -> Result<mpsc::Sender<Op>, BrokerError> {
+/// Its idempotency keys' holder comes with it.
+pub(super) fn start(
+    path: &Path,
+    create: bool,
+    wakers: Arc<Wakers>,
+) -> Result<(mpsc::Sender<Op>, Arc<Claims>), BrokerError> {
     let (conn, store) = Store::open(path, create)?;
+    let claims = Arc::new(Claims::open(path, &store)?);
     let (sender, receiver) = mpsc::channel();
+    let holder = claims.clone();
     std::thread::Builder::new()
         .name("sluice-embedded".into())
-        .spawn(move || run(conn, store, receiver, &wakers))
+        .spawn(move || run(conn, store, receiver, &wakers, &holder))
         .map_err(|e| BrokerError::Connect { url: path.display().to_string(), reason: e.to_string() })?;
-    Ok(sender)
+    Ok((sender, claims))
 }
 
-/// Serves requests until every sender is gone, and [watches](Watch) while this process has
-/// consumers.
-fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wakers: &Wakers) {
+/// Serves requests until every sender is gone, [watches](Watch) while this process has
+/// consumers, and looks at the other holders of idempotency keys ([`keys::look`]) while its
+/// own holder is registered.
+fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wakers: &Wakers, claims: &Arc<Claims>) {
     let (mut last_reclaim, mut last_check, mut last_look) = (Instant::now(), Instant::now(), Instant::now());
     let mut watch = Watch::default();
+    let mut neighbours = keys::Neighbours::default();
     // Where the sweep of expired idempotency keys goes on.
     let mut sweep = String::new();
     // Whether the last look failed: a failure is logged once, not at every look.
@@ -279,14 +290,22 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
     let mut gone: Option<BrokerError> = None;
     loop {
         let watching = gone.is_none() && !wakers.is_empty();
-        let wait = match watching {
+        let keyed = gone.is_none() && claims.is_registered();
+        let wait = match watching || keyed {
             true => POLL.saturating_sub(last_look.elapsed()),
             false => RECLAIM_EVERY.min(CHECK_FILES_EVERY),
         };
         let first = match receiver.recv_timeout(wait) {
             Ok(op) => Some(op),
             Err(mpsc::RecvTimeoutError::Timeout) => None,
-            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                if gone.is_none()
+                    && let Err(e) = keys::leave(&store, &mut conn, claims)
+                {
+                    tracing::warn!(%e, "embedded broker: deregistering this runner's idempotency claims failed; they stop counting once it exits");
+                }
+                return;
+            }
         };
         if let Some(first) = first {
             let mut ops = vec![first];
@@ -300,13 +319,17 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
                 Some(e) => ops.into_iter().for_each(|op| fail(op, e.clone())(None)),
                 None => {
                     freed |= ops.iter().any(|op| matches!(op, Op::Ack { .. } | Op::CompleteKeys { .. }));
-                    serve(&mut conn, &mut store, ops, wakers, &mut watch);
+                    serve(&mut conn, &mut store, ops, wakers, &mut watch, claims);
                 }
             }
         }
-        if watching && last_look.elapsed() >= POLL {
+        if (watching || keyed) && last_look.elapsed() >= POLL {
             last_look = Instant::now();
-            match watch.look(&conn, &store, wakers) {
+            let looked = match watching {
+                true => watch.look(&conn, &store, wakers),
+                false => Ok(()),
+            };
+            match looked.and_then(|()| keys::look(&store, &mut conn, claims, &mut neighbours)) {
                 Ok(()) => blind = false,
                 Err(e) if !blind => {
                     blind = true;
@@ -339,12 +362,19 @@ struct Readied {
 }
 
 /// Runs a batch: the writes in one transaction, answered after its commit.
-fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers, watch: &mut Watch) {
+fn serve(
+    conn: &mut Connection,
+    store: &mut Store,
+    ops: Vec<Op>,
+    wakers: &Wakers,
+    watch: &mut Watch,
+    claims: &Arc<Claims>,
+) {
     store.new_batch();
     let mut ready = Readied::default();
     if !ops.iter().any(Op::writes) {
         for op in ops {
-            apply(store, conn, op, &mut ready).0(None);
+            apply(store, conn, op, &mut ready, claims).0(None);
         }
         return;
     }
@@ -361,7 +391,7 @@ fn serve(conn: &mut Connection, store: &mut Store, ops: Vec<Op>, wakers: &Wakers
                     finished.push(fail(op, BrokerError::clone(e)));
                     continue;
                 }
-                let (done, result) = apply(store, &tx, op, &mut ready);
+                let (done, result) = apply(store, &tx, op, &mut ready, claims);
                 // Refusals come before any write; only the store's own errors leave half a request.
                 if let Err(e @ BrokerError::Lost(_)) = result {
                     broken = Some(e);
@@ -407,6 +437,7 @@ fn fail(op: Op, e: BrokerError) -> Finish {
         | Op::Renew { reply, .. } => finish(reply, Err(e)),
         Op::Claim { reply, .. } => finish(reply, Err(e)),
         Op::ClaimKey { reply, .. } => finish(reply, Err(e)),
+        Op::RegisterKeys(reply) => finish(reply, Err(e)),
         Op::Stats { reply, .. } => finish(reply, Err(e)),
         Op::Limits { reply, .. } => finish(reply, Err(e)),
         Op::Delayed(reply) => finish(reply, Err(e)),
@@ -414,8 +445,33 @@ fn fail(op: Op, e: BrokerError) -> Finish {
     }
 }
 
+/// The answer to a request that records `keys` done: once committed, their claims are let go
+/// of (not before, or a duplicate could be claimed in between).
+fn recorded(
+    reply: Reply<()>,
+    result: Result<(), BrokerError>,
+    keys: Vec<String>,
+    claims: &Arc<Claims>,
+) -> (Finish, Result<(), BrokerError>) {
+    let outcome = result.clone();
+    let claims = claims.clone();
+    let finished = Box::new(move |failed: Option<&BrokerError>| {
+        if failed.is_none() && result.is_ok() {
+            claims.done(&keys);
+        }
+        finish(reply, result)(failed);
+    });
+    (finished, outcome)
+}
+
 /// Runs one request, says how it went, and adds to `ready` the queues it gave messages.
-fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Readied) -> (Finish, Result<(), BrokerError>) {
+fn apply(
+    store: &mut Store,
+    db: &Connection,
+    op: Op,
+    ready: &mut Readied,
+    claims: &Arc<Claims>,
+) -> (Finish, Result<(), BrokerError>) {
     fn done<T: Send + 'static>(reply: Reply<T>, result: Result<T, BrokerError>) -> (Finish, Result<(), BrokerError>) {
         let outcome = result.as_ref().map(drop).map_err(BrokerError::clone);
         (finish(reply, result), outcome)
@@ -443,11 +499,27 @@ fn apply(store: &mut Store, db: &Connection, op: Op, ready: &mut Readied) -> (Fi
             done(reply, store.claim(db, &queue, owner, n, bytes, max_body, until))
         }
         Op::Ack { owner, ids, done: keys, until, reply } => {
-            done(reply, store.ack(db, owner, &ids).and_then(|()| keys::complete(store, db, &keys, until)))
+            let result = store.ack(db, owner, &ids).and_then(|()| keys::complete(store, db, &keys, until));
+            recorded(reply, result, keys, claims)
         }
-        Op::ClaimKey { key, until, reply } => done(reply, keys::claim(store, db, &key, now_ms(), until)),
-        Op::CompleteKeys { keys, until, reply } => done(reply, keys::complete(store, db, &keys, until)),
-        Op::ReleaseKey { key, reply } => done(reply, keys::release(store, db, &key)),
+        Op::RegisterKeys(reply) => {
+            let result = keys::register(store, db, claims);
+            let outcome = result.as_ref().map(drop).map_err(BrokerError::clone);
+            let claims = claims.clone();
+            let registered = Box::new(move |failed: Option<&BrokerError>| {
+                if let (None, Ok(mode)) = (failed, &result) {
+                    claims.registered(*mode);
+                }
+                finish(reply, result)(failed);
+            });
+            (registered, outcome)
+        }
+        Op::ClaimKey { key, until, reply } => done(reply, keys::claim(store, db, claims, &key, now_ms(), until)),
+        Op::CompleteKeys { keys, until, reply } => {
+            let result = keys::complete(store, db, &keys, until);
+            recorded(reply, result, keys, claims)
+        }
+        Op::ReleaseKey { key, reply } => done(reply, keys::release(store, db, claims, &key)),
         Op::Release { owner, queue, ids, reply } => {
             let result = store.release(db, owner, &ids);
             if result.is_ok() && !ids.is_empty() {

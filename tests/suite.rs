@@ -15,6 +15,7 @@ mod cli;
 mod cli_publish;
 mod cli_run;
 mod command;
+mod conformance;
 mod console;
 mod damaged;
 mod dlq;

@@ -568,7 +568,6 @@ async fn a_single_active_consumer_queue_delivers_to_one_at_a_time<S: Subject>(su
     wait_for_stats(&broker, "ordered", QueueStats { ready: 0, consumers: 1 }).await;
     second.close().await;
     broker.close().await;
-    drop(active);
 }
 
 /// Browsing reads a queue in order, at most `window` unsettled; each message acked is removed

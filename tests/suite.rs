@@ -17,6 +17,7 @@ mod cli_publish;
 mod cli_run;
 mod cluster;
 mod command;
+mod conformance;
 mod console;
 mod damaged;
 mod dlq;

@@ -1,10 +1,13 @@
-//! An in-memory broker for the runtime's unit tests: queues, bindings (routed as RabbitMQ does),
-//! consumers with prefetch, acks, delayed copies on tokio's clock (so tests run on paused time,
-//! with no sleeps), dead-lettering, and a consumer's unsettled deliveries handed back when it
-//! closes. A declaration that differs from what exists is refused, as RabbitMQ refuses one.
+//! An in-memory broker for the runtime's unit tests: queues, bindings (routed as RabbitMQ does,
+//! one copy per queue), consumers with prefetch, single active consumer, acks, delayed copies on
+//! tokio's clock (so tests run on paused time, with no sleeps), dead-lettering, a full queue
+//! refusing publishes, and a consumer's unsettled deliveries handed back when it or its session
+//! closes. A declaration that differs from what exists is refused, naming the setting and both
+//! values, as RabbitMQ refuses one.
 //!
-//! Test-only: it implements the same trait as RabbitMQ, so the runtime's rules are tested
-//! in-process; the RabbitMQ suite then proves the mapping.
+//! For tests only (compiled always, hidden from the docs, so that the conformance suite in
+//! `tests/conformance.rs` reaches it): it implements the same trait as RabbitMQ, so the
+//! runtime's rules are tested in-process, and that suite proves it keeps the contract.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
@@ -19,6 +22,7 @@ use tokio::sync::mpsc;
 
 use super::{
     Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing, QueueStats, Route,
+    settings_differing,
 };
 use crate::config::ExchangeKind;
 use crate::topology::route;
@@ -63,6 +67,8 @@ struct State {
 
 struct ConsumerState {
     queue: String,
+    /// The session that opened it: closing the session closes it.
+    session: u64,
     prefetch: usize,
     unacked: BTreeMap<u64, Message>,
     /// `None` once cancelled: the stream ends after what it was already sent.
@@ -70,10 +76,12 @@ struct ConsumerState {
     live: Arc<AtomicBool>,
 }
 
-/// The broker. Cheap to clone; clones share it.
+/// A session of the broker. Cheap to clone; clones share the session, and every session
+/// ([`Memory::session`]) shares the broker.
 #[derive(Clone, Default)]
 pub struct Memory {
     state: Arc<Mutex<State>>,
+    session: u64,
 }
 
 fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -83,6 +91,13 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 impl Memory {
     pub fn new() -> Memory {
         Memory::default()
+    }
+
+    /// Another session of the same broker: closing it closes only its consumers.
+    pub fn session(&self) -> Memory {
+        let mut state = lock(&self.state);
+        state.next_id += 1;
+        Memory { state: self.state.clone(), session: state.next_id }
     }
 
     /// Messages ready in `queue` (not delivered), oldest first.
@@ -128,11 +143,7 @@ impl Memory {
 
     fn push(&self, queue: &str, message: Message) -> Result<(), BrokerError> {
         let mut state = lock(&self.state);
-        let (_, ready) =
-            state.queues.get_mut(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
-        ready.push_back(message);
-        dispatch(&mut state);
-        Ok(())
+        push_all(&mut state, "", &[queue.to_string()], message)
     }
 
     fn copy(original: &MemoryDelivery, headers: Headers) -> Message {
@@ -142,12 +153,39 @@ impl Memory {
     }
 }
 
-/// Hands ready messages to consumers with room, in consumer order.
+/// Puts a message into each of `targets`, or into none when one of them is full (its
+/// `max_length` reached: a nack, as RabbitMQ's reject-publish); then hands it to consumers.
+fn push_all(state: &mut State, exchange: &str, targets: &[String], message: Message) -> Result<(), BrokerError> {
+    for queue in targets {
+        let (declared, ready) =
+            state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        if declared.max_length.is_some_and(|max| ready.len() as u64 >= max) {
+            return Err(BrokerError::Nacked { exchange: exchange.into() });
+        }
+    }
+    for queue in targets {
+        if let Some((_, ready)) = state.queues.get_mut(queue) {
+            ready.push_back(message.clone());
+        }
+    }
+    dispatch(state);
+    Ok(())
+}
+
+/// Hands ready messages to consumers with room, in consumer order; on a single-active-consumer
+/// queue, only to its oldest consumer not cancelled.
 fn dispatch(state: &mut State) {
     let State { queues, consumers, next_id, .. } = state;
-    for consumer in consumers.values_mut() {
+    let mut active: BTreeMap<String, u64> = BTreeMap::new();
+    for (id, consumer) in consumers.iter().filter(|(_, c)| c.sender.is_some()) {
+        active.entry(consumer.queue.clone()).or_insert(*id);
+    }
+    for (id, consumer) in consumers.iter_mut() {
         let Some(sender) = &consumer.sender else { continue };
-        let Some((_, ready)) = queues.get_mut(&consumer.queue) else { continue };
+        let Some((declared, ready)) = queues.get_mut(&consumer.queue) else { continue };
+        if declared.single_active_consumer && active.get(&consumer.queue) != Some(id) {
+            continue;
+        }
         while consumer.unacked.len() < consumer.prefetch {
             let Some(message) = ready.pop_front() else { break };
             *next_id += 1;
@@ -238,16 +276,30 @@ impl Consumer for MemoryConsumer {
     }
 
     async fn close(&self) {
-        let mut state = lock(&self.broker.state);
-        let Some(consumer) = state.consumers.remove(&self.id) else { return };
+        close_consumers(&mut lock(&self.broker.state), |id, _| id == self.id);
+    }
+}
+
+/// Closes the consumers `which` picks, handing back their unsettled deliveries in order, ahead
+/// of what is ready.
+fn close_consumers(state: &mut State, which: impl Fn(u64, &ConsumerState) -> bool) {
+    let closing: Vec<u64> = state.consumers.iter().filter(|(id, c)| which(**id, c)).map(|(id, _)| *id).collect();
+    for id in closing {
+        let Some(consumer) = state.consumers.remove(&id) else { continue };
         consumer.live.store(false, Ordering::SeqCst);
         if let Some((_, ready)) = state.queues.get_mut(&consumer.queue) {
             for message in consumer.unacked.into_values().rev() {
                 ready.push_front(message);
             }
         }
-        dispatch(&mut state);
     }
+    dispatch(state);
+}
+
+/// A queue's declaration as compared for conflicts: what the plan serializes (so the runner's
+/// `max_message_bytes` is no conflict, as on the other brokers).
+fn declaration(q: &QueueDecl) -> String {
+    serde_json::to_string(q).expect("a queue declaration serializes")
 }
 
 impl Broker for Memory {
@@ -261,23 +313,10 @@ impl Broker for Memory {
             return Err(e);
         }
         // Check everything before changing anything: a refused plan leaves no trace.
-        for e in &plan.exchanges {
-            if let Some(kind) = state.exchanges.get(&e.name).filter(|k| **k != e.kind) {
-                return Err(BrokerError::Conflict(format!(
-                    "exchange \"{}\" exists as {} and is declared as {}",
-                    e.name,
-                    kind.as_str(),
-                    e.kind.as_str()
-                )));
-            }
-        }
-        for q in &plan.queues {
-            if let Some((existing, _)) = state.queues.get(&q.name).filter(|(d, _)| d != q) {
-                return Err(BrokerError::Conflict(format!(
-                    "queue \"{}\" exists as {existing:?} and is declared as {q:?}",
-                    q.name
-                )));
-            }
+        if let Some(Drift::Conflict { what, name, detail }) =
+            drift(&state, plan).into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
+        {
+            return Err(BrokerError::Conflict(format!("{what} \"{name}\" conflicts with what exists: {detail}")));
         }
         for e in &plan.exchanges {
             state.exchanges.insert(e.name.clone(), e.kind);
@@ -303,23 +342,24 @@ impl Broker for Memory {
     }
 
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        let targets: Vec<String> = {
-            let state = lock(&self.state);
-            if exchange.is_empty() {
-                vec![routing_key.to_string()]
-            } else {
-                let kind = *state
-                    .exchanges
-                    .get(exchange)
-                    .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
-                state
-                    .bindings
-                    .iter()
-                    .filter(|b| b.exchange == exchange)
-                    .filter(|b| route::routes(kind, &b.routing_key, &b.arguments, routing_key, &message.headers))
-                    .map(|b| b.queue.clone())
-                    .collect()
-            }
+        let mut state = lock(&self.state);
+        let targets: Vec<String> = if exchange.is_empty() {
+            // The default exchange: the queue the key names, if there is one.
+            state.queues.keys().filter(|q| *q == routing_key).cloned().collect()
+        } else {
+            let kind = *state
+                .exchanges
+                .get(exchange)
+                .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
+            // One copy per queue, however many of its bindings match.
+            let queues: std::collections::BTreeSet<String> = state
+                .bindings
+                .iter()
+                .filter(|b| b.exchange == exchange)
+                .filter(|b| route::routes(kind, &b.routing_key, &b.arguments, routing_key, &message.headers))
+                .map(|b| b.queue.clone())
+                .collect();
+            queues.into_iter().collect()
         };
         if targets.is_empty() {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
@@ -331,10 +371,7 @@ impl Broker for Memory {
             timestamp: message.timestamp,
             route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
         };
-        for queue in targets {
-            self.push(&queue, m.clone())?;
-        }
-        Ok(())
+        push_all(&mut state, exchange, &targets, m)
     }
 
     async fn publish_delayed(
@@ -382,6 +419,7 @@ impl Broker for Memory {
             id,
             ConsumerState {
                 queue: queue.into(),
+                session: self.session,
                 prefetch: usize::from(prefetch),
                 unacked: BTreeMap::new(),
                 sender: Some(sender),
@@ -418,7 +456,11 @@ impl Broker for Memory {
         true
     }
 
-    async fn close(&self) {}
+    /// Ends the session: its consumers close, handing back their unsettled deliveries, as
+    /// RabbitMQ does when a connection ends.
+    async fn close(&self) {
+        close_consumers(&mut lock(&self.state), |_, c| c.session == self.session);
+    }
 }
 
 impl Operate for Memory {
@@ -433,37 +475,41 @@ impl Operate for Memory {
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
-        let state = lock(&self.state);
-        let mut drift = Vec::new();
-        for e in &plan.exchanges {
-            match state.exchanges.get(&e.name) {
-                None => drift.push(Drift::MissingExchange { name: e.name.clone() }),
-                Some(kind) if *kind != e.kind => drift.push(Drift::Conflict {
-                    what: "exchange".into(),
-                    name: e.name.clone(),
-                    detail: format!("type: declared {} but current is {}", e.kind.as_str(), kind.as_str()),
-                }),
-                Some(_) => {}
-            }
-        }
-        for q in &plan.queues {
-            match state.queues.get(&q.name) {
-                None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
-                Some((existing, _)) if existing != q => drift.push(Drift::Conflict {
-                    what: "queue".into(),
-                    name: q.name.clone(),
-                    detail: format!("declared {q:?} but current is {existing:?}"),
-                }),
-                Some(_) => {}
-            }
-        }
-        for b in plan.bindings.iter().filter(|b| !state.bindings.contains(b)) {
-            drift.push(Drift::MissingBinding {
-                exchange: b.exchange.clone(),
-                queue: b.queue.clone(),
-                routing_key: b.routing_key.clone(),
-            });
-        }
-        Ok(drift)
+        Ok(drift(&lock(&self.state), plan))
     }
+}
+
+/// How the broker's state differs from `plan`.
+fn drift(state: &State, plan: &Plan) -> Vec<Drift> {
+    let mut drift = Vec::new();
+    for e in &plan.exchanges {
+        match state.exchanges.get(&e.name) {
+            None => drift.push(Drift::MissingExchange { name: e.name.clone() }),
+            Some(kind) if *kind != e.kind => drift.push(Drift::Conflict {
+                what: "exchange".into(),
+                name: e.name.clone(),
+                detail: format!("type: declared {} but current is {}", e.kind.as_str(), kind.as_str()),
+            }),
+            Some(_) => {}
+        }
+    }
+    for q in &plan.queues {
+        match state.queues.get(&q.name) {
+            None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
+            Some((existing, _)) if declaration(existing) != declaration(q) => drift.push(Drift::Conflict {
+                what: "queue".into(),
+                name: q.name.clone(),
+                detail: settings_differing(&declaration(q), &declaration(existing)),
+            }),
+            Some(_) => {}
+        }
+    }
+    for b in plan.bindings.iter().filter(|b| !state.bindings.contains(b)) {
+        drift.push(Drift::MissingBinding {
+            exchange: b.exchange.clone(),
+            queue: b.queue.clone(),
+            routing_key: b.routing_key.clone(),
+        });
+    }
+    drift
 }

@@ -23,7 +23,7 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
-use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route};
+use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route, settings_differing};
 use super::writer::Registration;
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
@@ -1298,22 +1298,4 @@ fn unsupported(q: &QueueDecl) -> Option<String> {
             if settings.len() == 1 { "it" } else { "them" },
         )
     })
-}
-
-/// The settings two queue declarations (as stored, JSON objects) differ in, each with both
-/// values: `max_length: declared 100 but current is 50`.
-fn settings_differing(declared: &str, existing: &str) -> String {
-    let object =
-        |text: &str| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text).unwrap_or_default();
-    let (declared, existing) = (object(declared), object(existing));
-    let names: std::collections::BTreeSet<&String> = declared.keys().chain(existing.keys()).collect();
-    let none = serde_json::Value::Null;
-    names
-        .into_iter()
-        .filter_map(|name| {
-            let (d, e) = (declared.get(name).unwrap_or(&none), existing.get(name).unwrap_or(&none));
-            (d != e).then(|| format!("{name}: declared {d} but current is {e}"))
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
 }

@@ -10,10 +10,12 @@
 //! only: no retry policy, no classification, no envelopes.
 
 pub mod amqp;
+mod declaration;
 pub mod embedded;
 pub mod failover;
 #[cfg(test)]
 pub mod memory;
+pub mod redis;
 pub mod route;
 
 use std::collections::BTreeMap;

@@ -23,13 +23,17 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
+use super::super::declaration::{settings_differing, unsupported};
 use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route, route};
 use super::writer::Registration;
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::ATTEMPT_HEADER;
 use crate::runtime::worker::{Reason, attempt_in, dead_letter_headers};
-use crate::topology::{BindingDecl, Plan, QueueDecl};
+use crate::topology::{BindingDecl, Plan};
+
+/// This broker, as a refused declaration names it.
+const BROKER: &str = "the embedded broker";
 
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -651,7 +655,7 @@ impl Store {
     /// what is missing.
     pub fn declare(&self, db: &Connection, plan: &Plan) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
-        if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q)?))) {
+        if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q, BROKER)?))) {
             return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name)));
         }
         if let Some(Drift::Conflict { what, name, detail }) =
@@ -1213,7 +1217,7 @@ impl Store {
             }
         }
         for q in &plan.queues {
-            if let Some(detail) = unsupported(q) {
+            if let Some(detail) = unsupported(q, BROKER) {
                 drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
                 continue;
             }
@@ -1279,40 +1283,3 @@ impl Store {
     }
 }
 
-/// What of a queue's declaration this broker cannot honour, said as a person can act on it.
-fn unsupported(q: &QueueDecl) -> Option<String> {
-    let mut settings = Vec::new();
-    if q.message_ttl_ms.is_some() {
-        settings.push("message_ttl".to_string());
-    }
-    if q.max_priority.is_some() {
-        settings.push("priority".to_string());
-    }
-    settings.extend(q.arguments.keys().map(|name| format!("arguments.{name}")));
-    (!settings.is_empty()).then(|| {
-        format!(
-            "{}: the embedded broker cannot honour {}; remove {} or run on RabbitMQ (--broker amqp://...)",
-            settings.join(", "),
-            if settings.len() == 1 { "it" } else { "them" },
-            if settings.len() == 1 { "it" } else { "them" },
-        )
-    })
-}
-
-/// The settings two queue declarations (as stored, JSON objects) differ in, each with both
-/// values: `max_length: declared 100 but current is 50`.
-fn settings_differing(declared: &str, existing: &str) -> String {
-    let object =
-        |text: &str| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text).unwrap_or_default();
-    let (declared, existing) = (object(declared), object(existing));
-    let names: std::collections::BTreeSet<&String> = declared.keys().chain(existing.keys()).collect();
-    let none = serde_json::Value::Null;
-    names
-        .into_iter()
-        .filter_map(|name| {
-            let (d, e) = (declared.get(name).unwrap_or(&none), existing.get(name).unwrap_or(&none));
-            (d != e).then(|| format!("{name}: declared {d} but current is {e}"))
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
-}

@@ -38,6 +38,7 @@ mod outbound_auth;
 mod packaging;
 mod readme;
 mod readonly;
+mod redis_broker;
 mod reload;
 mod reload_concurrency;
 mod reload_links;

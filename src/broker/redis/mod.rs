@@ -49,6 +49,7 @@ use super::{
     route,
 };
 use crate::config::ExchangeKind;
+use crate::config::suggest::did_you_mean;
 use crate::envelope;
 use crate::topology::{BindingDecl, Plan};
 
@@ -59,6 +60,13 @@ pub const LEASE: Duration = Duration::from_secs(30);
 /// The longest a consumer waits without looking (for a wake-up lost with a connection, and to
 /// take back what a closed consumer handed back or a dead one left).
 pub const POLL: Duration = Duration::from_secs(1);
+
+/// The most entries one claim takes (a browse's window may be larger): each claim is a script
+/// that holds the server while it runs.
+const CLAIM_MAX: usize = 1024;
+
+/// How long a consumer counts as live after its last claim (it claims at least every [`POLL`]).
+const REGISTRATION: Duration = Duration::from_secs(3);
 
 /// This broker, as a refused declaration names it.
 const BROKER: &str = "the Redis broker";
@@ -314,7 +322,7 @@ impl Redis {
                 .get(exchange)
                 .copied()
                 .or(ExchangeKind::builtin(exchange))
-                .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
+                .ok_or_else(|| missing(t, "exchange", exchange))?;
             t.bindings
                 .iter()
                 .filter(|b| b.exchange == exchange && route::routes(kind, &b.routing_key, &b.arguments, routing_key, headers))
@@ -396,7 +404,7 @@ impl Redis {
     async fn open_consumer(&self, queue: &str, prefetch: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
         let t = self.topology(false).await?;
         let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
-        let rule = *t.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        let rule = *t.queues.get(queue).ok_or_else(|| missing(&t, "queue", queue))?;
         let state = Arc::new(ConsumerState {
             name: uuid::Uuid::now_v7().to_string(),
             queue: queue.into(),
@@ -420,7 +428,7 @@ impl Redis {
         let t = self.topology(false).await?;
         let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
         if !t.queues.contains_key(queue) {
-            return Err(BrokerError::NotFound(format!("queue \"{queue}\"")));
+            return Err(missing(&t, "queue", queue));
         }
         let counts: Vec<i64> = self
             .inner
@@ -429,12 +437,28 @@ impl Redis {
             .key(self.stream(queue))
             .key(self.key(&format!("c:{queue}")))
             .key(self.key(&format!("d:{queue}")))
+            .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
             .invoke_async(&mut self.conn())
             .await
             .map_err(lost)?;
         let at = |i: usize| u32::try_from(counts.get(i).copied().unwrap_or(0).max(0)).unwrap_or(u32::MAX);
         Ok([at(0), at(1), at(2), at(3)])
     }
+}
+
+/// An exchange or queue the deployment does not have, with the closest name it has, or
+/// saying that nothing is declared at all (a mistyped prefix or database).
+fn missing(t: &Topology, what: &str, name: &str) -> BrokerError {
+    if t.exchanges.is_empty() && t.queues.is_empty() {
+        return BrokerError::NotFound(format!(
+            "{what} \"{name}\": the broker is empty, nothing is declared under this prefix (`sluice run` declares the pipelines' exchanges and queues)"
+        ));
+    }
+    let close = match what {
+        "exchange" => did_you_mean(name, t.exchanges.keys().map(String::as_str)),
+        _ => did_you_mean(name, t.queues.keys().map(String::as_str)),
+    };
+    BrokerError::NotFound(format!("{what} \"{name}\"{close}"))
 }
 
 /// The outcome of a write script.
@@ -639,7 +663,7 @@ async fn consume(
         tokio::pin!(woken);
         woken.as_mut().enable();
         let delivering = sender.is_some() && !s.cancelled.is_cancelled();
-        let room = if delivering { s.prefetch.saturating_sub(lock(&s.unsettled).len()) } else { 0 };
+        let room = if delivering { s.prefetch.saturating_sub(lock(&s.unsettled).len()).min(CLAIM_MAX) } else { 0 };
         let renew = last_renew.elapsed() >= lease / 3;
         let reclaim = delivering && last_reclaim.is_none_or(|at| at.elapsed() >= POLL);
         let claimed: Result<Vec<Value>, _> = broker
@@ -657,6 +681,7 @@ async fn consume(
             .arg(broker.key("m:"))
             .arg(u8::from(renew))
             .arg(u8::from(s.single_active))
+            .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
             .invoke_async(&mut broker.conn())
             .await;
         let mut wait = POLL;
@@ -1031,9 +1056,9 @@ impl Broker for Redis {
         Ok(Some(targets.into_iter().map(|q| (q.clone(), t.queues.get(&q).and_then(|r| r.max_body))).collect()))
     }
 
-    /// Ready: entries in the stream not delivered to a consumer, or handed back (not those
-    /// delivered and unacked, nor delayed copies); consumers: those whose registration a live
-    /// process renews.
+    /// Ready: entries in the stream not delivered to a consumer, handed back, or whose lease ran
+    /// out with their consumer's life (not those delivered and unacked under a running lease,
+    /// nor delayed copies); consumers: those a live process renews.
     async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
         let [ready, consumers, _, _] = self.counts(queue).await?;
         Ok(QueueStats { ready, consumers })

@@ -67,7 +67,7 @@ return 'OK'
 /// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; with `ARGV[4]`
 /// = 1 takes back entries idle past the lease `ARGV[3]` ms (a dead or closed consumer's, in
 /// stream order) and forgets dead consumers with nothing pending; then reads up to `ARGV[2]`
-/// new entries. Consumer `ARGV[1]`. Answers `{ms until the next due copy or -1, entries...}`,
+/// new entries. Consumer `ARGV[1]`, registered for `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
 /// each entry its id then its fields.
 const CLAIM: &str = r#"
 local me, lease = ARGV[1], tonumber(ARGV[3])
@@ -83,7 +83,7 @@ for _, id in ipairs(due) do
 end
 local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 local out = { first[2] and math.max(0, tonumber(first[2]) - now) or -1 }
-redis.call('ZADD', KEYS[4], now + lease, me)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[8]), me)
 if ARGV[6] == '1' then
   local mine = redis.call('XPENDING', KEYS[1], 'g', '-', '+', 1000000, me)
   for i = 1, #mine, 500 do
@@ -166,19 +166,27 @@ return #mine
 "#;
 
 /// What stream `KEYS[1]` holds: `{ready, live consumers (KEYS[2]), entries held by consumers
-/// no longer live (a killed runner's, until their lease runs out), delayed copies (KEYS[3])}`.
+/// no longer live (a killed runner's, until their lease `ARGV[1]` ms runs out), delayed
+/// copies (KEYS[3])}`. Ready: not delivered, or idle past the lease (handed back, or a dead
+/// consumer's whose lease ran out: the next claim takes them).
 const COUNTS: &str = r#"
 local now = now_ms()
 local live = redis.call('ZCOUNT', KEYS[2], now, '+inf')
-local held = 0
 local p = redis.call('XPENDING', KEYS[1], 'g')
+local expired, expired_returned = 0, 0
+for _, e in ipairs(redis.call('XPENDING', KEYS[1], 'g', 'IDLE', ARGV[1], '-', '+', 1000000)) do
+  expired = expired + 1
+  if e[2] == 'returned' then expired_returned = expired_returned + 1 end
+end
+local held = 0
 if p[4] then
   for _, c in ipairs(p[4]) do
     local score = redis.call('ZSCORE', KEYS[2], c[1])
     if c[1] ~= 'returned' and not (score and tonumber(score) >= now) then held = held + tonumber(c[2]) end
   end
 end
-return { ready(KEYS[1]), live, held, redis.call('ZCARD', KEYS[3]) }
+held = math.max(0, held - (expired - expired_returned))
+return { redis.call('XLEN', KEYS[1]) - p[1] + expired, live, held, redis.call('ZCARD', KEYS[3]) }
 "#;
 
 /// The broker's scripts, loaded once per session (sent by hash, loaded on a miss).

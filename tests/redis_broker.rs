@@ -285,7 +285,19 @@ async fn two_runners_and_a_publisher_share_one_redis() {
     let jsonl = dir.path().join("m.jsonl");
     std::fs::write(&jsonl, lines).expect("jsonl");
     let published = sluice_cli(
-        &["publish", "--exchange", "ev", "--routing-key", "x", "--type", "t", "--jsonl", jsonl.to_str().expect("utf-8"), "--broker", &place.url()],
+        &[
+            "publish",
+            "--exchange",
+            "ev",
+            "--routing-key",
+            "x",
+            "--type",
+            "t",
+            "--jsonl",
+            jsonl.to_str().expect("utf-8"),
+            "--broker",
+            &place.url(),
+        ],
         &[],
         Duration::from_secs(60),
     );
@@ -319,7 +331,18 @@ impl OwnRedis {
 
     fn spawn(&mut self) {
         let child = std::process::Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync", "always", "--save", ""])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(std::process::Stdio::null())

@@ -78,8 +78,9 @@ enum Command {
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
-        /// Compare with this broker (amqp://... or the embedded broker's directory): missing
-        /// exchanges and queues, and declarations that conflict with what exists. Nothing is created.
+        /// Compare with this broker (amqp://..., redis://... or the embedded broker's directory):
+        /// missing exchanges and queues, and declarations that conflict with what exists (and on
+        /// Redis, the server's persistence). Nothing is created.
         #[arg(long = "broker", env = "SLUICE_BROKER", hide_env_values = true, value_delimiter = ',')]
         broker: Vec<String>,
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -225,7 +226,7 @@ pub struct AdminArg {
     #[arg(long, value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
     /// The runner's broker, for its state directory, which holds the token it generated: the
-    /// embedded broker's directory; for amqp:// URLs, .sluice.
+    /// embedded broker's directory; for amqp:// and redis:// URLs, .sluice.
     #[arg(
         long = "broker",
         env = "SLUICE_BROKER",

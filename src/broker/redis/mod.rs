@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt as _};
-use redis::aio::ConnectionManager;
 use redis::Value;
+use redis::aio::ConnectionManager;
 use tokio::sync::{Notify, mpsc as channel};
 use tokio_util::sync::CancellationToken;
 
@@ -93,9 +93,10 @@ impl Location {
             match pair.split_once('=') {
                 Some(("prefix", value)) if !value.is_empty() => prefix = value.to_string(),
                 Some(("lease", value)) => {
-                    lease = crate::config::parse_duration(value)
-                        .filter(|d| *d >= Duration::from_millis(300))
-                        .ok_or_else(|| bad(format!("lease={value}: expected a duration of at least 300ms, e.g. 30s")))?;
+                    lease =
+                        crate::config::parse_duration(value).filter(|d| *d >= Duration::from_millis(300)).ok_or_else(
+                            || bad(format!("lease={value}: expected a duration of at least 300ms, e.g. 30s")),
+                        )?;
                 }
                 Some(("prefix", _)) => return Err(bad("prefix= is empty".into())),
                 _ => rest.push(pair),
@@ -144,6 +145,10 @@ impl std::fmt::Display for Persistence {
         write!(f, "appendonly {}, appendfsync {}, save \"{}\"", self.appendonly, self.appendfsync, self.save)
     }
 }
+
+/// The topology as Redis keeps it: the version, exchanges' kinds, queues' declarations, their
+/// body limits, and the bindings.
+type Stored = (Option<String>, HashMap<String, String>, HashMap<String, String>, HashMap<String, u64>, Vec<String>);
 
 /// The topology as last read, with the version it was read at.
 #[derive(Default)]
@@ -272,13 +277,7 @@ impl Redis {
             return Ok(t);
         }
         let mut c = self.conn();
-        let (version, exchanges, queues, limits, bindings): (
-            Option<String>,
-            HashMap<String, String>,
-            HashMap<String, String>,
-            HashMap<String, u64>,
-            Vec<String>,
-        ) = redis::pipe()
+        let (version, exchanges, queues, limits, bindings): Stored = redis::pipe()
             .atomic()
             .get(self.key("v"))
             .hgetall(self.key("x"))
@@ -306,8 +305,7 @@ impl Redis {
             })
             .collect();
         let bindings = bindings.iter().filter_map(|b| binding_from(b)).collect();
-        let topology =
-            Arc::new(Topology { version: version.unwrap_or_default(), exchanges, queues, bindings });
+        let topology = Arc::new(Topology { version: version.unwrap_or_default(), exchanges, queues, bindings });
         *lock(&self.inner.topology) = Some(topology.clone());
         Ok(topology)
     }
@@ -325,7 +323,9 @@ impl Redis {
                 .ok_or_else(|| missing(t, "exchange", exchange))?;
             t.bindings
                 .iter()
-                .filter(|b| b.exchange == exchange && route::routes(kind, &b.routing_key, &b.arguments, routing_key, headers))
+                .filter(|b| {
+                    b.exchange == exchange && route::routes(kind, &b.routing_key, &b.arguments, routing_key, headers)
+                })
                 .map(|b| b.queue.clone())
                 .collect()
         };
@@ -474,14 +474,17 @@ impl Written {
         match self {
             Written::Ok => Ok(()),
             Written::Stale => Err(BrokerError::Lost("the topology kept changing during a publish".into())),
-            Written::Missing(q) => Err(BrokerError::NotFound(format!("queue \"{}\"", if q.is_empty() { queue } else { &q }))),
+            Written::Missing(q) => {
+                Err(BrokerError::NotFound(format!("queue \"{}\"", if q.is_empty() { queue } else { &q })))
+            }
         }
     }
 }
 
 /// Reads a write script's answer; a full queue is a nack on `exchange`.
 fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written, BrokerError> {
-    let nth = |i: &str| i.parse::<usize>().ok().and_then(|i| targets.get(i.wrapping_sub(1))).cloned().unwrap_or_default();
+    let nth =
+        |i: &str| i.parse::<usize>().ok().and_then(|i| targets.get(i.wrapping_sub(1))).cloned().unwrap_or_default();
     match answer.split_once(':') {
         None if answer == "OK" => Ok(Written::Ok),
         None if answer == "STALE" => Ok(Written::Stale),
@@ -1150,7 +1153,12 @@ mod tests {
         let cases = [
             ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379", DEFAULT_PREFIX, LEASE),
             ("redis://h:1/2?prefix=t1:", "redis://h:1/2", "t1:", LEASE),
-            ("rediss://u:p@h:1?lease=2s&protocol=resp3", "rediss://u:p@h:1?protocol=resp3", DEFAULT_PREFIX, Duration::from_secs(2)),
+            (
+                "rediss://u:p@h:1?lease=2s&protocol=resp3",
+                "rediss://u:p@h:1?protocol=resp3",
+                DEFAULT_PREFIX,
+                Duration::from_secs(2),
+            ),
         ];
         for (url, base, prefix, lease) in cases {
             let l = Location::parse(url).expect(url);
@@ -1170,8 +1178,11 @@ mod tests {
             headers: [("s".to_string(), HeaderValue::Str("v".into())), ("n".to_string(), HeaderValue::Int(-3))].into(),
             route: Some(Route { exchange: "ev".into(), routing_key: "a.b".into() }),
         };
-        let values: Vec<Value> =
-            m.fields().into_iter().flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), Value::BulkString(v)]).collect();
+        let values: Vec<Value> = m
+            .fields()
+            .into_iter()
+            .flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), Value::BulkString(v)])
+            .collect();
         let back = Message::from_fields(&values);
         assert_eq!(back.body, m.body);
         assert_eq!((back.message_id, back.kind, back.timestamp), (m.message_id, m.kind, m.timestamp));

@@ -19,7 +19,7 @@ use sluice::config::{ExchangeKind, QueueKind};
 use sluice::envelope;
 use sluice::topology::{BindingDecl, ExchangeDecl, Plan, QueueDecl, Role};
 
-use crate::support::{EmbeddedDir, Place, Vhost};
+use crate::support::{EmbeddedDir, Place, RedisPrefix, Vhost};
 
 /// How long anything that should happen soon may take before the test fails.
 const DEADLINE: Duration = Duration::from_secs(15);
@@ -101,6 +101,26 @@ impl Subject for Vhost {
 
     fn counts_waiting_consumers(&self) -> bool {
         false
+    }
+}
+
+/// A key prefix of its own on the shared Redis, with short leases so that a lost session's
+/// deliveries come back within the test's patience.
+pub struct OnRedis(RedisPrefix);
+
+/// The lease `OnRedis` asks for.
+const REDIS_LEASE: Duration = Duration::from_secs(3);
+
+impl Subject for OnRedis {
+    type Broker = sluice::broker::redis::Redis;
+
+    async fn session(&self) -> Self::Broker {
+        self.0.connect().await
+    }
+
+    /// As on the embedded broker: nobody renewing the lease is what tells of a lost session.
+    fn lost_deliveries_return_within(&self) -> Duration {
+        REDIS_LEASE + DEADLINE
     }
 }
 
@@ -638,6 +658,7 @@ conformance! {
         memory: InMemory(Memory::new()),
         embedded: EmbeddedDir::new(),
         rabbitmq: Vhost::new(),
+        redis: OnRedis(RedisPrefix::with(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
     }
     tests {
         every_exchange_type_routes_as_rabbitmq_does,

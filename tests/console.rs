@@ -1,5 +1,5 @@
 //! Issue 22: the operator console in a real browser (Debian's chromium, headless, driven through
-//! chromedriver) against a real `sluice run`, on both brokers: a failing receiver's dead letters
+//! chromedriver) against a real `sluice run`, on every broker: a failing receiver's dead letters
 //! are seen rising, its status code among the attempts; once it recovers, the operator gives
 //! the token and redrives every match from the page, and each key is handled exactly once.
 //! Pause and resume from the page stop and restart consumption. Hostile dead letters (markup,
@@ -262,7 +262,7 @@ async fn console_redrives_and_pauses<P: Place>(place: P) {
     broker.close().await;
 }
 
-on_both_brokers!(console_redrives_and_pauses);
+on_every_broker!(console_redrives_and_pauses);
 
 /// What a page of the console holds that could run (anything but its own script), and whether
 /// a hostile script ran.

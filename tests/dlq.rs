@@ -420,7 +420,7 @@ async fn status_counts_what_the_named_runners_hold_as_unacked<P: Place>(place: P
     assert!(down.stderr.contains("cannot read the runner's metrics at http://127.0.0.1:9/metrics"), "{}", down.stderr);
 }
 
-on_both_brokers!(
+on_every_broker!(
     plan_against_the_broker_names_missing_objects_and_conflicts_with_both_values,
     messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_a_redrive,
     filters_and_dry_run_select_exactly_the_messages_they_name,

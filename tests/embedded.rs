@@ -1,6 +1,6 @@
 //! The embedded broker as users run it: `sluice` processes sharing one state directory, a
 //! runner killed under load, and routing compared with the real RabbitMQ. (The runtime's
-//! behaviour on it is checked by the same test bodies as on RabbitMQ: see `on_both_brokers!`.)
+//! behaviour on it is checked by the same test bodies as on RabbitMQ: see `on_every_broker!`.)
 
 use crate::support;
 

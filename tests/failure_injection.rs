@@ -478,7 +478,7 @@ async fn retries_that_take_the_same_path_through_the_delay_cascade_all_arrive<P:
     stop_and_assert_drained(&mut sluice, &place).await;
 }
 
-on_both_brokers!(
+on_every_broker!(
     duplicate_delivery_has_its_side_effect_once,
     duplicate_delivery_without_idempotency_calls_twice_with_one_idempotency_key,
     a_retried_message_lets_later_ones_pass_and_nothing_is_lost,

@@ -86,7 +86,7 @@ async fn messages_with_an_empty_idempotency_key_each_run_their_handler<P: Place>
     assert!(place.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered");
 }
 
-on_both_brokers!(messages_with_an_empty_idempotency_key_each_run_their_handler);
+on_every_broker!(messages_with_an_empty_idempotency_key_each_run_their_handler);
 
 /// Issue 19: `publish --idempotency-key ''` (an empty shell variable) is a usage error that
 /// names the fix; before, every message after the first was skipped as a duplicate.
@@ -167,7 +167,7 @@ async fn a_misspelt_name_is_reported_with_the_broker_and_the_closest_name<P: Pla
     assert!(list.stderr.contains("did you mean \"charge\""), "{}", list.stderr);
 }
 
-on_both_brokers!(a_misspelt_name_is_reported_with_the_broker_and_the_closest_name);
+on_every_broker!(a_misspelt_name_is_reported_with_the_broker_and_the_closest_name);
 
 /// A webhook queue `work` on exchange `ev`, signed with the secret in `$FOOTGUN_SECRET`.
 fn signed_pipeline(receiver: &str) -> tempfile::TempDir {

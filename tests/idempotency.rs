@@ -332,7 +332,7 @@ async fn redis_down_means_no_handler_runs_and_nothing_is_lost() {
     assert!(vhost.drain_queue("work.dlq").await.is_empty(), "nothing dead-lettered while Redis was down");
 }
 
-on_both_brokers!(
+on_every_broker!(
     duplicate_sent_twice_in_a_row_is_handled_once,
     duplicates_racing_on_two_runners_sharing_a_state_directory_are_handled_once,
     an_earlier_sluices_idempotency_store_is_named_with_what_to_do,

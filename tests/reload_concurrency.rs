@@ -20,7 +20,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 /// The queue's concurrency.
 const LIMIT: usize = 3;
 
-on_both_brokers!(reloads_during_calls_longer_than_the_grace_keep_the_limit_and_run_each_message_once);
+on_every_broker!(reloads_during_calls_longer_than_the_grace_keep_the_limit_and_run_each_message_once);
 
 /// The pipeline: `work` calling `receiver` with [`LIMIT`], idempotency off (its claims would
 /// hide a second run: the key busy, the message waits), and `max_attempts` (which reloads

@@ -19,7 +19,7 @@ use support::*;
 /// How long any one condition may take before the test fails.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-on_both_brokers!(
+on_every_broker!(
     unbinding_is_idempotent,
     a_removed_queue_is_unbound_even_when_full,
     renaming_a_queue_and_back_runs_each_message_once,

@@ -327,7 +327,7 @@ async fn ordered_queue_calls_one_at_a_time_in_publish_order<P: Place>(place: P) 
     assert_eq!(receiver.max_in_flight(), 1, "calls overlapped");
 }
 
-on_both_brokers!(
+on_every_broker!(
     retry_after_beyond_max_is_capped_at_max,
     retry_after_is_honoured_over_a_shorter_backoff,
     fan_out_delivers_once_per_bound_queue,

@@ -258,7 +258,7 @@ async fn on_exit_rules_decide_each_exit_code<P: Place>(place: P) {
     assert_eq!(dead, expected_dead, "exit 0 and the success rule's 3 are not dead-lettered");
 }
 
-on_both_brokers!(
+on_every_broker!(
     retry_exhaustion_calls_exactly_max_attempts_then_dead_letters,
     a_schedule_spaces_the_attempts_by_its_delays_then_repeats_the_last,
     on_status_rules_decide_each_status_by_code_then_class,

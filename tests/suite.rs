@@ -42,6 +42,7 @@ mod overlapping_acks;
 mod packaging;
 mod readme;
 mod readonly;
+mod redis_broker;
 mod reload;
 mod reload_concurrency;
 mod reload_links;

@@ -20,9 +20,9 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
+use super::declaration::settings_differing;
 use super::{
     Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing, QueueStats, Route,
-    settings_differing,
 };
 use crate::config::ExchangeKind;
 use crate::topology::route;

@@ -12,12 +12,14 @@
 //! only: no retry policy, no classification, no envelopes.
 
 pub mod amqp;
+mod declaration;
 pub mod embedded;
 pub mod failover;
 /// The in-memory test double: public (hidden) so that the conformance suite in `tests/` runs
 /// the same test bodies against it as against every real broker.
 #[doc(hidden)]
 pub mod memory;
+pub mod redis;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -396,24 +398,4 @@ pub trait Operate: Broker {
 
     /// How what exists on the broker differs from `plan`, changing nothing.
     fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
-}
-
-/// The settings two queue declarations (serialized
-/// [`QueueDecl`](crate::topology::QueueDecl)s, JSON objects) differ in,
-/// each with both values: `max_length: declared 100 but current is 50`. For the brokers that
-/// keep declarations themselves (embedded, in-memory), so that a conflict names the setting.
-pub(crate) fn settings_differing(declared: &str, existing: &str) -> String {
-    let object =
-        |text: &str| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text).unwrap_or_default();
-    let (declared, existing) = (object(declared), object(existing));
-    let names: std::collections::BTreeSet<&String> = declared.keys().chain(existing.keys()).collect();
-    let none = serde_json::Value::Null;
-    names
-        .into_iter()
-        .filter_map(|name| {
-            let (d, e) = (declared.get(name).unwrap_or(&none), existing.get(name).unwrap_or(&none));
-            (d != e).then(|| format!("{name}: declared {d} but current is {e}"))
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
 }

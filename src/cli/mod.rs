@@ -25,6 +25,7 @@ use crate::broker::Operate as _;
 use crate::broker::amqp::{self, Amqp, PlanFormat};
 use crate::broker::embedded::Embedded;
 use crate::broker::failover::Failover;
+use crate::broker::redis::Redis;
 use crate::call::{self, Call};
 use crate::config::{self, Format};
 use crate::dedup::{self, Location, Store};
@@ -79,8 +80,9 @@ enum Command {
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
         format: PlanFormat,
-        /// Compare with this broker (amqp://... or the embedded broker's directory): missing
-        /// exchanges and queues, and declarations that conflict with what exists. Nothing is created.
+        /// Compare with this broker (amqp://..., redis://... or the embedded broker's directory):
+        /// missing exchanges and queues, and declarations that conflict with what exists (and on
+        /// Redis, the server's persistence). Nothing is created.
         #[arg(long = "broker", env = "SLUICE_BROKER", hide_env_values = true, value_delimiter = ',')]
         broker: Vec<String>,
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -226,7 +228,7 @@ pub struct AdminArg {
     #[arg(long, value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
     /// The runner's broker, for its state directory, which holds the token it generated: the
-    /// embedded broker's directory; for amqp:// URLs, .sluice.
+    /// embedded broker's directory; for amqp:// and redis:// URLs, .sluice.
     #[arg(
         long = "broker",
         env = "SLUICE_BROKER",
@@ -255,7 +257,7 @@ fn admin_token(file: Option<PathBuf>) -> token::Given {
 fn state_dir(broker: &[String]) -> anyhow::Result<PathBuf> {
     Ok(match endpoint(broker)? {
         Endpoint::Embedded(dir) => dir.to_path_buf(),
-        Endpoint::Amqp(_) => PathBuf::from(DEFAULT_BROKER),
+        Endpoint::Amqp(_) | Endpoint::Redis(_) => PathBuf::from(DEFAULT_BROKER),
     })
 }
 
@@ -268,8 +270,10 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 #[derive(Debug, clap::Args)]
 pub struct BrokerArg {
     /// amqp://user:pass@host:port/vhost (or amqps://) for RabbitMQ: repeat it, or separate URLs
-    /// with commas, for the nodes of one cluster. Otherwise the directory of the embedded broker
-    /// (default: $SLUICE_BROKER, else the URL in the file $SLUICE_BROKER_FILE names, else .sluice).
+    /// with commas, for the nodes of one cluster. redis://[user:pass@]host:port[/db] (or
+    /// rediss://) for Redis streams, with ?prefix=P to share a server between deployments
+    /// (default sluice:). Otherwise the directory of the embedded broker (default:
+    /// $SLUICE_BROKER, else the URL in the file $SLUICE_BROKER_FILE names, else .sluice).
     #[arg(
         long = "broker",
         env = "SLUICE_BROKER",
@@ -296,6 +300,7 @@ fn nodes(values: &[String]) -> usize {
 /// idempotency keys alike.
 enum Opened<'a> {
     Amqp(Vec<&'a str>),
+    Redis(&'a str),
     Embedded(&'a Path, Embedded),
 }
 
@@ -303,18 +308,20 @@ enum Opened<'a> {
 enum Endpoint<'a> {
     /// The nodes of one RabbitMQ cluster (or the one node), in the order this process tries them.
     Amqp(Vec<&'a str>),
+    /// A Redis server (and the deployment's key prefix).
+    Redis(&'a str),
     /// The embedded broker's directory.
     Embedded(&'a Path),
 }
 
 /// What a `--broker` value is, or why it is none.
 fn classify(value: &str) -> anyhow::Result<Option<&str>> {
-    if value.starts_with("amqp://") || value.starts_with("amqps://") {
+    if ["amqp://", "amqps://", "redis://", "rediss://"].iter().any(|scheme| value.starts_with(scheme)) {
         return Ok(Some(value));
     }
     if let Some((scheme, _)) = value.split_once("://") {
         anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, or a directory for the embedded broker",
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, or a directory for the embedded broker",
             amqp::redact(value)
         );
     }
@@ -343,6 +350,10 @@ fn endpoint(values: &[String]) -> anyhow::Result<Endpoint<'_>> {
     }
     match (urls.len(), values.as_slice()) {
         (0, [dir]) => Ok(Endpoint::Embedded(Path::new(*dir))),
+        (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => Ok(Endpoint::Redis(url)),
+        (_, _) if urls.iter().any(|u| u.starts_with("redis")) => {
+            anyhow::bail!("--broker names a Redis server and something else; give one redis:// URL")
+        }
         (0, []) => anyhow::bail!("--broker is empty: give amqp:// URLs or the embedded broker's directory"),
         (0, _) => anyhow::bail!("--broker names {} directories; the embedded broker takes one", values.len()),
         (n, _) if n < values.len() => {
@@ -388,6 +399,13 @@ macro_rules! with_sessions {
                 let timeouts = arg.timeouts();
                 let names = urls.iter().map(|u| $crate::broker::amqp::node_name(u)).collect();
                 let connect = |node: usize| $crate::broker::amqp::Amqp::connect(urls[node], timeouts);
+                #[allow(unused_mut)]
+                let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(3);
+                async { Ok::<_, anyhow::Error>($body) }.await
+            }
+            $crate::cli::Endpoint::Redis(url) => {
+                let connect = |_| $crate::broker::redis::Redis::connect(url);
+                let names = vec![$crate::broker::amqp::redact(url)];
                 #[allow(unused_mut)]
                 let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(3);
                 async { Ok::<_, anyhow::Error>($body) }.await
@@ -736,7 +754,7 @@ async fn run(
     let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
     let nodes = match &endpoint {
         Endpoint::Amqp(urls) => urls.len(),
-        Endpoint::Embedded(_) => 1,
+        Endpoint::Redis(_) | Endpoint::Embedded(_) => 1,
     };
     let Some(mut config) = load_or_report(&paths, nodes) else {
         anyhow::bail!("invalid pipeline files");
@@ -749,13 +767,16 @@ async fn run(
     // One writer for the runner's sessions with the embedded broker and its idempotency keys.
     let opened = match endpoint {
         Endpoint::Amqp(urls) => Opened::Amqp(urls),
+        Endpoint::Redis(url) => Opened::Redis(url),
         Endpoint::Embedded(dir) => {
             Opened::Embedded(dir, Embedded::open_dir(dir).with_context(|| format!("broker {}", broker.display()))?)
         }
     };
-    let dedup = match dedup {
-        Some(location) => location,
-        None => Location::File(state_dir(&broker.urls)?),
+    // Beside a Redis broker, its keys live in the same deployment (prefix included).
+    let dedup = match (dedup, &opened) {
+        (Some(location), _) => location,
+        (None, Opened::Redis(url)) => Location::Redis(url.to_string()),
+        (None, _) => Location::File(state_dir(&broker.urls)?),
     };
     if let Location::File(dir) = &dedup {
         if dedup::is_old_store(dir) {
@@ -796,14 +817,21 @@ async fn run(
         (Some(_), Location::File(dir)) => dir.display().to_string(),
         (Some(_), Location::Redis(url)) => amqp::redact(url),
     };
+    let persistence = match &opened {
+        Opened::Redis(url) => Some(redis_persistence(url).await),
+        _ => None,
+    };
     tracing::info!(
         version = VERSION,
-    propagate_version = true,
         broker = %broker.display(),
         queues = %queues.join(", "),
         dedup = %dedup,
+        persistence = persistence.as_ref().map(|(text, _)| text.as_str()),
         "starting"
     );
+    if let Some((_, Some(warning))) = &persistence {
+        tracing::warn!("{warning}");
+    }
     let (reload, reloads) = tokio::sync::mpsc::unbounded_channel();
     let mut requests = requests;
     requests.set_paths(reload::loader::watched(&paths, &config));
@@ -826,6 +854,18 @@ async fn run(
                 let sessions = Failover::new(names, |node| Amqp::connect(urls[node], timeouts));
                 runtime::run(config, sessions, store, options, reloads, shutdown).await
             }
+            Opened::Redis(url) => {
+                if let Some(port) = admin.take() {
+                    let url = url.to_string();
+                    let connect: Connect<Redis> = Arc::new(move || {
+                        let url = url.clone();
+                        Box::pin(async move { Redis::connect(&url).await })
+                    });
+                    port.spawn(connect, &options, current, shutdown.clone());
+                }
+                let sessions = Failover::new(vec![amqp::redact(url)], |_| Redis::connect(url));
+                runtime::run(config, sessions, store, options, reloads, shutdown).await
+            }
             Opened::Embedded(path, file) => {
                 if let Some(port) = admin.take() {
                     let file = file.clone();
@@ -844,6 +884,26 @@ async fn run(
         // gets their messages back when the connection goes.
         () = forced.cancelled() => anyhow::bail!(
             "a second signal during the graceful shutdown: stopped at once; messages in flight go back to the broker"
+        ),
+    }
+}
+
+/// What a Redis server says of its persistence, as the start line and `plan` show it, and a
+/// warning when a restart would lose messages (or when it cannot be told).
+async fn redis_persistence(url: &str) -> (String, Option<String>) {
+    let persistence = match Redis::connect(url).await {
+        Ok(session) => {
+            let p = session.persistence().await;
+            crate::broker::Broker::close(&session).await;
+            p
+        }
+        Err(_) => None,
+    };
+    match persistence {
+        Some(p) => (p.to_string(), p.warning()),
+        None => (
+            "unknown".into(),
+            Some("cannot read Redis's persistence settings (CONFIG GET refused): make sure it runs with appendonly yes and appendfsync always, or a restart loses messages".into()),
         ),
     }
 }
@@ -930,7 +990,7 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     use crate::broker::{Broker as _, Drift};
     let absent = match broker.endpoint()? {
         Endpoint::Embedded(dir) => !dir.join(crate::broker::embedded::FILE).exists(),
-        Endpoint::Amqp(_) => false,
+        Endpoint::Amqp(_) | Endpoint::Redis(_) => false,
     };
     let drift = if absent {
         Drift::all_missing(&plan)
@@ -950,6 +1010,11 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
     let absent = if absent { " (does not exist: only `sluice run` creates it)" } else { "" };
     let mut text = format!("\nbroker {}{absent} {verdict}\n", broker.display());
+    if let Endpoint::Redis(url) = broker.endpoint()? {
+        let (persistence, warning) = redis_persistence(url).await;
+        let tail = warning.map(|w| format!("\n  warning: {w}")).unwrap_or_default();
+        text = format!("\nbroker persistence: {persistence}{tail}{text}");
+    }
     for d in &drift {
         text.push_str(&format!("  {d}\n"));
     }

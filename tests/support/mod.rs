@@ -56,7 +56,7 @@ fn management(method: &str, path: &str, body: &str) -> Result<u16, String> {
 
 /// The broker a test runs `sluice` against, of its own so tests run in parallel and
 /// repeatedly: RabbitMQ in a vhost ([`Vhost`]) or the embedded broker in a directory
-/// ([`EmbeddedDir`]). One test body, generic over it, checks both (see [`on_both_brokers`]).
+/// ([`EmbeddedDir`]). One test body, generic over it, checks each (see [`on_every_broker`]).
 pub trait Place: Send + Sync {
     type Broker: Operate;
 
@@ -178,10 +178,11 @@ impl Place for Vhost {
     }
 }
 
-/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with two tests:
-/// `rabbitmq` (a vhost of its own) and `embedded` (a directory of its own).
+/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with three tests:
+/// `rabbitmq` (a vhost of its own), `embedded` (a directory of its own) and `redis` (a key
+/// prefix of its own on the shared server).
 #[macro_export]
-macro_rules! on_both_brokers {
+macro_rules! on_every_broker {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,8 +194,88 @@ macro_rules! on_both_brokers {
             async fn embedded() {
                 super::$name($crate::support::EmbeddedDir::new()).await
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                super::$name($crate::support::RedisPrefix::new()).await
+            }
         }
     )*};
+}
+
+pub const REDIS_HOST: &str = "127.0.0.1:6379";
+
+/// Fails (never skips) when Redis is down, saying how to start it.
+pub fn require_redis() {
+    if TcpStream::connect_timeout(&REDIS_HOST.parse().expect("address"), Duration::from_secs(2)).is_err() {
+        panic!("Redis is not reachable at {REDIS_HOST}. Start it with `redis-server --daemonize yes`.");
+    }
+}
+
+/// A key prefix of its own on a Redis server (the shared one unless given), for one test:
+/// every key under it is deleted on drop.
+pub struct RedisPrefix {
+    pub server: String,
+    pub prefix: String,
+    /// Extra URL parameters (`&lease=2s`).
+    pub params: String,
+}
+
+impl RedisPrefix {
+    pub fn new() -> RedisPrefix {
+        RedisPrefix::with("")
+    }
+
+    /// A prefix on the shared server, with extra URL parameters (`&lease=2s`).
+    pub fn with(params: &str) -> RedisPrefix {
+        require_redis();
+        RedisPrefix::on(&format!("redis://{REDIS_HOST}"), params)
+    }
+
+    /// A prefix on the server at `server` (`redis://host:port`), with extra URL parameters.
+    pub fn on(server: &str, params: &str) -> RedisPrefix {
+        RedisPrefix {
+            server: server.to_string(),
+            prefix: format!("sluice-test-{}:", uuid::Uuid::now_v7()),
+            params: params.to_string(),
+        }
+    }
+
+    /// A plain connection to the server, for looking at keys.
+    pub fn raw(&self) -> redis::Connection {
+        let client = redis::Client::open(self.server.as_str()).expect("redis url");
+        client.get_connection().expect("connect to redis")
+    }
+}
+
+impl Drop for RedisPrefix {
+    fn drop(&mut self) {
+        let Ok(client) = redis::Client::open(self.server.as_str()) else { return };
+        let Ok(mut c) = client.get_connection() else { return };
+        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query(&mut c).unwrap_or_default();
+        for chunk in keys.chunks(500) {
+            let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut c);
+        }
+    }
+}
+
+impl Place for RedisPrefix {
+    type Broker = sluice::broker::redis::Redis;
+
+    fn url(&self) -> String {
+        format!("{}?prefix={}{}", self.server, self.prefix, self.params)
+    }
+
+    async fn connect(&self) -> Self::Broker {
+        sluice::broker::redis::Redis::connect(&self.url()).await.expect("connect to redis")
+    }
+
+    /// Entries in the stream, delivered or not: a killed runner's deliveries count until
+    /// they are acked, as on RabbitMQ. (Delayed copies not yet due do not count.)
+    async fn depth(&self, queue: &str) -> u32 {
+        let mut c = self.raw();
+        redis::cmd("XLEN").arg(format!("{}s:{queue}", self.prefix)).query(&mut c).expect("XLEN")
+    }
 }
 
 /// An HTTP client for the tests, with the TLS provider `sluice` installs.

@@ -23,14 +23,18 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
-use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route, settings_differing};
+use super::super::declaration::{settings_differing, unsupported};
+use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route};
 use super::writer::Registration;
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::ATTEMPT_HEADER;
 use crate::runtime::outcome::{Reason, attempt_in, dead_letter_headers};
 use crate::topology::route;
-use crate::topology::{BindingDecl, Plan, QueueDecl};
+use crate::topology::{BindingDecl, Plan};
+
+/// This broker, as a refused declaration names it.
+const BROKER: &str = "the embedded broker";
 
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -652,7 +656,7 @@ impl Store {
     /// what is missing.
     pub fn declare(&self, db: &Connection, plan: &Plan) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
-        if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q)?))) {
+        if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q, BROKER)?))) {
             return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name)));
         }
         if let Some(Drift::Conflict { what, name, detail }) =
@@ -1214,7 +1218,7 @@ impl Store {
             }
         }
         for q in &plan.queues {
-            if let Some(detail) = unsupported(q) {
+            if let Some(detail) = unsupported(q, BROKER) {
                 drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
                 continue;
             }
@@ -1278,24 +1282,4 @@ impl Store {
         }
         Ok(())
     }
-}
-
-/// What of a queue's declaration this broker cannot honour, said as a person can act on it.
-fn unsupported(q: &QueueDecl) -> Option<String> {
-    let mut settings = Vec::new();
-    if q.message_ttl_ms.is_some() {
-        settings.push("message_ttl".to_string());
-    }
-    if q.max_priority.is_some() {
-        settings.push("priority".to_string());
-    }
-    settings.extend(q.arguments.keys().map(|name| format!("arguments.{name}")));
-    (!settings.is_empty()).then(|| {
-        format!(
-            "{}: the embedded broker cannot honour {}; remove {} or run on RabbitMQ (--broker amqp://...)",
-            settings.join(", "),
-            if settings.len() == 1 { "it" } else { "them" },
-            if settings.len() == 1 { "it" } else { "them" },
-        )
-    })
 }

@@ -1,0 +1,1193 @@
+//! The Redis broker: the [`Broker`] trait on Redis 7.0 streams, for teams that run Redis and
+//! no RabbitMQ. Many processes on many hosts share one deployment (a key prefix on one server).
+//!
+//! - The topology (exchanges, queues with their settings, bindings) lives in Redis, so any
+//!   process can publish; sluice routes at publish time with [`route`](super::route), as the
+//!   embedded broker does, and writes the copy of every queue reached in one script, or none
+//!   (a queue at its `max_length` refuses: reject-publish, a nack). A script checks that the
+//!   topology is the one routed on (a version bumped by every declare and unbind).
+//! - A queue is a stream with one consumer group; a message is one entry whose fields hold the
+//!   body and properties. Consumers read new entries with `XREADGROUP` up to their prefetch;
+//!   an ack removes the entry (`XACK` + `XDEL`, only while it is still this consumer's).
+//! - Leases are the pending list's idle time: a live consumer renews its entries every third of
+//!   the lease; a killed one's are taken back with `XAUTOCLAIM` by the next live consumer once
+//!   idle past the lease (default 30 s, `?lease=` in the URL). Closing a consumer hands its
+//!   unsettled entries back at once, to be delivered first, in stream order.
+//! - A delayed copy waits in a sorted set scored by its due time; consumers move what came
+//!   due into the stream, and wait no longer than the earliest due time: delays are exact, with
+//!   no head-of-line blocking. Writes wake consumers through a pub/sub channel; a consumer
+//!   also looks every [`POLL`] in case a wake-up was lost with a connection.
+//! - A single-active-consumer queue delivers only to the holder of a lease key (`SET NX PX`,
+//!   renewed with the pending entries).
+//!
+//! Durability is the server's: Redis answers before it writes to disk unless it runs with
+//! `appendonly yes` and `appendfsync always` (see [`Persistence`]); replicas are asynchronous.
+//!
+//! URL: `redis://[user:password@]host:port[/db][?prefix=P&lease=DUR]` or `rediss://` (TLS);
+//! `prefix` (default `sluice:`) keeps deployments and tests on one server apart.
+
+mod scripts;
+
+use std::collections::{BTreeMap, HashMap};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt as _};
+use redis::Value;
+use redis::aio::ConnectionManager;
+use tokio::sync::{Notify, mpsc as channel};
+use tokio_util::sync::CancellationToken;
+
+use self::scripts::Scripts;
+use super::declaration::{settings_differing, unsupported};
+use super::{
+    BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
+    QueueStats, Route,
+};
+use crate::config::ExchangeKind;
+use crate::config::suggest::did_you_mean;
+use crate::topology::route;
+use crate::topology::{BindingDecl, Plan};
+
+/// How long a delivered entry stays leased to its consumer without a renewal, unless the URL
+/// says otherwise (`?lease=`).
+pub const LEASE: Duration = Duration::from_secs(30);
+
+/// The longest a consumer waits without looking (for a wake-up lost with a connection, and to
+/// take back what a closed consumer handed back or a dead one left).
+pub const POLL: Duration = Duration::from_secs(1);
+
+/// The most entries one claim takes (a browse's window may be larger): each claim is a script
+/// that holds the server while it runs.
+const CLAIM_MAX: usize = 1024;
+
+/// How long a consumer counts as live after its last claim (it claims at least every [`POLL`]).
+const REGISTRATION: Duration = Duration::from_secs(3);
+
+/// This broker, as a refused declaration names it.
+const BROKER: &str = "the Redis broker";
+
+/// The default key prefix.
+pub const DEFAULT_PREFIX: &str = "sluice:";
+
+/// Where a deployment is: the server's URL (without sluice's own parameters), the key prefix
+/// and the lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    pub url: String,
+    pub prefix: String,
+    pub lease: Duration,
+}
+
+impl Location {
+    /// Parses `redis://…` or `rediss://…`, taking `prefix` and `lease` out of the query.
+    pub fn parse(url: &str) -> Result<Location, BrokerError> {
+        let bad = |reason: String| BrokerError::Connect { url: super::amqp::redact(url), reason };
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let (mut prefix, mut lease, mut rest) = (DEFAULT_PREFIX.to_string(), LEASE, Vec::new());
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("prefix", value)) if !value.is_empty() => prefix = value.to_string(),
+                Some(("lease", value)) => {
+                    lease =
+                        crate::config::parse_duration(value).filter(|d| *d >= Duration::from_millis(300)).ok_or_else(
+                            || bad(format!("lease={value}: expected a duration of at least 300ms, e.g. 30s")),
+                        )?;
+                }
+                Some(("prefix", _)) => return Err(bad("prefix= is empty".into())),
+                _ => rest.push(pair),
+            }
+        }
+        let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
+        Ok(Location { url, prefix, lease })
+    }
+}
+
+/// What the server says of its persistence (`CONFIG GET`), for the start line and `plan`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Persistence {
+    pub appendonly: String,
+    pub appendfsync: String,
+    pub save: String,
+}
+
+impl Persistence {
+    /// Whether a restart of the server would lose queued messages: without the append-only
+    /// file, everything since the last snapshot (or everything, with no snapshots).
+    pub fn loses_on_restart(&self) -> bool {
+        self.appendonly != "yes"
+    }
+
+    /// A warning to show, when the server's persistence loses messages.
+    pub fn warning(&self) -> Option<String> {
+        if self.loses_on_restart() {
+            Some(format!(
+                "Redis runs with appendonly no (save \"{}\"): a restart loses the messages queued since the last snapshot; set appendonly yes and appendfsync always to lose nothing confirmed",
+                self.save
+            ))
+        } else if self.appendfsync != "always" {
+            Some(format!(
+                "Redis runs with appendfsync {}: a machine crash (not a restart) may lose about a second of confirmed messages; appendfsync always loses none",
+                self.appendfsync
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+impl std::fmt::Display for Persistence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "appendonly {}, appendfsync {}, save \"{}\"", self.appendonly, self.appendfsync, self.save)
+    }
+}
+
+/// The topology as Redis keeps it: the version, exchanges' kinds, queues' declarations, their
+/// body limits, and the bindings.
+type Stored = (Option<String>, HashMap<String, String>, HashMap<String, String>, HashMap<String, u64>, Vec<String>);
+
+/// The topology as last read, with the version it was read at.
+#[derive(Default)]
+struct Topology {
+    version: String,
+    exchanges: HashMap<String, ExchangeKind>,
+    /// Each queue's maximum length and single-active flag.
+    queues: HashMap<String, QueueRule>,
+    bindings: Vec<BindingDecl>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct QueueRule {
+    max_length: Option<u64>,
+    single_active: bool,
+    max_body: Option<usize>,
+}
+
+/// A session with a Redis deployment. Cheap to clone; clones share the connection.
+#[derive(Clone)]
+pub struct Redis {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: redis::Client,
+    connection: ConnectionManager,
+    location: Location,
+    scripts: Scripts,
+    topology: Mutex<Option<Arc<Topology>>>,
+    /// Per queue: poked when its stream may have something new (the wake channel).
+    wakers: Mutex<HashMap<String, Arc<Notify>>>,
+    listening: AtomicBool,
+    connected: AtomicBool,
+    stop: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A Redis error as the broker's: a lost connection can be retried on another session.
+fn lost(e: redis::RedisError) -> BrokerError {
+    BrokerError::Lost(format!("redis: {e}"))
+}
+
+impl Redis {
+    /// Connects to the deployment `url` names.
+    pub async fn connect(url: &str) -> Result<Redis, BrokerError> {
+        let location = Location::parse(url)?;
+        let shown = super::amqp::redact(url);
+        let client = redis::Client::open(location.url.as_str())
+            .map_err(|e| BrokerError::Connect { url: shown.clone(), reason: e.to_string() })?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(5)))
+            .set_response_timeout(Some(Duration::from_secs(15)))
+            .set_number_of_retries(2);
+        let connection = ConnectionManager::new_with_config(client.clone(), config).await.map_err(|e| {
+            let reason = e.to_string();
+            if matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) || reason.contains("NOAUTH") {
+                BrokerError::Refused { url: shown.clone(), reason }
+            } else {
+                BrokerError::Connect { url: shown.clone(), reason }
+            }
+        })?;
+        let inner = Inner {
+            client,
+            connection,
+            location,
+            scripts: Scripts::new(),
+            topology: Mutex::new(None),
+            wakers: Mutex::new(HashMap::new()),
+            listening: AtomicBool::new(false),
+            connected: AtomicBool::new(true),
+            stop: CancellationToken::new(),
+        };
+        Ok(Redis { inner: Arc::new(inner) })
+    }
+
+    /// The key prefix of this deployment.
+    pub fn prefix(&self) -> &str {
+        &self.inner.location.prefix
+    }
+
+    /// The server's persistence settings, when `CONFIG GET` is allowed (managed services
+    /// often refuse it).
+    pub async fn persistence(&self) -> Option<Persistence> {
+        let mut c = self.conn();
+        let get = |name: &'static str| {
+            let mut cmd = redis::cmd("CONFIG");
+            cmd.arg("GET").arg(name);
+            cmd
+        };
+        let mut pipe = redis::pipe();
+        pipe.add_command(get("appendonly")).add_command(get("appendfsync")).add_command(get("save"));
+        let answers: Vec<Vec<String>> = pipe.query_async(&mut c).await.ok()?;
+        let value = |i: usize| answers.get(i).and_then(|a| a.get(1)).cloned();
+        Some(Persistence { appendonly: value(0)?, appendfsync: value(1)?, save: value(2)? })
+    }
+
+    fn conn(&self) -> ConnectionManager {
+        self.inner.connection.clone()
+    }
+
+    fn key(&self, what: &str) -> String {
+        format!("{}{what}", self.inner.location.prefix)
+    }
+
+    fn stream(&self, queue: &str) -> String {
+        self.key(&format!("s:{queue}"))
+    }
+
+    fn wake_channel(&self) -> String {
+        self.key("wake")
+    }
+
+    /// The topology, read again when `stale` or never read.
+    async fn topology(&self, stale: bool) -> Result<Arc<Topology>, BrokerError> {
+        if !stale && let Some(t) = lock(&self.inner.topology).clone() {
+            return Ok(t);
+        }
+        let mut c = self.conn();
+        let (version, exchanges, queues, limits, bindings): Stored = redis::pipe()
+            .atomic()
+            .get(self.key("v"))
+            .hgetall(self.key("x"))
+            .hgetall(self.key("q"))
+            .hgetall(self.key("limits"))
+            .smembers(self.key("b"))
+            .query_async(&mut c)
+            .await
+            .map_err(lost)?;
+        let kinds = [ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers];
+        let exchanges = exchanges
+            .into_iter()
+            .filter_map(|(name, kind)| Some((name, kinds.into_iter().find(|k| k.as_str() == kind)?)))
+            .collect();
+        let queues = queues
+            .into_iter()
+            .map(|(name, declaration)| {
+                let d: serde_json::Value = serde_json::from_str(&declaration).unwrap_or_default();
+                let rule = QueueRule {
+                    max_length: d.get("max_length").and_then(serde_json::Value::as_u64),
+                    single_active: d.get("single_active_consumer").and_then(serde_json::Value::as_bool) == Some(true),
+                    max_body: limits.get(&name).and_then(|m| usize::try_from(*m).ok()),
+                };
+                (name, rule)
+            })
+            .collect();
+        let bindings = bindings.iter().filter_map(|b| binding_from(b)).collect();
+        let topology = Arc::new(Topology { version: version.unwrap_or_default(), exchanges, queues, bindings });
+        *lock(&self.inner.topology) = Some(topology.clone());
+        Ok(topology)
+    }
+
+    /// The queues a message reaches under `t` (at least one), sorted.
+    fn route(t: &Topology, exchange: &str, routing_key: &str, headers: &Headers) -> Result<Vec<String>, BrokerError> {
+        let mut targets: Vec<String> = if exchange.is_empty() {
+            t.queues.keys().filter(|q| *q == routing_key).cloned().collect()
+        } else {
+            let kind = t
+                .exchanges
+                .get(exchange)
+                .copied()
+                .or(ExchangeKind::builtin(exchange))
+                .ok_or_else(|| missing(t, "exchange", exchange))?;
+            t.bindings
+                .iter()
+                .filter(|b| {
+                    b.exchange == exchange && route::routes(kind, &b.routing_key, &b.arguments, routing_key, headers)
+                })
+                .map(|b| b.queue.clone())
+                .collect()
+        };
+        targets.sort();
+        targets.dedup();
+        if targets.is_empty() {
+            return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
+        }
+        Ok(targets)
+    }
+
+    /// Writes `message` into every queue of `targets` or none, under topology version
+    /// `version` (`*`: any), refused by a full queue as a nack on `exchange`.
+    async fn write(
+        &self,
+        t: &Topology,
+        version: &str,
+        targets: &[String],
+        exchange: &str,
+        message: &Message,
+    ) -> Result<Written, BrokerError> {
+        let mut invocation = self.inner.scripts.publish.prepare_invoke();
+        invocation.key(self.key("v")).arg(version);
+        for q in targets {
+            invocation.key(self.stream(q));
+            let max = t.queues.get(q).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default();
+            invocation.arg(max);
+        }
+        invocation.arg(self.wake_channel());
+        for (name, value) in message.fields() {
+            invocation.arg(name).arg(value);
+        }
+        let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+        answer_of(&answer, targets, exchange)
+    }
+
+    /// Writes a copy into `queue` alone (delayed when `delay` is not zero).
+    async fn send_copy(&self, queue: &str, delay: Duration, message: &Message) -> Result<(), BrokerError> {
+        let targets = [queue.to_string()];
+        if delay.is_zero() {
+            let t = self.topology(false).await?;
+            let written = match self.write(&t, "*", &targets, "", message).await? {
+                Written::Missing(_) => {
+                    let t = self.topology(true).await?;
+                    self.write(&t, "*", &targets, "", message).await?
+                }
+                w => w,
+            };
+            return written.done(queue);
+        }
+        let id = uuid::Uuid::now_v7().to_string();
+        let mut invocation = self.inner.scripts.delay.prepare_invoke();
+        invocation
+            .key(self.key(&format!("d:{queue}")))
+            .key(self.key(&format!("m:{id}")))
+            .key(self.stream(queue))
+            .arg(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX))
+            .arg(&id)
+            .arg(self.wake_channel());
+        for (name, value) in message.fields() {
+            invocation.arg(name).arg(value);
+        }
+        let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+        answer_of(&answer, &targets, "")?.done(queue)
+    }
+
+    /// The notifier of `queue`'s consumers in this session, listening on the wake channel
+    /// from the first.
+    fn waker(&self, queue: &str) -> Arc<Notify> {
+        if !self.inner.listening.swap(true, Ordering::SeqCst) {
+            tokio::spawn(listen(Arc::downgrade(&self.inner), self.wake_channel(), self.inner.stop.clone()));
+        }
+        lock(&self.inner.wakers).entry(self.stream(queue)).or_default().clone()
+    }
+
+    async fn open_consumer(&self, queue: &str, prefetch: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
+        let t = self.topology(false).await?;
+        let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
+        let rule = *t.queues.get(queue).ok_or_else(|| missing(&t, "queue", queue))?;
+        let state = Arc::new(ConsumerState {
+            name: uuid::Uuid::now_v7().to_string(),
+            queue: queue.into(),
+            // AMQP's prefetch 0 is no limit.
+            prefetch: if prefetch == 0 { usize::from(u16::MAX) } else { usize::from(prefetch) },
+            single_active: rule.single_active,
+            unsettled: Mutex::new(std::collections::BTreeSet::new()),
+            room: Arc::new(Notify::new()),
+            cancelled: CancellationToken::new(),
+            closed: CancellationToken::new(),
+            live: Arc::new(AtomicBool::new(true)),
+        });
+        let (sender, receiver) = channel::unbounded_channel();
+        let wake = self.waker(queue);
+        tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender, wake));
+        Ok((RedisDeliveries(receiver), RedisConsumer { broker: self.clone(), state }))
+    }
+
+    /// What `queue`'s stream holds: ready, live consumers, held by dead ones, delayed.
+    async fn counts(&self, queue: &str) -> Result<[u32; 4], BrokerError> {
+        let t = self.topology(false).await?;
+        let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
+        if !t.queues.contains_key(queue) {
+            return Err(missing(&t, "queue", queue));
+        }
+        let counts: Vec<i64> = self
+            .inner
+            .scripts
+            .counts
+            .key(self.stream(queue))
+            .key(self.key(&format!("c:{queue}")))
+            .key(self.key(&format!("d:{queue}")))
+            .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(lost)?;
+        let at = |i: usize| u32::try_from(counts.get(i).copied().unwrap_or(0).max(0)).unwrap_or(u32::MAX);
+        Ok([at(0), at(1), at(2), at(3)])
+    }
+}
+
+/// An exchange or queue the deployment does not have, with the closest name it has, or
+/// saying that nothing is declared at all (a mistyped prefix or database).
+fn missing(t: &Topology, what: &str, name: &str) -> BrokerError {
+    if t.exchanges.is_empty() && t.queues.is_empty() {
+        return BrokerError::NotFound(format!(
+            "{what} \"{name}\": the broker is empty, nothing is declared under this prefix (`sluice run` declares the pipelines' exchanges and queues)"
+        ));
+    }
+    let close = match what {
+        "exchange" => did_you_mean(name, t.exchanges.keys().map(String::as_str)),
+        _ => did_you_mean(name, t.queues.keys().map(String::as_str)),
+    };
+    BrokerError::NotFound(format!("{what} \"{name}\"{close}"))
+}
+
+/// The outcome of a write script.
+enum Written {
+    Ok,
+    Stale,
+    /// The queue (by name) has no stream: undeclared.
+    Missing(String),
+}
+
+impl Written {
+    fn done(self, queue: &str) -> Result<(), BrokerError> {
+        match self {
+            Written::Ok => Ok(()),
+            Written::Stale => Err(BrokerError::Lost("the topology kept changing during a publish".into())),
+            Written::Missing(q) => {
+                Err(BrokerError::NotFound(format!("queue \"{}\"", if q.is_empty() { queue } else { &q })))
+            }
+        }
+    }
+}
+
+/// Reads a write script's answer; a full queue is a nack on `exchange`.
+fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written, BrokerError> {
+    let nth =
+        |i: &str| i.parse::<usize>().ok().and_then(|i| targets.get(i.wrapping_sub(1))).cloned().unwrap_or_default();
+    match answer.split_once(':') {
+        None if answer == "OK" => Ok(Written::Ok),
+        None if answer == "STALE" => Ok(Written::Stale),
+        Some(("MISSING", i)) => Ok(Written::Missing(nth(i))),
+        Some(("FULL", i)) => {
+            tracing::debug!(queue = %nth(i), "redis broker: queue full, publish refused (reject-publish)");
+            Err(BrokerError::Nacked { exchange: exchange.into() })
+        }
+        _ => Err(BrokerError::Lost(format!("redis: unexpected answer from a script: {answer}"))),
+    }
+}
+
+/// A binding as stored (its JSON).
+fn binding_text(b: &BindingDecl) -> String {
+    serde_json::to_string(b).unwrap_or_default()
+}
+
+fn binding_from(text: &str) -> Option<BindingDecl> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let s = |name: &str| v.get(name).and_then(serde_json::Value::as_str).map(str::to_string);
+    let arguments = match v.get("arguments") {
+        Some(serde_json::Value::Object(map)) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        _ => BTreeMap::new(),
+    };
+    Some(BindingDecl { exchange: s("exchange")?, queue: s("queue")?, routing_key: s("routing_key")?, arguments })
+}
+
+/// Listens on the wake channel, poking the consumers of the stream each message names;
+/// reconnects after a loss (consumers look every [`POLL`] meanwhile). Ends with the session.
+async fn listen(inner: Weak<Inner>, channel: String, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let Some(client) = inner.upgrade().map(|i| i.client.clone()) else { return };
+        let subscribed = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        };
+        let pubsub = tokio::select! {
+            () = stop.cancelled() => return,
+            p = subscribed => p,
+        };
+        if let Ok(mut pubsub) = pubsub {
+            backoff = Duration::from_millis(100);
+            let mut messages = pubsub.on_message();
+            loop {
+                let message = tokio::select! {
+                    () = stop.cancelled() => return,
+                    m = messages.next() => m,
+                };
+                let Some(message) = message else { break };
+                let Some(inner) = inner.upgrade() else { return };
+                let stream: String = message.get_payload().unwrap_or_default();
+                if let Some(notify) = lock(&inner.wakers).get(&stream) {
+                    notify.notify_waiters();
+                }
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// A message's body and properties, as a stream entry's fields hold them.
+#[derive(Debug, Clone, Default)]
+struct Message {
+    body: Bytes,
+    message_id: Option<String>,
+    kind: Option<String>,
+    timestamp: Option<u64>,
+    headers: Headers,
+    route: Option<Route>,
+}
+
+impl Message {
+    /// The entry's fields: body `b`, then the properties present.
+    fn fields(&self) -> Vec<(&'static str, Vec<u8>)> {
+        let mut fields = vec![("b", self.body.to_vec())];
+        if let Some(id) = &self.message_id {
+            fields.push(("i", id.clone().into_bytes()));
+        }
+        if let Some(kind) = &self.kind {
+            fields.push(("k", kind.clone().into_bytes()));
+        }
+        if let Some(ts) = self.timestamp {
+            fields.push(("t", ts.to_string().into_bytes()));
+        }
+        if !self.headers.is_empty() {
+            let headers: serde_json::Map<String, serde_json::Value> =
+                self.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
+            fields.push(("h", serde_json::Value::Object(headers).to_string().into_bytes()));
+        }
+        if let Some(route) = &self.route {
+            fields.push(("x", route.exchange.clone().into_bytes()));
+            fields.push(("r", route.routing_key.clone().into_bytes()));
+        }
+        fields
+    }
+
+    /// Reads an entry's fields (name, value, name, value, ...).
+    fn from_fields(fields: &[Value]) -> Message {
+        let mut m = Message::default();
+        let (mut exchange, mut routing_key) = (None, None);
+        for pair in fields.chunks(2) {
+            let [Value::BulkString(name), Value::BulkString(value)] = pair else { continue };
+            let text = || String::from_utf8_lossy(value).into_owned();
+            match name.as_slice() {
+                b"b" => m.body = Bytes::copy_from_slice(value),
+                b"i" => m.message_id = Some(text()),
+                b"k" => m.kind = Some(text()),
+                b"t" => m.timestamp = text().parse().ok(),
+                b"h" => m.headers = headers_from(value),
+                b"x" => exchange = Some(text()),
+                b"r" => routing_key = Some(text()),
+                _ => {}
+            }
+        }
+        if let (Some(exchange), Some(routing_key)) = (exchange, routing_key) {
+            m.route = Some(Route { exchange, routing_key });
+        }
+        m
+    }
+}
+
+/// Headers from their JSON object: strings and integers (anything else as its JSON text).
+fn headers_from(json: &[u8]) -> Headers {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(json) else { return Headers::new() };
+    map.into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                serde_json::Value::String(s) => HeaderValue::Str(s),
+                serde_json::Value::Number(n) if n.is_i64() => HeaderValue::Int(n.as_i64().unwrap_or_default()),
+                other => HeaderValue::Str(other.to_string()),
+            };
+            (k, v)
+        })
+        .collect()
+}
+
+struct ConsumerState {
+    /// Its name in the consumer group.
+    name: String,
+    queue: String,
+    prefetch: usize,
+    single_active: bool,
+    /// Entry ids delivered and not yet acked; changed under this lock together with `live`.
+    unsettled: Mutex<std::collections::BTreeSet<String>>,
+    /// Poked by an ack: there may be room for more.
+    room: Arc<Notify>,
+    cancelled: CancellationToken,
+    closed: CancellationToken,
+    live: Arc<AtomicBool>,
+}
+
+/// A consumer's task: claims what fits its prefetch when woken (a write to its stream, an ack)
+/// or at the latest after [`POLL`] or when the earliest delayed copy comes due; renews its
+/// leases every third of the lease. Ends when the consumer closes, when it is cancelled with
+/// nothing left unsettled, or when every handle to it is gone without a close (its leases then
+/// run out, as a killed process's do).
+async fn consume(
+    broker: Redis,
+    state: Weak<ConsumerState>,
+    sender: channel::UnboundedSender<Result<RedisDelivery, BrokerError>>,
+    wake: Arc<Notify>,
+) {
+    let lease = broker.inner.location.lease;
+    let mut sender = Some(sender);
+    let (mut last_renew, mut last_reclaim) = (Instant::now(), None::<Instant>);
+    let mut failures = 0u32;
+    loop {
+        let Some(s) = state.upgrade() else { return };
+        if s.closed.is_cancelled() {
+            return;
+        }
+        let woken = wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        let delivering = sender.is_some() && !s.cancelled.is_cancelled();
+        let room = if delivering { s.prefetch.saturating_sub(lock(&s.unsettled).len()).min(CLAIM_MAX) } else { 0 };
+        let renew = last_renew.elapsed() >= lease / 3;
+        // A single active consumer takes back what was handed back before anything new, on
+        // every read: the queue's order is the point of it.
+        let reclaim = delivering && (s.single_active || last_reclaim.is_none_or(|at| at.elapsed() >= POLL));
+        let claimed: Result<Vec<Value>, _> = broker
+            .inner
+            .scripts
+            .claim
+            .key(broker.stream(&s.queue))
+            .key(broker.key(&format!("d:{}", s.queue)))
+            .key(broker.key(&format!("sac:{}", s.queue)))
+            .key(broker.key(&format!("c:{}", s.queue)))
+            .arg(&s.name)
+            .arg(room)
+            .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
+            .arg(u8::from(reclaim))
+            .arg(broker.key("m:"))
+            .arg(u8::from(renew))
+            .arg(u8::from(s.single_active))
+            .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
+            .invoke_async(&mut broker.conn())
+            .await;
+        let mut wait = POLL;
+        let mut full = false;
+        match claimed {
+            Ok(answer) => {
+                failures = 0;
+                if renew {
+                    last_renew = Instant::now();
+                }
+                if reclaim {
+                    last_reclaim = Some(Instant::now());
+                }
+                if let Some(Value::Int(ms)) = answer.first()
+                    && *ms >= 0
+                {
+                    wait = wait.min(Duration::from_millis(u64::try_from(*ms).unwrap_or(0)));
+                }
+                let entries: Vec<(String, Message)> = answer[1.min(answer.len())..]
+                    .chunks(2)
+                    .filter_map(|pair| match pair {
+                        [Value::BulkString(id), Value::Array(fields)] => {
+                            Some((String::from_utf8_lossy(id).into_owned(), Message::from_fields(fields)))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                full = room > 0 && entries.len() >= room;
+                if let Some(out) = &sender {
+                    deliver(&broker, &s, out, entries).await;
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(queue = %s.queue, error = %e, "redis broker: cannot claim messages; trying again");
+                // A consumer that cannot reach Redis for a lease's time has lost its leases:
+                // its stream ends, and the runtime reconnects.
+                if failures >= 5
+                    && let Some(out) = sender.take()
+                {
+                    let _ = out.send(Err(lost(e)));
+                }
+            }
+        }
+        if s.cancelled.is_cancelled() {
+            sender = None;
+            if lock(&s.unsettled).is_empty() {
+                hand_back(&broker, &s).await;
+                return;
+            }
+        }
+        if full {
+            continue;
+        }
+        let closed = s.closed.clone();
+        let cancelled = s.cancelled.clone();
+        let room_freed = s.room.clone();
+        drop(s);
+        let (cancel_wait, delivering) = (cancelled.clone(), sender.is_some());
+        tokio::select! {
+            () = closed.cancelled() => return,
+            () = cancel_wait.cancelled(), if delivering => {}
+            () = &mut woken => {}
+            () = room_freed.notified() => {}
+            () = tokio::time::sleep(wait) => {}
+        }
+        if state.strong_count() == 0 {
+            return;
+        }
+    }
+}
+
+/// Hands claimed entries to the stream, or back if the consumer closed meanwhile.
+async fn deliver(
+    broker: &Redis,
+    s: &Arc<ConsumerState>,
+    out: &channel::UnboundedSender<Result<RedisDelivery, BrokerError>>,
+    entries: Vec<(String, Message)>,
+) {
+    if entries.is_empty() {
+        return;
+    }
+    let mut unsettled = lock(&s.unsettled);
+    if !s.live.load(Ordering::SeqCst) {
+        drop(unsettled);
+        hand_back(broker, s).await;
+        return;
+    }
+    for (id, message) in entries {
+        unsettled.insert(id.clone());
+        let delivery = RedisDelivery { id, body: message.body.clone(), message, live: s.live.clone() };
+        let _ = out.send(Ok(delivery));
+    }
+}
+
+/// Hands back every entry the consumer holds and forgets it.
+async fn hand_back(broker: &Redis, s: &ConsumerState) {
+    let idle = broker.inner.location.lease.saturating_mul(4);
+    let handed: Result<i64, _> = broker
+        .inner
+        .scripts
+        .hand_back
+        .key(broker.stream(&s.queue))
+        .key(broker.key(&format!("c:{}", s.queue)))
+        .key(broker.key(&format!("sac:{}", s.queue)))
+        .arg(&s.name)
+        .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX))
+        .arg(broker.wake_channel())
+        .invoke_async(&mut broker.conn())
+        .await;
+    if let Err(e) = handed {
+        tracing::warn!(queue = %s.queue, error = %e, "redis broker: cannot hand deliveries back; they come back when their lease runs out");
+    }
+}
+
+/// A delivery from the Redis broker.
+pub struct RedisDelivery {
+    id: String,
+    body: Bytes,
+    message: Message,
+    live: Arc<AtomicBool>,
+}
+
+impl RedisDelivery {
+    /// A copy of this message with `headers` merged over its own.
+    fn copy(&self, headers: Headers) -> Message {
+        let mut message = self.message.clone();
+        message.headers.extend(headers);
+        message
+    }
+}
+
+impl Delivery for RedisDelivery {
+    fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    fn header(&self, name: &str) -> Option<HeaderValue> {
+        self.message.headers.get(name).cloned()
+    }
+
+    fn timestamp(&self) -> Option<u64> {
+        self.message.timestamp
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.message.message_id.as_deref()
+    }
+
+    fn route(&self) -> Option<&Route> {
+        self.message.route.as_ref()
+    }
+
+    fn headers(&self) -> BTreeMap<String, serde_json::Value> {
+        self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
+    }
+
+    fn is_live(&self) -> bool {
+        self.live.load(Ordering::SeqCst)
+    }
+}
+
+/// The deliveries of one consumer.
+pub struct RedisDeliveries(channel::UnboundedReceiver<Result<RedisDelivery, BrokerError>>);
+
+impl Stream for RedisDeliveries {
+    type Item = Result<RedisDelivery, BrokerError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// A consumer of the Redis broker. Cheap to clone; clones share the consumer.
+#[derive(Clone)]
+pub struct RedisConsumer {
+    broker: Redis,
+    state: Arc<ConsumerState>,
+}
+
+impl Consumer for RedisConsumer {
+    type Delivery = RedisDelivery;
+
+    /// A failed ack changes nothing: the entries stay pending for this consumer, renewed, to
+    /// be acked again. An entry whose lease ran out and that another consumer took is left to it.
+    async fn ack(&self, settled: &[RedisDelivery]) -> Result<(), BrokerError> {
+        let s = &self.state;
+        if !s.live.load(Ordering::SeqCst) {
+            return Err(BrokerError::Lost("consumer closed".into()));
+        }
+        if settled.is_empty() {
+            return Ok(());
+        }
+        let mut invocation = self.broker.inner.scripts.ack.key(self.broker.stream(&s.queue));
+        invocation.arg(&s.name);
+        for d in settled {
+            invocation.arg(&d.id);
+        }
+        let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
+        let mut unsettled = lock(&s.unsettled);
+        for d in settled {
+            unsettled.remove(&d.id);
+        }
+        drop(unsettled);
+        s.room.notify_one();
+        Ok(())
+    }
+
+    async fn cancel(&self) -> Result<(), BrokerError> {
+        self.state.cancelled.cancel();
+        self.state.room.notify_one();
+        Ok(())
+    }
+
+    async fn close(&self) {
+        let s = &self.state;
+        {
+            let mut unsettled = lock(&s.unsettled);
+            s.live.store(false, Ordering::SeqCst);
+            unsettled.clear();
+        }
+        s.cancelled.cancel();
+        s.closed.cancel();
+        hand_back(&self.broker, s).await;
+    }
+}
+
+impl Broker for Redis {
+    type Delivery = RedisDelivery;
+    type Deliveries = RedisDeliveries;
+    type Consumer = RedisConsumer;
+
+    /// Checks everything first (a conflict changes nothing), then writes what is missing and
+    /// makes each queue's stream and consumer group.
+    async fn declare(&self, plan: &Plan) -> Result<(), BrokerError> {
+        if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q, BROKER)?))) {
+            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name)));
+        }
+        if let Some(Drift::Conflict { what, name, detail }) =
+            self.drift(plan).await?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
+        {
+            return Err(BrokerError::Conflict(format!("{what} \"{name}\" conflicts with what exists: {detail}")));
+        }
+        let mut pipe = redis::pipe();
+        for x in &plan.exchanges {
+            pipe.hset_nx(self.key("x"), &x.name, x.kind.as_str()).ignore();
+        }
+        for q in &plan.queues {
+            let declared = serde_json::to_string(q).map_err(|e| BrokerError::Conflict(e.to_string()))?;
+            pipe.hset_nx(self.key("q"), &q.name, declared).ignore();
+            match q.max_message_bytes {
+                Some(max) => pipe.hset(self.key("limits"), &q.name, max as u64).ignore(),
+                None => pipe.hdel(self.key("limits"), &q.name).ignore(),
+            };
+        }
+        for b in &plan.bindings {
+            pipe.sadd(self.key("b"), binding_text(b)).ignore();
+        }
+        pipe.incr(self.key("v"), 1).ignore();
+        pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
+        for q in &plan.queues {
+            let made: Result<(), redis::RedisError> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(self.stream(&q.name))
+                .arg("g")
+                .arg("0")
+                .arg("MKSTREAM")
+                .query_async(&mut self.conn())
+                .await;
+            match made {
+                Err(e) if e.code() != Some("BUSYGROUP") => return Err(lost(e)),
+                _ => {}
+            }
+        }
+        self.topology(true).await?;
+        Ok(())
+    }
+
+    async fn unbind(&self, bindings: &[BindingDecl]) -> Result<(), BrokerError> {
+        let mut pipe = redis::pipe();
+        for b in bindings {
+            pipe.srem(self.key("b"), binding_text(b)).ignore();
+        }
+        pipe.incr(self.key("v"), 1).ignore();
+        pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
+        self.topology(true).await?;
+        Ok(())
+    }
+
+    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        if message.priority.is_some() {
+            return Err(BrokerError::Conflict(
+                "the Redis broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
+            ));
+        }
+        let message = Message {
+            body: message.body.into(),
+            message_id: message.message_id,
+            kind: message.kind,
+            timestamp: message.timestamp,
+            headers: message.headers,
+            route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+        };
+        let mut stale = false;
+        for _ in 0..5 {
+            let t = self.topology(stale).await;
+            let t = match t {
+                Ok(t) => t,
+                Err(e) => return Err(e),
+            };
+            // An exchange or route unknown to a cached topology may have been declared since.
+            let targets = match Redis::route(&t, exchange, routing_key, &message.headers) {
+                Ok(targets) => targets,
+                Err(e) if stale => return Err(e),
+                Err(_) => {
+                    stale = true;
+                    continue;
+                }
+            };
+            match self.write(&t, &t.version, &targets, exchange, &message).await? {
+                Written::Ok => return Ok(()),
+                Written::Stale | Written::Missing(_) => stale = true,
+            }
+        }
+        Err(BrokerError::Lost("the topology kept changing during a publish".into()))
+    }
+
+    async fn publish_delayed(
+        &self,
+        queue: &str,
+        delay: Duration,
+        original: &RedisDelivery,
+        headers: Headers,
+    ) -> Result<(), BrokerError> {
+        self.send_copy(queue, delay, &original.copy(headers)).await
+    }
+
+    async fn dead_letter(
+        &self,
+        dead_letter: &str,
+        original: &RedisDelivery,
+        headers: Headers,
+    ) -> Result<(), BrokerError> {
+        self.send_copy(dead_letter, Duration::ZERO, &original.copy(headers)).await
+    }
+
+    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
+        self.open_consumer(queue, prefetch).await
+    }
+
+    async fn body_limits(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> Result<Option<BodyLimits>, BrokerError> {
+        let t = self.topology(true).await?;
+        let targets = Redis::route(&t, exchange, routing_key, headers)?;
+        Ok(Some(targets.into_iter().map(|q| (q.clone(), t.queues.get(&q).and_then(|r| r.max_body))).collect()))
+    }
+
+    /// Ready: entries in the stream not delivered to a consumer, handed back, or whose lease ran
+    /// out with their consumer's life (not those delivered and unacked under a running lease,
+    /// nor delayed copies); consumers: those a live process renews.
+    async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
+        let [ready, consumers, _, _] = self.counts(queue).await?;
+        Ok(QueueStats { ready, consumers })
+    }
+
+    /// Delayed copies not yet due, and entries held by consumers no longer live (a killed
+    /// runner's, until their lease runs out and a live consumer takes them back), in every
+    /// declared queue.
+    async fn delayed(&self) -> Result<u32, BrokerError> {
+        let t = self.topology(true).await?;
+        let mut total = 0u32;
+        for queue in t.queues.keys() {
+            let [_, _, held, delayed] = self.counts(queue).await?;
+            total = total.saturating_add(held).saturating_add(delayed);
+        }
+        Ok(total)
+    }
+
+    /// A delayed copy is scored by its due time in milliseconds: any delay fits.
+    fn max_delay(&self) -> Option<Duration> {
+        None
+    }
+
+    fn is_connected(&self) -> bool {
+        self.inner.connected.load(Ordering::SeqCst)
+    }
+
+    async fn close(&self) {
+        self.inner.connected.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Operate for Redis {
+    async fn browse(&self, queue: &str, window: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
+        self.open_consumer(queue, window).await
+    }
+
+    async fn copy(&self, queue: &str, original: &RedisDelivery, edits: &Edits) -> Result<(), BrokerError> {
+        let mut message = original.message.clone();
+        edits.apply(&mut message.headers);
+        self.send_copy(queue, Duration::ZERO, &message).await
+    }
+
+    async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
+        let mut c = self.conn();
+        let (exchanges, queues, bindings): (HashMap<String, String>, HashMap<String, String>, Vec<String>) =
+            redis::pipe()
+                .atomic()
+                .hgetall(self.key("x"))
+                .hgetall(self.key("q"))
+                .smembers(self.key("b"))
+                .query_async(&mut c)
+                .await
+                .map_err(lost)?;
+        let mut drift = Vec::new();
+        for x in &plan.exchanges {
+            match exchanges.get(&x.name) {
+                None => drift.push(Drift::MissingExchange { name: x.name.clone() }),
+                Some(kind) if kind != x.kind.as_str() => drift.push(Drift::Conflict {
+                    what: "exchange".into(),
+                    name: x.name.clone(),
+                    detail: format!("type: declared {} but current is {kind}", x.kind.as_str()),
+                }),
+                Some(_) => {}
+            }
+        }
+        for q in &plan.queues {
+            if let Some(detail) = unsupported(q, BROKER) {
+                drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
+                continue;
+            }
+            let declared = serde_json::to_string(q).unwrap_or_default();
+            match queues.get(&q.name) {
+                None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
+                Some(existing) if *existing != declared => drift.push(Drift::Conflict {
+                    what: "queue".into(),
+                    name: q.name.clone(),
+                    detail: settings_differing(&declared, existing),
+                }),
+                Some(_) => {}
+            }
+        }
+        let bindings: std::collections::HashSet<String> = bindings.into_iter().collect();
+        for b in plan.bindings.iter().filter(|b| !bindings.contains(&binding_text(b))) {
+            drift.push(Drift::MissingBinding {
+                exchange: b.exchange.clone(),
+                queue: b.queue.clone(),
+                routing_key: b.routing_key.clone(),
+            });
+        }
+        Ok(drift)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_gives_its_prefix_and_lease_and_keeps_the_rest() {
+        let cases = [
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379", DEFAULT_PREFIX, LEASE),
+            ("redis://h:1/2?prefix=t1:", "redis://h:1/2", "t1:", LEASE),
+            (
+                "rediss://u:p@h:1?lease=2s&protocol=resp3",
+                "rediss://u:p@h:1?protocol=resp3",
+                DEFAULT_PREFIX,
+                Duration::from_secs(2),
+            ),
+        ];
+        for (url, base, prefix, lease) in cases {
+            let l = Location::parse(url).expect(url);
+            assert_eq!((l.url.as_str(), l.prefix.as_str(), l.lease), (base, prefix, lease), "{url}");
+        }
+        assert!(Location::parse("redis://h?lease=1ms").is_err());
+        assert!(Location::parse("redis://h?prefix=").is_err());
+    }
+
+    #[test]
+    fn message_fields_round_trip() {
+        let m = Message {
+            body: Bytes::from_static(b"{\"a\":1}\x00\xff"),
+            message_id: Some("m1".into()),
+            kind: Some("t".into()),
+            timestamp: Some(42),
+            headers: [("s".to_string(), HeaderValue::Str("v".into())), ("n".to_string(), HeaderValue::Int(-3))].into(),
+            route: Some(Route { exchange: "ev".into(), routing_key: "a.b".into() }),
+        };
+        let values: Vec<Value> = m
+            .fields()
+            .into_iter()
+            .flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), Value::BulkString(v)])
+            .collect();
+        let back = Message::from_fields(&values);
+        assert_eq!(back.body, m.body);
+        assert_eq!((back.message_id, back.kind, back.timestamp), (m.message_id, m.kind, m.timestamp));
+        assert_eq!(back.headers, m.headers);
+        assert_eq!(back.route, m.route);
+    }
+}

@@ -1,0 +1,214 @@
+//! The Lua scripts the Redis broker runs: each one step, atomic on the server. Redis 7.0:
+//! scripts replicate their effects, so `TIME` may decide what they write.
+//!
+//! Keys: `s:Q` the stream of queue Q (consumer group `g`), `d:Q` its delayed copies (a sorted
+//! set of ids scored by the due time in ms), `m:ID` a delayed copy's fields, `c:Q` its live
+//! consumers (a sorted set scored by when their registration runs out), `sac:Q` the single
+//! active consumer's lease, `v` the topology's version; all under the deployment's prefix.
+//! Consumer `returned` holds what a closing consumer handed back, idle past any lease, so
+//! that the next claim of any consumer takes it first, in stream order.
+
+use redis::Script;
+
+/// Functions the scripts share: the time in ms, and a stream's ready entries (not pending,
+/// or handed back).
+const PRELUDE: &str = r#"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function ready(s)
+  local p = redis.call('XPENDING', s, 'g')
+  local n = redis.call('XLEN', s) - p[1]
+  if p[4] then
+    for _, c in ipairs(p[4]) do
+      if c[1] == 'returned' then n = n + tonumber(c[2]) end
+    end
+  end
+  return n
+end
+"#;
+
+/// Writes one copy of a message into every stream in `KEYS[2..]`, or none: each stream must
+/// exist, and one with a maximum length (`ARGV[1 + i]`, empty for none) must hold fewer ready
+/// entries. `KEYS[1]` is the topology's version, which must still be `ARGV[1]` (`*`: not
+/// checked) since the caller routed. `ARGV[2 + n]` is the wake channel; the fields follow.
+/// Answers `OK`, `STALE`, `MISSING:i` or `FULL:i` (i: 1-based among the streams).
+const PUBLISH: &str = r#"
+if ARGV[1] ~= '*' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'STALE' end
+local n = #KEYS - 1
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[1 + i]) == 0 then return 'MISSING:' .. i end
+  local max = tonumber(ARGV[1 + i])
+  if max and ready(KEYS[1 + i]) >= max then return 'FULL:' .. i end
+end
+for i = 1, n do
+  redis.call('XADD', KEYS[1 + i], '*', unpack(ARGV, n + 3))
+  redis.call('PUBLISH', ARGV[n + 2], KEYS[1 + i])
+end
+return 'OK'
+"#;
+
+/// Holds a copy until `ARGV[1]` ms from now: its fields (`ARGV[4..]`) in `KEYS[2]` (`m:ID`),
+/// its id `ARGV[2]` in `KEYS[1]` (`d:Q`) scored by the due time; the stream `KEYS[3]` must
+/// exist. Wakes the queue's consumers (`ARGV[3]`, the wake channel), which wait for the
+/// earliest due time. Answers `OK` or `MISSING:1`.
+const DELAY: &str = r#"
+if redis.call('EXISTS', KEYS[3]) == 0 then return 'MISSING:1' end
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[1]), ARGV[2])
+redis.call('PUBLISH', ARGV[3], KEYS[3])
+return 'OK'
+"#;
+
+/// One step of a consumer of stream `KEYS[1]`: moves the delayed copies come due (`KEYS[2]`,
+/// fields under the prefix `ARGV[5]`) into the stream; renews the consumer's registration in
+/// `KEYS[4]` and, with `ARGV[6]` = 1, its pending entries' leases; on a single-active queue
+/// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; with `ARGV[4]`
+/// = 1 takes back entries idle past the lease `ARGV[3]` ms (a dead or closed consumer's, in
+/// stream order) and forgets dead consumers with nothing pending; then reads up to `ARGV[2]`
+/// new entries. Consumer `ARGV[1]`, registered for `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
+/// each entry its id then its fields.
+const CLAIM: &str = r#"
+local me, lease = ARGV[1], tonumber(ARGV[3])
+local now = now_ms()
+local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)
+for _, id in ipairs(due) do
+  local fields = redis.call('HGETALL', ARGV[5] .. id)
+  if #fields > 0 then
+    redis.call('XADD', KEYS[1], '*', unpack(fields))
+  end
+  redis.call('DEL', ARGV[5] .. id)
+  redis.call('ZREM', KEYS[2], id)
+end
+local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+local out = { first[2] and math.max(0, tonumber(first[2]) - now) or -1 }
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[8]), me)
+if ARGV[6] == '1' then
+  local mine = redis.call('XPENDING', KEYS[1], 'g', '-', '+', 1000000, me)
+  for i = 1, #mine, 500 do
+    local args = { 'XCLAIM', KEYS[1], 'g', me, 0 }
+    for j = i, math.min(i + 499, #mine) do args[#args + 1] = mine[j][1] end
+    args[#args + 1] = 'JUSTID'
+    redis.call(unpack(args))
+  end
+end
+if ARGV[7] == '1' then
+  local holder = redis.call('GET', KEYS[3])
+  if holder and holder ~= me then return out end
+  redis.call('SET', KEYS[3], me, 'PX', lease)
+end
+local n = tonumber(ARGV[2])
+local function add(entries)
+  for _, e in ipairs(entries) do
+    if e[2] then
+      out[#out + 1] = e[1]
+      out[#out + 1] = e[2]
+      n = n - 1
+    end
+  end
+end
+if ARGV[4] == '1' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], 'g')) do
+    local name, pending = c[2], c[4]
+    if pending == 0 and name ~= me and not redis.call('ZSCORE', KEYS[4], name) then
+      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], 'g', name)
+    end
+  end
+  if n > 0 then
+    add(redis.call('XAUTOCLAIM', KEYS[1], 'g', me, lease, '0-0', 'COUNT', n)[2])
+  end
+end
+if n > 0 then
+  local r = redis.call('XREADGROUP', 'GROUP', 'g', me, 'COUNT', n, 'STREAMS', KEYS[1], '>')
+  if r and r[1] then add(r[1][2]) end
+end
+return out
+"#;
+
+/// Acks entries `ARGV[2..]` of stream `KEYS[1]` that are still pending for consumer `ARGV[1]`
+/// (one another consumer took over after its lease ran out stays): acked and deleted at once.
+/// Safe in any order and overlapping. Answers how many it removed.
+const ACK: &str = r#"
+local done = 0
+for i = 2, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], 'g', ARGV[i], ARGV[i], 1, ARGV[1])
+  if #p > 0 then
+    redis.call('XACK', KEYS[1], 'g', ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    done = done + 1
+  end
+end
+return done
+"#;
+
+/// Hands back what consumer `ARGV[1]` of stream `KEYS[1]` holds: its pending entries go to
+/// `returned` idle for `ARGV[2]` ms (past the lease, so the next claim takes them), then the
+/// consumer is forgotten (`KEYS[2]` its registration, `KEYS[3]` a single-active lease it held).
+/// Wakes the queue's consumers on channel `ARGV[3]`.
+const HAND_BACK: &str = r#"
+local me = ARGV[1]
+local mine = redis.call('XPENDING', KEYS[1], 'g', '-', '+', 1000000, me)
+for i = 1, #mine, 500 do
+  local args = { 'XCLAIM', KEYS[1], 'g', 'returned', 0 }
+  for j = i, math.min(i + 499, #mine) do args[#args + 1] = mine[j][1] end
+  args[#args + 1] = 'IDLE'
+  args[#args + 1] = ARGV[2]
+  args[#args + 1] = 'JUSTID'
+  redis.call(unpack(args))
+end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], 'g', me)
+redis.call('ZREM', KEYS[2], me)
+if redis.call('GET', KEYS[3]) == me then redis.call('DEL', KEYS[3]) end
+redis.call('PUBLISH', ARGV[3], KEYS[1])
+return #mine
+"#;
+
+/// What stream `KEYS[1]` holds: `{ready, live consumers (KEYS[2]), entries held by consumers
+/// no longer live (a killed runner's, until their lease `ARGV[1]` ms runs out), delayed
+/// copies (KEYS[3])}`. Ready: not delivered, or idle past the lease (handed back, or a dead
+/// consumer's whose lease ran out: the next claim takes them).
+const COUNTS: &str = r#"
+local now = now_ms()
+local live = redis.call('ZCOUNT', KEYS[2], now, '+inf')
+local p = redis.call('XPENDING', KEYS[1], 'g')
+local expired, expired_returned = 0, 0
+for _, e in ipairs(redis.call('XPENDING', KEYS[1], 'g', 'IDLE', ARGV[1], '-', '+', 1000000)) do
+  expired = expired + 1
+  if e[2] == 'returned' then expired_returned = expired_returned + 1 end
+end
+local held = 0
+if p[4] then
+  for _, c in ipairs(p[4]) do
+    local score = redis.call('ZSCORE', KEYS[2], c[1])
+    if c[1] ~= 'returned' and not (score and tonumber(score) >= now) then held = held + tonumber(c[2]) end
+  end
+end
+held = math.max(0, held - (expired - expired_returned))
+return { redis.call('XLEN', KEYS[1]) - p[1] + expired, live, held, redis.call('ZCARD', KEYS[3]) }
+"#;
+
+/// The broker's scripts, loaded once per session (sent by hash, loaded on a miss).
+pub(super) struct Scripts {
+    pub publish: Script,
+    pub delay: Script,
+    pub claim: Script,
+    pub ack: Script,
+    pub hand_back: Script,
+    pub counts: Script,
+}
+
+impl Scripts {
+    pub fn new() -> Scripts {
+        let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}{body}"));
+        Scripts {
+            publish: with_prelude(PUBLISH),
+            delay: with_prelude(DELAY),
+            claim: with_prelude(CLAIM),
+            ack: Script::new(ACK),
+            hand_back: Script::new(HAND_BACK),
+            counts: with_prelude(COUNTS),
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The Redis broker (issue 23) on a real Redis: the trait's rules it maps its own way (routing
+//! into every bound stream or none, reject-publish, conflicts, hand-back in order on close,
+//! exact delays), and real `sluice` processes on it: a runner killed with `kill -9` whose
+//! leased messages come back, two runners and a publisher on one deployment, and a Redis
+//! restart under load with `appendonly yes` + `appendfsync always` that loses nothing
+//! confirmed. The shared end-to-end bodies run on it through `on_every_broker!`.
+
+use crate::support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use serde_json::json;
+use sluice::broker::{Broker, BrokerError, Consumer as _, Delivery as _, Headers, Operate as _, Outgoing};
+use support::*;
+
+/// An outgoing message whose body is `text`.
+fn message(text: &str) -> Outgoing {
+    Outgoing { body: text.as_bytes().to_vec(), ..Default::default() }
+}
+
+/// Reads `n` deliveries, their bodies as text.
+async fn take<S>(deliveries: &mut S, n: usize) -> Vec<(String, S::Item)>
+where
+    S: futures_util::Stream + Unpin,
+    S::Item: ResultDelivery,
+{
+    let mut out = Vec::new();
+    while out.len() < n {
+        let next = tokio::time::timeout(Duration::from_secs(10), deliveries.next()).await;
+        let item = next.expect("a delivery within 10 s").expect("stream open");
+        out.push((item.text(), item));
+    }
+    out
+}
+
+trait ResultDelivery {
+    fn text(&self) -> String;
+}
+
+impl ResultDelivery for Result<sluice::broker::redis::RedisDelivery, BrokerError> {
+    fn text(&self) -> String {
+        let d = self.as_ref().expect("delivery");
+        String::from_utf8_lossy(d.body()).into_owned()
+    }
+}
+
+const TOPOLOGY: &str = r#"version: 1
+exchanges: {ev: {type: topic}}
+x-handler: &handler {command: {program: /bin/true}}
+queues:
+  a: {handler: *handler, bind: [{exchange: ev, routing_key: "a.#"}, {exchange: ev, routing_key: "all"}]}
+  b: {handler: *handler, bind: [{exchange: ev, routing_key: "all"}], max_length: 2}
+"#;
+
+/// Fan-out writes every bound queue or none: a full queue refuses the publish (a nack) and
+/// the other queue gets nothing; unroutable and unknown exchanges are errors.
+#[tokio::test]
+async fn fan_out_writes_every_queue_or_none() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    broker.publish("ev", "all", message("1")).await.expect("first");
+    broker.publish("ev", "all", message("2")).await.expect("second");
+    broker.publish("ev", "a.x", message("3")).await.expect("a only");
+    let refused = broker.publish("ev", "all", message("4")).await;
+    assert!(matches!(refused, Err(BrokerError::Nacked { .. })), "{refused:?}");
+    assert_eq!((place.depth("a").await, place.depth("b").await), (3, 2), "nothing of the refused publish");
+    let unroutable = broker.publish("ev", "nowhere", message("5")).await;
+    assert!(matches!(unroutable, Err(BrokerError::Unroutable { .. })), "{unroutable:?}");
+    let missing = broker.publish("nope", "all", message("6")).await;
+    assert!(matches!(missing, Err(BrokerError::NotFound(_))), "{missing:?}");
+    // The default exchange reaches the queue the key names.
+    broker.publish("", "a", message("7")).await.expect("default exchange");
+    assert_eq!(broker.stats("a").await.expect("stats").ready, 4);
+    let priority = broker.publish("ev", "a.x", Outgoing { priority: Some(1), ..message("8") }).await;
+    assert!(matches!(priority, Err(BrokerError::Conflict(_))), "{priority:?}");
+}
+
+/// A second declaration with another setting names the setting and both values, and changes
+/// nothing; `drift` says the same; unbinding stops the routing at once in another session.
+#[tokio::test]
+async fn conflicts_name_both_values_and_unbind_reroutes() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let changed = pipeline(&TOPOLOGY.replace("max_length: 2", "max_length: 5"));
+    let plan = sluice::topology::plan(&sluice::config::load(&[changed.path().to_path_buf()]).config.expect("valid"));
+    let refused = broker.declare(&plan).await.expect_err("a conflict");
+    assert!(refused.to_string().contains("max_length: declared 5 but current is 2"), "{refused}");
+    let drift = broker.drift(&plan).await.expect("drift");
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    let publisher = place.connect().await;
+    publisher.publish("ev", "all", message("1")).await.expect("routed to a and b");
+    let binding = plan.bindings.iter().find(|b| b.queue == "b").expect("b's binding").clone();
+    broker.unbind(&[binding]).await.expect("unbind");
+    publisher.publish("ev", "all", message("2")).await.expect("routed to a");
+    assert_eq!((place.depth("a").await, place.depth("b").await), (2, 1));
+}
+
+/// A browse delivers in order within its window; an ack removes at once; closing hands the
+/// rest back, and the next browse gets them first, in their order.
+#[tokio::test]
+async fn close_hands_back_in_order() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for i in 0..6 {
+        broker.publish("ev", "a.x", message(&i.to_string())).await.expect("publish");
+    }
+    let (mut deliveries, consumer) = broker.browse("a", 3).await.expect("browse");
+    let first = take(&mut deliveries, 3).await;
+    assert_eq!(first.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "1", "2"]);
+    let second = first.into_iter().nth(1).map(|(_, d)| d.expect("delivery")).expect("second");
+    consumer.ack(std::slice::from_ref(&second)).await.expect("ack");
+    // Acking twice, or out of order, is safe.
+    consumer.ack(std::slice::from_ref(&second)).await.expect("ack again");
+    // The room the ack made takes the next one.
+    take(&mut deliveries, 1).await;
+    assert_eq!(broker.stats("a").await.expect("stats").ready, 2, "2 ready, 3 held");
+    consumer.close().await;
+    assert_eq!(broker.stats("a").await.expect("stats").ready, 5, "the 3 held handed back");
+    assert!(!second.is_live());
+    assert_eq!(place.depth("a").await, 5);
+    let (mut deliveries, consumer) = broker.browse("a", 10).await.expect("browse again");
+    let all = take(&mut deliveries, 5).await;
+    assert_eq!(all.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "2", "3", "4", "5"]);
+    consumer.close().await;
+}
+
+/// Delayed copies come back exactly after their own delay: a long one published first does
+/// not hold back a short one; `delayed` counts them until due.
+#[tokio::test]
+async fn delays_are_exact_without_head_of_line_blocking() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    broker.publish("ev", "a.x", message("long")).await.expect("publish");
+    broker.publish("ev", "a.x", message("short")).await.expect("publish");
+    let (mut deliveries, consumer) = broker.consume("a", 10).await.expect("consume");
+    let both = take(&mut deliveries, 2).await;
+    let start = std::time::Instant::now();
+    let mut originals = Vec::new();
+    for (text, d) in both {
+        let d = d.expect("delivery");
+        let delay = if text == "long" { Duration::from_secs(4) } else { Duration::from_millis(600) };
+        broker.publish_delayed("a", delay, &d, Headers::new()).await.expect("delayed copy");
+        originals.push(d);
+    }
+    consumer.ack(&originals).await.expect("ack");
+    assert_eq!(broker.delayed().await.expect("delayed"), 2);
+    let back = take(&mut deliveries, 1).await;
+    assert_eq!(back[0].0, "short");
+    let short_after = start.elapsed();
+    assert!(short_after >= Duration::from_millis(600), "not before its time: {short_after:?}");
+    let back = take(&mut deliveries, 1).await;
+    assert_eq!(back[0].0, "long");
+    assert!(start.elapsed() >= Duration::from_secs(4));
+    consumer.close().await;
+}
+
+/// A consumer that stops renewing (every handle gone, as a killed process) loses its entries
+/// after the lease: another consumer takes them back; `delayed` counts them meanwhile.
+#[tokio::test]
+async fn a_dead_consumers_entries_come_back_after_the_lease() {
+    let place = RedisPrefix::with("&lease=1s");
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for i in 0..3 {
+        broker.publish("ev", "a.x", message(&i.to_string())).await.expect("publish");
+    }
+    {
+        let (mut deliveries, consumer) = broker.consume("a", 10).await.expect("consume");
+        take(&mut deliveries, 3).await;
+        drop((deliveries, consumer));
+    }
+    let other = place.connect().await;
+    let (mut deliveries, consumer) = other.consume("a", 10).await.expect("consume");
+    let back = take(&mut deliveries, 3).await;
+    let texts: BTreeSet<String> = back.iter().map(|(t, _)| t.clone()).collect();
+    assert_eq!(texts, ["0", "1", "2"].map(String::from).into());
+    let settled: Vec<_> = back.into_iter().map(|(_, d)| d.expect("delivery")).collect();
+    consumer.ack(&settled).await.expect("ack");
+    assert_eq!(place.depth("a").await, 0);
+    consumer.close().await;
+}
+
+/// A single-active-consumer queue delivers to one consumer at a time; the next one takes over
+/// once the first closes, in order.
+#[tokio::test]
+async fn a_single_active_consumer_queue_delivers_to_one() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(
+        "version: 1\nexchanges: {ev: {type: topic}}\nqueues:\n  o:\n    ordered: true\n    concurrency: 1\n    handler: {command: {program: /bin/true}}\n    bind: [{exchange: ev, routing_key: \"#\"}]\n",
+    );
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for i in 0..3 {
+        broker.publish("ev", "x", message(&i.to_string())).await.expect("publish");
+    }
+    let (mut first, one) = broker.consume("o", 10).await.expect("first consumer");
+    let got = take(&mut first, 3).await;
+    let (mut second, two) = broker.consume("o", 10).await.expect("second consumer");
+    broker.publish("ev", "x", message("3")).await.expect("publish");
+    let settled: Vec<_> = got.into_iter().map(|(_, d)| d.expect("delivery")).collect();
+    one.ack(&settled).await.expect("ack");
+    let next = take(&mut first, 1).await;
+    assert_eq!(next[0].0, "3", "the active consumer gets the next one too");
+    one.close().await;
+    let taken_over = take(&mut second, 1).await;
+    assert_eq!(taken_over[0].0, "3", "handed back to the next consumer");
+    two.close().await;
+}
+
+/// `sluice plan --broker redis://…` says what the server's persistence is, and warns when a
+/// restart would lose queued messages.
+#[test]
+fn plan_says_the_servers_persistence() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let dir_arg = dir.path().to_str().expect("utf-8");
+    let done = sluice_cli(&["plan", dir_arg, "--broker", &place.url()], &[], Duration::from_secs(30));
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    assert!(done.stdout.contains("broker persistence: appendonly "), "{}", done.stdout);
+    let mut c = place.raw();
+    let aof: Vec<String> = redis::cmd("CONFIG").arg("GET").arg("appendonly").query(&mut c).expect("config");
+    if aof.get(1).map(String::as_str) == Some("no") {
+        assert!(done.stdout.contains("a restart loses"), "{}", done.stdout);
+    }
+    assert!(done.stdout.contains("missing queue \"a\""), "{}", done.stdout);
+}
+
+/// A webhook pipeline with idempotency on, calling `receiver`.
+fn idempotent_pipeline(receiver: &Receiver, concurrency: u32) -> tempfile::TempDir {
+    webhook_pipeline(receiver, &format!("    concurrency: {concurrency}\n    idempotency: {{ttl: 1h}}\n"))
+}
+
+/// `kill -9` of a runner on Redis mid-work: its leased messages come back once the lease
+/// runs out and a second runner handles them; every message succeeds, and no key succeeds twice
+/// downstream except those the killed runner finished without acking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_runners_messages_come_back_and_are_handled() {
+    let place = RedisPrefix::with("&lease=2s");
+    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_millis(200))).await;
+    let dir = idempotent_pipeline(&receiver, 8);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let n = 60;
+    for i in 0..n {
+        publish(&broker, "ev", "x", &format!("k{i}"), json!({"n": i})).await;
+    }
+    let mut first = Sluice::run(dir.path(), &place.url(), &[]);
+    receiver.wait_for(10, Duration::from_secs(30)).await;
+    first.signal(libc::SIGKILL);
+    first.wait(Duration::from_secs(10));
+    let held = place.depth("work").await;
+    assert!(held > 0, "the killed runner left messages");
+    let mut second = Sluice::run(dir.path(), &place.url(), &["--exit-when-idle"]);
+    assert_eq!(second.wait(Duration::from_secs(120)), Some(0), "{}", second.log());
+    let keys: BTreeSet<String> = (0..n).map(|i| format!("k{i}")).collect();
+    assert_eq!(receiver.succeeded_keys(), keys, "every message handled");
+    assert_eq!(place.depth("work").await, 0);
+    // Side effects twice only for keys in flight at the kill (at most the prefetch).
+    let twice = counts(receiver.hits().iter().map(|h| h.key().to_string())).into_values().filter(|c| *c > 1).count();
+    assert!(twice <= 8, "{twice} keys ran twice");
+}
+
+/// Two runners and a publisher (`sluice publish`) on one Redis: every message handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runners_and_a_publisher_share_one_redis() {
+    let place = RedisPrefix::new();
+    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_millis(20))).await;
+    let dir = idempotent_pipeline(&receiver, 4);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let mut one = Sluice::run(dir.path(), &place.url(), &[]);
+    let mut two = Sluice::run(dir.path(), &place.url(), &[]);
+    let lines: String = (0..200).map(|i| format!("{{\"n\": {i}}}\n")).collect();
+    let jsonl = dir.path().join("m.jsonl");
+    std::fs::write(&jsonl, lines).expect("jsonl");
+    let published = sluice_cli(
+        &[
+            "publish",
+            "--exchange",
+            "ev",
+            "--routing-key",
+            "x",
+            "--type",
+            "t",
+            "--jsonl",
+            jsonl.to_str().expect("utf-8"),
+            "--broker",
+            &place.url(),
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    assert_eq!(published.code, Some(0), "{}", published.stderr);
+    receiver.wait_for(200, Duration::from_secs(60)).await;
+    wait_until(Duration::from_secs(30), "the queue drained", || async { place.depth("work").await == 0 }).await;
+    let hits = receiver.hits();
+    assert_eq!(counts(hits.iter().map(|h| h.key().to_string())).len(), 200);
+    assert_eq!(hits.len(), 200, "each message once");
+    assert_eq!(one.stop(Duration::from_secs(30)), Some(0), "{}", one.log());
+    assert_eq!(two.stop(Duration::from_secs(30)), Some(0), "{}", two.log());
+    for runner in [&one, &two] {
+        assert!(runner.log().contains("persistence"), "{}", runner.log());
+    }
+}
+
+/// A Redis server of the test's own on a free port, with `appendonly yes` and `appendfsync
+/// always`, in a directory of its own; shut down on drop.
+struct OwnRedis {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+}
+
+impl OwnRedis {
+    fn start() -> OwnRedis {
+        let mut server = OwnRedis { port: free_port(), dir: tempfile::tempdir().expect("tempdir"), child: None };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server runs");
+        self.child = Some(child);
+        let address: std::net::SocketAddr = format!("127.0.0.1:{}", self.port).parse().expect("address");
+        let start = std::time::Instant::now();
+        while std::net::TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the server (SIGKILL: no shutdown save) and starts it again on its files.
+    fn restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.spawn();
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A Redis killed and restarted under load (publisher and runner busy): with `appendonly yes`
+/// and `appendfsync always` every publish that was confirmed is handled; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_under_load_loses_nothing_confirmed() {
+    let mut server = OwnRedis::start();
+    let place = RedisPrefix::on(&server.url(), "&lease=2s");
+    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_millis(5))).await;
+    let dir = idempotent_pipeline(&receiver, 8);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
+    let mut confirmed = BTreeSet::new();
+    for i in 0..400 {
+        let key = format!("k{i}");
+        let envelope = sluice::envelope::Envelope::new("test.event", &json!({"n": i}), Some(key.clone()));
+        if i == 150 {
+            server.restart();
+        }
+        let out = Outgoing { body: envelope.encode(), message_id: Some(envelope.id.clone()), ..Default::default() };
+        if broker.publish("ev", "x", out).await.is_ok() {
+            confirmed.insert(key);
+        }
+    }
+    assert!(confirmed.len() >= 300, "the publisher carried on after the restart: {}", confirmed.len());
+    let handled = || async { receiver.succeeded_keys().is_superset(&confirmed) };
+    let start = std::time::Instant::now();
+    while !handled().await && start.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let succeeded = receiver.succeeded_keys();
+    let missing: Vec<&String> = confirmed.difference(&succeeded).collect();
+    assert!(missing.is_empty(), "{} confirmed and never handled: {missing:?}\n{}", missing.len(), runner.log());
+    assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
+}

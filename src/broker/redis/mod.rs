@@ -423,7 +423,7 @@ impl Redis {
         Ok((RedisDeliveries(receiver), RedisConsumer { broker: self.clone(), state }))
     }
 
-    /// What `queue`'s stream holds: ready, live consumers, held by dead ones, delayed.
+    /// What `queue`'s stream holds: ready, live consumers, leased, delayed.
     async fn counts(&self, queue: &str) -> Result<[u32; 4], BrokerError> {
         let t = self.topology(false).await?;
         let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
@@ -1056,9 +1056,9 @@ impl Broker for Redis {
         Ok(QueueStats { ready, consumers })
     }
 
-    /// Delayed copies not yet due, and entries held by consumers no longer live (a killed
-    /// runner's, until their lease runs out and a live consumer takes them back), in every
-    /// declared queue.
+    /// Delayed copies not yet due, and deliveries under a running lease (as the embedded
+    /// broker counts them: a killed runner's are held until theirs runs out, so `run
+    /// --exit-when-idle` waits for them), in every declared queue.
     async fn delayed(&self) -> Result<u32, BrokerError> {
         let t = self.topology(true).await?;
         let mut total = 0u32;

@@ -165,28 +165,16 @@ redis.call('PUBLISH', ARGV[3], KEYS[1])
 return #mine
 "#;
 
-/// What stream `KEYS[1]` holds: `{ready, live consumers (KEYS[2]), entries held by consumers
-/// no longer live (a killed runner's, until their lease `ARGV[1]` ms runs out), delayed
-/// copies (KEYS[3])}`. Ready: not delivered, or idle past the lease (handed back, or a dead
+/// What stream `KEYS[1]` holds: `{ready, live consumers (KEYS[2]), entries delivered under a
+/// running lease `ARGV[1]` ms (a killed runner's too, until it runs out), delayed copies
+/// (KEYS[3])}`. Ready: not delivered, or idle past the lease (handed back, or a dead
 /// consumer's whose lease ran out: the next claim takes them).
 const COUNTS: &str = r#"
 local now = now_ms()
 local live = redis.call('ZCOUNT', KEYS[2], now, '+inf')
-local p = redis.call('XPENDING', KEYS[1], 'g')
-local expired, expired_returned = 0, 0
-for _, e in ipairs(redis.call('XPENDING', KEYS[1], 'g', 'IDLE', ARGV[1], '-', '+', 1000000)) do
-  expired = expired + 1
-  if e[2] == 'returned' then expired_returned = expired_returned + 1 end
-end
-local held = 0
-if p[4] then
-  for _, c in ipairs(p[4]) do
-    local score = redis.call('ZSCORE', KEYS[2], c[1])
-    if c[1] ~= 'returned' and not (score and tonumber(score) >= now) then held = held + tonumber(c[2]) end
-  end
-end
-held = math.max(0, held - (expired - expired_returned))
-return { redis.call('XLEN', KEYS[1]) - p[1] + expired, live, held, redis.call('ZCARD', KEYS[3]) }
+local pending = redis.call('XPENDING', KEYS[1], 'g')[1]
+local expired = #redis.call('XPENDING', KEYS[1], 'g', 'IDLE', ARGV[1], '-', '+', 1000000)
+return { redis.call('XLEN', KEYS[1]) - pending + expired, live, math.max(0, pending - expired), redis.call('ZCARD', KEYS[3]) }
 "#;
 
 /// The broker's scripts, loaded once per session (sent by hash, loaded on a miss).

@@ -4,10 +4,10 @@
 //! message handled, none handled twice, and the longest pause between two webhook calls
 //! bounded as the issue asks.
 //!
-//! One test runs the scenarios in turn on one cluster: starting a cluster costs about 40 s.
-//! It runs beside the rest of the suite, which it outlasts.
+//! One test runs the scenarios in turn on one cluster: starting a cluster costs about 40 s,
+//! and two at once would share two cores with the suite.
 
-use crate::support;
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};

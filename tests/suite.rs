@@ -52,6 +52,7 @@ mod run_retries;
 mod schedule;
 mod signing;
 mod sluice_test;
+mod test_hygiene;
 mod trace;
 mod validation;
 mod webhook;

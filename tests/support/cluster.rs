@@ -45,7 +45,9 @@ impl Cluster {
     /// Starts the three nodes and waits until they run as one cluster. Panics with the
     /// script's output (the failing node's log included) if they do not.
     pub fn up() -> Cluster {
+        take_down_clusters_of_dead_runs();
         let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(OWNER), sluice::broker::embedded::this_process()).expect("write the owner");
         let path = dir.path().join("cluster");
         if let Err(report) = run(&path, &["up"]) {
             let _ = run(&path, &["down"]);
@@ -165,6 +167,24 @@ impl Cluster {
                 Some((self.node_of_port(port(remote)?)?, port(fields.get(1)?)?))
             })
         })
+    }
+}
+
+/// The file beside `cluster/` naming the test process that started it.
+const OWNER: &str = "sluice-cluster-owner";
+
+/// Takes down (and removes) the clusters that test processes killed before their `Drop` ran
+/// left in the temporary directory: their nodes would run on, holding ports and memory.
+fn take_down_clusters_of_dead_runs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for dir in entries.flatten().map(|e| e.path()) {
+        let Ok(owner) = std::fs::read_to_string(dir.join(OWNER)) else { continue };
+        if !sluice::broker::embedded::process_alive(owner.trim()) {
+            match run(&dir.join("cluster"), &["down"]) {
+                Ok(_) => drop(std::fs::remove_dir_all(&dir)),
+                Err(report) => eprintln!("taking down a cluster a killed run left failed: {report}"),
+            }
+        }
     }
 }
 

@@ -30,9 +30,9 @@ pub fn require_rabbitmq() {
 /// their vhosts: a request costs a millisecond, where each `rabbitmqctl` call boots an Erlang VM.
 const MANAGEMENT: &str = "127.0.0.1:15672";
 
-/// `method path` with `body` (JSON) to the management API as guest; the status code, or why
-/// there is none (saying how to enable the API).
-fn management(method: &str, path: &str, body: &str) -> Result<u16, String> {
+/// `method path` with `body` (JSON) to the management API as guest; the status code and the
+/// answer's body, or why there is none (saying how to enable the API).
+fn management(method: &str, path: &str, body: &str) -> Result<(u16, String), String> {
     use std::io::{Read, Write};
     let how = "enable RabbitMQ's management API: `rabbitmq-plugins enable rabbitmq_management` (.ci/run does)";
     let address = MANAGEMENT.parse().expect("address");
@@ -51,7 +51,43 @@ fn management(method: &str, path: &str, body: &str) -> Result<u16, String> {
         .and_then(|()| stream.read_to_string(&mut response))
         .map_err(|e| format!("{method} {path} on {MANAGEMENT}: {e}"))?;
     let code = response.split_whitespace().nth(1).and_then(|code| code.parse().ok());
-    code.ok_or_else(|| format!("not an HTTP answer from {MANAGEMENT}: {response:.200}"))
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
+    code.map(|code| (code, body)).ok_or_else(|| format!("not an HTTP answer from {MANAGEMENT}: {response:.200}"))
+}
+
+/// A name of this test process's own for what it makes on a shared server (a vhost, a Redis
+/// key prefix): `sluice-test-PID-START-UUID`, so that a later run can tell what a killed one
+/// left behind ([`left_by_a_dead_run`]).
+pub fn owned_name() -> String {
+    let process = sluice::broker::embedded::this_process().replace(':', "-");
+    format!("sluice-test-{process}-{}", uuid::Uuid::now_v7())
+}
+
+/// Whether `name` is an [`owned_name`] whose process no longer runs: a run killed before it
+/// could remove what it made (its `Drop`s never ran).
+pub fn left_by_a_dead_run(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("sluice-test-") else { return false };
+    let mut parts = rest.splitn(3, '-');
+    match (parts.next(), parts.next()) {
+        (Some(pid), Some(start)) => !sluice::broker::embedded::process_alive(&format!("{pid}:{start}")),
+        _ => false,
+    }
+}
+
+/// Deletes the vhosts killed runs left on the shared RabbitMQ ([`Vhost::new`] does, once per
+/// test process).
+pub fn delete_vhosts_of_dead_runs() {
+    let Ok((200, list)) = management("GET", "/api/vhosts?columns=name", "") else { return };
+    for name in list.split("\"name\":\"").skip(1).filter_map(|rest| rest.split('"').next()) {
+        if left_by_a_dead_run(name) {
+            let _ = management("DELETE", &format!("/api/vhosts/{name}"), "");
+        }
+    }
+}
+
+/// Whether a vhost named `name` exists.
+pub fn vhost_exists(name: &str) -> bool {
+    management("GET", &format!("/api/vhosts/{name}"), "").is_ok_and(|(code, _)| code == 200)
 }
 
 /// The broker a test runs `sluice` against, of its own so tests run in parallel and
@@ -234,11 +270,29 @@ impl RedisPrefix {
 
     /// A prefix on the server at `server` (`redis://host:port`), with extra URL parameters.
     pub fn on(server: &str, params: &str) -> RedisPrefix {
-        RedisPrefix {
+        let prefix = RedisPrefix {
             server: server.to_string(),
-            prefix: format!("sluice-test-{}:", uuid::Uuid::now_v7()),
+            prefix: format!("{}:", owned_name()),
             params: params.to_string(),
-        }
+        };
+        prefix.sweep();
+        prefix
+    }
+
+    /// Deletes, once per test process, the keys killed runs left under prefixes of their own on
+    /// the shared server.
+    fn sweep(&self) {
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| {
+            let Ok(client) = redis::Client::open(self.server.as_str()) else { return };
+            let Ok(mut c) = client.get_connection() else { return };
+            let keys: Vec<String> = redis::cmd("KEYS").arg("sluice-test-*").query(&mut c).unwrap_or_default();
+            let dead: Vec<&String> =
+                keys.iter().filter(|k| k.split(':').next().is_some_and(left_by_a_dead_run)).collect();
+            for chunk in dead.chunks(500) {
+                let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut c);
+            }
+        });
     }
 
     /// A plain connection to the server, for looking at keys.
@@ -292,11 +346,13 @@ pub struct Vhost {
 impl Vhost {
     pub fn new() -> Vhost {
         require_rabbitmq();
-        let name = format!("sluice-test-{}", uuid::Uuid::now_v7());
-        let made = management("PUT", &format!("/api/vhosts/{name}"), "");
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(delete_vhosts_of_dead_runs);
+        let name = owned_name();
+        let made = management("PUT", &format!("/api/vhosts/{name}"), "").map(|(code, _)| code);
         assert_eq!(made, Ok(201), "making vhost {name}");
         let permissions = r#"{"configure":".*","write":".*","read":".*"}"#;
-        let granted = management("PUT", &format!("/api/permissions/{name}/guest"), permissions);
+        let granted = management("PUT", &format!("/api/permissions/{name}/guest"), permissions).map(|(code, _)| code);
         assert!(matches!(granted, Ok(201 | 204)), "guest's permissions on {name}: {granted:?}");
         Vhost { name }
     }
@@ -325,7 +381,7 @@ impl Vhost {
 
 impl Drop for Vhost {
     fn drop(&mut self) {
-        // Nothing to be done here when it fails: the vhost is left for `rabbitmqctl delete_vhost`.
+        // Nothing to be done here when it fails: the next run's sweep deletes it.
         let _ = management("DELETE", &format!("/api/vhosts/{}", self.name), "");
     }
 }

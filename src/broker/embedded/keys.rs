@@ -46,7 +46,7 @@ const SWEEP: i64 = 2_000;
 const ALONE_AGAIN_EVERY: i64 = 1_000;
 
 /// This process: its pid and its start time (pids are reused).
-fn process() -> &'static str {
+pub fn process() -> &'static str {
     static PROCESS: OnceLock<String> = OnceLock::new();
     PROCESS.get_or_init(|| {
         let pid = std::process::id();
@@ -65,7 +65,7 @@ fn started(pid: u32) -> Option<u64> {
 /// Whether the process a holder (`pid:start`, then anything) names still runs. Where that
 /// cannot be known (no `/proc`: the holder was written without a start time), it counts as
 /// alive: its claim holds until the lease ends.
-fn alive(holder: &str) -> bool {
+pub fn alive(holder: &str) -> bool {
     let mut parts = holder.split(':');
     let named = parts.next().and_then(|p| p.parse().ok()).zip(parts.next().and_then(|s| s.parse().ok()));
     let Some((pid, start)) = named else {

@@ -15,7 +15,7 @@ use futures_util::{Stream, StreamExt as _};
 use serde_json::json;
 use sluice::broker::memory::Memory;
 use sluice::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers, Operate, Outgoing, QueueStats};
-use sluice::config::{ExchangeKind, QueueKind};
+use sluice::config::ExchangeKind;
 use sluice::envelope;
 use sluice::topology::{BindingDecl, ExchangeDecl, Plan, QueueDecl, Role};
 
@@ -126,18 +126,7 @@ impl Subject for OnRedis {
 
 /// A work queue with no settings.
 fn work(name: &str) -> QueueDecl {
-    QueueDecl {
-        name: name.into(),
-        role: Role::Work,
-        kind: QueueKind::Quorum,
-        dead_letter: None,
-        max_length: None,
-        single_active_consumer: false,
-        message_ttl_ms: None,
-        max_priority: None,
-        arguments: Default::default(),
-        max_message_bytes: None,
-    }
+    QueueDecl::new(name, Role::Work)
 }
 
 fn queues(queues: Vec<QueueDecl>) -> Plan {
@@ -308,6 +297,9 @@ async fn every_exchange_type_routes_as_rabbitmq_does<S: Subject>(subject: S) {
     for (queue, cases) in expected {
         assert_eq!(read_until_end(&broker, queue).await, cases, "what reached {queue}");
     }
+    // Last: RabbitMQ closes the publishing channel on a missing exchange.
+    let missing = broker.publish("missing", "k", message("nowhere")).await;
+    assert!(matches!(missing, Err(BrokerError::NotFound(_))), "an undeclared exchange: {missing:?}");
     broker.close().await;
 }
 

@@ -73,6 +73,24 @@ pub struct QueueDecl {
     pub max_message_bytes: Option<usize>,
 }
 
+impl QueueDecl {
+    /// A quorum queue named `name` in `role`, with no other setting.
+    pub fn new(name: &str, role: Role) -> QueueDecl {
+        QueueDecl {
+            name: name.into(),
+            role,
+            kind: QueueKind::Quorum,
+            dead_letter: None,
+            max_length: None,
+            single_active_consumer: false,
+            message_ttl_ms: None,
+            max_priority: None,
+            arguments: BTreeMap::new(),
+            max_message_bytes: None,
+        }
+    }
+}
+
 /// A queue bound to an exchange.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BindingDecl {

@@ -7,29 +7,14 @@ use std::time::{Duration, SystemTime};
 use super::*;
 use crate::broker::memory::Memory;
 use crate::broker::{Broker as _, HeaderValue, Outgoing};
-use crate::config::{ExchangeKind, QueueKind};
+use crate::config::ExchangeKind;
 use crate::topology::{ExchangeDecl, Plan, QueueDecl, Role};
-
-fn queue(name: &str, role: Role) -> QueueDecl {
-    QueueDecl {
-        name: name.into(),
-        role,
-        kind: QueueKind::Quorum,
-        dead_letter: None,
-        max_length: None,
-        single_active_consumer: false,
-        message_ttl_ms: None,
-        max_priority: None,
-        arguments: Default::default(),
-        max_message_bytes: None,
-    }
-}
 
 async fn broker() -> Memory {
     let broker = Memory::new();
     let plan = Plan {
         exchanges: vec![ExchangeDecl { name: "x".into(), kind: ExchangeKind::Topic }],
-        queues: vec![queue("work", Role::Work), queue("work.dlq", Role::DeadLetter)],
+        queues: vec![QueueDecl::new("work", Role::Work), QueueDecl::new("work.dlq", Role::DeadLetter)],
         bindings: vec![],
     };
     broker.declare(&plan).await.expect("declare");

@@ -1,7 +1,9 @@
-//! What the brokers that keep their own declarations (embedded, Redis) share about them: the
-//! settings of a queue they cannot honour, and how two stored declarations differ. No IO.
+//! What the brokers that keep their own declarations (embedded, Redis, in-memory) share about
+//! them: the settings of a queue they cannot honour, how two stored declarations differ, and
+//! how what they hold differs from a plan. No IO: each broker looks its declarations up.
 
-use crate::topology::QueueDecl;
+use super::Drift;
+use crate::topology::{BindingDecl, Plan, QueueDecl};
 
 /// What of a queue's declaration `broker` (e.g. "the embedded broker") cannot honour, said as
 /// a person can act on it.
@@ -40,4 +42,55 @@ pub(crate) fn settings_differing(declared: &str, existing: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// How what a broker holds differs from `plan`: `exchange` gives the type of a declared
+/// exchange (`direct`, ...), `queue` a declared queue's declaration as stored (JSON), `bound`
+/// whether a binding is declared. `broker` names a broker that cannot honour every setting
+/// ([`unsupported`]); `None`, one that can.
+pub(crate) fn drift<E>(
+    plan: &Plan,
+    broker: Option<&str>,
+    mut exchange: impl FnMut(&str) -> Result<Option<String>, E>,
+    mut queue: impl FnMut(&str) -> Result<Option<String>, E>,
+    mut bound: impl FnMut(&BindingDecl) -> Result<bool, E>,
+) -> Result<Vec<Drift>, E> {
+    let mut drift = Vec::new();
+    for x in &plan.exchanges {
+        match exchange(&x.name)? {
+            None => drift.push(Drift::MissingExchange { name: x.name.clone() }),
+            Some(kind) if kind != x.kind.as_str() => drift.push(Drift::Conflict {
+                what: "exchange".into(),
+                name: x.name.clone(),
+                detail: format!("type: declared {} but current is {kind}", x.kind.as_str()),
+            }),
+            Some(_) => {}
+        }
+    }
+    for q in &plan.queues {
+        if let Some(detail) = broker.and_then(|broker| unsupported(q, broker)) {
+            drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
+            continue;
+        }
+        let declared = serde_json::to_string(q).unwrap_or_default();
+        match queue(&q.name)? {
+            None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
+            Some(existing) if existing != declared => drift.push(Drift::Conflict {
+                what: "queue".into(),
+                name: q.name.clone(),
+                detail: settings_differing(&declared, &existing),
+            }),
+            Some(_) => {}
+        }
+    }
+    for b in &plan.bindings {
+        if !bound(b)? {
+            drift.push(Drift::MissingBinding {
+                exchange: b.exchange.clone(),
+                queue: b.queue.clone(),
+                routing_key: b.routing_key.clone(),
+            });
+        }
+    }
+    Ok(drift)
 }

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::declaration::settings_differing;
+use super::declaration;
 use super::{
     Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing, QueueStats, Route,
 };
@@ -302,6 +302,21 @@ fn declaration(q: &QueueDecl) -> String {
     serde_json::to_string(q).expect("a queue declaration serializes")
 }
 
+/// How the broker's state differs from `plan`.
+fn drift(state: &State, plan: &Plan) -> Vec<Drift> {
+    let found = declaration::drift::<std::convert::Infallible>(
+        plan,
+        None,
+        |name| Ok(state.exchanges.get(name).map(|kind| kind.as_str().to_string())),
+        |name| Ok(state.queues.get(name).map(|(existing, _)| declaration(existing))),
+        |b| Ok(state.bindings.contains(b)),
+    );
+    match found {
+        Ok(drift) => drift,
+        Err(never) => match never {},
+    }
+}
+
 impl Broker for Memory {
     type Delivery = MemoryDelivery;
     type Deliveries = MemoryDeliveries;
@@ -477,39 +492,4 @@ impl Operate for Memory {
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
         Ok(drift(&lock(&self.state), plan))
     }
-}
-
-/// How the broker's state differs from `plan`.
-fn drift(state: &State, plan: &Plan) -> Vec<Drift> {
-    let mut drift = Vec::new();
-    for e in &plan.exchanges {
-        match state.exchanges.get(&e.name) {
-            None => drift.push(Drift::MissingExchange { name: e.name.clone() }),
-            Some(kind) if *kind != e.kind => drift.push(Drift::Conflict {
-                what: "exchange".into(),
-                name: e.name.clone(),
-                detail: format!("type: declared {} but current is {}", e.kind.as_str(), kind.as_str()),
-            }),
-            Some(_) => {}
-        }
-    }
-    for q in &plan.queues {
-        match state.queues.get(&q.name) {
-            None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
-            Some((existing, _)) if declaration(existing) != declaration(q) => drift.push(Drift::Conflict {
-                what: "queue".into(),
-                name: q.name.clone(),
-                detail: settings_differing(&declaration(q), &declaration(existing)),
-            }),
-            Some(_) => {}
-        }
-    }
-    for b in plan.bindings.iter().filter(|b| !state.bindings.contains(b)) {
-        drift.push(Drift::MissingBinding {
-            exchange: b.exchange.clone(),
-            queue: b.queue.clone(),
-            routing_key: b.routing_key.clone(),
-        });
-    }
-    drift
 }

@@ -23,7 +23,7 @@ use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params};
 use serde_json::Value;
 
-use super::super::declaration::{settings_differing, unsupported};
+use super::super::declaration::{self, unsupported};
 use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route};
 use super::writer::Registration;
 use crate::config::ExchangeKind;
@@ -1200,60 +1200,19 @@ impl Store {
 
     /// How the file's declarations differ from `plan`.
     pub fn drift(&self, db: &Connection, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
-        let e = |err| self.error(err);
-        let mut drift = Vec::new();
-        for x in &plan.exchanges {
-            let kind: Option<String> = db
-                .query_row("SELECT kind FROM exchanges WHERE name = ?1", [&x.name], |r| r.get(0))
-                .optional()
-                .map_err(e)?;
-            match kind {
-                None => drift.push(Drift::MissingExchange { name: x.name.clone() }),
-                Some(kind) if kind != x.kind.as_str() => drift.push(Drift::Conflict {
-                    what: "exchange".into(),
-                    name: x.name.clone(),
-                    detail: format!("type: declared {} but current is {kind}", x.kind.as_str()),
-                }),
-                Some(_) => {}
-            }
-        }
-        for q in &plan.queues {
-            if let Some(detail) = unsupported(q, BROKER) {
-                drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
-                continue;
-            }
-            let declared = serde_json::to_string(q).map_err(|err| self.error(err))?;
-            let existing: Option<String> = db
-                .query_row("SELECT declaration FROM queues WHERE name = ?1", [&q.name], |r| r.get(0))
-                .optional()
-                .map_err(e)?;
-            match existing {
-                None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
-                Some(existing) if existing != declared => drift.push(Drift::Conflict {
-                    what: "queue".into(),
-                    name: q.name.clone(),
-                    detail: settings_differing(&declared, &existing),
-                }),
-                Some(_) => {}
-            }
-        }
-        for b in &plan.bindings {
-            let args = serde_json::to_string(&b.arguments).map_err(|err| self.error(err))?;
-            let exists = db
-                .prepare_cached(
-                    "SELECT 1 FROM bindings WHERE exchange = ?1 AND queue = ?2 AND routing_key = ?3 AND arguments = ?4",
-                )
-                .and_then(|mut s| s.exists(params![b.exchange, b.queue, b.routing_key, args]))
-                .map_err(e)?;
-            if !exists {
-                drift.push(Drift::MissingBinding {
-                    exchange: b.exchange.clone(),
-                    queue: b.queue.clone(),
-                    routing_key: b.routing_key.clone(),
-                });
-            }
-        }
-        Ok(drift)
+        let exchange =
+            |name: &str| db.query_row("SELECT kind FROM exchanges WHERE name = ?1", [name], |r| r.get(0)).optional();
+        let queue = |name: &str| {
+            db.query_row("SELECT declaration FROM queues WHERE name = ?1", [name], |r| r.get(0)).optional()
+        };
+        let bound = |b: &BindingDecl| {
+            let args = serde_json::to_string(&b.arguments).unwrap_or_default();
+            db.prepare_cached(
+                "SELECT 1 FROM bindings WHERE exchange = ?1 AND queue = ?2 AND routing_key = ?3 AND arguments = ?4",
+            )
+            .and_then(|mut s| s.exists(params![b.exchange, b.queue, b.routing_key, args]))
+        };
+        declaration::drift(plan, Some(BROKER), exchange, queue, bound).map_err(|e| self.error(e))
     }
 
     /// Copies the write-ahead log into the file and cuts it to nothing, after acks freed

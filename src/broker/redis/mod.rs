@@ -43,7 +43,7 @@ use tokio::sync::{Notify, mpsc as channel};
 use tokio_util::sync::CancellationToken;
 
 use self::scripts::Scripts;
-use super::declaration::{settings_differing, unsupported};
+use super::declaration::{self, unsupported};
 use super::{
     BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,
@@ -1105,43 +1105,14 @@ impl Operate for Redis {
                 .query_async(&mut c)
                 .await
                 .map_err(lost)?;
-        let mut drift = Vec::new();
-        for x in &plan.exchanges {
-            match exchanges.get(&x.name) {
-                None => drift.push(Drift::MissingExchange { name: x.name.clone() }),
-                Some(kind) if kind != x.kind.as_str() => drift.push(Drift::Conflict {
-                    what: "exchange".into(),
-                    name: x.name.clone(),
-                    detail: format!("type: declared {} but current is {kind}", x.kind.as_str()),
-                }),
-                Some(_) => {}
-            }
-        }
-        for q in &plan.queues {
-            if let Some(detail) = unsupported(q, BROKER) {
-                drift.push(Drift::Conflict { what: "queue".into(), name: q.name.clone(), detail });
-                continue;
-            }
-            let declared = serde_json::to_string(q).unwrap_or_default();
-            match queues.get(&q.name) {
-                None => drift.push(Drift::MissingQueue { name: q.name.clone() }),
-                Some(existing) if *existing != declared => drift.push(Drift::Conflict {
-                    what: "queue".into(),
-                    name: q.name.clone(),
-                    detail: settings_differing(&declared, existing),
-                }),
-                Some(_) => {}
-            }
-        }
         let bindings: std::collections::HashSet<String> = bindings.into_iter().collect();
-        for b in plan.bindings.iter().filter(|b| !bindings.contains(&binding_text(b))) {
-            drift.push(Drift::MissingBinding {
-                exchange: b.exchange.clone(),
-                queue: b.queue.clone(),
-                routing_key: b.routing_key.clone(),
-            });
-        }
-        Ok(drift)
+        declaration::drift(
+            plan,
+            Some(BROKER),
+            |name| Ok(exchanges.get(name).cloned()),
+            |name| Ok(queues.get(name).cloned()),
+            |b| Ok(bindings.contains(&binding_text(b))),
+        )
     }
 }
 

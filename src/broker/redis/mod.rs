@@ -668,9 +668,7 @@ async fn consume(
         let delivering = sender.is_some() && !s.cancelled.is_cancelled();
         let room = if delivering { s.prefetch.saturating_sub(lock(&s.unsettled).len()).min(CLAIM_MAX) } else { 0 };
         let renew = last_renew.elapsed() >= lease / 3;
-        // A single active consumer takes back what was handed back before anything new, on
-        // every read: the queue's order is the point of it.
-        let reclaim = delivering && (s.single_active || last_reclaim.is_none_or(|at| at.elapsed() >= POLL));
+        let reclaim = delivering && last_reclaim.is_none_or(|at| at.elapsed() >= POLL);
         let claimed: Result<Vec<Value>, _> = broker
             .inner
             .scripts

@@ -64,10 +64,10 @@ return 'OK'
 /// One step of a consumer of stream `KEYS[1]`: moves the delayed copies come due (`KEYS[2]`,
 /// fields under the prefix `ARGV[5]`) into the stream; renews the consumer's registration in
 /// `KEYS[4]` and, with `ARGV[6]` = 1, its pending entries' leases; on a single-active queue
-/// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; with `ARGV[4]`
-/// = 1 takes back entries idle past the lease `ARGV[3]` ms (a dead or closed consumer's, in
-/// stream order) and forgets dead consumers with nothing pending; then reads up to `ARGV[2]`
-/// new entries. Consumer `ARGV[1]`, registered for `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
+/// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; takes what
+/// consumers handed back (consumer `returned`), first and in stream order; with `ARGV[4]` = 1
+/// takes back entries idle past the lease `ARGV[3]` ms (a dead consumer's) and forgets dead
+/// consumers with nothing pending; then reads new entries, up to `ARGV[2]` in all. Consumer `ARGV[1]`, registered for `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
 /// each entry its id then its fields.
 const CLAIM: &str = r#"
 local me, lease = ARGV[1], tonumber(ARGV[3])
@@ -106,6 +106,14 @@ local function add(entries)
       out[#out + 1] = e[2]
       n = n - 1
     end
+  end
+end
+if n > 0 then
+  local back = redis.call('XPENDING', KEYS[1], 'g', '-', '+', n, 'returned')
+  if #back > 0 then
+    local args = { 'XCLAIM', KEYS[1], 'g', me, 0 }
+    for _, p in ipairs(back) do args[#args + 1] = p[1] end
+    add(redis.call(unpack(args)))
   end
 end
 if ARGV[4] == '1' then

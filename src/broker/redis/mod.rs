@@ -417,6 +417,19 @@ impl Redis {
             closed: CancellationToken::new(),
             live: Arc::new(AtomicBool::new(true)),
         });
+        if rule.single_active {
+            // As on RabbitMQ, the first consumer to attach is the active one: it takes the
+            // lease now, not when its task first runs (a later consumer's task may run first).
+            let _: Option<String> = redis::cmd("SET")
+                .arg(self.key(&format!("sac:{queue}")))
+                .arg(&state.name)
+                .arg("NX")
+                .arg("PX")
+                .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
+                .query_async(&mut self.conn())
+                .await
+                .map_err(lost)?;
+        }
         let (sender, receiver) = channel::unbounded_channel();
         let wake = self.waker(queue);
         tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender, wake));
@@ -728,6 +741,12 @@ async fn consume(
                     let _ = out.send(Err(lost(e)));
                 }
             }
+        }
+        if s.closed.is_cancelled() {
+            // The close came while this claim was on its way, which may have registered the
+            // consumer again or taken a single-active lease: hand all of it back once more.
+            hand_back(&broker, &s).await;
+            return;
         }
         if s.cancelled.is_cancelled() {
             sender = None;

@@ -259,6 +259,8 @@ async fn every_exchange_type_routes_as_rabbitmq_does<S: Subject>(subject: S) {
             binding("t", "t3", "#", json!(null)),
             binding("t", "t3", "a.*", json!(null)),
             binding("strict", "s1", "a.*", json!(null)),
+            // A built-in exchange, bound to without being declared.
+            binding("amq.topic", "s1", "b.*", json!(null)),
             binding("h", "h-all", "", json!({"x-match": "all", "format": "pdf", "size": 2, "x-note": "skipped"})),
             binding("h", "h-any", "", json!({"x-match": "any", "format": "pdf", "size": 2})),
             binding("h", "h-empty", "", json!({})),
@@ -273,6 +275,7 @@ async fn every_exchange_type_routes_as_rabbitmq_does<S: Subject>(subject: S) {
         ("t", "a.b.c.z", Headers::new(), &["t2", "t3"]),
         ("t", "", Headers::new(), &["t3"]),
         ("strict", "a.b", Headers::new(), &["s1"]),
+        ("amq.topic", "b.c", Headers::new(), &["s1"]),
         ("h", "", headers(&[("format", text("pdf")), ("size", HeaderValue::Int(2))]), &["h-all", "h-any", "h-empty"]),
         ("h", "", headers(&[("format", text("pdf"))]), &["h-any", "h-empty"]),
         ("h", "", headers(&[("size", text("2"))]), &["h-empty"]),

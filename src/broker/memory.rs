@@ -358,24 +358,16 @@ impl Broker for Memory {
 
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
         let mut state = lock(&self.state);
-        let targets: Vec<String> = if exchange.is_empty() {
-            // The default exchange: the queue the key names, if there is one.
-            state.queues.keys().filter(|q| *q == routing_key).cloned().collect()
-        } else {
-            let kind = *state
-                .exchanges
-                .get(exchange)
-                .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
-            // One copy per queue, however many of its bindings match.
-            let queues: std::collections::BTreeSet<String> = state
-                .bindings
-                .iter()
-                .filter(|b| b.exchange == exchange)
-                .filter(|b| route::routes(kind, &b.routing_key, &b.arguments, routing_key, &message.headers))
-                .map(|b| b.queue.clone())
-                .collect();
-            queues.into_iter().collect()
-        };
+        let declared = state.exchanges.get(exchange).copied();
+        let targets = route::targets(
+            exchange,
+            routing_key,
+            &message.headers,
+            declared,
+            |q| state.queues.contains_key(q),
+            &state.bindings,
+        )
+        .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
         if targets.is_empty() {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
         }

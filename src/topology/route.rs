@@ -2,30 +2,44 @@
 //! equals the binding's), fanout (every binding), topic (`*` is one word, `#` zero or more)
 //! and headers (`x-match` `all` or `any` over the binding's arguments).
 //!
-//! Pure matching of one binding; the brokers that route themselves (embedded, in-memory) own
-//! their bindings and the default exchange. [`plan_targets`] routes over a whole plan, for
-//! `sluice test`, which has no broker.
+//! [`targets`] routes over a topology's exchanges, queues and bindings: the one routing of
+//! every broker that routes in sluice (embedded, Redis, in-memory) and of `sluice test`, which
+//! has no broker ([`plan_targets`]). RabbitMQ routes itself.
 
 use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::Plan;
+use super::{BindingDecl, Plan};
 use crate::config::ExchangeKind;
 use crate::envelope::{HeaderValue, Headers};
 
 /// The queues a message published to `exchange` with `routing_key` and `headers` reaches
-/// under `plan`, sorted, each once; empty when it is unroutable. The default exchange (`""`)
-/// routes to the queue the routing key names. `None` when the exchange is neither in the plan
-/// nor built into every broker.
+/// under `plan`, as [`targets`] routes.
 pub fn plan_targets(plan: &Plan, exchange: &str, routing_key: &str, headers: &Headers) -> Option<Vec<String>> {
+    let kind = plan.exchanges.iter().find(|e| e.name == exchange).map(|e| e.kind);
+    targets(exchange, routing_key, headers, kind, |q| plan.queue(q).is_some(), &plan.bindings)
+}
+
+/// The queues a message published to `exchange` with `routing_key` and `headers` reaches, over
+/// a topology whose exchange is of `declared` kind (`None`: not declared), whose queues are
+/// those `is_queue` knows, and whose bindings are `bindings`: sorted, each once however many of
+/// its bindings match; empty when it is unroutable. The default exchange (`""`) routes to the
+/// queue the routing key names; `amq.*` exchanges are built into every broker, as on
+/// RabbitMQ. `None` when there is no such exchange.
+pub fn targets(
+    exchange: &str,
+    routing_key: &str,
+    headers: &Headers,
+    declared: Option<ExchangeKind>,
+    is_queue: impl Fn(&str) -> bool,
+    bindings: &[BindingDecl],
+) -> Option<Vec<String>> {
     if exchange.is_empty() {
-        return Some(plan.queue(routing_key).map(|q| vec![q.name.clone()]).unwrap_or_default());
+        return Some(if is_queue(routing_key) { vec![routing_key.to_string()] } else { Vec::new() });
     }
-    let kind =
-        plan.exchanges.iter().find(|e| e.name == exchange).map(|e| e.kind).or(ExchangeKind::builtin(exchange))?;
-    let mut queues: Vec<String> = plan
-        .bindings
+    let kind = declared.or(ExchangeKind::builtin(exchange))?;
+    let mut queues: Vec<String> = bindings
         .iter()
         .filter(|b| b.exchange == exchange && routes(kind, &b.routing_key, &b.arguments, routing_key, headers))
         .map(|b| b.queue.clone())

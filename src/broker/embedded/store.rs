@@ -13,7 +13,7 @@
 //! come due, a lease run out); claiming one sets `visible_at` to the lease's end and names
 //! its owner, so a consumer that dies without settling simply lets it come due again.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -116,7 +116,7 @@ struct Topology {
     version: i64,
     exchanges: HashMap<String, ExchangeKind>,
     queues: HashMap<String, QueueRule>,
-    bindings: Vec<(String, String, String, BTreeMap<String, Value>)>,
+    bindings: Vec<BindingDecl>,
 }
 
 /// What the store enforces of a queue's declaration.
@@ -641,9 +641,9 @@ impl Store {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?))
             })?;
             for row in rows {
-                let (exchange, queue, key, args) = row?;
-                let args = serde_json::from_str(&args).map_err(|e| format!("binding arguments: {e}"))?;
-                t.bindings.push((exchange, queue, key, args));
+                let (exchange, queue, routing_key, args) = row?;
+                let arguments = serde_json::from_str(&args).map_err(|e| format!("binding arguments: {e}"))?;
+                t.bindings.push(BindingDecl { exchange, queue, routing_key, arguments });
             }
             Ok(t)
         };
@@ -758,23 +758,17 @@ impl Store {
     ) -> Result<Vec<String>, BrokerError> {
         self.refresh(db)?;
         let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
-        let targets: BTreeSet<&str> = if exchange.is_empty() {
-            topology.queues.keys().filter(|q| *q == routing_key).map(String::as_str).collect()
-        } else {
-            let Some(&kind) = topology.exchanges.get(exchange) else {
-                return Err(self.missing(db, "exchange", exchange));
-            };
-            topology
-                .bindings
-                .iter()
-                .filter(|(x, _, key, args)| x == exchange && route::routes(kind, key, args, routing_key, headers))
-                .map(|(_, q, _, _)| q.as_str())
-                .collect()
+        let declared = topology.exchanges.get(exchange).copied();
+        let queues = &topology.queues;
+        let Some(targets) =
+            route::targets(exchange, routing_key, headers, declared, |q| queues.contains_key(q), &topology.bindings)
+        else {
+            return Err(self.missing(db, "exchange", exchange));
         };
         if targets.is_empty() {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
         }
-        Ok(targets.into_iter().map(String::from).collect())
+        Ok(targets)
     }
 
     /// Writes one copy into `queue`, visible from `visible_at` (0: at once).

@@ -312,25 +312,10 @@ impl Redis {
 
     /// The queues a message reaches under `t` (at least one), sorted.
     fn route(t: &Topology, exchange: &str, routing_key: &str, headers: &Headers) -> Result<Vec<String>, BrokerError> {
-        let mut targets: Vec<String> = if exchange.is_empty() {
-            t.queues.keys().filter(|q| *q == routing_key).cloned().collect()
-        } else {
-            let kind = t
-                .exchanges
-                .get(exchange)
-                .copied()
-                .or(ExchangeKind::builtin(exchange))
+        let declared = t.exchanges.get(exchange).copied();
+        let targets =
+            route::targets(exchange, routing_key, headers, declared, |q| t.queues.contains_key(q), &t.bindings)
                 .ok_or_else(|| missing(t, "exchange", exchange))?;
-            t.bindings
-                .iter()
-                .filter(|b| {
-                    b.exchange == exchange && route::routes(kind, &b.routing_key, &b.arguments, routing_key, headers)
-                })
-                .map(|b| b.queue.clone())
-                .collect()
-        };
-        targets.sort();
-        targets.dedup();
         if targets.is_empty() {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
         }

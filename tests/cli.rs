@@ -371,7 +371,8 @@ fn validate_warns_about_classic_queues_on_a_cluster() {
 
 /// Issue 21: `plan` takes the broker from `$SLUICE_BROKER` as the other commands do: the
 /// drift against it follows the plan (here an embedded broker not created yet, compared as an
-/// empty one); without it, the plan alone.
+/// empty one); without it, the plan alone, as RabbitMQ declares it. Issue 23: the plan is in
+/// the selected broker's terms.
 #[test]
 fn plan_compares_with_the_broker_named_by_sluice_broker() {
     let state = tempfile::tempdir().unwrap();
@@ -381,8 +382,12 @@ fn plan_compares_with_the_broker_named_by_sluice_broker() {
     assert!(!String::from_utf8_lossy(&alone.stdout).contains("missing"), "{alone:?}");
     let env = sluice().args(["plan", "pipelines"]).env("SLUICE_BROKER", &broker).output().unwrap();
     assert_eq!(env.status.code(), Some(0), "{env:?}");
-    let stdout = String::from_utf8_lossy(&env.stdout);
-    assert!(stdout.starts_with(&*String::from_utf8_lossy(&alone.stdout)), "the plan first: {env:?}");
+    let (stdout, rabbitmq) = (String::from_utf8_lossy(&env.stdout), String::from_utf8_lossy(&alone.stdout));
+    assert!(rabbitmq.contains("x-queue-type = \"quorum\"") && rabbitmq.contains("delay cascade: "), "{alone:?}");
+    let embedded = format!("the embedded broker in {}", broker.join("broker.db").display());
+    assert!(stdout.starts_with(&embedded), "the plan first, in the embedded broker's terms: {env:?}");
+    assert!(!stdout.contains("x-queue-type") && !stdout.contains("delay cascade"), "{env:?}");
+    assert!(stdout.contains("  orders.charge\n    dead_letter = \"orders.charge.dlq\"\n"), "{env:?}");
     assert!(stdout.contains("missing exchange \"orders\""), "{env:?}");
     assert!(!broker.exists(), "plan created the broker");
 }

@@ -218,8 +218,9 @@ async fn a_single_active_consumer_queue_delivers_to_one() {
     two.close().await;
 }
 
-/// `sluice plan --broker redis://…` says what the server's persistence is, and warns when a
-/// restart would lose queued messages.
+/// `sluice plan --broker redis://…` shows the plan in the Redis broker's terms (each queue's
+/// stream, the settings it keeps, no delay cascade), says what the server's persistence is,
+/// and warns when a restart would lose queued messages.
 #[test]
 fn plan_says_the_servers_persistence() {
     let place = RedisPrefix::new();
@@ -227,6 +228,11 @@ fn plan_says_the_servers_persistence() {
     let dir_arg = dir.path().to_str().expect("utf-8");
     let done = sluice_cli(&["plan", dir_arg, "--broker", &place.url()], &[], Duration::from_secs(30));
     assert_eq!(done.code, Some(0), "{}", done.stderr);
+    let prefix = &place.prefix;
+    assert!(done.stdout.starts_with(&format!("the Redis broker, keys under \"{prefix}\"")), "{}", done.stdout);
+    let b = format!("  b\n    stream = \"{prefix}s:b\"\n    dead_letter = \"b.dlq\"\n    max_length = 2\n");
+    assert!(done.stdout.contains(&b), "{}", done.stdout);
+    assert!(!done.stdout.contains("x-queue-type") && !done.stdout.contains("delay cascade"), "{}", done.stdout);
     assert!(done.stdout.contains("broker persistence: appendonly "), "{}", done.stdout);
     let mut c = place.raw();
     let aof: Vec<String> = redis::cmd("CONFIG").arg("GET").arg("appendonly").query(&mut c).expect("config");

@@ -1,9 +1,11 @@
 //! What the brokers that keep their own declarations (embedded, Redis, in-memory) share about
 //! them: the settings of a queue they cannot honour, how two stored declarations differ, and
-//! how what they hold differs from a plan. No IO: each broker looks its declarations up.
+//! how what they hold differs from a plan, and how `sluice plan` shows what they create. No IO:
+//! each broker looks its declarations up.
 
 use super::Drift;
-use crate::topology::{BindingDecl, Plan, QueueDecl};
+use super::render::{Bound, Picture, Shown};
+use crate::topology::{BindingDecl, Plan, QueueDecl, Role};
 
 /// What of a queue's declaration `broker` (e.g. "the embedded broker") cannot honour, said as
 /// a person can act on it.
@@ -93,4 +95,65 @@ pub(crate) fn drift<E>(
         }
     }
     Ok(drift)
+}
+
+/// What `sluice plan` shows for a broker that keeps its own declarations: under `title`, the
+/// exchanges, the queues with the settings `broker` keeps (and refuses), `storage` naming
+/// where a queue's messages live when that helps, and `delays` saying where a retry waits.
+pub(crate) fn picture(
+    plan: &Plan,
+    broker: &str,
+    title: String,
+    delays: String,
+    storage: impl Fn(&str) -> Option<(&'static str, String)>,
+) -> Picture {
+    let queues = plan
+        .queues
+        .iter()
+        .map(|q| {
+            let mut settings: Vec<(String, String)> =
+                storage(&q.name).into_iter().map(|(k, v)| (k.into(), v)).collect();
+            if let Some(dlq) = &q.dead_letter {
+                settings.push(("dead_letter".into(), format!("{dlq:?}")));
+            }
+            if let Some(max) = q.max_length {
+                settings.push(("max_length".into(), max.to_string()));
+            }
+            if q.single_active_consumer {
+                settings.push(("single_active_consumer".into(), "true".into()));
+            }
+            if let Some(refused) = unsupported(q, broker) {
+                settings.push(("refused".into(), refused));
+            }
+            Shown {
+                name: q.name.clone(),
+                dead_letter_queue: q.role == Role::DeadLetter,
+                dead_letter: q.dead_letter.clone(),
+                settings,
+            }
+        })
+        .collect();
+    Picture {
+        json: serde_json::json!({
+            "exchanges": plan.exchanges,
+            "queues": plan.queues,
+            "bindings": plan.bindings,
+            "delays": delays,
+        }),
+        title: Some(title),
+        exchanges: plan.exchanges.iter().map(|e| (e.name.clone(), e.kind.as_str().into())).collect(),
+        queues,
+        bindings: plan
+            .bindings
+            .iter()
+            .map(|b| Bound {
+                exchange: b.exchange.clone(),
+                queue: b.queue.clone(),
+                routing_key: b.routing_key.clone(),
+                arguments: b.arguments.clone(),
+            })
+            .collect(),
+        delays,
+        delay_node: None,
+    }
 }

@@ -20,6 +20,7 @@ pub mod failover;
 #[doc(hidden)]
 pub mod memory;
 pub mod redis;
+pub mod render;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -22,10 +22,11 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::api::Connect;
 use crate::admin::token;
 use crate::broker::Operate as _;
-use crate::broker::amqp::{self, Amqp, PlanFormat};
+use crate::broker::amqp::{self, Amqp};
 use crate::broker::embedded::Embedded;
 use crate::broker::failover::Failover;
 use crate::broker::redis::Redis;
+use crate::broker::render::{self, PlanFormat};
 use crate::call::{self, Call};
 use crate::config::{self, Format};
 use crate::dedup::{self, Location, Store};
@@ -588,7 +589,8 @@ pub fn main() -> ExitCode {
             };
             let plan = topology::plan(&config);
             if broker.is_empty() {
-                return exit(output::stdout(&amqp::render(&amqp::declarations(&plan), format)).map_err(Into::into));
+                let picture = amqp::declarations(&plan).picture();
+                return exit(output::stdout(&render::render(&picture, format)).map_err(Into::into));
             }
             let broker =
                 BrokerArg { urls: broker, connect_timeout, confirm_timeout: amqp::Timeouts::default().confirm };
@@ -1001,9 +1003,13 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
             drift?
         })
     };
-    let declarations = amqp::declarations(&plan);
+    let picture = match broker.endpoint()? {
+        Endpoint::Amqp(_) => amqp::declarations(&plan).picture(),
+        Endpoint::Embedded(dir) => crate::broker::embedded::picture(&plan, dir),
+        Endpoint::Redis(url) => crate::broker::redis::picture(&plan, &crate::broker::redis::Location::parse(url)?),
+    };
     if format != PlanFormat::Json {
-        output::stdout(&amqp::render(&declarations, format))?;
+        output::stdout(&render::render(&picture, format))?;
     }
     let conflicts = drift.iter().filter(|d| matches!(d, Drift::Conflict { .. })).count();
     let matches = drift.iter().all(|d| matches!(d, Drift::BindingsUnchecked { .. }));
@@ -1020,7 +1026,7 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     }
     match format {
         PlanFormat::Json => {
-            let both = serde_json::json!({ "plan": declarations, "drift": drift });
+            let both = serde_json::json!({ "plan": picture.json, "drift": drift });
             output::stdout(&format!("{}\n", serde_json::to_string_pretty(&both)?))?;
         }
         PlanFormat::Text => output::stdout(&text)?,

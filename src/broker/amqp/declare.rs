@@ -1,6 +1,6 @@
 //! RabbitMQ's declarations for a plan: the `x-` arguments of each queue (dead-lettering,
 //! delivery limit, overflow, single active consumer), the shared delay cascade that carries
-//! retries, and where a delayed copy is published. `sluice plan` renders these.
+//! retries, and where a delayed copy is published. `sluice plan` shows these ([`Declarations::picture`]).
 //!
 //! Pure: it declares nothing itself.
 
@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::broker::render::{Bound, Picture, Shown};
 use crate::config::QueueKind;
 use crate::topology::{self, Plan};
 
@@ -89,6 +90,50 @@ impl Declarations {
     /// The declaration of a queue by name.
     pub fn queue(&self, name: &str) -> Option<&Queue> {
         self.queues.iter().find(|q| q.name == name)
+    }
+
+    /// What `sluice plan` shows: the queues with their `x-` arguments and the bindings of the
+    /// pipelines, with the cascade's exchanges, queues and bindings summarised in one line.
+    pub fn picture(&self) -> Picture {
+        let internal = |name: &str| name.starts_with("sluice.delay.");
+        Picture {
+            title: None,
+            exchanges: self
+                .exchanges
+                .iter()
+                .filter(|e| !internal(&e.name))
+                .map(|e| (e.name.clone(), e.kind.clone()))
+                .collect(),
+            queues: self
+                .queues
+                .iter()
+                .filter(|q| q.role != Role::Delay)
+                .map(|q| Shown {
+                    name: q.name.clone(),
+                    dead_letter_queue: q.role == Role::DeadLetter,
+                    dead_letter: q.arguments.get("x-dead-letter-routing-key").and_then(Value::as_str).map(Into::into),
+                    settings: q.arguments.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
+                })
+                .collect(),
+            bindings: self
+                .bindings
+                .iter()
+                .filter(|b| !internal(&b.source) && b.destination_kind == DestinationKind::Queue)
+                .map(|b| Bound {
+                    exchange: b.source.clone(),
+                    queue: b.destination.clone(),
+                    routing_key: b.routing_key.clone(),
+                    arguments: b.arguments.clone(),
+                })
+                .collect(),
+            delays: format!(
+                "delay cascade: {DELAY_LEVELS} levels (sluice.delay.00 .. sluice.delay.{:02}) in units of {}ms, into {DELIVERY_EXCHANGE}",
+                DELAY_LEVELS - 1,
+                DELAY_UNIT.as_millis(),
+            ),
+            delay_node: Some("delay cascade"),
+            json: serde_json::to_value(self).unwrap_or_default(),
+        }
     }
 }
 

@@ -9,7 +9,6 @@
 
 mod ack;
 mod declare;
-mod render;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -33,7 +32,6 @@ use serde_json::Value;
 use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
-pub use self::render::{PlanFormat, render};
 use super::{
     Broker, BrokerDeath, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,

@@ -64,6 +64,8 @@ pub use self::reader::{Messages, ReadOnly};
 pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Stored, ms};
 use self::writer::{Op, Registration, Renewal, Wakers};
+use super::declaration;
+use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,
@@ -131,6 +133,14 @@ fn stopped() -> BrokerError {
 
 /// The broker's file in the directory `--broker` names.
 pub const FILE: &str = "broker.db";
+
+/// What `sluice plan --broker DIR` shows: the plan as this broker keeps it in `dir`'s file.
+pub fn picture(plan: &Plan, dir: &Path) -> Picture {
+    let title =
+        format!("the embedded broker in {} (every process on this directory shares it)", dir.join(FILE).display());
+    let delays = "delays: a retry waits in its queue's table until it is due (exact: no delay queues)";
+    declaration::picture(plan, store::BROKER, title, delays.into(), |_| None)
+}
 
 impl Embedded {
     /// Opens the broker's file, creating it and its directory. Several processes may open

@@ -34,7 +34,7 @@ use crate::topology::route;
 use crate::topology::{BindingDecl, Plan};
 
 /// This broker, as a refused declaration names it.
-const BROKER: &str = "the embedded broker";
+pub(super) const BROKER: &str = "the embedded broker";
 
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -44,6 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
+use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,
@@ -105,6 +106,16 @@ impl Location {
         let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
         Ok(Location { url, prefix, lease })
     }
+}
+
+/// What `sluice plan --broker redis://…` shows: the plan as this broker keeps it under the
+/// location's prefix, with each queue's stream.
+pub fn picture(plan: &Plan, location: &Location) -> Picture {
+    let prefix = &location.prefix;
+    let title = format!("the Redis broker, keys under {prefix:?} (a stream and a consumer group for each queue)");
+    let delays =
+        format!("delays: a retry waits in the sorted set {prefix}d:QUEUE until it is due (exact: no delay queues)");
+    declaration::picture(plan, BROKER, title, delays, |q| Some(("stream", format!("{:?}", format!("{prefix}s:{q}")))))
 }
 
 /// What the server says of its persistence (`CONFIG GET`), for the start line and `plan`.

@@ -157,3 +157,39 @@ pub(crate) fn picture(
         delay_node: None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::render::{PlanFormat, render};
+
+    #[test]
+    fn a_picture_shows_the_settings_kept_and_those_refused() {
+        let plan = Plan {
+            queues: vec![
+                QueueDecl {
+                    dead_letter: Some("w.dlq".into()),
+                    max_length: Some(10),
+                    single_active_consumer: true,
+                    message_ttl_ms: Some(1000),
+                    ..QueueDecl::new("w", Role::Work)
+                },
+                QueueDecl::new("w.dlq", Role::DeadLetter),
+            ],
+            ..Plan::default()
+        };
+        let picture = picture(&plan, "the test broker", "title".into(), "delays: here".into(), |q| {
+            Some(("stream", format!("s:{q}")))
+        });
+        let text = render(&picture, PlanFormat::Text);
+        let expected = "title\nexchanges:\nqueues:\n  w\n    stream = s:w\n    dead_letter = \"w.dlq\"\n    \
+                        max_length = 10\n    single_active_consumer = true\n    refused = message_ttl: the test broker \
+                        cannot honour it; remove it or run on RabbitMQ (--broker amqp://...)\n  w.dlq [dead-letter]\n    \
+                        stream = s:w.dlq\ndelays: here\n";
+        assert_eq!(text, expected);
+        let dot = render(&picture, PlanFormat::Dot);
+        assert!(dot.contains("q_w -> q_w_dlq [label=\"dead-letter\", style=dashed]"), "{dot}");
+        assert!(dot.contains("q_w -> q_w [label=\"retry after delay\", style=dashed]"), "{dot}");
+        assert!(!dot.contains("cascade"), "{dot}");
+    }
+}

@@ -7,18 +7,16 @@
 //! One test runs the scenarios in turn on one cluster: starting a cluster costs about 40 s,
 //! and two at once would share two cores with the suite.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::cluster::Cluster;
+use crate::support::*;
 use serde_json::json;
 use sluice::broker::amqp::{Amqp, Timeouts};
 use sluice::broker::{Broker as _, Operate as _};
-use support::cluster::Cluster;
-use support::*;
 
 /// A quorum queue `work` bound to `ev`, calling the receiver, idempotency on.
 fn cluster_pipeline(receiver: &Receiver) -> tempfile::TempDir {
@@ -456,6 +454,7 @@ async fn run_on(cluster: &Cluster, dir: &std::path::Path, extra: &[&str], wanted
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sluice_carries_on_when_a_cluster_node_is_lost() {
+    let _alone = crate::ONE_AT_A_TIME.lock().await;
     require_rabbitmq();
     let cluster = blocking(Cluster::up);
     // SLUICE_CLUSTER_RUNS=N repeats the timed scenarios and compares throughput with a single

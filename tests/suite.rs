@@ -1,8 +1,8 @@
 //! The integration tests, one binary (as ripgrep and cargo have them): each file beside this one
 //! is a module, linked once against sluice and its C libraries instead of once per file. Run
 //! one file's tests with `cargo test --test suite FILE::` (e.g. `cargo test --test suite dlq::`).
-//! `cluster.rs` is a binary of its own (`cargo test --test cluster`), run alone: beside the
-//! suite, its recoveries and the suite's timing-bound tests missed their bounds.
+//! `cluster.rs` and `adaptive.rs` are the binary `alone` (`cargo test --test alone`), run after
+//! the suite, one test at a time: beside the suite, what they measure missed its bounds.
 
 #[macro_use]
 mod support;

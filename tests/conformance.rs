@@ -43,7 +43,8 @@ pub trait Subject: Send + Sync {
     /// Whether an ack of a delivery behind an unsettled one may be held back, to go in one
     /// batch with it (RabbitMQ: one `multiple` ack covers a contiguous range of delivery
     /// tags). Such an ack makes no room in the prefetch window while held, and is lost with
-    /// the session: that message comes again (at-least-once; idempotency absorbs it).
+    /// the session: that message comes again (at-least-once; idempotency absorbs it). Closing
+    /// the consumer sends it.
     fn holds_acks_behind_unsettled(&self) -> bool {
         false
     }
@@ -324,12 +325,14 @@ async fn prefetch_is_a_bound_and_close_hands_back_in_order<S: Subject>(subject: 
     assert_eq!(body(&third), "m3");
     wait_for_stats(&broker, "q", QueueStats { ready: 3, consumers: 1 }).await;
     assert!(held[1].is_live() && third.is_live(), "unsettled deliveries of an open consumer are live");
+    // Acked behind the unsettled m2 (held, where the broker holds such acks): closing sends it.
+    consumer.ack(std::slice::from_ref(&third)).await.expect("ack m3");
     consumer.close().await;
-    assert!(!held[1].is_live() && !third.is_live(), "deliveries of a closed consumer are no longer live");
-    wait_for_stats(&broker, "q", QueueStats { ready: 5, consumers: 0 }).await;
+    assert!(!held[1].is_live(), "deliveries of a closed consumer are no longer live");
+    wait_for_stats(&broker, "q", QueueStats { ready: 4, consumers: 0 }).await;
     let (mut again, other) = broker.consume("q", 10).await.expect("consume again");
-    let (order, rest) = bodies(&mut again, 5, "after the hand-back").await;
-    assert_eq!(order, ["m2", "m3", "m4", "m5", "m6"], "handed back in queue order, the acked one gone");
+    let (order, rest) = bodies(&mut again, 4, "after the hand-back").await;
+    assert_eq!(order, ["m2", "m4", "m5", "m6"], "handed back in queue order, the acked ones gone");
     other.ack(&rest).await.expect("ack the rest");
     wait_for_stats(&broker, "q", QueueStats { ready: 0, consumers: 1 }).await;
     other.close().await;

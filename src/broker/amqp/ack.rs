@@ -2,7 +2,7 @@
 //! `multiple` ack covers every earlier tag of the channel, so the contiguous settled range
 //! from the oldest unsettled delivery goes in one ack. Settled deliveries beyond a gap wait
 //! for it, unless more than `hold` of them wait: then they are acked one by one, so one slow
-//! handler cannot pin the whole prefetch window.
+//! handler cannot pin the whole prefetch window; and when the consumer closes.
 
 use std::collections::BTreeMap;
 
@@ -48,6 +48,14 @@ impl AckWindow {
         }
         acks
     }
+
+    /// Takes the settled deliveries waiting behind an unsettled one, to be acked one by one
+    /// before the consumer closes (closing would send them back with the unsettled ones).
+    pub fn take_settled(&mut self) -> Vec<u64> {
+        let settled: Vec<u64> = self.outstanding.iter().filter(|(_, settled)| **settled).map(|(tag, _)| *tag).collect();
+        self.outstanding.retain(|_, settled| !*settled);
+        settled
+    }
 }
 
 #[cfg(test)]
@@ -78,5 +86,18 @@ mod tests {
             assert_eq!(window.settle(settled.iter().copied()), *want, "step {i}");
         }
         assert!(window.outstanding.is_empty());
+    }
+
+    #[test]
+    fn what_waits_behind_a_gap_is_taken_at_close() {
+        let mut window = AckWindow::new(4);
+        for tag in 1..=5 {
+            window.received(tag);
+        }
+        assert_eq!(window.settle([3, 5]), []);
+        assert_eq!(window.take_settled(), [3, 5]);
+        assert_eq!(window.take_settled(), Vec::<u64>::new());
+        // What is left unsettled still acks as before.
+        assert_eq!(window.settle([1, 2]), [(2, true)]);
     }
 }

@@ -458,7 +458,7 @@ impl Consumer for AmqpConsumer {
             if let Err(e) = self.channel.basic_ack(tag, BasicAckOptions { multiple }).await {
                 // The window has let go of these tags, so they cannot be acked again: closing
                 // the channel makes sure RabbitMQ delivers them again (and they are not live).
-                self.close().await;
+                self.close_channel().await;
                 return Err(lost(e));
             }
         }
@@ -469,8 +469,27 @@ impl Consumer for AmqpConsumer {
         self.channel.basic_cancel(self.tag.clone(), BasicCancelOptions::default()).await.map_err(lost)
     }
 
+    /// Acks what was settled and waits behind an unsettled delivery (one by one), then closes:
+    /// only what is unsettled goes back to the queue.
     async fn close(&self) {
-        // Whatever is unacked on this channel goes back to the queue; the broker redelivers it.
+        {
+            let _turn = self.sending.lock().await;
+            let settled = lock(&self.window).take_settled();
+            for tag in settled {
+                if self.channel.basic_ack(tag, BasicAckOptions { multiple: false }).await.is_err() {
+                    // The channel is gone: the broker delivers these again (at-least-once).
+                    break;
+                }
+            }
+        }
+        self.close_channel().await;
+    }
+}
+
+impl AmqpConsumer {
+    /// Closes the channel: whatever is unacked on it goes back to the queue, and the broker
+    /// delivers it again.
+    async fn close_channel(&self) {
         let _ = self.channel.close(200, "sluice: consumer closed".into()).await;
     }
 }

@@ -6,12 +6,14 @@
 //! It stands between the config and [`crate::handler`]: it reads the queue's config and
 //! hands the handlers a ready request, so the handlers never read the config themselves.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use handlebars::Context;
 use serde_json::{Map, Value, json};
+use sha2::{Digest as _, Sha256};
 
 use crate::config::{Handler, Queue, StdinMode};
 use crate::envelope::{Envelope, Malformed};
@@ -273,14 +275,14 @@ impl<'a> Renderer<'a> {
 
     /// The idempotency key as stored and sent downstream: the queue's template, else the
     /// envelope's key; the message id when either is blank (a key shared by every such message
-    /// would run only the first); a long one by its digest ([`crate::dedup::effective_key`]).
+    /// would run only the first); a long one by its digest ([`effective_key`]).
     pub fn key(&self) -> Result<String, PrepareError> {
         let key = match self.queue.idempotency.as_ref().and_then(|i| i.key.as_ref()) {
             Some(key) => render(key, "idempotency key", &self.ctx)?,
             None => self.envelope.idempotency_key().to_string(),
         };
         let key = if crate::envelope::is_blank(&key) { self.envelope.id.clone() } else { key };
-        Ok(crate::dedup::effective_key(key))
+        Ok(effective_key(key))
     }
 
     /// The handler's request or invocation; `body` is the delivery's body as received.
@@ -295,6 +297,27 @@ impl<'a> Renderer<'a> {
         };
         prepare(&self.queue.handler, &message, &self.ctx, self.redact)
     }
+}
+
+/// Keys longer than this are known by their digest, in the stores and downstream alike.
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// The key as stored and as sent downstream (`Idempotency-Key`, `SLUICE_IDEMPOTENCY_KEY`): the
+/// key itself, or for a key over [`MAX_KEY_BYTES`], `sha256:` and its SHA-256 in lowercase hex.
+/// Producers choose keys, so their length is theirs too; the embedded store refuses keys of
+/// 64 KiB, and receivers cap header sizes far below that.
+pub fn effective_key(key: String) -> String {
+    if key.len() <= MAX_KEY_BYTES {
+        return key;
+    }
+    let digest = Sha256::digest(key.as_bytes());
+    let mut text = String::with_capacity(7 + 64);
+    text.push_str("sha256:");
+    for byte in digest {
+        // Writing to a String cannot fail.
+        let _ = write!(text, "{byte:02x}");
+    }
+    text
 }
 
 /// `part` as a slice of `whole` when it lies inside it (a decoded payload borrows the body),
@@ -339,5 +362,25 @@ mod tests {
         let copied = within(&body, &elsewhere);
         assert_eq!(&copied[..], b"{}");
         assert_ne!(copied.as_ptr(), elsewhere.as_ptr());
+    }
+
+    #[test]
+    fn long_keys_are_known_by_their_digest() {
+        let short = "k".repeat(MAX_KEY_BYTES);
+        assert_eq!(effective_key(short.clone()), short);
+        // Issue 9: a 70 KB key (the embedded store panicked at 64 KiB) becomes 71 bytes.
+        let long = "k".repeat(70_000);
+        let digest = effective_key(long.clone());
+        assert_eq!(digest.len(), 71);
+        assert!(
+            digest.starts_with("sha256:")
+                && digest[7..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+        assert_eq!(effective_key(long), digest);
+        assert_ne!(effective_key("k".repeat(MAX_KEY_BYTES + 1)), digest);
+        assert_eq!(
+            effective_key("a".repeat(MAX_KEY_BYTES + 1)),
+            format!("sha256:{:x}", Sha256::digest("a".repeat(MAX_KEY_BYTES + 1)))
+        );
     }
 }

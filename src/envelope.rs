@@ -1,5 +1,6 @@
-//! The message envelope: the JSON body every sluice message carries, and the names of the
-//! AMQP headers sluice reads and writes.
+//! The message envelope: the JSON body every sluice message carries, and the AMQP headers
+//! sluice reads and writes (their names, the attempt a delivery is on, and what a dead-letter
+//! copy adds).
 //!
 //! Decoding is strict about what sluice needs (id, type, payload) and ignores unknown fields,
 //! so producers can add fields without breaking older runners.
@@ -55,6 +56,61 @@ impl HeaderValue {
 
 /// Headers to set on a message (merged over the original's on a copy).
 pub type Headers = BTreeMap<String, HeaderValue>;
+
+/// Error texts in headers are kept short.
+const MAX_ERROR_HEADER: usize = 1000;
+
+/// Why a message was dead-lettered (the `x-sluice-reason` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Permanent,
+    Exhausted,
+    Malformed,
+    Schema,
+    Template,
+    /// The webhook could not be signed (its secret unset or malformed).
+    Signing,
+    TooLarge,
+    Internal,
+}
+
+impl Reason {
+    /// The header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Permanent => "permanent",
+            Reason::Exhausted => "exhausted",
+            Reason::Malformed => "malformed",
+            Reason::Schema => "schema",
+            Reason::Template => "template",
+            Reason::Signing => "signing",
+            Reason::TooLarge => "too_large",
+            Reason::Internal => "internal",
+        }
+    }
+}
+
+/// The attempt number an attempt header says (1 when absent or nonsense).
+pub fn attempt_in(header: Option<&HeaderValue>) -> u32 {
+    match header {
+        Some(HeaderValue::Int(n)) if *n >= 1 => u32::try_from(*n).unwrap_or(u32::MAX),
+        Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
+        _ => 1,
+    }
+}
+
+/// The headers a dead-letter copy adds: why, after how many attempts, when, and from which queue.
+pub fn dead_letter_headers(reason: Reason, error: &str, attempts: u32, queue: &str) -> Headers {
+    let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
+    let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    Headers::from([
+        (REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
+        (ERROR_HEADER.to_string(), HeaderValue::Str(error)),
+        (ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(attempts))),
+        (FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
+        (SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(queue.to_string())),
+    ])
+}
 
 /// A message body: decoded, it borrows the payload from the delivery's bytes, so an in-flight
 /// message is held once.

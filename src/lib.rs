@@ -5,16 +5,19 @@
 //! them.
 
 pub mod admin;
+pub mod backoff;
 pub mod broker;
 pub mod call;
 pub mod cli;
 pub mod config;
 pub mod dedup;
 pub mod envelope;
+pub mod file;
 pub mod handler;
 pub mod ops;
 pub mod reload;
 pub mod runtime;
+pub mod secret;
 pub mod terminal;
 pub mod testing;
 pub mod topology;

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::{Broker, BrokerError};
-use crate::runtime::backoff;
+use crate::backoff;
 
 /// The longest pause between two rounds of attempts.
 pub const RECONNECT_CAP: Duration = Duration::from_secs(30);

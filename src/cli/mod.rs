@@ -530,7 +530,7 @@ fn parse() -> anyhow::Result<Cli> {
         if std::env::var_os(own).is_some() {
             conflict(format!("${file_var} and ${own} are both set; give the {flag} URL one way"));
         }
-        let url = config::secret::read_secret_file(Path::new(&path)).with_context(|| format!("${file_var}"))?;
+        let url = crate::secret::read_secret_file(Path::new(&path)).with_context(|| format!("${file_var}"))?;
         // Once per process; the value must outlive the command definition.
         command = default_for(command, flag, String::leak(url));
         from_files.push((flag, file_var));

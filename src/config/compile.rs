@@ -17,6 +17,7 @@ use super::{
     Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing, StdinMode,
     Tls, Validation, Webhook, raw,
 };
+use crate::file::{ReadError, read_regular};
 use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
@@ -667,7 +668,7 @@ impl Compiler<'_> {
 
     fn payload_schema(&mut self, file: &SourceFile, pointer: &str, relative: &str) -> Option<PayloadSchema> {
         let path = file.dir().join(relative);
-        let text = match source::read_regular(&path, MAX_SCHEMA_BYTES) {
+        let text = match read_regular(&path, MAX_SCHEMA_BYTES) {
             Ok(t) => t,
             Err(e) => {
                 self.error(file, pointer, format!("cannot read payload schema {}: {e}", path.display()));
@@ -810,7 +811,7 @@ impl Compiler<'_> {
             }
             (None, Some(path)) => {
                 let path = file.dir().join(path);
-                if let Err(e) = super::secret::read_secret_file(&path) {
+                if let Err(e) = crate::secret::read_secret_file(&path) {
                     let message = format!("{e} here; run refuses to start without it");
                     self.diags.push(file.diag(Severity::Warning, &format!("{base}/client_secret_file"), message));
                 }
@@ -848,7 +849,7 @@ impl Compiler<'_> {
         // Each unreadable file is reported; a missing one is a warning and leaves no client.
         let mut unreadable = Vec::new();
         for (setting, path) in tls.files() {
-            if let Err(error) = source::read_regular(path, MAX_PEM_BYTES) {
+            if let Err(error) = read_regular(path, MAX_PEM_BYTES) {
                 unreadable.push(TlsProblem::Read { setting, path: path.clone(), error });
             }
         }
@@ -868,7 +869,7 @@ impl Compiler<'_> {
         for problem in problems {
             let (severity, setting) = match &problem {
                 TlsProblem::Read { setting, error, .. } => {
-                    let missing = matches!(error, source::ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
+                    let missing = matches!(error, ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
                     (if missing { Severity::Warning } else { Severity::Error }, *setting)
                 }
                 TlsProblem::Invalid(crate::handler::webhook::TlsError::Identity(_)) => {
@@ -1085,7 +1086,7 @@ impl Compiler<'_> {
 #[derive(Debug, thiserror::Error)]
 pub enum TlsProblem {
     #[error("cannot read {setting} {}: {error}", path.display())]
-    Read { setting: &'static str, path: PathBuf, error: source::ReadError },
+    Read { setting: &'static str, path: PathBuf, error: ReadError },
     #[error(transparent)]
     Invalid(#[from] crate::handler::webhook::TlsError),
 }
@@ -1097,7 +1098,7 @@ pub(crate) fn tls_client(tls: &Tls) -> Result<(reqwest::Client, String), TlsProb
     let mut read = BTreeMap::new();
     let mut digest = Sha256::new();
     for (setting, path) in tls.files() {
-        let text = source::read_regular(path, MAX_PEM_BYTES).map_err(|error| TlsProblem::Read {
+        let text = read_regular(path, MAX_PEM_BYTES).map_err(|error| TlsProblem::Read {
             setting,
             path: path.clone(),
             error,

@@ -14,7 +14,6 @@ pub mod raw;
 pub mod reference;
 mod rules;
 pub mod schema;
-pub mod secret;
 pub mod source;
 pub mod suggest;
 mod url;
@@ -29,6 +28,7 @@ pub use diagnostic::{Diagnostic, Format, Severity};
 pub use filter::Filter;
 pub use interpolate::Unset;
 
+use crate::file::{ReadError, read_regular};
 use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::Template;
@@ -303,7 +303,7 @@ impl Signing {
             }
         }
         if let Some(path) = &self.secret_file {
-            match source::read_regular(path, MAX_SECRETS_FILE_BYTES) {
+            match read_regular(path, MAX_SECRETS_FILE_BYTES) {
                 Ok(text) => {
                     let before = keys.len() + errors.len();
                     for (line, secret) in crate::handler::webhook::secrets_in(&text) {
@@ -331,7 +331,7 @@ pub enum SecretError {
     #[error("environment variable {var}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)")]
     Env { var: String, reason: SigningError },
     #[error("cannot read secrets file {}: {error}", .path.display())]
-    Unreadable { path: PathBuf, error: source::ReadError },
+    Unreadable { path: PathBuf, error: ReadError },
     #[error("secrets file {}, line {line}: {reason} (a Standard Webhooks secret is whsec_ followed by base64)", .path.display())]
     Line { path: PathBuf, line: usize, reason: SigningError },
     #[error("secrets file {} holds no secret (one a line: whsec_ followed by base64)", .path.display())]

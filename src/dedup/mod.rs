@@ -10,27 +10,14 @@
 mod embedded;
 mod redis_store;
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-use sha2::{Digest as _, Sha256};
 
 pub use embedded::EmbeddedStore;
 pub use redis_store::RedisStore;
 
+pub use crate::broker::embedded::Claim;
 use crate::broker::embedded::Embedded;
-
-/// What a claim found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Claim {
-    /// This worker owns the key until the lease ends: run the handler.
-    Claimed,
-    /// Already handled successfully within its TTL: a duplicate.
-    Done,
-    /// Another worker holds a live lease on it.
-    Busy,
-}
 
 /// The store could not answer.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -134,27 +121,6 @@ pub fn names(queue: &str, keys: &[String]) -> Vec<String> {
     keys.iter().map(|key| namespaced(queue, key)).collect()
 }
 
-/// Keys longer than this are known by their digest, in the stores and downstream alike.
-pub const MAX_KEY_BYTES: usize = 256;
-
-/// The key as stored and as sent downstream (`Idempotency-Key`, `SLUICE_IDEMPOTENCY_KEY`): the
-/// key itself, or for a key over [`MAX_KEY_BYTES`], `sha256:` and its SHA-256 in lowercase hex.
-/// Producers choose keys, so their length is theirs too; the embedded store refuses keys of
-/// 64 KiB, and receivers cap header sizes far below that.
-pub fn effective_key(key: String) -> String {
-    if key.len() <= MAX_KEY_BYTES {
-        return key;
-    }
-    let digest = Sha256::digest(key.as_bytes());
-    let mut text = String::with_capacity(7 + 64);
-    text.push_str("sha256:");
-    for byte in digest {
-        // Writing to a String cannot fail.
-        let _ = write!(text, "{byte:02x}");
-    }
-    text
-}
-
 /// One key space per queue: the queue name cannot contain a NUL.
 fn namespaced(queue: &str, key: &str) -> String {
     format!("{queue}\u{0}{key}")
@@ -167,26 +133,6 @@ fn millis(d: Duration) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn long_keys_are_known_by_their_digest() {
-        let short = "k".repeat(MAX_KEY_BYTES);
-        assert_eq!(effective_key(short.clone()), short);
-        // Issue 9: a 70 KB key (the embedded store panicked at 64 KiB) becomes 71 bytes.
-        let long = "k".repeat(70_000);
-        let digest = effective_key(long.clone());
-        assert_eq!(digest.len(), 71);
-        assert!(
-            digest.starts_with("sha256:")
-                && digest[7..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        );
-        assert_eq!(effective_key(long), digest);
-        assert_ne!(effective_key("k".repeat(MAX_KEY_BYTES + 1)), digest);
-        assert_eq!(
-            effective_key("a".repeat(MAX_KEY_BYTES + 1)),
-            format!("sha256:{:x}", Sha256::digest("a".repeat(MAX_KEY_BYTES + 1)))
-        );
-    }
 
     #[test]
     fn an_earlier_sluices_store_is_known_by_its_layout() {

@@ -15,6 +15,7 @@ use reqwest::header::{CONTENT_TYPE, HeaderValue};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
+use super::http::{read_bounded, send_error};
 use super::{HandlerError, head_excerpt};
 
 /// The most of a token endpoint's answer ever read: room for large JWTs.
@@ -30,7 +31,7 @@ const REFRESH_EARLY: Duration = Duration::from_secs(60);
 pub enum SecretSource {
     /// An environment variable, by name.
     Env(String),
-    /// A file (a Docker or Kubernetes secret), read by [`crate::config::secret::read_secret_file`].
+    /// A file (a Docker or Kubernetes secret), read by [`crate::secret::read_secret_file`].
     File(PathBuf),
 }
 
@@ -40,7 +41,7 @@ impl SecretSource {
             SecretSource::Env(name) => {
                 std::env::var(name).map_err(|_| format!("environment variable {name} (the client secret) is not set"))
             }
-            SecretSource::File(path) => crate::config::secret::read_secret_file(path).map_err(|e| e.to_string()),
+            SecretSource::File(path) => crate::secret::read_secret_file(path).map_err(|e| e.to_string()),
         }
     }
 
@@ -149,11 +150,11 @@ impl OAuth2 {
             .body(self.form(&secret))
             .send()
             .await
-            .map_err(|e| unwell(super::webhook::send_error(&e).to_string()))?;
+            .map_err(|e| unwell(send_error(&e).to_string()))?;
         let status = response.status();
         let mut body = Vec::new();
         let mut response = response;
-        super::webhook::read_bounded(&mut response, &mut body, MAX_TOKEN_RESPONSE_BYTES).await;
+        read_bounded(&mut response, &mut body, MAX_TOKEN_RESPONSE_BYTES).await;
         if !status.is_success() {
             return Err(unwell(with_excerpt(format!("HTTP {}", status.as_u16()), &body)));
         }

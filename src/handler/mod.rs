@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod command;
+mod http;
 pub mod rules;
 pub mod template;
 pub mod webhook;

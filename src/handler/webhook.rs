@@ -17,6 +17,7 @@ use sha2::Sha256;
 use tokio::time::{Instant, timeout_at};
 
 use super::auth::OAuth2;
+use super::http::{cause, read_bounded, send_error};
 use super::rules::{Action, Rules, Verdict};
 use super::{HandlerError, Observed, head_excerpt};
 
@@ -238,44 +239,6 @@ fn build(
         .body(request.body)
         .build()
         .map_err(|error| HandlerError::permanent(format!("invalid request: {}", cause(&error))))
-}
-
-/// Classifies a request that got no response at all.
-pub(super) fn send_error(error: &reqwest::Error) -> HandlerError {
-    if error.is_builder() {
-        HandlerError::permanent(format!("invalid request: {}", cause(error)))
-    } else if error.is_connect() {
-        HandlerError::unwell(format!("connect error: {}", cause(error)), None)
-    } else {
-        // The connection broke mid-exchange: as much the receiver's trouble as a refused one.
-        HandlerError::unwell(format!("request error: {}", cause(error)), None)
-    }
-}
-
-/// The innermost cause says what went wrong ("Connection refused") and, unlike reqwest's
-/// own text, does not repeat the URL.
-fn cause(error: &reqwest::Error) -> String {
-    let mut innermost = None;
-    let mut next = std::error::Error::source(error);
-    while let Some(source) = next {
-        innermost = Some(source);
-        next = source.source();
-    }
-    innermost.map_or_else(|| "no detail given".to_owned(), ToString::to_string)
-}
-
-/// Appends the start of the response body to `body`, stopping after `limit` bytes.
-pub(super) async fn read_bounded(response: &mut reqwest::Response, body: &mut Vec<u8>, limit: usize) {
-    while body.len() < limit {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                let room = limit - body.len();
-                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-            }
-            // A broken body is no reason to lose the status we already have.
-            Ok(None) | Err(_) => break,
-        }
-    }
 }
 
 /// What a response status means: the `on_status` rule for it (its own, else its class's),

@@ -17,7 +17,6 @@
 
 mod aimd;
 pub mod attempts;
-pub mod backoff;
 mod breaker;
 mod events;
 pub mod filter;

@@ -5,15 +5,16 @@
 //!
 //! No IO here: no broker, no idempotency store, no handler call.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{backoff, filter};
-use crate::broker::{HeaderValue, Headers, Route};
+use super::filter;
+use crate::backoff;
+use crate::broker::{Headers, Route};
 use crate::call::{Call, PrepareError, Renderer};
 use crate::config::{Config, Queue};
-use crate::envelope::{self, Envelope};
+use crate::envelope::{Envelope, Reason};
 use crate::handler::HandlerError;
 
 /// How a delivery ends. Every delivery gets exactly one.
@@ -37,61 +38,6 @@ pub enum Disposition {
     Retry { next: u32, after: Duration, error: String },
     /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
     DeadLetter { reason: Reason, error: String, attempts: u32 },
-}
-
-/// Error texts in headers are kept short.
-const MAX_ERROR_HEADER: usize = 1000;
-
-/// Why a message was dead-lettered (the `x-sluice-reason` header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    Permanent,
-    Exhausted,
-    Malformed,
-    Schema,
-    Template,
-    /// The webhook could not be signed (its secret unset or malformed).
-    Signing,
-    TooLarge,
-    Internal,
-}
-
-impl Reason {
-    /// The header value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Permanent => "permanent",
-            Reason::Exhausted => "exhausted",
-            Reason::Malformed => "malformed",
-            Reason::Schema => "schema",
-            Reason::Template => "template",
-            Reason::Signing => "signing",
-            Reason::TooLarge => "too_large",
-            Reason::Internal => "internal",
-        }
-    }
-}
-
-/// The attempt number an attempt header says (1 when absent or nonsense).
-pub fn attempt_in(header: Option<&HeaderValue>) -> u32 {
-    match header {
-        Some(HeaderValue::Int(n)) if *n >= 1 => u32::try_from(*n).unwrap_or(u32::MAX),
-        Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
-        _ => 1,
-    }
-}
-
-/// The headers a dead-letter copy adds: why, after how many attempts, when, and from which queue.
-pub fn dead_letter_headers(reason: Reason, error: &str, attempts: u32, queue: &str) -> Headers {
-    let error: String = error.chars().take(MAX_ERROR_HEADER).collect();
-    let failed_at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-    Headers::from([
-        (envelope::REASON_HEADER.to_string(), HeaderValue::Str(reason.as_str().into())),
-        (envelope::ERROR_HEADER.to_string(), HeaderValue::Str(error)),
-        (envelope::ATTEMPTS_HEADER.to_string(), HeaderValue::Int(i64::from(attempts))),
-        (envelope::FAILED_AT_HEADER.to_string(), HeaderValue::Str(failed_at)),
-        (envelope::SOURCE_QUEUE_HEADER.to_string(), HeaderValue::Str(queue.to_string())),
-    ])
 }
 
 /// Decodes a delivery's body of `size` bytes (a body over the queue's limit may not have been

@@ -28,13 +28,14 @@ use tracing::{Instrument as _, error, info, warn};
 
 use super::events::{self, Activity, QueueEvents, Seen};
 use super::gate::{Admission, Changes, Gate, Mode, Permit};
-use super::outcome::{self, Disposition, Reason, attempt_in, dead_letter_headers};
-use super::{Readiness, backoff, filter};
+use super::outcome::{self, Disposition};
+use super::{Readiness, filter};
+use crate::backoff;
 use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
 use crate::call::{self, Call};
 use crate::config::{Config, Queue};
 use crate::dedup::{self, Claim, Store};
-use crate::envelope;
+use crate::envelope::{self, Reason, attempt_in, dead_letter_headers};
 use crate::handler::{HandlerError, Observed};
 use crate::trace;
 

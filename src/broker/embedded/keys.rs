@@ -2,6 +2,7 @@
 //! claimed (a handler runs for it, until its lease ends) or done (handled, until its TTL
 //! ends). A runner's completed keys are written in the transaction that acks their messages
 //! (see [`Op::Ack`](super::writer::Op)), so a key is done exactly when its message is gone.
+//! Their tables, `idempotency` and `key_holders`, are made with the file's others, by the store.
 //!
 //! Several processes share the file, and so the keys. A claim names its holder (a writer of
 //! some process); a claim whose process has died (a `kill -9` mid-handler) no longer counts,
@@ -25,17 +26,17 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension as _, TransactionBehavio
 
 use super::store::{Store, now_ms};
 use crate::broker::BrokerError;
-use crate::dedup::Claim;
 
-/// The keys' table; `until` is when a claim's lease or a done key's TTL ends (ms). No index on
-/// `until`: it would cost every claim and completion a second B-tree write; expired keys are
-/// found by a sweep in key order instead ([`expire`]). `key_holders`: the holders that claim
-/// keys, and whether each writes its claims as rows (`shared`).
-pub(super) const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY,
-         done INTEGER NOT NULL, until INTEGER NOT NULL, holder TEXT) WITHOUT ROWID;
-     DROP INDEX IF EXISTS idempotency_until;
-     CREATE TABLE IF NOT EXISTS key_holders (holder TEXT PRIMARY KEY, shared INTEGER NOT NULL)
-         WITHOUT ROWID;";
+/// What a claim found: the key table's answer, and every idempotency store's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This worker owns the key until the lease ends: run the handler.
+    Claimed,
+    /// Already handled successfully within its TTL: a duplicate.
+    Done,
+    /// Another worker holds a live lease on it.
+    Busy,
+}
 
 /// Keys a sweep step looks at (see [`expire`]): a million keys are swept in a few minutes of
 /// steps, each a bounded pause for the writer.

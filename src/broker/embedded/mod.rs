@@ -59,18 +59,18 @@ use futures_util::Stream;
 use tokio::sync::{Notify, mpsc as channel, oneshot};
 use tokio_util::sync::CancellationToken;
 
+pub use self::keys::Claim;
 use self::keys::{Begin, Claims};
 pub use self::reader::{Messages, ReadOnly};
 pub(crate) use self::store::now_ms;
-use self::store::{Body, Claimed, NewMessage, Stored, ms};
-use self::writer::{Op, Registration, Renewal, Wakers};
+use self::store::{Body, Claimed, NewMessage, Registration, Stored, ms};
+use self::writer::{Op, Renewal, Wakers};
 use super::declaration;
 use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,
 };
-use crate::dedup::Claim;
 use crate::topology::{BindingDecl, Plan};
 /// This process as a claim names it (`pid:start`), and whether the process a name gives still
 /// runs: the tests name what they make on shared servers so, to remove what a killed run left.

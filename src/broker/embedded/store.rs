@@ -25,11 +25,9 @@ use serde_json::Value;
 
 use super::super::declaration::{self, unsupported};
 use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route};
-use super::writer::Registration;
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
-use crate::envelope::ATTEMPT_HEADER;
-use crate::runtime::outcome::{Reason, attempt_in, dead_letter_headers};
+use crate::envelope::{ATTEMPT_HEADER, Reason, attempt_in, dead_letter_headers};
 use crate::topology::route;
 use crate::topology::{BindingDecl, Plan};
 
@@ -105,6 +103,17 @@ pub(super) struct Quarantined {
     pub to: String,
     /// What could not be read.
     pub fault: String,
+}
+
+/// A consumer's registration, which makes it count among its queue's consumers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// A new consumer registers.
+    New,
+    /// Extended, if it is still there.
+    Keep,
+    /// Removed.
+    Drop,
 }
 
 /// A stored body and its length, or what can be read of a damaged one and what is wrong.
@@ -470,9 +479,18 @@ impl Store {
              END;
              CREATE TABLE IF NOT EXISTS consumers (owner INTEGER PRIMARY KEY, queue TEXT NOT NULL,
                  until INTEGER NOT NULL, since INTEGER NOT NULL);
-             CREATE INDEX IF NOT EXISTS consumers_queue ON consumers (queue, since);",
+             CREATE INDEX IF NOT EXISTS consumers_queue ON consumers (queue, since);
+             -- The idempotency keys (keys.rs): `until` is when a claim's lease or a done key's
+             -- TTL ends (ms). No index on `until`: it would cost every claim and completion a
+             -- second B-tree write; expired keys are found by a sweep in key order instead.
+             -- `key_holders`: the holders that claim keys, and whether each writes its claims
+             -- as rows (`shared`).
+             CREATE TABLE IF NOT EXISTS idempotency (key TEXT PRIMARY KEY,
+                 done INTEGER NOT NULL, until INTEGER NOT NULL, holder TEXT) WITHOUT ROWID;
+             DROP INDEX IF EXISTS idempotency_until;
+             CREATE TABLE IF NOT EXISTS key_holders (holder TEXT PRIMARY KEY, shared INTEGER NOT NULL)
+                 WITHOUT ROWID;",
         )
-        .and_then(|()| tx.execute_batch(super::keys::SCHEMA))
         .map_err(sql)?;
         // Kept apart from the declaration: a limit of the runner's, no conflict when it changes.
         let limits = tx

@@ -19,10 +19,9 @@ use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::{Notify, oneshot};
 
 use super::POLL;
-use super::keys::{self, Claims};
-use super::store::{Claimed, NewMessage, Store, now_ms};
+use super::keys::{self, Claim, Claims};
+use super::store::{Claimed, NewMessage, Registration, Store, now_ms};
 use crate::broker::{BrokerError, Drift, Headers, QueueStats};
-use crate::dedup::Claim;
 use crate::topology::{BindingDecl, Plan};
 
 /// The most requests in one transaction: a bound on how long one commit keeps others waiting.
@@ -130,17 +129,6 @@ pub(super) struct Renewal {
     pub queue: String,
     pub ids: Vec<i64>,
     pub registration: Registration,
-}
-
-/// A consumer's registration, which makes it count among its queue's consumers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Registration {
-    /// A new consumer registers.
-    New,
-    /// Extended, if it is still there.
-    Keep,
-    /// Removed.
-    Drop,
 }
 
 /// One [`Notify`] per queue that has consumers in this process: poked after a commit that made

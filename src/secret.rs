@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::source::{ReadError, read_regular};
+use crate::file::{ReadError, read_regular};
 
 /// The most a secret file may hold: a URL with a password, a client secret, a key.
 const MAX_SECRET_BYTES: u64 = 64 << 10;

@@ -66,7 +66,7 @@ async fn fan_out_writes_every_queue_or_none() {
     broker.publish("ev", "all", message("2")).await.expect("second");
     broker.publish("ev", "a.x", message("3")).await.expect("a only");
     let refused = broker.publish("ev", "all", message("4")).await;
-    assert!(matches!(refused, Err(BrokerError::Nacked { .. })), "{refused:?}");
+    assert!(matches!(refused, Err(BrokerError::Rejected { .. })), "{refused:?}");
     assert_eq!((place.depth("a").await, place.depth("b").await), (3, 2), "nothing of the refused publish");
     let unroutable = broker.publish("ev", "nowhere", message("5")).await;
     assert!(matches!(unroutable, Err(BrokerError::Unroutable { .. })), "{unroutable:?}");

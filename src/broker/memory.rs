@@ -154,13 +154,16 @@ impl Memory {
 }
 
 /// Puts a message into each of `targets`, or into none when one of them is full (its
-/// `max_length` reached: a nack, as RabbitMQ's reject-publish); then hands it to consumers.
+/// `max_length` reached: refused, as by RabbitMQ's reject-publish); then hands it to consumers.
 fn push_all(state: &mut State, exchange: &str, targets: &[String], message: Message) -> Result<(), BrokerError> {
     for queue in targets {
         let (declared, ready) =
-            state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+            state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"").into()))?;
         if declared.max_length.is_some_and(|max| ready.len() as u64 >= max) {
-            return Err(BrokerError::Nacked { exchange: exchange.into() });
+            return Err(BrokerError::Rejected {
+                exchange: exchange.into(),
+                reason: format!("queue \"{queue}\" is full"),
+            });
         }
     }
     for queue in targets {
@@ -331,7 +334,9 @@ impl Broker for Memory {
         if let Some(Drift::Conflict { what, name, detail }) =
             drift(&state, plan).into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
         {
-            return Err(BrokerError::Conflict(format!("{what} \"{name}\" conflicts with what exists: {detail}")));
+            return Err(BrokerError::Conflict(
+                format!("{what} \"{name}\" conflicts with what exists: {detail}").into(),
+            ));
         }
         for e in &plan.exchanges {
             state.exchanges.insert(e.name.clone(), e.kind);
@@ -367,7 +372,7 @@ impl Broker for Memory {
             |q| state.queues.contains_key(q),
             &state.bindings,
         )
-        .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"")))?;
+        .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"").into()))?;
         if targets.is_empty() {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
         }
@@ -416,7 +421,7 @@ impl Broker for Memory {
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
         let mut state = lock(&self.state);
         if !state.queues.contains_key(queue) {
-            return Err(BrokerError::NotFound(format!("queue \"{queue}\"")));
+            return Err(BrokerError::NotFound(format!("queue \"{queue}\"").into()));
         }
         let (sender, receiver) = mpsc::unbounded_channel();
         state.next_id += 1;
@@ -443,7 +448,8 @@ impl Broker for Memory {
             std::future::pending::<()>().await;
         }
         let state = lock(&self.state);
-        let (_, ready) = state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"")))?;
+        let (_, ready) =
+            state.queues.get(queue).ok_or_else(|| BrokerError::NotFound(format!("queue \"{queue}\"").into()))?;
         let consumers = state.consumers.values().filter(|c| c.queue == queue).count();
         Ok(QueueStats {
             ready: u32::try_from(ready.len()).unwrap_or(u32::MAX),

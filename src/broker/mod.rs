@@ -151,30 +151,115 @@ impl std::fmt::Display for Drift {
 }
 
 /// What can go wrong talking to a broker.
-#[derive(Debug, Clone, thiserror::Error)]
+///
+/// Where an error comes from a lower one (lapin's, Redis's, SQLite's, an I/O error), that
+/// error is kept whole as its [`source`](std::error::Error::source), for code that asks what
+/// failed underneath; the variant's [`Cause`] adds what was being done. The message says
+/// everything, the lower error's own words last (`…: {source}`), as lapin's errors do: logs
+/// and the admin API show an error with `{e}`, never walking its sources. The command line's
+/// report does walk them (for its `anyhow` contexts), leaving out a source whose words are
+/// already shown. Variants without a lower error say what happened in their own words.
+#[derive(Debug, Clone)]
 pub enum BrokerError {
-    #[error("cannot connect to the broker at {url}: {reason}")]
-    Connect { url: String, reason: String },
+    /// The broker could not be reached or the session not opened: another try may succeed.
+    Connect { url: String, reason: Cause },
     /// The broker turned the session down for good: credentials, a missing virtual host.
-    #[error("cannot connect to the broker at {url}: {reason}")]
-    Refused { url: String, reason: String },
+    Refused { url: String, reason: Cause },
     /// A declaration conflicts with what exists on the broker.
-    #[error("{0}")]
-    Conflict(String),
-    #[error("the broker refused the message (nack) on exchange \"{exchange}\"")]
-    Nacked { exchange: String },
-    #[error("unroutable: no queue is bound to exchange \"{exchange}\" for routing key \"{routing_key}\"")]
+    Conflict(Cause),
+    /// The broker took the message and refused to keep it (a full queue); `reason` says why,
+    /// in the broker's terms.
+    Rejected { exchange: String, reason: String },
+    /// No queue is bound for the message's route.
     Unroutable { exchange: String, routing_key: String },
-    #[error("not found: {0}")]
-    NotFound(String),
-    #[error("no confirm from the broker within {0:?}")]
+    /// An exchange or queue that is not declared.
+    NotFound(Cause),
+    /// No confirm of a publish came in time: the node may be frozen or cut off. (tokio's
+    /// `Elapsed`, which says nothing more, is not kept as a source.)
     ConfirmTimeout(Duration),
-    #[error("broker connection lost: {0}")]
-    Lost(String),
+    /// The session broke, or a call on it failed: another session may carry on.
+    Lost(Cause),
     /// The embedded broker's file is not usable (corrupt, not a database, or deleted or replaced
     /// under a live process): no retry or other session can help, a person must act.
-    #[error("{0}")]
-    Damaged(String),
+    Damaged(Cause),
+}
+
+impl std::fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BrokerError::Connect { url, reason } | BrokerError::Refused { url, reason } => {
+                write!(f, "cannot connect to the broker at {url}: {reason}")
+            }
+            BrokerError::Conflict(cause) | BrokerError::Damaged(cause) => write!(f, "{cause}"),
+            BrokerError::Rejected { exchange, reason } => {
+                write!(f, "the broker refused the message on exchange \"{exchange}\" ({reason})")
+            }
+            BrokerError::Unroutable { exchange, routing_key } => {
+                write!(f, "unroutable: no queue is bound to exchange \"{exchange}\" for routing key \"{routing_key}\"")
+            }
+            BrokerError::NotFound(cause) => write!(f, "not found: {cause}"),
+            BrokerError::ConfirmTimeout(waited) => write!(f, "no confirm from the broker within {waited:?}"),
+            BrokerError::Lost(cause) => write!(f, "broker connection lost: {cause}"),
+        }
+    }
+}
+
+impl std::error::Error for BrokerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            BrokerError::Connect { reason: cause, .. }
+            | BrokerError::Refused { reason: cause, .. }
+            | BrokerError::Conflict(cause)
+            | BrokerError::NotFound(cause)
+            | BrokerError::Lost(cause)
+            | BrokerError::Damaged(cause) => cause.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
+            BrokerError::Rejected { .. } | BrokerError::Unroutable { .. } | BrokerError::ConfirmTimeout(_) => None,
+        }
+    }
+}
+
+/// Why a [`BrokerError`] happened: words (what was being done, on which queue or file) and
+/// the lower error it came from, if any, shared so that the error stays `Clone`. Shown as the
+/// words, then the lower error's own (`declaring queue "a": …`).
+#[derive(Debug, Clone)]
+pub struct Cause {
+    words: String,
+    source: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Cause {
+    /// The lower error `source`, in its own words until [`within`](Cause::within) adds some.
+    pub fn from_error(source: impl std::error::Error + Send + Sync + 'static) -> Cause {
+        Cause { words: String::new(), source: Some(std::sync::Arc::new(source)) }
+    }
+
+    /// The same cause, met while doing `context` (said first).
+    pub fn within(self, context: impl std::fmt::Display) -> Cause {
+        let words = if self.words.is_empty() { context.to_string() } else { format!("{context}: {}", self.words) };
+        Cause { words, ..self }
+    }
+}
+
+impl From<String> for Cause {
+    fn from(words: String) -> Cause {
+        Cause { words, source: None }
+    }
+}
+
+impl From<&str> for Cause {
+    fn from(words: &str) -> Cause {
+        Cause::from(words.to_string())
+    }
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.source {
+            None => f.write_str(&self.words),
+            Some(source) if self.words.is_empty() => write!(f, "{source}"),
+            Some(source) => write!(f, "{}: {source}", self.words),
+        }
+    }
 }
 
 impl BrokerError {

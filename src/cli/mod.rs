@@ -441,7 +441,7 @@ impl Refusals {
 
     /// How long to wait before trying again after `error`; `None` when it stands.
     fn again(&mut self, error: &crate::broker::BrokerError) -> Option<Duration> {
-        if !matches!(error, crate::broker::BrokerError::Nacked { .. }) || self.tried >= Self::RETRIES {
+        if !matches!(error, crate::broker::BrokerError::Rejected { .. }) || self.tried >= Self::RETRIES {
             return None;
         }
         self.tried += 1;
@@ -455,13 +455,34 @@ impl Refusals {
 }
 
 #[cfg(test)]
+mod report_tests {
+    use super::report;
+    use crate::broker::{BrokerError, Cause};
+
+    /// Contexts and a broker error, each said once: the broker error's source (and that
+    /// source's own) already end its message.
+    #[test]
+    fn a_report_says_each_source_once() {
+        let io = std::io::Error::other("connection reset");
+        let lost = BrokerError::Lost(Cause::from_error(lapin::Error::from(io)).within("declaring queue \"a\""));
+        let e = anyhow::Error::from(lost).context("broker amqp://localhost");
+        assert_eq!(
+            report(&e),
+            "broker amqp://localhost: broker connection lost: declaring queue \"a\": IO error: connection reset"
+        );
+        let e = anyhow::Error::from(std::io::Error::other("denied")).context("cannot read the file");
+        assert_eq!(report(&e), "cannot read the file: denied");
+    }
+}
+
+#[cfg(test)]
 mod refusal_tests {
     use super::Refusals;
     use crate::broker::BrokerError;
     use std::time::Duration;
 
     fn nack() -> BrokerError {
-        BrokerError::Nacked { exchange: "ev".into() }
+        BrokerError::Rejected { exchange: "ev".into(), reason: "nack".into() }
     }
 
     /// Half a minute of backoff, then the refusal stands; progress starts the count again;
@@ -737,10 +758,27 @@ fn exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            output::stderr(&format!("error: {e:#}\n"));
+            output::stderr(&format!("error: {}\n", report(&e)));
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its sources, as `{:#}` shows them, but for a source whose words are shown
+/// already: a [`BrokerError`](crate::broker::BrokerError), as a lapin error, ends its message
+/// with its source's.
+fn report(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for said in e.chain().map(ToString::to_string) {
+        if text.contains(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
 }
 
 async fn run(

@@ -229,10 +229,13 @@ impl<B: Operate> Browse<B> {
                     return delivery.map(Some);
                 }
                 Ok(None) => {
-                    return Err(BrokerError::Lost(format!(
-                        "the broker ended the browse of \"{}\" with {} message(s) not read",
-                        self.queue, self.remaining
-                    )));
+                    return Err(BrokerError::Lost(
+                        format!(
+                            "the broker ended the browse of \"{}\" with {} message(s) not read",
+                            self.queue, self.remaining
+                        )
+                        .into(),
+                    ));
                 }
                 Err(_) if none_ready => {
                     self.short = Some(Unread::Elsewhere);

@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::broker::failover::Failover;
-use crate::broker::{Broker, BrokerError};
+use crate::broker::{Broker, BrokerError, Cause};
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
@@ -216,7 +216,7 @@ impl<B: Broker> Running<B> {
         if !diff.unbound.is_empty() {
             self.broker.unbind(&diff.unbound).await.map_err(|e| match e {
                 BrokerError::Lost(_) => e,
-                other => BrokerError::Lost(other.to_string()),
+                other => BrokerError::Lost(Cause::from_error(other)),
             })?;
         }
         let stopping: Vec<RunningQueue> = diff.to_stop().filter_map(|name| self.queues.remove(name)).collect();

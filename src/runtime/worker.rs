@@ -178,7 +178,7 @@ impl Worker {
                 acked = &mut acker => {
                     break Err(match acked {
                         Ok(Err(e)) => e,
-                        Ok(Ok(())) | Err(_) => BrokerError::Lost(format!("the acks of \"{}\" stopped", queue.name)),
+                        Ok(Ok(())) | Err(_) => BrokerError::Lost(format!("the acks of \"{}\" stopped", queue.name).into()),
                     });
                 }
                 () = changes.next(), if !cancelled => {
@@ -221,7 +221,7 @@ impl Worker {
                     }
                     Some(Err(e)) => break Err(e),
                     None if cancelled => break Ok(()),
-                    None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name))),
+                    None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name).into())),
                 }
             }
         };

@@ -33,7 +33,7 @@ use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 use super::{
-    Broker, BrokerDeath, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
+    Broker, BrokerDeath, BrokerError, Cause, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,
 };
 use crate::envelope::ERROR_HEADER;
@@ -245,7 +245,7 @@ impl Amqp {
                 Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() })
             }
             Confirmation::Nack(_) | Confirmation::NotRequested => {
-                Err(BrokerError::Nacked { exchange: exchange.into() })
+                Err(BrokerError::Rejected { exchange: exchange.into(), reason: "nack".into() })
             }
         }
     }
@@ -563,7 +563,7 @@ impl Broker for Amqp {
                 Err(e) => {
                     let what =
                         format!("removing binding {} -> {} (routing key \"{}\")", b.exchange, b.queue, b.routing_key);
-                    return Err(BrokerError::Lost(format!("{what}: {e}")));
+                    return Err(BrokerError::Lost(Cause::from_error(e).within(what)));
                 }
             }
         }
@@ -731,10 +731,10 @@ async fn within<T>(
 ) -> Result<T, BrokerError> {
     match tokio::time::timeout(timeout, opening).await {
         Ok(Ok(opened)) => Ok(opened),
-        Ok(Err(e)) => Err(connect_error(url, &e)),
+        Ok(Err(e)) => Err(connect_error(url, e)),
         Err(_) => {
             let reason = format!("no AMQP handshake within {timeout:?} (is it a RabbitMQ port?)");
-            Err(BrokerError::Connect { url: redact(url), reason })
+            Err(BrokerError::Connect { url: redact(url), reason: reason.into() })
         }
     }
 }
@@ -762,24 +762,24 @@ fn found(declared: Result<(), lapin::Error>) -> Result<bool, BrokerError> {
 
 fn lost(e: lapin::Error) -> BrokerError {
     if is_soft(&e, AMQPSoftError::NOTFOUND) {
-        BrokerError::NotFound(e.to_string())
+        BrokerError::NotFound(Cause::from_error(e))
     } else {
-        BrokerError::Lost(e.to_string())
+        BrokerError::Lost(Cause::from_error(e))
     }
 }
 
 /// A failed connection attempt: refused credentials and a vhost the user may not open are
 /// the user's to fix, not worth retrying; anything else may pass.
-fn connect_error(url: &str, e: &lapin::Error) -> BrokerError {
+fn connect_error(url: &str, e: lapin::Error) -> BrokerError {
     let url = redact(url);
-    match amqp_error(e).map(|a| (a.kind(), a.get_message().as_str())) {
-        Some((AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED), message)) => {
-            BrokerError::Refused { url, reason: format!("the broker refused the credentials ({message})") }
+    match amqp_error(&e).map(|a| a.kind()) {
+        Some(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) => {
+            BrokerError::Refused { url, reason: Cause::from_error(e).within("the broker refused the credentials") }
         }
-        Some((AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED), message)) => {
-            BrokerError::Refused { url, reason: format!("the broker refused the virtual host ({message})") }
+        Some(AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)) => {
+            BrokerError::Refused { url, reason: Cause::from_error(e).within("the broker refused the virtual host") }
         }
-        _ => BrokerError::Connect { url, reason: e.to_string() },
+        _ => BrokerError::Connect { url, reason: Cause::from_error(e) },
     }
 }
 
@@ -787,13 +787,13 @@ fn connect_error(url: &str, e: &lapin::Error) -> BrokerError {
 /// names the argument and both values for PRECONDITION_FAILED).
 fn conflict(what: &str, name: &str, e: lapin::Error) -> BrokerError {
     if is_soft(&e, AMQPSoftError::PRECONDITIONFAILED) {
-        BrokerError::Conflict(format!(
-            "{what} \"{name}\" conflicts with what exists on the broker: {e}; sluice never deletes a queue, so change the file back or remove the {what} yourself"
-        ))
+        BrokerError::Conflict(Cause::from_error(e).within(format_args!(
+            "{what} \"{name}\" conflicts with what exists on the broker (sluice never deletes a queue: change the file back or remove the {what} yourself)"
+        )))
     } else if is_soft(&e, AMQPSoftError::NOTFOUND) {
-        BrokerError::NotFound(format!("{what} \"{name}\": {e}"))
+        BrokerError::NotFound(Cause::from_error(e).within(format_args!("{what} \"{name}\"")))
     } else {
-        BrokerError::Lost(format!("declaring {what} \"{name}\": {e}"))
+        BrokerError::Lost(Cause::from_error(e).within(format_args!("declaring {what} \"{name}\"")))
     }
 }
 
@@ -870,6 +870,41 @@ mod tests {
     use lapin::types::{AMQPValue, FieldTable};
 
     use crate::envelope::ERROR_HEADER;
+
+    /// lapin's errors are kept as the sources of the broker's, each said after what was
+    /// being done; refused credentials stay fatal, a dropped connection a lost session.
+    #[test]
+    fn lapin_errors_are_the_sources() {
+        use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+        use std::error::Error as _;
+
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset");
+        let lost = super::lost(lapin::Error::from(io));
+        assert!(lost.is_session_loss(), "{lost:?}");
+        assert_eq!(lost.to_string(), "broker connection lost: IO error: connection reset");
+        let lapin = lost.source().and_then(|e| e.downcast_ref::<lapin::Error>()).expect("lapin's error");
+        assert!(lapin.is_io_error());
+
+        let protocol = |kind: AMQPSoftError, message: &str| {
+            lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(
+                AMQPErrorKind::Soft(kind),
+                message.into(),
+            )))
+        };
+        let refused = super::connect_error(
+            "amqp://guest:secret@h/",
+            protocol(AMQPSoftError::ACCESSREFUSED, "ACCESS_REFUSED - Login was refused"),
+        );
+        assert!(matches!(refused, super::BrokerError::Refused { .. }) && refused.is_fatal(), "{refused:?}");
+        let text = refused.to_string();
+        assert!(text.contains("the broker refused the credentials: ") && !text.contains("secret"), "{text}");
+        assert!(refused.source().is_some_and(|e| e.is::<lapin::Error>()), "{refused:?}");
+
+        let conflict =
+            super::conflict("queue", "work", protocol(AMQPSoftError::PRECONDITIONFAILED, "inequivalent arg"));
+        assert!(conflict.is_fatal() && conflict.to_string().ends_with("inequivalent arg"), "{conflict}");
+        assert!(conflict.source().is_some_and(|e| e.is::<lapin::Error>()), "{conflict:?}");
+    }
 
     /// `amqps://` goes through rustls with ring, the one crypto provider: against a server
     /// that does not speak TLS the connection fails with an error.

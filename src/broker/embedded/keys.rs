@@ -25,7 +25,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use rusqlite::{Connection, OpenFlags, OptionalExtension as _, TransactionBehavior, params};
 
 use super::store::{Store, now_ms};
-use crate::broker::BrokerError;
+use crate::broker::{BrokerError, Cause};
 
 /// What a claim found: the key table's answer, and every idempotency store's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,7 +173,7 @@ impl Claims {
         let found: Option<(bool, i64, Option<String>)> = db
             .prepare_cached("SELECT done, until, holder FROM idempotency WHERE key = ?1")
             .and_then(|mut s| s.query_row([key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
-            .map_err(|e| BrokerError::Lost(format!("embedded idempotency store: {e}")))?;
+            .map_err(|e| BrokerError::Lost(Cause::from_error(e).within("embedded idempotency store")))?;
         Ok(verdict(found, now, &self.holder).unwrap_or(Claim::Claimed))
     }
 

@@ -24,7 +24,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params}
 use serde_json::Value;
 
 use super::super::declaration::{self, unsupported};
-use super::super::{BrokerError, Drift, HeaderValue, Headers, QueueStats, Route};
+use super::super::{BrokerError, Cause, Drift, HeaderValue, Headers, QueueStats, Route};
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::{ATTEMPT_HEADER, Reason, attempt_in, dead_letter_headers};
@@ -174,46 +174,46 @@ fn headers_text(headers: &Headers) -> String {
 
 /// What went wrong in the store, and whether it says that the file itself is damaged.
 pub(super) struct Fault {
-    text: String,
+    cause: Cause,
     damaged: bool,
-}
-
-impl From<&rusqlite::Error> for Fault {
-    fn from(e: &rusqlite::Error) -> Fault {
-        let damaged = matches!(e.sqlite_error_code(), Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase));
-        Fault { text: e.to_string(), damaged }
-    }
 }
 
 impl From<rusqlite::Error> for Fault {
     fn from(e: rusqlite::Error) -> Fault {
-        Fault::from(&e)
+        let damaged = matches!(e.sqlite_error_code(), Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase));
+        Fault { cause: Cause::from_error(e), damaged }
+    }
+}
+
+impl From<Cause> for Fault {
+    fn from(cause: Cause) -> Fault {
+        Fault { cause, damaged: false }
     }
 }
 
 impl From<String> for Fault {
     fn from(text: String) -> Fault {
-        Fault { text, damaged: false }
+        Fault::from(Cause::from(text))
     }
 }
 
 impl From<&str> for Fault {
     fn from(text: &str) -> Fault {
-        Fault::from(text.to_string())
+        Fault::from(Cause::from(text))
     }
 }
 
 impl From<serde_json::Error> for Fault {
     fn from(e: serde_json::Error) -> Fault {
-        Fault::from(e.to_string())
+        Fault::from(Cause::from_error(e))
     }
 }
 
 /// The error for a file SQLite finds damaged or not a database at all, saying what to do.
-fn damaged(path: &str, error: &str) -> BrokerError {
-    BrokerError::Damaged(format!(
-        "the embedded broker's file {path} is not a usable SQLite database ({error}): stop every sluice process using it, then restore it from a backup, or move it aside together with its -wal and -shm files (`sluice run` then starts an empty broker; `sqlite3 FILE .recover` may salvage messages from the damaged copy)"
-    ))
+fn damaged(path: &str, cause: Cause) -> BrokerError {
+    BrokerError::Damaged(cause.within(format_args!(
+        "the embedded broker's file {path} is not a usable SQLite database (stop every sluice process using it, then restore it from a backup, or move it aside together with its -wal and -shm files: `sluice run` then starts an empty broker, and `sqlite3 FILE .recover` may salvage messages from the damaged copy)"
+    )))
 }
 
 /// Which file a path leads to now (device and inode), if any.
@@ -336,13 +336,13 @@ impl Store {
     /// its `-wal` (said in a warning).
     pub fn open_read_only(path: &Path) -> Result<(Connection, Store), BrokerError> {
         let shown = path.display().to_string();
-        let fail = |e: &dyn std::fmt::Display| BrokerError::Connect { url: shown.clone(), reason: e.to_string() };
+        let fail = |reason: Cause| BrokerError::Connect { url: shown.clone(), reason };
         if !path.is_file() {
-            return Err(fail(&NO_BROKER));
+            return Err(fail(NO_BROKER.into()));
         }
-        let sql = |e: rusqlite::Error| match Fault::from(&e) {
-            Fault { damaged: true, text } => damaged(&shown, &text),
-            _ => fail(&e),
+        let sql = |e: rusqlite::Error| match Fault::from(e) {
+            Fault { damaged: true, cause } => damaged(&shown, cause),
+            Fault { cause, .. } => fail(cause),
         };
         let read_only = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let layout = |db: &Connection| -> rusqlite::Result<Option<i64>> {
@@ -360,10 +360,13 @@ impl Store {
                 let layout = match layout(&db) {
                     Ok(layout) => layout,
                     Err(_) if pending => {
-                        return Err(fail(&format!(
-                            "nothing is checkpointed into the file yet, all is in {}, which SQLite reads only beside a -shm file this user may not create here: run this as a user who may write the directory",
-                            wal.display()
-                        )));
+                        return Err(fail(
+                            format!(
+                                "nothing is checkpointed into the file yet, all is in {}, which SQLite reads only beside a -shm file this user may not create here: run this as a user who may write the directory",
+                                wal.display()
+                            )
+                            .into(),
+                        ));
                     }
                     Err(e) => return Err(sql(e)),
                 };
@@ -382,14 +385,18 @@ impl Store {
         match layout {
             Some(LAYOUT) => {}
             Some(newer) if newer > LAYOUT => {
-                return Err(BrokerError::Damaged(format!(
-                    "{shown} was written by a newer sluice (file layout {newer}; this one reads up to {LAYOUT}): \
+                return Err(BrokerError::Damaged(
+                    format!(
+                        "{shown} was written by a newer sluice (file layout {newer}; this one reads up to {LAYOUT}): \
                      run that version or a later one on it"
-                )));
+                    )
+                    .into(),
+                ));
             }
             _ => {
                 return Err(fail(
-                    &"the file is of an earlier sluice's layout: `sluice run` converts it (this command only reads)",
+                    "the file is of an earlier sluice's layout: `sluice run` converts it (this command only reads)"
+                        .into(),
                 ));
             }
         }
@@ -400,15 +407,15 @@ impl Store {
     /// `synchronous=NORMAL`, incremental auto-vacuum, the schema.
     pub fn open(path: &Path, create: bool) -> Result<(Connection, Store), BrokerError> {
         let shown = path.display().to_string();
-        let fail = |e: &dyn std::fmt::Display| BrokerError::Connect { url: shown.clone(), reason: e.to_string() };
+        let fail = |reason: Cause| BrokerError::Connect { url: shown.clone(), reason };
         let flags = if create {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| fail(&e))?;
+                std::fs::create_dir_all(dir).map_err(|e| fail(Cause::from_error(e)))?;
             }
             OpenFlags::default()
         } else {
             if !path.is_file() {
-                return Err(fail(&NO_BROKER));
+                return Err(fail(NO_BROKER.into()));
             }
             // Nor a new file if this one goes in the meantime.
             OpenFlags::default().difference(OpenFlags::SQLITE_OPEN_CREATE)
@@ -424,9 +431,9 @@ impl Store {
         };
         // SQLite reads the file only from the first statement: a file that is no database, or
         // a damaged one, fails there.
-        let sql = |e: rusqlite::Error| match Fault::from(&e) {
-            Fault { damaged: true, text } => damaged(&shown, &text),
-            _ => fail(&e),
+        let sql = |e: rusqlite::Error| match Fault::from(e) {
+            Fault { damaged: true, cause } => damaged(&shown, cause),
+            Fault { cause, .. } => fail(cause),
         };
         let mut conn = Connection::open_with_flags(path, flags).map_err(sql)?;
         conn.busy_timeout(BUSY_TIMEOUT).map_err(sql)?;
@@ -434,7 +441,7 @@ impl Store {
         conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL;").map_err(sql)?;
         let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(sql)?;
         if !mode.eq_ignore_ascii_case("wal") {
-            return Err(fail(&format!("journal mode is {mode}, not wal")));
+            return Err(fail(format!("journal mode is {mode}, not wal").into()));
         }
         conn.execute_batch("PRAGMA synchronous = NORMAL;").map_err(sql)?;
         // Without a limit the write-ahead log keeps the size of its largest batch of pages
@@ -452,10 +459,13 @@ impl Store {
         let layout: Option<i64> =
             tx.query_row("SELECT value FROM meta WHERE key = 'layout'", [], |r| r.get(0)).optional().map_err(sql)?;
         if let Some(newer) = layout.filter(|l| *l > LAYOUT) {
-            return Err(BrokerError::Damaged(format!(
-                "{shown} was written by a newer sluice (file layout {newer}; this one reads up to {LAYOUT}): \
+            return Err(BrokerError::Damaged(
+                format!(
+                    "{shown} was written by a newer sluice (file layout {newer}; this one reads up to {LAYOUT}): \
                  run that version or a later one on it"
-            )));
+                )
+                .into(),
+            ));
         }
         tx.execute_batch(
             "INSERT OR IGNORE INTO meta (key, value) VALUES ('topology', 0);
@@ -545,8 +555,8 @@ impl Store {
     /// file is damaged, else a lost session (retried).
     pub fn error(&self, e: impl Into<Fault>) -> BrokerError {
         match e.into() {
-            Fault { damaged: true, text } => damaged(&self.path, &text),
-            Fault { text, .. } => BrokerError::Lost(format!("embedded broker {}: {text}", self.path)),
+            Fault { damaged: true, cause } => damaged(&self.path, cause),
+            Fault { cause, .. } => BrokerError::Lost(cause.within(format_args!("embedded broker {}", self.path))),
         }
     }
 
@@ -596,7 +606,7 @@ impl Store {
             "the embedded broker's {} {} was deleted or replaced while in use (only sluice may delete the broker's files while it runs); {what}. Stopped: start sluice again",
             if wal { "write-ahead log" } else { "file" },
             vanished.display(),
-        ))
+        ).into())
     }
 
     /// An exchange or queue (`what`) not declared here, with the closest declared name; or, on
@@ -609,13 +619,13 @@ impl Store {
         if topology.exchanges.is_empty() && topology.queues.is_empty() {
             return BrokerError::NotFound(format!(
                 "{what} \"{name}\": the broker is empty, nothing is declared on it (`sluice run` declares the pipelines' exchanges and queues)"
-            ));
+            ).into());
         }
         let close = match what {
             "exchange" => did_you_mean(name, topology.exchanges.keys().map(String::as_str)),
             _ => did_you_mean(name, topology.queues.keys().map(String::as_str)),
         };
-        BrokerError::NotFound(format!("{what} \"{name}\"{close}"))
+        BrokerError::NotFound(format!("{what} \"{name}\"{close}").into())
     }
 
     /// Reloads the cached declarations if a declare changed them since.
@@ -660,7 +670,8 @@ impl Store {
             })?;
             for row in rows {
                 let (exchange, queue, routing_key, args) = row?;
-                let arguments = serde_json::from_str(&args).map_err(|e| format!("binding arguments: {e}"))?;
+                let arguments =
+                    serde_json::from_str(&args).map_err(|e| Cause::from_error(e).within("binding arguments"))?;
                 t.bindings.push(BindingDecl { exchange, queue, routing_key, arguments });
             }
             Ok(t)
@@ -675,12 +686,14 @@ impl Store {
     pub fn declare(&self, db: &Connection, plan: &Plan) -> Result<(), BrokerError> {
         let e = |err| self.error(err);
         if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q, BROKER)?))) {
-            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name)));
+            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name).into()));
         }
         if let Some(Drift::Conflict { what, name, detail }) =
             self.drift(db, plan)?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
         {
-            return Err(BrokerError::Conflict(format!("{what} \"{name}\" conflicts with what exists: {detail}")));
+            return Err(BrokerError::Conflict(
+                format!("{what} \"{name}\" conflicts with what exists: {detail}").into(),
+            ));
         }
         for x in &plan.exchanges {
             db.execute(
@@ -818,7 +831,10 @@ impl Store {
             }
         };
         if ready >= max {
-            return Err(BrokerError::Nacked { exchange: exchange.into() });
+            return Err(BrokerError::Rejected {
+                exchange: exchange.into(),
+                reason: format!("queue \"{queue}\" is full"),
+            });
         }
         Ok(())
     }

@@ -247,13 +247,15 @@ async fn a_full_queue_refuses_the_whole_publish() {
         broker.publish("f", "", message(&i.to_string())).await.expect("room");
     }
     let refused = broker.publish("f", "", message("3")).await;
-    assert!(matches!(&refused, Err(BrokerError::Nacked { exchange }) if exchange == "f"), "{refused:?}");
+    assert!(matches!(&refused, Err(BrokerError::Rejected { exchange, .. }) if exchange == "f"), "{refused:?}");
+    let refused = refused.expect_err("refused").to_string();
+    assert_eq!(refused, "the broker refused the message on exchange \"f\" (queue \"small\" is full)");
     assert_eq!((broker.depth("small").await.expect("d"), broker.depth("big").await.expect("d")), (2, 2));
 
     // Publishes that land in one batch count each other.
     let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
     let results = futures_util::future::join_all(racing).await;
-    assert!(results.iter().all(|r| matches!(r, Err(BrokerError::Nacked { .. }))), "{results:?}");
+    assert!(results.iter().all(|r| matches!(r, Err(BrokerError::Rejected { .. }))), "{results:?}");
     let (mut deliveries, consumer) = broker.consume("small", 1).await.expect("consume");
     let taken = next(&mut deliveries).await;
     let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
@@ -279,6 +281,7 @@ async fn a_differing_declaration_is_a_conflict_naming_both() {
     let mut bigger = plan.clone();
     bigger.queues[0].max_length = Some(5);
     let Err(BrokerError::Conflict(text)) = broker.declare(&bigger).await else { panic!("a conflict") };
+    let text = text.to_string();
     assert!(
         text.contains("queue \"work\" conflicts with what exists: max_length: declared 5 but current is null"),
         "{text}"
@@ -286,7 +289,10 @@ async fn a_differing_declaration_is_a_conflict_naming_both() {
     let mut other_kind = plan.clone();
     other_kind.exchanges[0].kind = ExchangeKind::Direct;
     let Err(BrokerError::Conflict(text)) = broker.declare(&other_kind).await else { panic!("a conflict") };
-    assert_eq!(text, "exchange \"ev\" conflicts with what exists: type: declared direct but current is topic");
+    assert_eq!(
+        text.to_string(),
+        "exchange \"ev\" conflicts with what exists: type: declared direct but current is topic"
+    );
     let drift = broker.drift(&other_kind).await.expect("drift");
     assert!(matches!(&drift[..], [Drift::Conflict { what, .. }] if what == "exchange"), "{drift:?}");
 }
@@ -506,7 +512,10 @@ async fn a_failed_ack_leaves_its_deliveries_leased_to_the_consumer() {
         .expect("refuse deletes");
     let first = [first];
     let failed = consumer.ack(&first).await;
-    assert!(matches!(&failed, Err(BrokerError::Lost(e)) if e.contains("disk full")), "{failed:?}");
+    let Err(failed @ BrokerError::Lost(_)) = failed else { panic!("a lost session: {failed:?}") };
+    assert!(failed.to_string().contains("disk full"), "{failed:?}");
+    let sqlite = std::error::Error::source(&failed).and_then(|e| e.downcast_ref::<rusqlite::Error>());
+    assert!(sqlite.is_some_and(|e| e.to_string() == "disk full"), "SQLite's error is the source: {failed:?}");
     assert!(first[0].is_live());
     nothing_for(&mut deliveries, lease * 2).await;
     let other = Embedded::open_with_lease(&path, lease).expect("open");
@@ -696,9 +705,25 @@ async fn a_file_of_a_newer_layout_is_refused_not_misread() {
     drop(db);
     let refused = Embedded::open(&path).err().expect("refused");
     assert!(
-        matches!(&refused, BrokerError::Damaged(text) if text.contains("written by a newer sluice")),
+        matches!(&refused, BrokerError::Damaged(text) if text.to_string().contains("written by a newer sluice")),
         "{refused:?}"
     );
+}
+
+/// A file SQLite cannot read is damaged, said with SQLite's own error, which is kept as the
+/// source.
+#[test]
+fn a_file_that_is_no_database_is_damaged_with_sqlite_s_error_as_the_source() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("broker.db");
+    std::fs::write(&path, "not a database\n".repeat(1000)).expect("write");
+    let refused = Embedded::open(&path).err().expect("refused");
+    assert!(refused.is_damaged(), "{refused:?}");
+    let sqlite = std::error::Error::source(&refused).and_then(|e| e.downcast_ref::<rusqlite::Error>());
+    let sqlite = sqlite.expect("SQLite's error is the source");
+    assert_eq!(sqlite.sqlite_error_code(), Some(rusqlite::ErrorCode::NotADatabase));
+    let text = refused.to_string();
+    assert!(text.contains("is not a usable SQLite database (") && text.ends_with(&format!(": {sqlite}")), "{text}");
 }
 
 /// Issue 21: a runner alone on its file takes and gives up idempotency keys in memory, with no

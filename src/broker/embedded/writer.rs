@@ -21,7 +21,7 @@ use tokio::sync::{Notify, oneshot};
 use super::POLL;
 use super::keys::{self, Claim, Claims};
 use super::store::{Claimed, NewMessage, Registration, Store, now_ms};
-use crate::broker::{BrokerError, Drift, Headers, QueueStats};
+use crate::broker::{BrokerError, Cause, Drift, Headers, QueueStats};
 use crate::topology::{BindingDecl, Plan};
 
 /// The most requests in one transaction: a bound on how long one commit keeps others waiting.
@@ -257,7 +257,7 @@ pub(super) fn start(
     std::thread::Builder::new()
         .name("sluice-embedded".into())
         .spawn(move || run(conn, store, receiver, &wakers, &holder))
-        .map_err(|e| BrokerError::Connect { url: path.display().to_string(), reason: e.to_string() })?;
+        .map_err(|e| BrokerError::Connect { url: path.display().to_string(), reason: Cause::from_error(e) })?;
     Ok((sender, claims))
 }
 
@@ -369,7 +369,8 @@ fn serve(
     let mut finished = Vec::with_capacity(ops.len());
     let failed = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
         Err(e) => {
-            finished.extend(ops.into_iter().map(|op| fail(op, store.error(&e))));
+            let e = store.error(e);
+            finished.extend(ops.into_iter().map(|op| fail(op, e.clone())));
             None
         }
         Ok(tx) => {

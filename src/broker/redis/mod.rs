@@ -46,7 +46,7 @@ use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
+    BodyLimits, Broker, BrokerError, Cause, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
     QueueStats, Route,
 };
 use crate::config::ExchangeKind;
@@ -87,7 +87,7 @@ pub struct Location {
 impl Location {
     /// Parses `redis://…` or `rediss://…`, taking `prefix` and `lease` out of the query.
     pub fn parse(url: &str) -> Result<Location, BrokerError> {
-        let bad = |reason: String| BrokerError::Connect { url: super::amqp::redact(url), reason };
+        let bad = |reason: String| BrokerError::Connect { url: super::amqp::redact(url), reason: reason.into() };
         let (base, query) = url.split_once('?').unwrap_or((url, ""));
         let (mut prefix, mut lease, mut rest) = (DEFAULT_PREFIX.to_string(), LEASE, Vec::new());
         for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -209,7 +209,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A Redis error as the broker's: a lost connection can be retried on another session.
 fn lost(e: redis::RedisError) -> BrokerError {
-    BrokerError::Lost(format!("redis: {e}"))
+    BrokerError::Lost(Cause::from_error(e).within("redis"))
 }
 
 impl Redis {
@@ -218,14 +218,16 @@ impl Redis {
         let location = Location::parse(url)?;
         let shown = super::amqp::redact(url);
         let client = redis::Client::open(location.url.as_str())
-            .map_err(|e| BrokerError::Connect { url: shown.clone(), reason: e.to_string() })?;
+            .map_err(|e| BrokerError::Connect { url: shown.clone(), reason: Cause::from_error(e) })?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))
             .set_response_timeout(Some(Duration::from_secs(15)))
             .set_number_of_retries(2);
         let connection = ConnectionManager::new_with_config(client.clone(), config).await.map_err(|e| {
-            let reason = e.to_string();
-            if matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) || reason.contains("NOAUTH") {
+            let refused =
+                matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) || e.to_string().contains("NOAUTH");
+            let reason = Cause::from_error(e);
+            if refused {
                 BrokerError::Refused { url: shown.clone(), reason }
             } else {
                 BrokerError::Connect { url: shown.clone(), reason }
@@ -461,13 +463,13 @@ fn missing(t: &Topology, what: &str, name: &str) -> BrokerError {
     if t.exchanges.is_empty() && t.queues.is_empty() {
         return BrokerError::NotFound(format!(
             "{what} \"{name}\": the broker is empty, nothing is declared under this prefix (`sluice run` declares the pipelines' exchanges and queues)"
-        ));
+        ).into());
     }
     let close = match what {
         "exchange" => did_you_mean(name, t.exchanges.keys().map(String::as_str)),
         _ => did_you_mean(name, t.queues.keys().map(String::as_str)),
     };
-    BrokerError::NotFound(format!("{what} \"{name}\"{close}"))
+    BrokerError::NotFound(format!("{what} \"{name}\"{close}").into())
 }
 
 /// The outcome of a write script.
@@ -484,13 +486,13 @@ impl Written {
             Written::Ok => Ok(()),
             Written::Stale => Err(BrokerError::Lost("the topology kept changing during a publish".into())),
             Written::Missing(q) => {
-                Err(BrokerError::NotFound(format!("queue \"{}\"", if q.is_empty() { queue } else { &q })))
+                Err(BrokerError::NotFound(format!("queue \"{}\"", if q.is_empty() { queue } else { &q }).into()))
             }
         }
     }
 }
 
-/// Reads a write script's answer; a full queue is a nack on `exchange`.
+/// Reads a write script's answer; a full queue refuses the message (`exchange` names it).
 fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written, BrokerError> {
     let nth =
         |i: &str| i.parse::<usize>().ok().and_then(|i| targets.get(i.wrapping_sub(1))).cloned().unwrap_or_default();
@@ -499,10 +501,11 @@ fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written
         None if answer == "STALE" => Ok(Written::Stale),
         Some(("MISSING", i)) => Ok(Written::Missing(nth(i))),
         Some(("FULL", i)) => {
-            tracing::debug!(queue = %nth(i), "redis broker: queue full, publish refused (reject-publish)");
-            Err(BrokerError::Nacked { exchange: exchange.into() })
+            let queue = nth(i);
+            tracing::debug!(queue = %queue, "redis broker: queue full, publish refused (reject-publish)");
+            Err(BrokerError::Rejected { exchange: exchange.into(), reason: format!("queue \"{queue}\" is full") })
         }
-        _ => Err(BrokerError::Lost(format!("redis: unexpected answer from a script: {answer}"))),
+        _ => Err(BrokerError::Lost(format!("redis: unexpected answer from a script: {answer}").into())),
     }
 }
 
@@ -936,19 +939,23 @@ impl Broker for Redis {
     /// makes each queue's stream and consumer group.
     async fn declare(&self, plan: &Plan) -> Result<(), BrokerError> {
         if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q, BROKER)?))) {
-            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name)));
+            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name).into()));
         }
         if let Some(Drift::Conflict { what, name, detail }) =
             self.drift(plan).await?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
         {
-            return Err(BrokerError::Conflict(format!("{what} \"{name}\" conflicts with what exists: {detail}")));
+            return Err(BrokerError::Conflict(
+                format!("{what} \"{name}\" conflicts with what exists: {detail}").into(),
+            ));
         }
         let mut pipe = redis::pipe();
         for x in &plan.exchanges {
             pipe.hset_nx(self.key("x"), &x.name, x.kind.as_str()).ignore();
         }
         for q in &plan.queues {
-            let declared = serde_json::to_string(q).map_err(|e| BrokerError::Conflict(e.to_string()))?;
+            let declared = serde_json::to_string(q).map_err(|e| {
+                BrokerError::Conflict(Cause::from_error(e).within(format_args!("queue \"{}\"", q.name)))
+            })?;
             pipe.hset_nx(self.key("q"), &q.name, declared).ignore();
             match q.max_message_bytes {
                 Some(max) => pipe.hset(self.key("limits"), &q.name, max as u64).ignore(),
@@ -1151,6 +1158,17 @@ mod tests {
         }
         assert!(Location::parse("redis://h?lease=1ms").is_err());
         assert!(Location::parse("redis://h?prefix=").is_err());
+    }
+
+    /// A Redis error is kept as the source of the lost session it ends.
+    #[test]
+    fn a_redis_error_is_the_source() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset");
+        let lost = lost(redis::RedisError::from(io));
+        assert!(lost.is_session_loss(), "{lost:?}");
+        assert!(lost.to_string().starts_with("broker connection lost: redis: "), "{lost}");
+        let source = std::error::Error::source(&lost).and_then(|e| e.downcast_ref::<redis::RedisError>());
+        assert!(source.is_some_and(redis::RedisError::is_io_error), "{lost:?}");
     }
 
     #[test]

@@ -22,7 +22,8 @@ use tokio::sync::mpsc;
 
 use super::declaration;
 use super::{
-    Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing, QueueStats, Route,
+    Broker, BrokerError, Consumer, Drift, Edits, HeaderValue, Headers, Kept, Operate, Outgoing, Properties, QueueStats,
+    Route,
 };
 use crate::config::ExchangeKind;
 use crate::topology::route;
@@ -32,17 +33,13 @@ use crate::topology::{BindingDecl, Plan, QueueDecl};
 #[derive(Debug, Clone)]
 pub struct Message {
     pub body: Bytes,
-    pub headers: Headers,
-    pub message_id: Option<String>,
-    pub timestamp: Option<u64>,
-    /// The exchange and routing key it was published with (a copy keeps its original's).
-    pub route: Option<Route>,
+    pub properties: Properties,
 }
 
 impl Message {
     /// A header as text, for assertions.
     pub fn header(&self, name: &str) -> Option<String> {
-        self.headers.get(name).map(HeaderValue::to_text)
+        self.properties.headers.get(name).map(HeaderValue::to_text)
     }
 }
 
@@ -147,9 +144,7 @@ impl Memory {
     }
 
     fn copy(original: &MemoryDelivery, headers: Headers) -> Message {
-        let mut message = original.message.clone();
-        message.headers.extend(headers);
-        message
+        Message { body: original.body.clone(), properties: original.copied_properties(headers) }
     }
 }
 
@@ -194,47 +189,13 @@ fn dispatch(state: &mut State) {
             *next_id += 1;
             let tag = *next_id;
             consumer.unacked.insert(tag, message.clone());
-            let _ = sender.send(MemoryDelivery { tag, message, live: consumer.live.clone() });
+            let _ = sender.send(Kept::whole(tag, message.body, message.properties, consumer.live.clone()));
         }
     }
 }
 
-/// A delivery from the in-memory broker.
-pub struct MemoryDelivery {
-    tag: u64,
-    message: Message,
-    live: Arc<AtomicBool>,
-}
-
-impl Delivery for MemoryDelivery {
-    fn body(&self) -> &Bytes {
-        &self.message.body
-    }
-
-    fn header(&self, name: &str) -> Option<HeaderValue> {
-        self.message.headers.get(name).cloned()
-    }
-
-    fn timestamp(&self) -> Option<u64> {
-        self.message.timestamp
-    }
-
-    fn message_id(&self) -> Option<&str> {
-        self.message.message_id.as_deref()
-    }
-
-    fn route(&self) -> Option<&Route> {
-        self.message.route.as_ref()
-    }
-
-    fn headers(&self) -> BTreeMap<String, serde_json::Value> {
-        self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
-    }
-
-    fn is_live(&self) -> bool {
-        self.live.load(Ordering::SeqCst)
-    }
-}
+/// A delivery from the in-memory broker, tagged as its consumer knows it.
+pub type MemoryDelivery = Kept<u64>;
 
 /// The deliveries of one consumer.
 pub struct MemoryDeliveries(mpsc::UnboundedReceiver<MemoryDelivery>);
@@ -378,10 +339,12 @@ impl Broker for Memory {
         }
         let m = Message {
             body: message.body.into(),
-            headers: message.headers,
-            message_id: message.message_id,
-            timestamp: message.timestamp,
-            route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            properties: Properties {
+                headers: message.headers,
+                message_id: message.message_id,
+                timestamp: message.timestamp,
+                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            },
         };
         push_all(&mut state, exchange, &targets, m)
     }
@@ -482,9 +445,9 @@ impl Operate for Memory {
     }
 
     async fn copy(&self, queue: &str, original: &MemoryDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let mut message = original.message.clone();
-        edits.apply(&mut message.headers);
-        self.push(queue, message)
+        let mut properties = original.properties.clone();
+        edits.apply(&mut properties.headers);
+        self.push(queue, Message { body: original.body.clone(), properties })
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

@@ -15,6 +15,7 @@ pub mod amqp;
 mod declaration;
 pub mod embedded;
 pub mod failover;
+mod kept;
 /// The in-memory test double: public (hidden) so that the conformance suite in `tests/` runs
 /// the same test bodies against it as against every real broker.
 #[doc(hidden)]
@@ -32,6 +33,7 @@ use serde::Serialize;
 
 use crate::topology::{BindingDecl, Plan};
 
+pub use self::kept::{Kept, Properties};
 pub use crate::envelope::{HeaderValue, Headers};
 
 /// A new message: the body and the properties sluice sets.

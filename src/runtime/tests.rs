@@ -24,7 +24,7 @@ use super::gate::{self, Pauses};
 use super::{Options, Reload, RunError, run};
 use crate::broker::embedded::Embedded;
 use crate::broker::memory::{Memory, Message};
-use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
+use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Properties};
 use crate::config::Config;
 use crate::dedup::{Location, Store};
 use crate::envelope::{self, Envelope};
@@ -205,7 +205,10 @@ impl Inspect for File {
                         other => (k, HeaderValue::Int(other.as_i64().expect("an integer header"))),
                     })
                     .collect();
-                Message { body: body.into(), headers, message_id, timestamp: timestamp.map(|t| t as u64), route: None }
+                Message {
+                    body: body.into(),
+                    properties: Properties { headers, message_id, timestamp: timestamp.map(|t| t as u64), route: None },
+                }
             })
             .collect()
     }

@@ -46,7 +46,7 @@ mod store;
 mod tests;
 mod writer;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -54,7 +54,6 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak, mpsc};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::{Notify, mpsc as channel, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -68,8 +67,8 @@ use self::writer::{Op, Renewal, Wakers};
 use super::declaration;
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
-    QueueStats, Route,
+    BodyLimits, Broker, BrokerError, Consumer, Drift, Edits, Headers, Kept, Operate, Outgoing, Properties, QueueStats,
+    Route,
 };
 use crate::topology::{BindingDecl, Plan};
 /// This process as a claim names it (`pid:start`), and whether the process a name gives still
@@ -417,13 +416,7 @@ async fn deliver(
     for row in rows {
         unsettled.insert(row.id);
         let bytes = row.body.len() as u64;
-        let delivery = EmbeddedDelivery {
-            id: row.id,
-            message: row.message,
-            body: row.body,
-            size: usize::try_from(row.size).unwrap_or(usize::MAX),
-            live: s.live.clone(),
-        };
+        let delivery = delivery(row, s.live.clone());
         if out.send(Ok(delivery)).is_ok() {
             s.unread.fetch_add(bytes, Ordering::SeqCst);
         }
@@ -491,58 +484,33 @@ async fn renew_all(inner: Weak<Inner>) {
     }
 }
 
-/// A delivery from the embedded broker.
-pub struct EmbeddedDelivery {
+/// What the embedded broker keeps of a delivery to settle and copy it: its row, its body by
+/// reference (what its copies carry), and its type.
+pub struct Row {
     id: i64,
-    /// Its body by reference: what its copies carry.
-    message: NewMessage,
-    /// Its body as read (empty when over the consumer's limit), and its size.
-    body: Bytes,
-    size: usize,
-    live: Arc<AtomicBool>,
+    body: Body,
+    kind: Option<String>,
 }
 
-impl EmbeddedDelivery {
-    /// A copy of this message with `headers` merged over its own (its body by reference).
-    fn copy(&self, headers: Headers) -> NewMessage {
-        let mut message = self.message.clone();
-        message.headers.extend(headers);
-        message
+/// A delivery from the embedded broker.
+pub type EmbeddedDelivery = Kept<Row>;
+
+/// A stored message as delivered (to a consumer whose deliveries are `live`).
+fn delivery(stored: Stored, live: Arc<AtomicBool>) -> EmbeddedDelivery {
+    let NewMessage { body, kind, properties } = stored.message;
+    Kept {
+        tag: Row { id: stored.id, body, kind },
+        body: stored.body,
+        size: usize::try_from(stored.size).unwrap_or(usize::MAX),
+        properties,
+        live,
     }
 }
 
-impl Delivery for EmbeddedDelivery {
-    fn body(&self) -> &Bytes {
-        &self.body
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn header(&self, name: &str) -> Option<HeaderValue> {
-        self.message.headers.get(name).cloned()
-    }
-
-    fn timestamp(&self) -> Option<u64> {
-        self.message.timestamp
-    }
-
-    fn message_id(&self) -> Option<&str> {
-        self.message.message_id.as_deref()
-    }
-
-    fn route(&self) -> Option<&Route> {
-        self.message.route.as_ref()
-    }
-
-    fn headers(&self) -> BTreeMap<String, serde_json::Value> {
-        self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
-    }
-
-    fn is_live(&self) -> bool {
-        self.live.load(Ordering::SeqCst)
-    }
+/// A copy of a delivered message with `headers` merged over its own (its body by reference).
+fn copy(original: &EmbeddedDelivery, headers: Headers) -> NewMessage {
+    let Row { body, kind, .. } = &original.tag;
+    NewMessage { body: body.clone(), kind: kind.clone(), properties: original.copied_properties(headers) }
 }
 
 /// The deliveries of one consumer.
@@ -585,7 +553,7 @@ impl EmbeddedConsumer {
         if !s.live.load(Ordering::SeqCst) {
             return Err(BrokerError::Lost("consumer closed".into()));
         }
-        let ids: Vec<i64> = settled.iter().map(|d| d.id).collect();
+        let ids: Vec<i64> = settled.iter().map(|d| d.tag.id).collect();
         self.broker.call(|reply| Op::Ack { owner: s.owner, ids: ids.clone(), done, until, reply }).await?;
         let mut unsettled = lock(&s.unsettled);
         for id in ids {
@@ -657,11 +625,13 @@ impl Broker for Embedded {
         }
         let message = NewMessage {
             body: Body::New(message.body.into()),
-            headers: message.headers,
-            message_id: message.message_id,
             kind: message.kind,
-            timestamp: message.timestamp,
-            route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            properties: Properties {
+                headers: message.headers,
+                message_id: message.message_id,
+                timestamp: message.timestamp,
+                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            },
         };
         self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
             .await
@@ -674,7 +644,7 @@ impl Broker for Embedded {
         original: &EmbeddedDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        self.send_copy(queue, original.copy(headers), now_ms().saturating_add(ms(delay)).max(1)).await
+        self.send_copy(queue, copy(original, headers), now_ms().saturating_add(ms(delay)).max(1)).await
     }
 
     async fn dead_letter(
@@ -683,7 +653,7 @@ impl Broker for Embedded {
         original: &EmbeddedDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        self.send_copy(dead_letter, original.copy(headers), 0).await
+        self.send_copy(dead_letter, copy(original, headers), 0).await
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
@@ -743,8 +713,8 @@ impl Operate for Embedded {
     }
 
     async fn copy(&self, queue: &str, original: &EmbeddedDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let mut message = original.message.clone();
-        edits.apply(&mut message.headers);
+        let mut message = copy(original, Headers::new());
+        edits.apply(&mut message.properties.headers);
         self.send_copy(queue, message, 0).await
     }
 

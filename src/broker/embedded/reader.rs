@@ -74,14 +74,7 @@ impl Messages<'_> {
             let n = CLAIM_MAX.min(self.most - self.read);
             for stored in store.peek(db, &self.queue, (self.after, self.last), n, CLAIM_BYTES)? {
                 self.after = stored.id;
-                let live = Arc::new(AtomicBool::new(true));
-                self.batch.push_back(EmbeddedDelivery {
-                    id: stored.id,
-                    message: stored.message,
-                    body: stored.body,
-                    size: usize::try_from(stored.size).unwrap_or(usize::MAX),
-                    live,
-                });
+                self.batch.push_back(super::delivery(stored, Arc::new(AtomicBool::new(true))));
             }
         }
         let next = self.batch.pop_front();

@@ -24,7 +24,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params}
 use serde_json::Value;
 
 use super::super::declaration::{self, unsupported};
-use super::super::{BrokerError, Cause, Drift, HeaderValue, Headers, QueueStats, Route};
+use super::super::{BrokerError, Cause, Drift, HeaderValue, Headers, Properties, QueueStats, Route};
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::{ATTEMPT_HEADER, Reason, attempt_in, dead_letter_headers};
@@ -67,12 +67,8 @@ pub(super) enum Body {
 #[derive(Debug, Clone)]
 pub(super) struct NewMessage {
     pub body: Body,
-    pub headers: Headers,
-    pub message_id: Option<String>,
     pub kind: Option<String>,
-    pub timestamp: Option<u64>,
-    /// The exchange and routing key it was published with (a copy keeps its original's).
-    pub route: Option<Route>,
+    pub properties: Properties,
 }
 
 /// A message claimed from the file: its body [stored](Body::Stored), and read unless it is
@@ -292,7 +288,7 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
             None
         }
     };
-    Ok((id, NewMessage { body, headers, message_id, kind, timestamp, route }, faults))
+    Ok((id, NewMessage { body, kind, properties: Properties { headers, message_id, timestamp, route } }, faults))
 }
 
 fn headers_from(text: &str) -> Result<Headers, String> {
@@ -313,9 +309,9 @@ fn headers_from(text: &str) -> Result<Headers, String> {
 /// Gives what could be read of message row `id` of `queue` the dead-letter headers of reason
 /// `internal`, saying what could not be read (`fault`).
 fn mark_unreadable(message: &mut NewMessage, id: i64, fault: &str, queue: &str) {
-    let attempts = attempt_in(message.headers.get(ATTEMPT_HEADER));
+    let attempts = attempt_in(message.properties.headers.get(ATTEMPT_HEADER));
     let error = format!("the embedded broker could not read stored message {id}: {fault}");
-    message.headers.extend(dead_letter_headers(Reason::Internal, &error, attempts, queue));
+    message.properties.headers.extend(dead_letter_headers(Reason::Internal, &error, attempts, queue));
 }
 
 /// Why an operator's command finds no broker where `--broker` points.
@@ -752,7 +748,7 @@ impl Store {
         routing_key: &str,
         message: &NewMessage,
     ) -> Result<Vec<String>, BrokerError> {
-        let targets = self.route(db, exchange, routing_key, &message.headers)?;
+        let targets = self.route(db, exchange, routing_key, &message.properties.headers)?;
         for queue in &targets {
             self.check_room(db, exchange, queue)?;
         }
@@ -864,19 +860,19 @@ impl Store {
         {
             *n += 1;
         }
-        let timestamp = m.timestamp.map(|t| i64::try_from(t).unwrap_or(i64::MAX));
+        let timestamp = m.properties.timestamp.map(|t| i64::try_from(t).unwrap_or(i64::MAX));
         db.prepare_cached(
             "INSERT INTO messages (queue, visible_at, body, headers, message_id, kind, timestamp, exchange, routing_key)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         )
         .and_then(|mut s| {
-            let (exchange, routing_key) = m.route.as_ref().map(|r| (&r.exchange, &r.routing_key)).unzip();
+            let (exchange, routing_key) = m.properties.route.as_ref().map(|r| (&r.exchange, &r.routing_key)).unzip();
             s.execute(params![
                 queue,
                 visible_at,
                 body,
-                headers_text(&m.headers),
-                m.message_id,
+                headers_text(&m.properties.headers),
+                m.properties.message_id,
                 m.kind,
                 timestamp,
                 exchange,

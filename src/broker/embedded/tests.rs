@@ -10,6 +10,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::*;
+use crate::broker::{Delivery as _, HeaderValue};
 use crate::config::ExchangeKind;
 use crate::envelope;
 use crate::topology::{BindingDecl, ExchangeDecl, QueueDecl, Role};

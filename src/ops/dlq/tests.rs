@@ -39,7 +39,7 @@ async fn dead(broker: &Memory, n: usize, reason: &str, ago: Duration) {
 }
 
 fn ids(broker: &Memory, queue: &str) -> Vec<String> {
-    broker.messages(queue).into_iter().filter_map(|m| m.message_id).collect()
+    broker.messages(queue).into_iter().filter_map(|m| m.properties.message_id).collect()
 }
 
 fn no_progress(_: &Tally) {}

@@ -1,0 +1,82 @@
+//! The deliveries of the brokers that store messages themselves (embedded, Redis, in-memory):
+//! one [`Delivery`] implementation over what each keeps to settle and copy a message (its
+//! tag).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+
+use super::{Delivery, HeaderValue, Headers, Route};
+
+/// What a message carries beside its body, as these brokers keep it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Properties {
+    pub headers: Headers,
+    pub message_id: Option<String>,
+    /// Seconds since the epoch.
+    pub timestamp: Option<u64>,
+    /// The exchange and routing key it was published with (a copy keeps its original's).
+    pub route: Option<Route>,
+}
+
+/// A message handed to a consumer.
+pub struct Kept<Tag> {
+    /// What its broker needs to settle or copy it.
+    pub(crate) tag: Tag,
+    /// Its body as read (empty when held back over the consumer's limit), and its size.
+    pub(crate) body: Bytes,
+    pub(crate) size: usize,
+    pub(crate) properties: Properties,
+    /// Its consumer is open: it may still be acked.
+    pub(crate) live: Arc<AtomicBool>,
+}
+
+impl<Tag> Kept<Tag> {
+    /// A delivery of `body` whole.
+    pub(crate) fn whole(tag: Tag, body: Bytes, properties: Properties, live: Arc<AtomicBool>) -> Kept<Tag> {
+        Kept { tag, size: body.len(), body, properties, live }
+    }
+
+    /// Its properties with `headers` merged over its own, for a copy.
+    pub(crate) fn copied_properties(&self, headers: Headers) -> Properties {
+        let mut properties = self.properties.clone();
+        properties.headers.extend(headers);
+        properties
+    }
+}
+
+impl<Tag: Send + Sync + 'static> Delivery for Kept<Tag> {
+    fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn header(&self, name: &str) -> Option<HeaderValue> {
+        self.properties.headers.get(name).cloned()
+    }
+
+    fn timestamp(&self) -> Option<u64> {
+        self.properties.timestamp
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.properties.message_id.as_deref()
+    }
+
+    fn route(&self) -> Option<&Route> {
+        self.properties.route.as_ref()
+    }
+
+    fn headers(&self) -> BTreeMap<String, serde_json::Value> {
+        self.properties.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
+    }
+
+    fn is_live(&self) -> bool {
+        self.live.load(Ordering::SeqCst)
+    }
+}

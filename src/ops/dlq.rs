@@ -14,11 +14,11 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures_util::FutureExt as _;
-use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use futures_util::StreamExt as _;
 use governor::{DefaultDirectRateLimiter, Quota};
 use serde::Serialize;
 use serde_json::Value;
+use tokio::task::{JoinError, JoinSet};
 
 use crate::broker::{BrokerError, Consumer, Delivery, Edits, HeaderValue, Operate, embedded};
 use crate::envelope::{self, Envelope};
@@ -417,8 +417,12 @@ pub async fn apply<B: Operate>(
     let mut tally = Tally { queued: browse.remaining, ..Tally::default() };
     progress(&tally);
     let now = now();
-    // Copies awaiting their confirms, concurrently; each yields its delivery once confirmed.
-    let mut pending = FuturesUnordered::new();
+    // Copies awaiting their confirms, each its own task; each yields its delivery once confirmed.
+    // Tasks, not futures this loop polls: while it awaits an ack or the next message, a copy
+    // left unpolled could hold a place in the broker's queue of requests that the ack or the
+    // read waits behind, for ever (the Redis connection hands its free slots to the requests
+    // waiting, in turn: copies that this loop would poll only after the ack).
+    let mut pending = JoinSet::new();
     // Confirmed, to be acked in batches.
     let mut confirmed = Vec::new();
     // Body bytes of the messages in `pending` and `confirmed`.
@@ -426,12 +430,12 @@ pub async fn apply<B: Operate>(
     let result = async {
         loop {
             while pending.len() >= IN_FLIGHT || (held_bytes >= HELD_BYTES && !pending.is_empty()) {
-                if let Some(copied) = pending.next().await {
-                    confirmed.push(copied?);
+                if let Some(copied) = pending.join_next().await {
+                    confirmed.push(joined(copied)?);
                 }
             }
-            while let Some(Some(copied)) = pending.next().now_or_never() {
-                confirmed.push(copied?);
+            while let Some(copied) = pending.try_join_next() {
+                confirmed.push(joined(copied)?);
             }
             if confirmed.len() >= ACK_BATCH || held_bytes >= HELD_BYTES {
                 held_bytes -= take(&mut browse, &mut confirmed, &mut tally, progress).await?;
@@ -452,15 +456,16 @@ pub async fn apply<B: Operate>(
                 limiter.until_ready().await;
             }
             held_bytes += delivery.body().len();
-            pending.push(async move {
+            let (broker, queue) = (broker.clone(), queue.to_string());
+            pending.spawn(async move {
                 if action == Action::Redrive {
-                    broker.copy(queue, &delivery, &redrive_edits()).await?;
+                    broker.copy(&queue, &delivery, &redrive_edits()).await?;
                 }
                 Ok::<_, BrokerError>(delivery)
             });
         }
-        while let Some(copied) = pending.next().await {
-            confirmed.push(copied?);
+        while let Some(copied) = pending.join_next().await {
+            confirmed.push(joined(copied)?);
         }
         Ok(())
     }
@@ -471,6 +476,12 @@ pub async fn apply<B: Operate>(
     let taken = take(&mut browse, &mut confirmed, &mut tally, progress).await;
     (tally.unread, tally.unread_because) = browse.close().await;
     result.and(taken.map(drop)).map(|()| tally)
+}
+
+/// A copy task's outcome; its panic goes on here (the tasks are aborted only when the set
+/// is dropped, never while joined).
+fn joined<T>(outcome: Result<T, JoinError>) -> T {
+    outcome.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
 }
 
 /// How a redriven copy differs from its dead-lettered original: as if new, without sluice's

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use serde_json::json;
-use sluice::broker::{Broker, BrokerError, Consumer as _, Delivery as _, Headers, Operate as _, Outgoing};
+use sluice::broker::{Broker, BrokerError, Consumer as _, Delivery as _, HeaderValue, Headers, Operate as _, Outgoing};
 use support::*;
 
 /// An outgoing message whose body is `text`.
@@ -130,6 +130,41 @@ async fn close_hands_back_in_order() {
     let all = take(&mut deliveries, 5).await;
     assert_eq!(all.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "2", "3", "4", "5"]);
     consumer.close().await;
+}
+
+/// A redrive's move writes the copy and removes the original in one script: the original is
+/// gone at once, with no ack (nothing for a lost session to hand back), and the same move sent
+/// again, as after a timeout, writes no second copy. A full target refuses and removes nothing.
+#[tokio::test]
+async fn a_move_copies_and_removes_in_one_step_and_only_once() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for i in 0..3 {
+        let headers = Headers::from([("x-sluice-attempt".to_string(), HeaderValue::Int(5))]);
+        broker.publish("ev", "a.x", Outgoing { headers, ..message(&i.to_string()) }).await.expect("publish");
+    }
+    let (mut deliveries, consumer) = broker.browse("a", 10).await.expect("browse");
+    let read: Vec<_> = take(&mut deliveries, 3).await.into_iter().map(|(_, d)| d.expect("delivery")).collect();
+    let edits = sluice::ops::dlq::redrive_edits();
+    let moved = broker.copy_and_remove("b", &consumer, &read[0], &edits).await.expect("move");
+    assert!(moved, "removed with its copy");
+    assert_eq!((place.depth("a").await, place.depth("b").await), (2, 1), "the original gone without an ack");
+    let again = broker.copy_and_remove("b", &consumer, &read[0], &edits).await;
+    assert!(matches!(again, Err(BrokerError::Lost(_))), "{again:?}");
+    assert_eq!(place.depth("b").await, 1, "no second copy");
+    broker.copy_and_remove("b", &consumer, &read[1], &edits).await.expect("move");
+    let full = broker.copy_and_remove("b", &consumer, &read[2], &edits).await;
+    assert!(matches!(full, Err(BrokerError::Nacked { .. })), "b holds its max_length: {full:?}");
+    consumer.close().await;
+    assert_eq!(broker.stats("a").await.expect("stats").ready, 1, "the refused one handed back");
+    let (mut copies, reader) = broker.browse("b", 10).await.expect("browse b");
+    let copies = take(&mut copies, 2).await;
+    assert_eq!(copies.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "1"]);
+    let attempt = copies[0].1.as_ref().expect("delivery").header("x-sluice-attempt");
+    assert_eq!(attempt, Some(HeaderValue::Int(1)), "the copy carries the edits");
+    reader.close().await;
 }
 
 /// Delayed copies come back exactly after their own delay: a long one published first does

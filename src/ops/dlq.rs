@@ -5,7 +5,8 @@
 //! order), or, on the embedded broker, its file is read without writing (`list`, `show` and
 //! `status` take nothing there). A message leaves the dead-letter queue only once its redriven copy is confirmed, so
 //! a crash mid-redrive loses nothing: at worst a message is both redriven and still there, and
-//! its idempotency key absorbs the second run. A redriven copy is a new first attempt; its key
+//! its idempotency key absorbs the second run (on Redis, not even that: the copy and the
+//! removal are one step). A redriven copy is a new first attempt; its key
 //! was released when it was dead-lettered, so it runs.
 //!
 //! Generic over the broker; printing is the CLI's.
@@ -244,10 +245,15 @@ impl<B: Operate> Browse<B> {
         Ok(None)
     }
 
-    /// Acks deliveries read by this browse: they leave the queue.
-    async fn ack(&mut self, read: &[B::Delivery]) -> Result<(), BrokerError> {
-        self.consumer.ack(read).await?;
-        self.held = self.held.saturating_sub(u32::try_from(read.len()).unwrap_or(u32::MAX));
+    /// Lets go of `removed` deliveries the broker removed with their copies, and acks `read`
+    /// ones: they leave the queue.
+    async fn settle(&mut self, read: &[B::Delivery], removed: usize) -> Result<(), BrokerError> {
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.held = self.held.saturating_sub(count(removed));
+        if !read.is_empty() {
+            self.consumer.ack(read).await?;
+            self.held = self.held.saturating_sub(count(read.len()));
+        }
         Ok(())
     }
 
@@ -417,13 +423,14 @@ pub async fn apply<B: Operate>(
     let mut tally = Tally { queued: browse.remaining, ..Tally::default() };
     progress(&tally);
     let now = now();
-    // Copies awaiting their confirms, each its own task; each yields its delivery once confirmed.
+    // Copies awaiting their confirms, each its own task; each yields its delivery once confirmed,
+    // and whether the broker removed it with its copy.
     // Tasks, not futures this loop polls: while it awaits an ack or the next message, a copy
     // left unpolled could hold a place in the broker's queue of requests that the ack or the
     // read waits behind, for ever (the Redis connection hands its free slots to the requests
     // waiting, in turn: copies that this loop would poll only after the ack).
     let mut pending = JoinSet::new();
-    // Confirmed, to be acked in batches.
+    // Confirmed, to be acked (unless removed already) in batches.
     let mut confirmed = Vec::new();
     // Body bytes of the messages in `pending` and `confirmed`.
     let mut held_bytes = 0;
@@ -456,12 +463,13 @@ pub async fn apply<B: Operate>(
                 limiter.until_ready().await;
             }
             held_bytes += delivery.body().len();
-            let (broker, queue) = (broker.clone(), queue.to_string());
+            let (broker, queue, consumer) = (broker.clone(), queue.to_string(), browse.consumer.clone());
             pending.spawn(async move {
-                if action == Action::Redrive {
-                    broker.copy(&queue, &delivery, &redrive_edits()).await?;
-                }
-                Ok::<_, BrokerError>(delivery)
+                let removed = match action {
+                    Action::Redrive => broker.copy_and_remove(&queue, &consumer, &delivery, &redrive_edits()).await?,
+                    Action::Purge => false,
+                };
+                Ok::<_, BrokerError>((delivery, removed))
             });
         }
         while let Some(copied) = pending.join_next().await {
@@ -530,11 +538,11 @@ pub async fn handed_back<B: Operate>(
 /// Acks of confirmed copies sent at once.
 const ACK_BATCH: usize = 64;
 
-/// Acks `confirmed` (removing those messages from the dead-letter queue) and counts them; the
-/// body bytes let go.
+/// Acks the `confirmed` messages the broker did not remove with their copies (removing them
+/// from the dead-letter queue) and counts them all; the body bytes let go.
 async fn take<B: Operate>(
     browse: &mut Browse<B>,
-    confirmed: &mut Vec<B::Delivery>,
+    confirmed: &mut Vec<(B::Delivery, bool)>,
     tally: &mut Tally,
     progress: &(dyn Fn(&Tally) + Sync),
 ) -> Result<usize, BrokerError> {
@@ -542,10 +550,17 @@ async fn take<B: Operate>(
         return Ok(0);
     }
     let batch = std::mem::take(confirmed);
-    browse.ack(&batch).await?;
-    tally.done += batch.len();
+    let bytes = batch.iter().map(|(d, _)| d.body().len()).sum();
+    let (removed, read): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, removed)| *removed);
+    let read: Vec<B::Delivery> = read.into_iter().map(|(d, _)| d).collect();
+    // The removed ones are done whatever becomes of the ack.
+    tally.done += removed.len();
+    let acked = browse.settle(&read, removed.len()).await;
+    if acked.is_ok() {
+        tally.done += read.len();
+    }
     progress(tally);
-    Ok(batch.iter().map(|d| d.body().len()).sum())
+    acked.map(|()| bytes)
 }
 
 #[cfg(test)]

@@ -160,6 +160,13 @@ struct Topology {
     bindings: Vec<BindingDecl>,
 }
 
+impl Topology {
+    /// `queue`'s maximum length as the scripts take it (empty: none).
+    fn max_length(&self, queue: &str) -> String {
+        self.queues.get(queue).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default()
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 struct QueueRule {
     max_length: Option<u64>,
@@ -350,9 +357,7 @@ impl Redis {
         let mut invocation = self.inner.scripts.publish.prepare_invoke();
         invocation.key(self.key("v")).arg(version);
         for q in targets {
-            invocation.key(self.stream(q));
-            let max = t.queues.get(q).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default();
-            invocation.arg(max);
+            invocation.key(self.stream(q)).arg(t.max_length(q));
         }
         invocation.arg(self.wake_channel());
         for (name, value) in message.fields() {
@@ -390,6 +395,38 @@ impl Redis {
         }
         let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
         answer_of(&answer, &targets, "")?.done(queue)
+    }
+
+    /// Writes `message` into `queue` and removes entry `id` of consumer `s` in one script,
+    /// while the entry is still the consumer's.
+    async fn move_copy(&self, queue: &str, s: &ConsumerState, id: &str, message: &Message) -> Result<(), BrokerError> {
+        let targets = [queue.to_string()];
+        let mut stale = false;
+        loop {
+            let t = self.topology(stale).await?;
+            let mut invocation = self.inner.scripts.move_entry.prepare_invoke();
+            invocation
+                .key(self.stream(&s.queue))
+                .key(self.stream(queue))
+                .arg(&s.name)
+                .arg(id)
+                .arg(t.max_length(queue))
+                .arg(self.wake_channel());
+            for (name, value) in message.fields() {
+                invocation.arg(name).arg(value);
+            }
+            let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+            if answer == "GONE" {
+                return Err(BrokerError::Lost(format!(
+                    "a message of \"{}\" is no longer this consumer's (its lease ran out, or the consumer closed)",
+                    s.queue
+                )));
+            }
+            match answer_of(&answer, &targets, "")? {
+                Written::Missing(_) if !stale => stale = true,
+                written => return written.done(queue),
+            }
+        }
     }
 
     /// The notifier of `queue`'s consumers in this session, listening on the wake channel
@@ -655,6 +692,18 @@ struct ConsumerState {
     live: Arc<AtomicBool>,
 }
 
+impl ConsumerState {
+    /// Forgets deliveries settled (acked, or moved with their copy): there may be room for more.
+    fn settled<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let mut unsettled = lock(&self.unsettled);
+        for id in ids {
+            unsettled.remove(id);
+        }
+        drop(unsettled);
+        self.room.notify_one();
+    }
+}
+
 /// A consumer's task: claims what fits its prefetch when woken (a write to its stream, an ack)
 /// or at the latest after [`POLL`] or when the earliest delayed copy comes due; renews its
 /// leases every third of the lease. Ends when the consumer closes, when it is cancelled with
@@ -834,6 +883,13 @@ impl RedisDelivery {
         message.headers.extend(headers);
         message
     }
+
+    /// A copy of this message with its headers edited.
+    fn edited(&self, edits: &Edits) -> Message {
+        let mut message = self.message.clone();
+        edits.apply(&mut message.headers);
+        message
+    }
 }
 
 impl Delivery for RedisDelivery {
@@ -903,12 +959,7 @@ impl Consumer for RedisConsumer {
             invocation.arg(&d.id);
         }
         let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
-        let mut unsettled = lock(&s.unsettled);
-        for d in settled {
-            unsettled.remove(&d.id);
-        }
-        drop(unsettled);
-        s.room.notify_one();
+        s.settled(settled.iter().map(|d| d.id.as_str()));
         Ok(())
     }
 
@@ -1106,9 +1157,26 @@ impl Operate for Redis {
     }
 
     async fn copy(&self, queue: &str, original: &RedisDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let mut message = original.message.clone();
-        edits.apply(&mut message.headers);
-        self.send_copy(queue, Duration::ZERO, &message).await
+        self.send_copy(queue, Duration::ZERO, &original.edited(edits)).await
+    }
+
+    /// One script writes the copy and removes the original: a move whose answer was lost (a
+    /// timeout, a lost connection) happened whole or not at all, so a pass after a lost
+    /// session finds the message moved, or still there to move once.
+    async fn copy_and_remove(
+        &self,
+        queue: &str,
+        consumer: &RedisConsumer,
+        original: &RedisDelivery,
+        edits: &Edits,
+    ) -> Result<bool, BrokerError> {
+        let s = &consumer.state;
+        if !s.live.load(Ordering::SeqCst) {
+            return Err(BrokerError::Lost("consumer closed".into()));
+        }
+        self.move_copy(queue, s, &original.id, &original.edited(edits)).await?;
+        s.settled([original.id.as_str()]);
+        Ok(true)
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

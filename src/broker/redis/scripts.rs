@@ -10,8 +10,9 @@
 
 use redis::Script;
 
-/// Functions the scripts share: the time in ms, and a stream's ready entries (not pending,
-/// or handed back).
+/// Functions the scripts share: the time in ms, a stream's ready entries (not pending, or
+/// handed back), and why a stream (the i-th written) takes no new entry: it does not exist, or
+/// it holds its maximum length `max` (nil: none) of ready entries.
 const PRELUDE: &str = r#"
 local function now_ms()
   local t = redis.call('TIME')
@@ -27,6 +28,11 @@ local function ready(s)
   end
   return n
 end
+local function refused(s, max, i)
+  if redis.call('EXISTS', s) == 0 then return 'MISSING:' .. i end
+  if max and ready(s) >= max then return 'FULL:' .. i end
+  return nil
+end
 "#;
 
 /// Writes one copy of a message into every stream in `KEYS[2..]`, or none: each stream must
@@ -38,14 +44,31 @@ const PUBLISH: &str = r#"
 if ARGV[1] ~= '*' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'STALE' end
 local n = #KEYS - 1
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[1 + i]) == 0 then return 'MISSING:' .. i end
-  local max = tonumber(ARGV[1 + i])
-  if max and ready(KEYS[1 + i]) >= max then return 'FULL:' .. i end
+  local no = refused(KEYS[1 + i], tonumber(ARGV[1 + i]), i)
+  if no then return no end
 end
 for i = 1, n do
   redis.call('XADD', KEYS[1 + i], '*', unpack(ARGV, n + 3))
   redis.call('PUBLISH', ARGV[n + 2], KEYS[1 + i])
 end
+return 'OK'
+"#;
+
+/// Moves entry `ARGV[2]` of stream `KEYS[1]`, while it is pending for consumer `ARGV[1]`, into
+/// stream `KEYS[2]` as a new entry of fields `ARGV[5..]`: the copy written and the original
+/// acked and deleted, or neither, so that a move whose answer was lost is never made twice.
+/// `KEYS[2]` must exist and hold fewer ready entries than `ARGV[3]` (empty: no maximum); wakes
+/// its consumers on channel `ARGV[4]`. Answers `OK`, `GONE` (the entry is no longer this
+/// consumer's: moved already, handed back, or taken over after its lease ran out),
+/// `MISSING:1` or `FULL:1`.
+const MOVE: &str = r#"
+if #redis.call('XPENDING', KEYS[1], 'g', ARGV[2], ARGV[2], 1, ARGV[1]) == 0 then return 'GONE' end
+local no = refused(KEYS[2], tonumber(ARGV[3]), 1)
+if no then return no end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+redis.call('XACK', KEYS[1], 'g', ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('PUBLISH', ARGV[4], KEYS[2])
 return 'OK'
 "#;
 
@@ -188,6 +211,7 @@ return { redis.call('XLEN', KEYS[1]) - pending + expired, live, math.max(0, pend
 /// The broker's scripts, loaded once per session (sent by hash, loaded on a miss).
 pub(super) struct Scripts {
     pub publish: Script,
+    pub move_entry: Script,
     pub delay: Script,
     pub claim: Script,
     pub ack: Script,
@@ -200,6 +224,7 @@ impl Scripts {
         let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}{body}"));
         Scripts {
             publish: with_prelude(PUBLISH),
+            move_entry: with_prelude(MOVE),
             delay: with_prelude(DELAY),
             claim: with_prelude(CLAIM),
             ack: Script::new(ACK),

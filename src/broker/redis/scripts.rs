@@ -90,8 +90,20 @@ return 'OK'
 /// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; takes what
 /// consumers handed back (consumer `returned`), first and in stream order; with `ARGV[4]` = 1
 /// takes back entries idle past the lease `ARGV[3]` ms (a dead consumer's) and forgets dead
-/// consumers with nothing pending; then reads new entries, up to `ARGV[2]` in all. Consumer `ARGV[1]`, registered for `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
+/// consumers with nothing pending; then reads new entries. It takes up to `ARGV[2]` entries in
+/// all, one at a time while their bodies come to less than `ARGV[9]` bytes: a claim goes past
+/// that by one body at most (a larger one comes alone). Consumer `ARGV[1]`, registered for
+/// `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
 /// each entry its id then its fields.
+///
+/// A copy come due goes into its stream whatever the queue's `max_length`, as on RabbitMQ: there
+/// a retry copy leaves the last delay queue by at-least-once dead-lettering, and a quorum queue
+/// (sluice's default) takes what is dead-lettered into it when full (its reject-publish blocks
+/// publishing channels; the dead-letter worker ignores the block: rabbitmq-server#8495). The
+/// queue admitted the message once, and the copy is that message back from its pause: the queue
+/// holds at most its limit and the retries of what its consumers held. Held back instead, a
+/// copy could wait for ever behind publishers that keep the queue full; refused, it would be
+/// lost.
 const CLAIM: &str = r#"
 local me, lease = ARGV[1], tonumber(ARGV[3])
 local now = now_ms()
@@ -121,23 +133,31 @@ if ARGV[7] == '1' then
   if holder and holder ~= me then return out end
   redis.call('SET', KEYS[3], me, 'PX', lease)
 end
-local n = tonumber(ARGV[2])
+local n, bytes = tonumber(ARGV[2]), tonumber(ARGV[9])
+local function more()
+  return n > 0 and bytes > 0
+end
 local function add(entries)
   for _, e in ipairs(entries) do
     if e[2] then
       out[#out + 1] = e[1]
       out[#out + 1] = e[2]
       n = n - 1
+      for i = 1, #e[2], 2 do
+        if e[2][i] == 'b' then bytes = bytes - #e[2][i + 1] end
+      end
     end
   end
 end
-if n > 0 then
-  local back = redis.call('XPENDING', KEYS[1], 'g', '-', '+', n, 'returned')
-  if #back > 0 then
-    local args = { 'XCLAIM', KEYS[1], 'g', me, 0 }
-    for _, p in ipairs(back) do args[#args + 1] = p[1] end
-    add(redis.call(unpack(args)))
+-- Takes the entries `ids` names, idle at least `idle` ms, one at a time while there is room.
+local function claim(ids, idle)
+  for _, p in ipairs(ids) do
+    if not more() then return end
+    add(redis.call('XCLAIM', KEYS[1], 'g', me, idle, p[1]))
   end
+end
+if more() then
+  claim(redis.call('XPENDING', KEYS[1], 'g', '-', '+', n, 'returned'), 0)
 end
 if ARGV[4] == '1' then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
@@ -147,13 +167,14 @@ if ARGV[4] == '1' then
       redis.call('XGROUP', 'DELCONSUMER', KEYS[1], 'g', name)
     end
   end
-  if n > 0 then
-    add(redis.call('XAUTOCLAIM', KEYS[1], 'g', me, lease, '0-0', 'COUNT', n)[2])
+  if more() then
+    claim(redis.call('XPENDING', KEYS[1], 'g', 'IDLE', lease, '-', '+', n), lease)
   end
 end
-if n > 0 then
-  local r = redis.call('XREADGROUP', 'GROUP', 'g', me, 'COUNT', n, 'STREAMS', KEYS[1], '>')
-  if r and r[1] then add(r[1][2]) end
+while more() do
+  local r = redis.call('XREADGROUP', 'GROUP', 'g', me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+  if not (r and r[1] and r[1][2][1]) then break end
+  add(r[1][2])
 end
 return out
 "#;

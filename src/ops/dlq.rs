@@ -3,11 +3,11 @@
 //! Reading never loses a message or its place: the dead-letter queue is browsed (a consumer
 //! that holds what it reads without acknowledging it; closing it hands the rest back in their
 //! order), or, on the embedded broker, its file is read without writing (`list`, `show` and
-//! `status` take nothing there). A message leaves the dead-letter queue only once its redriven copy is confirmed, so
-//! a crash mid-redrive loses nothing: at worst a message is both redriven and still there, and
-//! its idempotency key absorbs the second run (on Redis, not even that: the copy and the
-//! removal are one step). A redriven copy is a new first attempt; its key
-//! was released when it was dead-lettered, so it runs.
+//! `status` take nothing there). A message leaves the dead-letter queue only once its redriven
+//! copy is confirmed, so a crash mid-redrive loses nothing: at worst a message is both
+//! redriven and still there, and its idempotency key absorbs the second run (on Redis, not
+//! even that: the copy and the removal are one step). A redriven copy is a new first attempt;
+//! its key was released when it was dead-lettered, so it runs.
 //!
 //! Generic over the broker; printing is the CLI's.
 
@@ -423,12 +423,12 @@ pub async fn apply<B: Operate>(
     let mut tally = Tally { queued: browse.remaining, ..Tally::default() };
     progress(&tally);
     let now = now();
-    // Copies awaiting their confirms, each its own task; each yields its delivery once confirmed,
-    // and whether the broker removed it with its copy.
-    // Tasks, not futures this loop polls: while it awaits an ack or the next message, a copy
-    // left unpolled could hold a place in the broker's queue of requests that the ack or the
-    // read waits behind, for ever (the Redis connection hands its free slots to the requests
-    // waiting, in turn: copies that this loop would poll only after the ack).
+    // Copies awaiting their confirms, each its own task, which yields its delivery once
+    // confirmed and whether the broker removed it with its copy. Tasks, not futures this loop
+    // polls: while the loop awaits an ack or the next message, a copy left unpolled could hold
+    // a place in the broker's queue of requests that the ack or the read waits behind, for
+    // ever (the Redis connection hands a freed slot to the next request waiting: a copy that
+    // this loop would poll only after the ack).
     let mut pending = JoinSet::new();
     // Confirmed, to be acked (unless removed already) in batches.
     let mut confirmed = Vec::new();

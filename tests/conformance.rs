@@ -461,8 +461,13 @@ async fn dead_letter_and_redrive_keep_the_message_and_edit_headers<S: Subject>(s
         assert_eq!(copy.header(name).as_ref(), Some(value), "{name} on the dead-lettered copy");
     }
     assert_eq!(copy.header(envelope::ATTEMPT_HEADER), Some(HeaderValue::Int(3)), "the original's headers stay");
-    broker.copy("q", &copy, &sluice::ops::dlq::redrive_edits()).await.expect("redrive");
-    dead_consumer.ack(&[copy]).await.expect("ack the dead letter");
+    // As `sluice dlq redrive` does: the original removed with its copy where the broker can,
+    // else acked once the copy is confirmed.
+    let edits = sluice::ops::dlq::redrive_edits();
+    let removed = broker.copy_and_remove("q", &dead_consumer, &copy, &edits).await.expect("redrive");
+    if !removed {
+        dead_consumer.ack(&[copy]).await.expect("ack the dead letter");
+    }
     wait_for_stats(&broker, "q.dlq", QueueStats { ready: 0, consumers: 1 }).await;
     dead_consumer.close().await;
 

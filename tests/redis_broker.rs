@@ -10,9 +10,9 @@ use crate::support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use futures_util::StreamExt as _;
+use futures_util::{FutureExt as _, StreamExt as _};
 use serde_json::json;
-use sluice::broker::{Broker, BrokerError, Consumer as _, Delivery as _, Headers, Operate as _, Outgoing};
+use sluice::broker::{Broker, BrokerError, Consumer as _, Delivery as _, HeaderValue, Headers, Operate as _, Outgoing};
 use support::*;
 
 /// An outgoing message whose body is `text`.
@@ -132,6 +132,41 @@ async fn close_hands_back_in_order() {
     consumer.close().await;
 }
 
+/// A redrive's move writes the copy and removes the original in one script: the original is
+/// gone at once, with no ack (nothing for a lost session to hand back), and the same move sent
+/// again, as after a timeout, writes no second copy. A full target refuses and removes nothing.
+#[tokio::test]
+async fn a_move_copies_and_removes_in_one_step_and_only_once() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for i in 0..3 {
+        let headers = Headers::from([("x-sluice-attempt".to_string(), HeaderValue::Int(5))]);
+        broker.publish("ev", "a.x", Outgoing { headers, ..message(&i.to_string()) }).await.expect("publish");
+    }
+    let (mut deliveries, consumer) = broker.browse("a", 10).await.expect("browse");
+    let read: Vec<_> = take(&mut deliveries, 3).await.into_iter().map(|(_, d)| d.expect("delivery")).collect();
+    let edits = sluice::ops::dlq::redrive_edits();
+    let moved = broker.copy_and_remove("b", &consumer, &read[0], &edits).await.expect("move");
+    assert!(moved, "removed with its copy");
+    assert_eq!((place.depth("a").await, place.depth("b").await), (2, 1), "the original gone without an ack");
+    let again = broker.copy_and_remove("b", &consumer, &read[0], &edits).await;
+    assert!(matches!(again, Err(BrokerError::Lost(_))), "{again:?}");
+    assert_eq!(place.depth("b").await, 1, "no second copy");
+    broker.copy_and_remove("b", &consumer, &read[1], &edits).await.expect("move");
+    let full = broker.copy_and_remove("b", &consumer, &read[2], &edits).await;
+    assert!(matches!(full, Err(BrokerError::Rejected { .. })), "b holds its max_length: {full:?}");
+    consumer.close().await;
+    assert_eq!(broker.stats("a").await.expect("stats").ready, 1, "the refused one handed back");
+    let (mut copies, reader) = broker.browse("b", 10).await.expect("browse b");
+    let copies = take(&mut copies, 2).await;
+    assert_eq!(copies.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "1"]);
+    let attempt = copies[0].1.as_ref().expect("delivery").header("x-sluice-attempt");
+    assert_eq!(attempt, Some(HeaderValue::Int(1)), "the copy carries the edits");
+    reader.close().await;
+}
+
 /// Delayed copies come back exactly after their own delay: a long one published first does
 /// not hold back a short one; `delayed` counts them until due.
 #[tokio::test]
@@ -191,14 +226,15 @@ async fn a_dead_consumers_entries_come_back_after_the_lease() {
     consumer.close().await;
 }
 
+/// One queue `o`, single-active-consumer (`ordered`).
+const ORDERED: &str = "version: 1\nexchanges: {ev: {type: topic}}\nqueues:\n  o:\n    ordered: true\n    concurrency: 1\n    handler: {command: {program: /bin/true}}\n    bind: [{exchange: ev, routing_key: \"#\"}]\n";
+
 /// A single-active-consumer queue delivers to one consumer at a time; the next one takes over
-/// once the first closes, in order.
+/// at once when the first closes, in order (well within the 30 s lease).
 #[tokio::test]
 async fn a_single_active_consumer_queue_delivers_to_one() {
     let place = RedisPrefix::new();
-    let dir = pipeline(
-        "version: 1\nexchanges: {ev: {type: topic}}\nqueues:\n  o:\n    ordered: true\n    concurrency: 1\n    handler: {command: {program: /bin/true}}\n    bind: [{exchange: ev, routing_key: \"#\"}]\n",
-    );
+    let dir = pipeline(ORDERED);
     let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     for i in 0..3 {
@@ -216,6 +252,108 @@ async fn a_single_active_consumer_queue_delivers_to_one() {
     let taken_over = take(&mut second, 1).await;
     assert_eq!(taken_over[0].0, "3", "handed back to the next consumer");
     two.close().await;
+}
+
+/// On a single-active-consumer queue, a live active consumer keeps its place however short the
+/// lease (its claims renew it at least every third of the lease: they came every second, and
+/// a lease under that ran out under it); killed (every handle gone without a close), its lease
+/// runs out and the next consumer takes over with the entries it held, in order.
+#[tokio::test]
+async fn a_killed_active_consumers_place_passes_on_after_its_lease() {
+    let place = RedisPrefix::with("&lease=500ms");
+    let dir = pipeline(ORDERED);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for i in 0..3 {
+        broker.publish("ev", "x", message(&i.to_string())).await.expect("publish");
+    }
+    let killed = place.connect().await;
+    let (mut first, one) = killed.consume("o", 10).await.expect("first consumer");
+    let held = take(&mut first, 3).await;
+    let (mut second, two) = place.connect().await.consume("o", 10).await.expect("second consumer");
+    // A retry copy due after four leases goes to the active consumer, still active.
+    let original = held[0].1.as_ref().expect("delivery");
+    killed.publish_delayed("o", Duration::from_secs(2), original, Headers::new()).await.expect("retry copy");
+    assert_eq!(take(&mut first, 1).await[0].0, "0", "the copy, to the active consumer");
+    assert!(second.next().now_or_never().is_none(), "nothing for the other while the active one lives");
+    drop((first, one, held, killed));
+    let taken_over = take(&mut second, 4).await;
+    let texts: Vec<&str> = taken_over.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(texts, ["0", "1", "2", "0"], "what the killed one held, in order");
+    two.close().await;
+}
+
+/// A retry copy that comes due while its queue holds its `max_length` goes in all the same, as
+/// on RabbitMQ (see the claim script): the queue admitted the message once, and nothing is lost.
+/// Publishers are refused meanwhile.
+#[tokio::test]
+async fn a_retry_coming_due_enters_its_queue_at_max_length() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    broker.publish("ev", "all", message("1")).await.expect("publish");
+    let (mut deliveries, consumer) = broker.consume("b", 1).await.expect("consume");
+    let first = take(&mut deliveries, 1).await.remove(0).1.expect("delivery");
+    for text in ["2", "3"] {
+        broker.publish("ev", "all", message(text)).await.expect("publish");
+    }
+    let refused = broker.publish("ev", "all", message("4")).await;
+    assert!(matches!(refused, Err(BrokerError::Rejected { .. })), "b holds its max_length: {refused:?}");
+    broker.publish_delayed("b", Duration::from_millis(200), &first, Headers::new()).await.expect("retry copy");
+    // The consumer, its prefetch held by `first`, takes nothing but moves the copy in when due.
+    wait_until(Duration::from_secs(10), "the copy in b", || async {
+        broker.stats("b").await.expect("stats").ready == 3
+    })
+    .await;
+    consumer.ack(&[first]).await.expect("ack");
+    consumer.close().await;
+    let (mut deliveries, consumer) = broker.consume("b", 10).await.expect("consume again");
+    let texts: Vec<String> = take(&mut deliveries, 3).await.into_iter().map(|(t, _)| t).collect();
+    assert_eq!(texts, ["2", "3", "1"]);
+    consumer.close().await;
+}
+
+/// A claim takes a few MiB of bodies at most, and a consumer whose stream holds that much unread
+/// claims no more: a browse of large messages keeps a few in memory, not a claim's worth (a
+/// claim took up to 1,024 entries whatever their size).
+#[tokio::test]
+async fn large_messages_are_claimed_a_few_at_a_time() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let size = 3 << 20;
+    for i in 0..8 {
+        broker.publish("", "a", message(&format!("{i}{}", " ".repeat(size)))).await.expect("publish");
+    }
+    let claimed = || async { 8 - broker.stats("a").await.expect("stats").ready };
+    // When the consumer's registration runs out: each claim renews it.
+    let registration = || -> f64 {
+        let scores: Vec<(String, f64)> = redis::cmd("ZRANGE")
+            .arg(format!("{}c:a", place.prefix))
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query(&mut place.raw())
+            .expect("ZRANGE");
+        scores.first().map_or(0.0, |(_, score)| *score)
+    };
+    let (mut deliveries, consumer) = broker.browse("a", 100).await.expect("browse");
+    // The first claim stops once past 4 MiB: two, 6 MiB, all unread.
+    wait_until(Duration::from_secs(10), "a claim", || async { claimed().await > 0 }).await;
+    let before = registration();
+    wait_until(Duration::from_secs(10), "a later claim", || async { registration() > before }).await;
+    assert_eq!(claimed().await, 2, "no more claimed while the stream holds 6 MiB unread");
+    let mut got = Vec::new();
+    for _ in 0..8 {
+        let (_, d) = take(&mut deliveries, 1).await.remove(0);
+        let read = u32::try_from(got.len()).expect("small") + 1;
+        assert!(claimed().await <= read + 3, "a few ahead of the reader");
+        got.push(d.expect("delivery").body()[0]);
+    }
+    assert_eq!(got, b"01234567", "all, in order");
+    consumer.close().await;
 }
 
 /// `sluice plan --broker redis://…` shows the plan in the Redis broker's terms (each queue's

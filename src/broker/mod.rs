@@ -484,6 +484,21 @@ pub trait Operate: Broker {
         edits: &Edits,
     ) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
+    /// [`copy`](Operate::copy), and the original (a delivery of the browsing consumer given)
+    /// removed in the same step where the broker can: a confirmed copy is then never left
+    /// with its original still queued, for a lost session to hand back and a second pass to
+    /// copy again. Answers whether it removed the original; when not (by default: a copy
+    /// only), the caller acks it once the copy is confirmed.
+    fn copy_and_remove(
+        &self,
+        queue: &str,
+        _consumer: &Self::Consumer,
+        original: &Self::Delivery,
+        edits: &Edits,
+    ) -> impl Future<Output = Result<bool, BrokerError>> + Send {
+        async move { self.copy(queue, original, edits).await.map(|()| false) }
+    }
+
     /// How what exists on the broker differs from `plan`, changing nothing.
     fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
 }

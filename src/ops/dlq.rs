@@ -3,10 +3,11 @@
 //! Reading never loses a message or its place: the dead-letter queue is browsed (a consumer
 //! that holds what it reads without acknowledging it; closing it hands the rest back in their
 //! order), or, on the embedded broker, its file is read without writing (`list`, `show` and
-//! `status` take nothing there). A message leaves the dead-letter queue only once its redriven copy is confirmed, so
-//! a crash mid-redrive loses nothing: at worst a message is both redriven and still there, and
-//! its idempotency key absorbs the second run. A redriven copy is a new first attempt; its key
-//! was released when it was dead-lettered, so it runs.
+//! `status` take nothing there). A message leaves the dead-letter queue only once its redriven
+//! copy is confirmed, so a crash mid-redrive loses nothing: at worst a message is both
+//! redriven and still there, and its idempotency key absorbs the second run (on Redis, not
+//! even that: the copy and the removal are one step). A redriven copy is a new first attempt;
+//! its key was released when it was dead-lettered, so it runs.
 //!
 //! Generic over the broker; printing is the CLI's.
 
@@ -14,11 +15,11 @@ use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures_util::FutureExt as _;
-use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use futures_util::StreamExt as _;
 use governor::{DefaultDirectRateLimiter, Quota};
 use serde::Serialize;
 use serde_json::Value;
+use tokio::task::{JoinError, JoinSet};
 
 use crate::broker::{BrokerError, Consumer, Delivery, Edits, HeaderValue, Operate, embedded};
 use crate::envelope::{self, Envelope};
@@ -247,10 +248,15 @@ impl<B: Operate> Browse<B> {
         Ok(None)
     }
 
-    /// Acks deliveries read by this browse: they leave the queue.
-    async fn ack(&mut self, read: &[B::Delivery]) -> Result<(), BrokerError> {
-        self.consumer.ack(read).await?;
-        self.held = self.held.saturating_sub(u32::try_from(read.len()).unwrap_or(u32::MAX));
+    /// Lets go of `removed` deliveries the broker removed with their copies, and acks `read`
+    /// ones: they leave the queue.
+    async fn settle(&mut self, read: &[B::Delivery], removed: usize) -> Result<(), BrokerError> {
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.held = self.held.saturating_sub(count(removed));
+        if !read.is_empty() {
+            self.consumer.ack(read).await?;
+            self.held = self.held.saturating_sub(count(read.len()));
+        }
         Ok(())
     }
 
@@ -420,21 +426,26 @@ pub async fn apply<B: Operate>(
     let mut tally = Tally { queued: browse.remaining, ..Tally::default() };
     progress(&tally);
     let now = now();
-    // Copies awaiting their confirms, concurrently; each yields its delivery once confirmed.
-    let mut pending = FuturesUnordered::new();
-    // Confirmed, to be acked in batches.
+    // Copies awaiting their confirms, each its own task, which yields its delivery once
+    // confirmed and whether the broker removed it with its copy. Tasks, not futures this loop
+    // polls: while the loop awaits an ack or the next message, a copy left unpolled could hold
+    // a place in the broker's queue of requests that the ack or the read waits behind, for
+    // ever (the Redis connection hands a freed slot to the next request waiting: a copy that
+    // this loop would poll only after the ack).
+    let mut pending = JoinSet::new();
+    // Confirmed, to be acked (unless removed already) in batches.
     let mut confirmed = Vec::new();
     // Body bytes of the messages in `pending` and `confirmed`.
     let mut held_bytes = 0;
     let result = async {
         loop {
             while pending.len() >= IN_FLIGHT || (held_bytes >= HELD_BYTES && !pending.is_empty()) {
-                if let Some(copied) = pending.next().await {
-                    confirmed.push(copied?);
+                if let Some(copied) = pending.join_next().await {
+                    confirmed.push(joined(copied)?);
                 }
             }
-            while let Some(Some(copied)) = pending.next().now_or_never() {
-                confirmed.push(copied?);
+            while let Some(copied) = pending.try_join_next() {
+                confirmed.push(joined(copied)?);
             }
             if confirmed.len() >= ACK_BATCH || held_bytes >= HELD_BYTES {
                 held_bytes -= take(&mut browse, &mut confirmed, &mut tally, progress).await?;
@@ -455,15 +466,17 @@ pub async fn apply<B: Operate>(
                 limiter.until_ready().await;
             }
             held_bytes += delivery.body().len();
-            pending.push(async move {
-                if action == Action::Redrive {
-                    broker.copy(queue, &delivery, &redrive_edits()).await?;
-                }
-                Ok::<_, BrokerError>(delivery)
+            let (broker, queue, consumer) = (broker.clone(), queue.to_string(), browse.consumer.clone());
+            pending.spawn(async move {
+                let removed = match action {
+                    Action::Redrive => broker.copy_and_remove(&queue, &consumer, &delivery, &redrive_edits()).await?,
+                    Action::Purge => false,
+                };
+                Ok::<_, BrokerError>((delivery, removed))
             });
         }
-        while let Some(copied) = pending.next().await {
-            confirmed.push(copied?);
+        while let Some(copied) = pending.join_next().await {
+            confirmed.push(joined(copied)?);
         }
         Ok(())
     }
@@ -474,6 +487,12 @@ pub async fn apply<B: Operate>(
     let taken = take(&mut browse, &mut confirmed, &mut tally, progress).await;
     (tally.unread, tally.unread_because) = browse.close().await;
     result.and(taken.map(drop)).map(|()| tally)
+}
+
+/// A copy task's outcome; its panic goes on here (the tasks are aborted only when the set
+/// is dropped, never while joined).
+fn joined<T>(outcome: Result<T, JoinError>) -> T {
+    outcome.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
 }
 
 /// How a redriven copy differs from its dead-lettered original: as if new, without sluice's
@@ -522,11 +541,11 @@ pub async fn handed_back<B: Operate>(
 /// Acks of confirmed copies sent at once.
 const ACK_BATCH: usize = 64;
 
-/// Acks `confirmed` (removing those messages from the dead-letter queue) and counts them; the
-/// body bytes let go.
+/// Acks the `confirmed` messages the broker did not remove with their copies (removing them
+/// from the dead-letter queue) and counts them all; the body bytes let go.
 async fn take<B: Operate>(
     browse: &mut Browse<B>,
-    confirmed: &mut Vec<B::Delivery>,
+    confirmed: &mut Vec<(B::Delivery, bool)>,
     tally: &mut Tally,
     progress: &(dyn Fn(&Tally) + Sync),
 ) -> Result<usize, BrokerError> {
@@ -534,10 +553,17 @@ async fn take<B: Operate>(
         return Ok(0);
     }
     let batch = std::mem::take(confirmed);
-    browse.ack(&batch).await?;
-    tally.done += batch.len();
+    let bytes = batch.iter().map(|(d, _)| d.body().len()).sum();
+    let (removed, read): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, removed)| *removed);
+    let read: Vec<B::Delivery> = read.into_iter().map(|(d, _)| d).collect();
+    // The removed ones are done whatever becomes of the ack.
+    tally.done += removed.len();
+    let acked = browse.settle(&read, removed.len()).await;
+    if acked.is_ok() {
+        tally.done += read.len();
+    }
     progress(tally);
-    Ok(batch.iter().map(|d| d.body().len()).sum())
+    acked.map(|()| bytes)
 }
 
 #[cfg(test)]

@@ -7,18 +7,23 @@
 //!   (a queue at its `max_length` refuses: reject-publish, a nack). A script checks that the
 //!   topology is the one routed on (a version bumped by every declare and unbind).
 //! - A queue is a stream with one consumer group; a message is one entry whose fields hold the
-//!   body and properties. Consumers read new entries with `XREADGROUP` up to their prefetch;
-//!   an ack removes the entry (`XACK` + `XDEL`, only while it is still this consumer's).
+//!   body and properties. Consumers read new entries with `XREADGROUP` up to their prefetch
+//!   and [`CLAIM_BYTES`] of bodies unread; an ack removes the entry (`XACK` + `XDEL`, only
+//!   while it is still this consumer's). A redrive moves an entry: its copy written and the
+//!   original removed in one script.
 //! - Leases are the pending list's idle time: a live consumer renews its entries every third of
-//!   the lease; a killed one's are taken back with `XAUTOCLAIM` by the next live consumer once
-//!   idle past the lease (default 30 s, `?lease=` in the URL). Closing a consumer hands its
+//!   the lease; a killed one's are taken back (`XCLAIM`) by the next live consumer once idle
+//!   past the lease (default 30 s, `?lease=` in the URL). Closing a consumer hands its
 //!   unsettled entries back at once, to be delivered first, in stream order.
 //! - A delayed copy waits in a sorted set scored by its due time; consumers move what came
-//!   due into the stream, and wait no longer than the earliest due time: delays are exact, with
-//!   no head-of-line blocking. Writes wake consumers through a pub/sub channel; a consumer
-//!   also looks every [`POLL`] in case a wake-up was lost with a connection.
+//!   due into the stream (whatever its `max_length`, as RabbitMQ does: see the claim script),
+//!   and wait no longer than the earliest due time: delays are exact, with no head-of-line
+//!   blocking. Writes wake consumers through a pub/sub channel; a consumer also looks every
+//!   [`POLL`] in case a wake-up was lost with a connection.
 //! - A single-active-consumer queue delivers only to the holder of a lease key (`SET NX PX`,
-//!   renewed with the pending entries).
+//!   renewed by each of its claims, at least every third of the lease). Its close hands the
+//!   key over at once; a killed holder's runs out with the lease, and the next consumer takes
+//!   it and the entries left.
 //!
 //! Durability is the server's: Redis answers before it writes to disk unless it runs with
 //! `appendonly yes` and `appendfsync always` (see [`Persistence`]); replicas are asynchronous.
@@ -30,7 +35,7 @@ mod scripts;
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -65,6 +70,12 @@ pub const POLL: Duration = Duration::from_secs(1);
 /// The most entries one claim takes (a browse's window may be larger): each claim is a script
 /// that holds the server while it runs.
 const CLAIM_MAX: usize = 1024;
+
+/// The most body bytes one claim takes (it goes past by one body at most: a larger one comes
+/// alone), and how much a consumer's stream may hold unread before it claims more, as on the
+/// embedded broker: a browse of large messages, or a consumer without a prefetch limit, holds
+/// a few of them in memory, not a claim's worth.
+const CLAIM_BYTES: u64 = 4 << 20;
 
 /// How long a consumer counts as live after its last claim (it claims at least every [`POLL`]).
 const REGISTRATION: Duration = Duration::from_secs(3);
@@ -169,6 +180,13 @@ struct Topology {
     /// Each queue's maximum length and single-active flag.
     queues: HashMap<String, QueueRule>,
     bindings: Vec<BindingDecl>,
+}
+
+impl Topology {
+    /// `queue`'s maximum length as the scripts take it (empty: none).
+    fn max_length(&self, queue: &str) -> String {
+        self.queues.get(queue).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default()
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -348,9 +366,7 @@ impl Redis {
         let mut invocation = self.inner.scripts.publish.prepare_invoke();
         invocation.key(self.key("v")).arg(version);
         for q in targets {
-            invocation.key(self.stream(q));
-            let max = t.queues.get(q).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default();
-            invocation.arg(max);
+            invocation.key(self.stream(q)).arg(t.max_length(q));
         }
         invocation.arg(self.wake_channel());
         for (name, value) in message.fields() {
@@ -390,6 +406,41 @@ impl Redis {
         answer_of(&answer, &targets, "")?.done(queue)
     }
 
+    /// Writes `message` into `queue` and removes entry `id` of consumer `s` in one script,
+    /// while the entry is still the consumer's.
+    async fn move_copy(&self, queue: &str, s: &ConsumerState, id: &str, message: &Message) -> Result<(), BrokerError> {
+        let targets = [queue.to_string()];
+        let mut stale = false;
+        loop {
+            let t = self.topology(stale).await?;
+            let mut invocation = self.inner.scripts.move_entry.prepare_invoke();
+            invocation
+                .key(self.stream(&s.queue))
+                .key(self.stream(queue))
+                .arg(&s.name)
+                .arg(id)
+                .arg(t.max_length(queue))
+                .arg(self.wake_channel());
+            for (name, value) in message.fields() {
+                invocation.arg(name).arg(value);
+            }
+            let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+            if answer == "GONE" {
+                return Err(BrokerError::Lost(
+                    format!(
+                        "a message of \"{}\" is no longer this consumer's (its lease ran out, or the consumer closed)",
+                        s.queue
+                    )
+                    .into(),
+                ));
+            }
+            match answer_of(&answer, &targets, "")? {
+                Written::Missing(_) if !stale => stale = true,
+                written => return written.done(queue),
+            }
+        }
+    }
+
     /// The notifier of `queue`'s consumers in this session, listening on the wake channel
     /// from the first.
     fn waker(&self, queue: &str) -> Arc<Notify> {
@@ -410,6 +461,7 @@ impl Redis {
             prefetch: if prefetch == 0 { usize::from(u16::MAX) } else { usize::from(prefetch) },
             single_active: rule.single_active,
             unsettled: Mutex::new(std::collections::BTreeSet::new()),
+            unread: Arc::new(AtomicU64::new(0)),
             room: Arc::new(Notify::new()),
             cancelled: CancellationToken::new(),
             closed: CancellationToken::new(),
@@ -431,7 +483,8 @@ impl Redis {
         let (sender, receiver) = channel::unbounded_channel();
         let wake = self.waker(queue);
         tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender, wake));
-        Ok((RedisDeliveries(receiver), RedisConsumer { broker: self.clone(), state }))
+        let deliveries = RedisDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
+        Ok((deliveries, RedisConsumer { broker: self.clone(), state }))
     }
 
     /// What `queue`'s stream holds: ready, live consumers, leased, delayed.
@@ -647,14 +700,30 @@ struct ConsumerState {
     single_active: bool,
     /// Entry ids delivered and not yet acked; changed under this lock together with `live`.
     unsettled: Mutex<std::collections::BTreeSet<String>>,
-    /// Poked by an ack: there may be room for more.
+    /// Body bytes sent to the stream and not yet read from it.
+    unread: Arc<AtomicU64>,
+    /// Poked by an ack, and by a read of the stream that brings `unread` under
+    /// [`CLAIM_BYTES`]: there may be room for more.
     room: Arc<Notify>,
     cancelled: CancellationToken,
     closed: CancellationToken,
     live: Arc<AtomicBool>,
 }
 
-/// A consumer's task: claims what fits its prefetch when woken (a write to its stream, an ack)
+impl ConsumerState {
+    /// Forgets deliveries settled (acked, or moved with their copy): there may be room for more.
+    fn settled<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let mut unsettled = lock(&self.unsettled);
+        for id in ids {
+            unsettled.remove(id);
+        }
+        drop(unsettled);
+        self.room.notify_one();
+    }
+}
+
+/// A consumer's task: claims what fits its prefetch, while its stream holds less than
+/// [`CLAIM_BYTES`] unread, when woken (a write to its stream, an ack, a read that makes room)
 /// or at the latest after [`POLL`] or when the earliest delayed copy comes due; renews its
 /// leases every third of the lease. Ends when the consumer closes, when it is cancelled with
 /// nothing left unsettled, or when every handle to it is gone without a close (its leases then
@@ -678,7 +747,11 @@ async fn consume(
         tokio::pin!(woken);
         woken.as_mut().enable();
         let delivering = sender.is_some() && !s.cancelled.is_cancelled();
-        let room = if delivering { s.prefetch.saturating_sub(lock(&s.unsettled).len()).min(CLAIM_MAX) } else { 0 };
+        let room = if delivering && s.unread.load(Ordering::SeqCst) < CLAIM_BYTES {
+            s.prefetch.saturating_sub(lock(&s.unsettled).len()).min(CLAIM_MAX)
+        } else {
+            0
+        };
         let renew = last_renew.elapsed() >= lease / 3;
         let reclaim = delivering && last_reclaim.is_none_or(|at| at.elapsed() >= POLL);
         let claimed: Result<Vec<Value>, _> = broker
@@ -697,9 +770,11 @@ async fn consume(
             .arg(u8::from(renew))
             .arg(u8::from(s.single_active))
             .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
+            .arg(CLAIM_BYTES)
             .invoke_async(&mut broker.conn())
             .await;
-        let mut wait = POLL;
+        // A short lease (`?lease=`) is renewed in time too.
+        let mut wait = POLL.min(lease / 3);
         let mut full = false;
         match claimed {
             Ok(answer) => {
@@ -793,8 +868,11 @@ async fn deliver(
     }
     for (id, message) in entries {
         unsettled.insert(id.clone());
+        let bytes = message.body.len() as u64;
         let delivery = RedisDelivery { id, body: message.body.clone(), message, live: s.live.clone() };
-        let _ = out.send(Ok(delivery));
+        if out.send(Ok(delivery)).is_ok() {
+            s.unread.fetch_add(bytes, Ordering::SeqCst);
+        }
     }
 }
 
@@ -833,6 +911,13 @@ impl RedisDelivery {
         message.headers.extend(headers);
         message
     }
+
+    /// A copy of this message with its headers edited.
+    fn edited(&self, edits: &Edits) -> Message {
+        let mut message = self.message.clone();
+        edits.apply(&mut message.headers);
+        message
+    }
 }
 
 impl Delivery for RedisDelivery {
@@ -866,13 +951,28 @@ impl Delivery for RedisDelivery {
 }
 
 /// The deliveries of one consumer.
-pub struct RedisDeliveries(channel::UnboundedReceiver<Result<RedisDelivery, BrokerError>>);
+pub struct RedisDeliveries {
+    receiver: channel::UnboundedReceiver<Result<RedisDelivery, BrokerError>>,
+    /// Its consumer's count of body bytes sent and not yet read, and what to poke when a read
+    /// brings it under [`CLAIM_BYTES`].
+    unread: Arc<AtomicU64>,
+    room: Arc<Notify>,
+}
 
 impl Stream for RedisDeliveries {
     type Item = Result<RedisDelivery, BrokerError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx)
+        let item = self.receiver.poll_recv(cx);
+        if let Poll::Ready(Some(Ok(delivery))) = &item {
+            let read = delivery.body.len() as u64;
+            let before = self.unread.fetch_sub(read, Ordering::SeqCst);
+            // Only a read that makes room again wakes the consumer (it waits on no other).
+            if before >= CLAIM_BYTES && before - read < CLAIM_BYTES {
+                self.room.notify_one();
+            }
+        }
+        item
     }
 }
 
@@ -902,12 +1002,7 @@ impl Consumer for RedisConsumer {
             invocation.arg(&d.id);
         }
         let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
-        let mut unsettled = lock(&s.unsettled);
-        for d in settled {
-            unsettled.remove(&d.id);
-        }
-        drop(unsettled);
-        s.room.notify_one();
+        s.settled(settled.iter().map(|d| d.id.as_str()));
         Ok(())
     }
 
@@ -1109,9 +1204,26 @@ impl Operate for Redis {
     }
 
     async fn copy(&self, queue: &str, original: &RedisDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let mut message = original.message.clone();
-        edits.apply(&mut message.headers);
-        self.send_copy(queue, Duration::ZERO, &message).await
+        self.send_copy(queue, Duration::ZERO, &original.edited(edits)).await
+    }
+
+    /// One script writes the copy and removes the original: a move whose answer was lost (a
+    /// timeout, a lost connection) happened whole or not at all, so a pass after a lost
+    /// session finds the message moved, or still there to move once.
+    async fn copy_and_remove(
+        &self,
+        queue: &str,
+        consumer: &RedisConsumer,
+        original: &RedisDelivery,
+        edits: &Edits,
+    ) -> Result<bool, BrokerError> {
+        let s = &consumer.state;
+        if !s.live.load(Ordering::SeqCst) {
+            return Err(BrokerError::Lost("consumer closed".into()));
+        }
+        self.move_copy(queue, s, &original.id, &original.edited(edits)).await?;
+        s.settled([original.id.as_str()]);
+        Ok(true)
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

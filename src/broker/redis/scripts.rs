@@ -10,8 +10,9 @@
 
 use redis::Script;
 
-/// Functions the scripts share: the time in ms, and a stream's ready entries (not pending,
-/// or handed back).
+/// Functions the scripts share: the time in ms, a stream's ready entries (not pending, or
+/// handed back), and why a stream (the i-th written) takes no new entry: it does not exist, or
+/// it holds its maximum length `max` (nil: none) of ready entries.
 const PRELUDE: &str = r#"
 local function now_ms()
   local t = redis.call('TIME')
@@ -27,6 +28,11 @@ local function ready(s)
   end
   return n
 end
+local function refused(s, max, i)
+  if redis.call('EXISTS', s) == 0 then return 'MISSING:' .. i end
+  if max and ready(s) >= max then return 'FULL:' .. i end
+  return nil
+end
 "#;
 
 /// Writes one copy of a message into every stream in `KEYS[2..]`, or none: each stream must
@@ -38,14 +44,31 @@ const PUBLISH: &str = r#"
 if ARGV[1] ~= '*' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'STALE' end
 local n = #KEYS - 1
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[1 + i]) == 0 then return 'MISSING:' .. i end
-  local max = tonumber(ARGV[1 + i])
-  if max and ready(KEYS[1 + i]) >= max then return 'FULL:' .. i end
+  local no = refused(KEYS[1 + i], tonumber(ARGV[1 + i]), i)
+  if no then return no end
 end
 for i = 1, n do
   redis.call('XADD', KEYS[1 + i], '*', unpack(ARGV, n + 3))
   redis.call('PUBLISH', ARGV[n + 2], KEYS[1 + i])
 end
+return 'OK'
+"#;
+
+/// Moves entry `ARGV[2]` of stream `KEYS[1]`, while it is pending for consumer `ARGV[1]`, into
+/// stream `KEYS[2]` as a new entry of fields `ARGV[5..]`: the copy written and the original
+/// acked and deleted, or neither, so that a move whose answer was lost is never made twice.
+/// `KEYS[2]` must exist and hold fewer ready entries than `ARGV[3]` (empty: no maximum); wakes
+/// its consumers on channel `ARGV[4]`. Answers `OK`, `GONE` (the entry is no longer this
+/// consumer's: moved already, handed back, or taken over after its lease ran out),
+/// `MISSING:1` or `FULL:1`.
+const MOVE: &str = r#"
+if #redis.call('XPENDING', KEYS[1], 'g', ARGV[2], ARGV[2], 1, ARGV[1]) == 0 then return 'GONE' end
+local no = refused(KEYS[2], tonumber(ARGV[3]), 1)
+if no then return no end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
+redis.call('XACK', KEYS[1], 'g', ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('PUBLISH', ARGV[4], KEYS[2])
 return 'OK'
 "#;
 
@@ -67,8 +90,20 @@ return 'OK'
 /// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; takes what
 /// consumers handed back (consumer `returned`), first and in stream order; with `ARGV[4]` = 1
 /// takes back entries idle past the lease `ARGV[3]` ms (a dead consumer's) and forgets dead
-/// consumers with nothing pending; then reads new entries, up to `ARGV[2]` in all. Consumer `ARGV[1]`, registered for `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
+/// consumers with nothing pending; then reads new entries. It takes up to `ARGV[2]` entries in
+/// all, one at a time while their bodies come to less than `ARGV[9]` bytes: a claim goes past
+/// that by one body at most (a larger one comes alone). Consumer `ARGV[1]`, registered for
+/// `ARGV[8]` ms (a few of its polls). Answers `{ms until the next due copy or -1, entries...}`,
 /// each entry its id then its fields.
+///
+/// A copy come due goes into its stream whatever the queue's `max_length`, as on RabbitMQ: there
+/// a retry copy leaves the last delay queue by at-least-once dead-lettering, and a quorum queue
+/// (sluice's default) takes what is dead-lettered into it when full (its reject-publish blocks
+/// publishing channels; the dead-letter worker ignores the block: rabbitmq-server#8495). The
+/// queue admitted the message once, and the copy is that message back from its pause: the queue
+/// holds at most its limit and the retries of what its consumers held. Held back instead, a
+/// copy could wait for ever behind publishers that keep the queue full; refused, it would be
+/// lost.
 const CLAIM: &str = r#"
 local me, lease = ARGV[1], tonumber(ARGV[3])
 local now = now_ms()
@@ -98,23 +133,31 @@ if ARGV[7] == '1' then
   if holder and holder ~= me then return out end
   redis.call('SET', KEYS[3], me, 'PX', lease)
 end
-local n = tonumber(ARGV[2])
+local n, bytes = tonumber(ARGV[2]), tonumber(ARGV[9])
+local function more()
+  return n > 0 and bytes > 0
+end
 local function add(entries)
   for _, e in ipairs(entries) do
     if e[2] then
       out[#out + 1] = e[1]
       out[#out + 1] = e[2]
       n = n - 1
+      for i = 1, #e[2], 2 do
+        if e[2][i] == 'b' then bytes = bytes - #e[2][i + 1] end
+      end
     end
   end
 end
-if n > 0 then
-  local back = redis.call('XPENDING', KEYS[1], 'g', '-', '+', n, 'returned')
-  if #back > 0 then
-    local args = { 'XCLAIM', KEYS[1], 'g', me, 0 }
-    for _, p in ipairs(back) do args[#args + 1] = p[1] end
-    add(redis.call(unpack(args)))
+-- Takes the entries `ids` names, idle at least `idle` ms, one at a time while there is room.
+local function claim(ids, idle)
+  for _, p in ipairs(ids) do
+    if not more() then return end
+    add(redis.call('XCLAIM', KEYS[1], 'g', me, idle, p[1]))
   end
+end
+if more() then
+  claim(redis.call('XPENDING', KEYS[1], 'g', '-', '+', n, 'returned'), 0)
 end
 if ARGV[4] == '1' then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
@@ -124,13 +167,14 @@ if ARGV[4] == '1' then
       redis.call('XGROUP', 'DELCONSUMER', KEYS[1], 'g', name)
     end
   end
-  if n > 0 then
-    add(redis.call('XAUTOCLAIM', KEYS[1], 'g', me, lease, '0-0', 'COUNT', n)[2])
+  if more() then
+    claim(redis.call('XPENDING', KEYS[1], 'g', 'IDLE', lease, '-', '+', n), lease)
   end
 end
-if n > 0 then
-  local r = redis.call('XREADGROUP', 'GROUP', 'g', me, 'COUNT', n, 'STREAMS', KEYS[1], '>')
-  if r and r[1] then add(r[1][2]) end
+while more() do
+  local r = redis.call('XREADGROUP', 'GROUP', 'g', me, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+  if not (r and r[1] and r[1][2][1]) then break end
+  add(r[1][2])
 end
 return out
 "#;
@@ -188,6 +232,7 @@ return { redis.call('XLEN', KEYS[1]) - pending + expired, live, math.max(0, pend
 /// The broker's scripts, loaded once per session (sent by hash, loaded on a miss).
 pub(super) struct Scripts {
     pub publish: Script,
+    pub move_entry: Script,
     pub delay: Script,
     pub claim: Script,
     pub ack: Script,
@@ -200,6 +245,7 @@ impl Scripts {
         let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}{body}"));
         Scripts {
             publish: with_prelude(PUBLISH),
+            move_entry: with_prelude(MOVE),
             delay: with_prelude(DELAY),
             claim: with_prelude(CLAIM),
             ack: Script::new(ACK),

@@ -51,8 +51,8 @@ use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Cause, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
-    QueueStats, Route,
+    BodyLimits, Broker, BrokerError, Cause, Consumer, Drift, Edits, HeaderValue, Headers, Kept, Operate, Outgoing,
+    Properties, QueueStats, Route,
 };
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
@@ -620,32 +620,30 @@ async fn listen(inner: Weak<Inner>, channel: String, stop: CancellationToken) {
 #[derive(Debug, Clone, Default)]
 struct Message {
     body: Bytes,
-    message_id: Option<String>,
     kind: Option<String>,
-    timestamp: Option<u64>,
-    headers: Headers,
-    route: Option<Route>,
+    properties: Properties,
 }
 
 impl Message {
     /// The entry's fields: body `b`, then the properties present.
     fn fields(&self) -> Vec<(&'static str, Vec<u8>)> {
         let mut fields = vec![("b", self.body.to_vec())];
-        if let Some(id) = &self.message_id {
+        let p = &self.properties;
+        if let Some(id) = &p.message_id {
             fields.push(("i", id.clone().into_bytes()));
         }
         if let Some(kind) = &self.kind {
             fields.push(("k", kind.clone().into_bytes()));
         }
-        if let Some(ts) = self.timestamp {
+        if let Some(ts) = p.timestamp {
             fields.push(("t", ts.to_string().into_bytes()));
         }
-        if !self.headers.is_empty() {
+        if !p.headers.is_empty() {
             let headers: serde_json::Map<String, serde_json::Value> =
-                self.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
+                p.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
             fields.push(("h", serde_json::Value::Object(headers).to_string().into_bytes()));
         }
-        if let Some(route) = &self.route {
+        if let Some(route) = &p.route {
             fields.push(("x", route.exchange.clone().into_bytes()));
             fields.push(("r", route.routing_key.clone().into_bytes()));
         }
@@ -661,17 +659,17 @@ impl Message {
             let text = || String::from_utf8_lossy(value).into_owned();
             match name.as_slice() {
                 b"b" => m.body = Bytes::copy_from_slice(value),
-                b"i" => m.message_id = Some(text()),
+                b"i" => m.properties.message_id = Some(text()),
                 b"k" => m.kind = Some(text()),
-                b"t" => m.timestamp = text().parse().ok(),
-                b"h" => m.headers = headers_from(value),
+                b"t" => m.properties.timestamp = text().parse().ok(),
+                b"h" => m.properties.headers = headers_from(value),
                 b"x" => exchange = Some(text()),
                 b"r" => routing_key = Some(text()),
                 _ => {}
             }
         }
         if let (Some(exchange), Some(routing_key)) = (exchange, routing_key) {
-            m.route = Some(Route { exchange, routing_key });
+            m.properties.route = Some(Route { exchange, routing_key });
         }
         m
     }
@@ -869,7 +867,8 @@ async fn deliver(
     for (id, message) in entries {
         unsettled.insert(id.clone());
         let bytes = message.body.len() as u64;
-        let delivery = RedisDelivery { id, body: message.body.clone(), message, live: s.live.clone() };
+        let Message { body, kind, properties } = message;
+        let delivery = Kept::whole(Entry { id, kind }, body, properties, s.live.clone());
         if out.send(Ok(delivery)).is_ok() {
             s.unread.fetch_add(bytes, Ordering::SeqCst);
         }
@@ -896,58 +895,30 @@ async fn hand_back(broker: &Redis, s: &ConsumerState) {
     }
 }
 
-/// A delivery from the Redis broker.
-pub struct RedisDelivery {
+/// What the Redis broker keeps of a delivery to settle and copy it: its entry's id and its
+/// type.
+pub struct Entry {
     id: String,
-    body: Bytes,
-    message: Message,
-    live: Arc<AtomicBool>,
+    kind: Option<String>,
 }
 
-impl RedisDelivery {
-    /// A copy of this message with `headers` merged over its own.
-    fn copy(&self, headers: Headers) -> Message {
-        let mut message = self.message.clone();
-        message.headers.extend(headers);
-        message
-    }
+/// A delivery from the Redis broker.
+pub type RedisDelivery = Kept<Entry>;
 
-    /// A copy of this message with its headers edited.
-    fn edited(&self, edits: &Edits) -> Message {
-        let mut message = self.message.clone();
-        edits.apply(&mut message.headers);
-        message
+/// A copy of a delivered message with `headers` merged over its own.
+fn copy(original: &RedisDelivery, headers: Headers) -> Message {
+    Message {
+        body: original.body.clone(),
+        kind: original.tag.kind.clone(),
+        properties: original.copied_properties(headers),
     }
 }
 
-impl Delivery for RedisDelivery {
-    fn body(&self) -> &Bytes {
-        &self.body
-    }
-
-    fn header(&self, name: &str) -> Option<HeaderValue> {
-        self.message.headers.get(name).cloned()
-    }
-
-    fn timestamp(&self) -> Option<u64> {
-        self.message.timestamp
-    }
-
-    fn message_id(&self) -> Option<&str> {
-        self.message.message_id.as_deref()
-    }
-
-    fn route(&self) -> Option<&Route> {
-        self.message.route.as_ref()
-    }
-
-    fn headers(&self) -> BTreeMap<String, serde_json::Value> {
-        self.message.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
-    }
-
-    fn is_live(&self) -> bool {
-        self.live.load(Ordering::SeqCst)
-    }
+/// A copy of a delivered message with its headers edited.
+fn edited(original: &RedisDelivery, edits: &Edits) -> Message {
+    let mut message = copy(original, Headers::new());
+    edits.apply(&mut message.properties.headers);
+    message
 }
 
 /// The deliveries of one consumer.
@@ -999,10 +970,10 @@ impl Consumer for RedisConsumer {
         let mut invocation = self.broker.inner.scripts.ack.key(self.broker.stream(&s.queue));
         invocation.arg(&s.name);
         for d in settled {
-            invocation.arg(&d.id);
+            invocation.arg(&d.tag.id);
         }
         let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
-        s.settled(settled.iter().map(|d| d.id.as_str()));
+        s.settled(settled.iter().map(|d| d.tag.id.as_str()));
         Ok(())
     }
 
@@ -1099,11 +1070,13 @@ impl Broker for Redis {
         }
         let message = Message {
             body: message.body.into(),
-            message_id: message.message_id,
             kind: message.kind,
-            timestamp: message.timestamp,
-            headers: message.headers,
-            route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            properties: Properties {
+                headers: message.headers,
+                message_id: message.message_id,
+                timestamp: message.timestamp,
+                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            },
         };
         let mut stale = false;
         for _ in 0..5 {
@@ -1113,7 +1086,7 @@ impl Broker for Redis {
                 Err(e) => return Err(e),
             };
             // An exchange or route unknown to a cached topology may have been declared since.
-            let targets = match Redis::route(&t, exchange, routing_key, &message.headers) {
+            let targets = match Redis::route(&t, exchange, routing_key, &message.properties.headers) {
                 Ok(targets) => targets,
                 Err(e) if stale => return Err(e),
                 Err(_) => {
@@ -1136,7 +1109,7 @@ impl Broker for Redis {
         original: &RedisDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        self.send_copy(queue, delay, &original.copy(headers)).await
+        self.send_copy(queue, delay, &copy(original, headers)).await
     }
 
     async fn dead_letter(
@@ -1145,7 +1118,7 @@ impl Broker for Redis {
         original: &RedisDelivery,
         headers: Headers,
     ) -> Result<(), BrokerError> {
-        self.send_copy(dead_letter, Duration::ZERO, &original.copy(headers)).await
+        self.send_copy(dead_letter, Duration::ZERO, &copy(original, headers)).await
     }
 
     async fn consume(&self, queue: &str, prefetch: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
@@ -1204,7 +1177,7 @@ impl Operate for Redis {
     }
 
     async fn copy(&self, queue: &str, original: &RedisDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        self.send_copy(queue, Duration::ZERO, &original.edited(edits)).await
+        self.send_copy(queue, Duration::ZERO, &edited(original, edits)).await
     }
 
     /// One script writes the copy and removes the original: a move whose answer was lost (a
@@ -1221,8 +1194,8 @@ impl Operate for Redis {
         if !s.live.load(Ordering::SeqCst) {
             return Err(BrokerError::Lost("consumer closed".into()));
         }
-        self.move_copy(queue, s, &original.id, &original.edited(edits)).await?;
-        s.settled([original.id.as_str()]);
+        self.move_copy(queue, s, &original.tag.id, &edited(original, edits)).await?;
+        s.settled([original.tag.id.as_str()]);
         Ok(true)
     }
 
@@ -1287,11 +1260,14 @@ mod tests {
     fn message_fields_round_trip() {
         let m = Message {
             body: Bytes::from_static(b"{\"a\":1}\x00\xff"),
-            message_id: Some("m1".into()),
             kind: Some("t".into()),
-            timestamp: Some(42),
-            headers: [("s".to_string(), HeaderValue::Str("v".into())), ("n".to_string(), HeaderValue::Int(-3))].into(),
-            route: Some(Route { exchange: "ev".into(), routing_key: "a.b".into() }),
+            properties: Properties {
+                message_id: Some("m1".into()),
+                timestamp: Some(42),
+                headers: [("s".to_string(), HeaderValue::Str("v".into())), ("n".to_string(), HeaderValue::Int(-3))]
+                    .into(),
+                route: Some(Route { exchange: "ev".into(), routing_key: "a.b".into() }),
+            },
         };
         let values: Vec<Value> = m
             .fields()
@@ -1299,9 +1275,7 @@ mod tests {
             .flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), Value::BulkString(v)])
             .collect();
         let back = Message::from_fields(&values);
-        assert_eq!(back.body, m.body);
-        assert_eq!((back.message_id, back.kind, back.timestamp), (m.message_id, m.kind, m.timestamp));
-        assert_eq!(back.headers, m.headers);
-        assert_eq!(back.route, m.route);
+        assert_eq!((back.body, back.kind), (m.body, m.kind));
+        assert_eq!(back.properties, m.properties);
     }
 }

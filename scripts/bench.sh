@@ -7,7 +7,8 @@
 #
 # Parts: the drain driver (benches/drain/, against the hand-written consumer in
 # benches/baseline_consumer.rs) and `sluice validate` on 1,000 generated pipeline files.
-# Needs RabbitMQ at 127.0.0.1:5672 (guest/guest), rabbitmqctl, jq; hyperfine if installed.
+# Needs RabbitMQ at 127.0.0.1:5672 (guest/guest), rabbitmqctl, jq; hyperfine if installed;
+# for `--queues redis`, Redis at 127.0.0.1:6379 (or `--redis URL`).
 # Results go to target/bench/ (a Markdown summary and raw JSON per run), or under
 # $CARGO_TARGET_DIR when that is set.
 set -euo pipefail

@@ -4,16 +4,19 @@
 //! even when the absolute figures wander. The throughput trials also run the baseline acking
 //! the way sluice does, which splits the difference into ack strategy and per-message work.
 //! Also the retry path, the command handler, and the memory of `sluice run` while a large
-//! backlog drains. The same trials run on the embedded broker (`--queues embedded`): sluice
-//! only (the baseline speaks AMQP), the same pipeline as on a quorum queue, and the broker's
-//! file sizes beside the memory.
+//! backlog drains. The same trials run on the embedded broker (`--queues embedded`) and on
+//! Redis (`--queues redis`): sluice only (the baseline speaks AMQP), the same pipeline as on a
+//! quorum queue; beside the memory, the embedded broker's file sizes and the Redis server's
+//! `used_memory`.
 //!
 //! Run it through `scripts/bench.sh` (which builds both binaries and passes the baseline's
 //! path); BENCHMARKS.md describes the method and the latest figures. It needs RabbitMQ at
 //! 127.0.0.1:5672 (guest/guest) and `rabbitmqctl`, and makes and deletes one vhost per trial
-//! (for the embedded broker, one temporary directory).
+//! (for the embedded broker, one temporary directory; for Redis, on 127.0.0.1:6379 unless
+//! `--redis` names another server, the keys under a prefix of the trial's own).
 //! It asserts nothing about timings: it measures and reports.
 
+mod keyspace;
 mod place;
 mod rabbit;
 mod sink;
@@ -35,6 +38,8 @@ use usage::Sampler;
 const EXCHANGE: &str = "bench";
 const ROUTING_KEY: &str = "work";
 const QUEUE: &str = "bench.work";
+/// Every queue type, in the order the report lists them.
+const QUEUES: [&str; 4] = ["classic", "quorum", "embedded", "redis"];
 /// No trial may take longer than this.
 const TRIAL_DEADLINE: Duration = Duration::from_secs(600);
 
@@ -82,16 +87,20 @@ struct Args {
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Part>,
     /// Queue types (brokers) for the throughput and retry trials; the memory trial runs on
-    /// quorum and embedded, whichever are given; the command trials on classic.
+    /// quorum, embedded and redis, whichever are given; the command trials on classic.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "classic,quorum")]
     queues: Vec<QueueType>,
     /// Also write every trial as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Also measure sluice with idempotency off and with the Redis store (127.0.0.1:6379)
-    /// in the throughput trials ("sluice" itself uses the embedded store).
+    /// Also measure sluice with idempotency off and with the Redis store (`--redis`, a key
+    /// prefix of the trial's own) in the throughput trials ("sluice" itself uses the
+    /// broker's own store: beside RabbitMQ, the embedded one).
     #[arg(long)]
     dedup_variants: bool,
+    /// The Redis server of the `redis` trials and of the Redis store's (`--dedup-variants`).
+    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    redis: String,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -111,6 +120,8 @@ enum QueueType {
     Quorum,
     /// The embedded broker (a directory), with the quorum trials' pipeline.
     Embedded,
+    /// The Redis broker (a key prefix on the `--redis` server), with the quorum trials' pipeline.
+    Redis,
 }
 
 impl QueueType {
@@ -119,15 +130,22 @@ impl QueueType {
             QueueType::Classic => "classic",
             QueueType::Quorum => "quorum",
             QueueType::Embedded => "embedded",
+            QueueType::Redis => "redis",
         }
     }
 
-    /// The queue's `type:` in the pipeline: the embedded broker keeps it but does not act on it.
+    /// The queue's `type:` in the pipeline: the embedded and Redis brokers keep it but do not
+    /// act on it.
     fn declared(self) -> &'static str {
         match self {
             QueueType::Classic => "classic",
-            QueueType::Quorum | QueueType::Embedded => "quorum",
+            QueueType::Quorum | QueueType::Embedded | QueueType::Redis => "quorum",
         }
+    }
+
+    /// Whether RabbitMQ holds it.
+    fn is_amqp(self) -> bool {
+        matches!(self, QueueType::Classic | QueueType::Quorum)
     }
 }
 
@@ -136,11 +154,11 @@ enum Consumer {
     Baseline,
     /// The baseline acking as sluice does (`--batched-acks`).
     BaselineBatched,
-    /// The embedded idempotency store, the default.
+    /// The default idempotency store: the broker's own (beside RabbitMQ, the embedded store).
     Sluice,
     /// `idempotency: {enabled: false}`.
     SluiceNoDedup,
-    /// `--dedup redis://127.0.0.1:6379`.
+    /// `--dedup` the `--redis` server, under a prefix of the trial's own.
     SluiceRedis,
     Candidate,
 }
@@ -148,7 +166,7 @@ enum Consumer {
 impl Consumer {
     /// Whether it can consume from `queue`: the baseline speaks only AMQP.
     fn drains(self, queue: QueueType) -> bool {
-        queue != QueueType::Embedded || !matches!(self, Consumer::Baseline | Consumer::BaselineBatched)
+        queue.is_amqp() || !matches!(self, Consumer::Baseline | Consumer::BaselineBatched)
     }
 
     fn name(self) -> &'static str {
@@ -197,6 +215,8 @@ struct Trial {
     rss_mib_at: [Option<f64>; 3],
     /// The embedded broker's files over the trial.
     disk: Option<Disk>,
+    /// The Redis server over the trial.
+    redis: Option<RedisServer>,
 }
 
 /// MiB of the embedded broker's files (`broker.db`, `-wal`, `-shm`) over a trial.
@@ -216,6 +236,35 @@ struct Disk {
     last_after_s: f64,
     /// Once the consumer has exited.
     exited_mib: f64,
+}
+
+/// The Redis server over a trial: its `used_memory` (MiB) and CPU time, the whole server's,
+/// so whatever else uses it meanwhile is in the figures too; and the keys under the trial's
+/// prefix.
+#[derive(Debug, Clone, serde::Serialize)]
+struct RedisServer {
+    /// Before the topology was declared.
+    before_mib: f64,
+    /// After the backlog was published.
+    preloaded_mib: f64,
+    /// The backlog's share, per message: (preloaded − before) / messages.
+    bytes_per_message: f64,
+    /// Once the consumer has exited (its idempotency keys stay, until their time to live).
+    drained_mib: f64,
+    /// Keys under the prefix after the preload, and once the consumer has exited.
+    preloaded_keys: usize,
+    drained_keys: usize,
+    /// The server's CPU time (user + system) from the preload's end to the consumer's exit,
+    /// per 1,000 messages, and as a share of one core over the drain's span.
+    cpu_ms_per_1k: f64,
+    cpu_share: f64,
+}
+
+/// What a consumer is started against: the broker's URL and, for sluice, the `--dedup` store
+/// (none: the broker's own).
+struct Target {
+    url: String,
+    dedup: Option<String>,
 }
 
 struct Bench {
@@ -307,17 +356,29 @@ impl Bench {
         n: u64,
     ) -> anyhow::Result<()> {
         let label = format!("[{part} {} {} run {run}]", queue.name(), consumer.name());
-        let place = Place::new(queue == QueueType::Embedded)?;
+        let place = Place::new(queue, &self.args.redis)?;
+        let redis_before = place.redis_usage()?;
         let dir = tempfile::tempdir()?;
         std::fs::write(dir.path().join("bench.yaml"), self.pipeline(queue, handler, consumer))?;
         let preload_rate = place.load(dir.path(), EXCHANGE, ROUTING_KEY, n).await?;
         eprintln!("{label} pre-loaded {n} messages at {preload_rate:.0} msg/s");
         let preloaded = place.files().map(|f| place::disk_bytes(&f));
+        let redis_preloaded = place.redis_usage()?;
 
         self.sink.reset(if handler == Handler::WebhookFailOnce { Mode::FailOnce } else { Mode::Ok });
         let cpu_before = usage::reaped_children_cpu();
         let linger = (part == "memory" && self.args.linger > 0.0).then(|| Duration::from_secs_f64(self.args.linger));
-        let mut child = self.spawn(consumer, handler, dir.path(), &place.url(), n, linger.is_none())?;
+        // The idempotency store: by default the broker's own (the embedded broker's file, or
+        // Redis under the trial's prefix), beside RabbitMQ a state directory of the trial's own;
+        // the Redis store under a prefix of its own, deleted with the trial.
+        let dedup_keys = (consumer == Consumer::SluiceRedis).then(|| keyspace::Keyspace::new(&self.args.redis));
+        let dedup = match &dedup_keys {
+            Some(keys) => Some(keys.url()),
+            None if queue.is_amqp() => Some(format!("file:{}", dir.path().join("state").display())),
+            None => None,
+        };
+        let target = Target { url: place.url(), dedup };
+        let mut child = self.spawn(consumer, handler, dir.path(), &target, n, linger.is_none())?;
         let sink = self.sink.clone();
         let sampler = Sampler::start(child.id(), move || sink.snapshot().successes, place.files());
         let waited = self.wait(&mut child, handler, n, linger).await;
@@ -349,6 +410,22 @@ impl Bench {
             bail!("{label} handled {handled} of {n} messages");
         }
         let rate = n as f64 / span.as_secs_f64();
+        let redis = match (redis_before, redis_preloaded, place.redis_usage()?) {
+            (Some((before, _)), Some((preloaded, preloaded_keys)), Some((drained, drained_keys))) => {
+                let cpu = drained.cpu - preloaded.cpu;
+                Some(RedisServer {
+                    before_mib: before.memory as f64 / MIB,
+                    preloaded_mib: preloaded.memory as f64 / MIB,
+                    bytes_per_message: (preloaded.memory as f64 - before.memory as f64) / n as f64,
+                    drained_mib: drained.memory as f64 / MIB,
+                    preloaded_keys,
+                    drained_keys,
+                    cpu_ms_per_1k: cpu * 1e6 / n as f64,
+                    cpu_share: cpu / span.as_secs_f64(),
+                })
+            }
+            _ => None,
+        };
         let trial = Trial {
             part,
             queue: queue.name(),
@@ -363,6 +440,7 @@ impl Bench {
             cpu_ms_per_1k: cpu.as_secs_f64() * 1e6 / n as f64,
             rss_mib_at: [0.1, 0.5, 0.9].map(|f| usage::rss_at(&samples, n, f)),
             disk: preloaded.and_then(|preloaded| disk(preloaded, &samples, n, place.files()?)),
+            redis,
         };
         eprintln!(
             "{label} drained {n} in {:.2}s: {rate:.0} msg/s ({requests} requests), {:.0} CPU ms/1k msgs, peak RSS {:.1} MiB",
@@ -370,6 +448,9 @@ impl Bench {
         );
         if let Some(d) = &trial.disk {
             eprintln!("{label} broker files (MiB): {d:?}");
+        }
+        if let Some(r) = &trial.redis {
+            eprintln!("{label} Redis server: {r:?}");
         }
         self.trials.push(trial);
         Ok(())
@@ -406,7 +487,7 @@ queues:
         consumer: Consumer,
         handler: Handler,
         dir: &Path,
-        url: &str,
+        target: &Target,
         n: u64,
         exit_when_idle: bool,
     ) -> anyhow::Result<Child> {
@@ -414,7 +495,7 @@ queues:
         let mut command = match consumer {
             Consumer::Baseline | Consumer::BaselineBatched => {
                 let mut c = Command::new(self.args.baseline.as_ref().context("no --baseline")?);
-                c.args([url, QUEUE, &self.args.concurrency.to_string(), &n.to_string()]);
+                c.args([&target.url, QUEUE, &self.args.concurrency.to_string(), &n.to_string()]);
                 match handler {
                     Handler::Command => c.args(["--command", "/bin/true"]),
                     _ => c.args(["--webhook".to_string(), format!("http://{}/hook", self.sink.addr)]),
@@ -430,22 +511,15 @@ queues:
                     _ => &self.args.sluice,
                 };
                 let mut c = Command::new(program);
-                c.arg("run").arg(dir).args(["--broker", url]);
+                c.arg("run").arg(dir).args(["--broker", &target.url]);
                 if exit_when_idle {
                     c.arg("--exit-when-idle");
                 }
-                // The embedded idempotency store by default: on the embedded broker, its own
-                // file; beside RabbitMQ, a state directory of the trial's own. (A build before
-                // the store moved into the broker's file keeps it in `.sluice/dedup` below its
-                // working directory: the trial's.)
+                // A build before the store moved into the broker's file keeps it in
+                // `.sluice/dedup` below its working directory: the trial's.
                 c.current_dir(dir);
-                let dedup = match consumer {
-                    Consumer::SluiceRedis => Some("redis://127.0.0.1:6379".to_string()),
-                    _ if url.starts_with("amqp") => Some(format!("file:{}", dir.join("state").display())),
-                    _ => None,
-                };
-                if let Some(dedup) = dedup {
-                    c.args(["--dedup", &dedup]);
+                if let Some(dedup) = &target.dedup {
+                    c.args(["--dedup", dedup]);
                 }
                 // The command figure is read from the per-message debug line (there is no
                 // server to count at); webhook trials log at the default level.
@@ -547,7 +621,7 @@ queues:
                 "| queue | consumer | median msg/s | min – max | runs | CPU ms / 1k msgs (median) | peak RSS MiB (max) |"
             );
             let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: |");
-            for queue in ["classic", "quorum", "embedded"] {
+            for queue in QUEUES {
                 for consumer in
                     ["baseline", "baseline-batched", "sluice", "sluice-no-dedup", "sluice-redis", "candidate"]
                 {
@@ -580,7 +654,7 @@ queues:
                 ("sluice-no-dedup", "baseline"),
             ];
             for (ours, theirs) in comparisons {
-                for queue in ["classic", "quorum", "embedded"] {
+                for queue in QUEUES {
                     let (num, den) = (pick(part, queue, ours), pick(part, queue, theirs));
                     if num.is_empty() || den.is_empty() {
                         continue;
@@ -592,20 +666,38 @@ queues:
                     );
                 }
             }
-            // The same consumer on the embedded broker and on RabbitMQ's quorum queue.
+            // The same consumer on the embedded broker or Redis and on RabbitMQ's quorum queue.
+            for (broker, whose) in [("embedded", "the embedded broker's work is in it"), ("redis", "Redis's is not")] {
+                for consumer in ["sluice", "sluice-no-dedup", "sluice-redis", "candidate"] {
+                    let (num, den) = (pick(part, broker, consumer), pick(part, "quorum", consumer));
+                    if num.is_empty() || den.is_empty() {
+                        continue;
+                    }
+                    let (rate, per_run, cpu) = compare(&num, &den);
+                    let _ = writeln!(
+                        out,
+                        "- {consumer}: {broker} / quorum throughput = **{rate:.2}** (ratio of medians; per run: {per_run}); CPU per message of the consumer process {cpu:.2}× ({whose})"
+                    );
+                }
+            }
+            // Redis's CPU is outside the consumer's: the server's own account beside it.
             for consumer in ["sluice", "sluice-no-dedup", "sluice-redis", "candidate"] {
-                let (num, den) = (pick(part, "embedded", consumer), pick(part, "quorum", consumer));
-                if num.is_empty() || den.is_empty() {
+                let trials: Vec<&Trial> =
+                    pick(part, "redis", consumer).into_iter().filter(|t| t.redis.is_some()).collect();
+                if trials.is_empty() {
                     continue;
                 }
-                let (rate, per_run, cpu) = compare(&num, &den);
+                let server =
+                    |value: fn(&RedisServer) -> f64| median_of(&trials, |t| t.redis.as_ref().map_or(0.0, value));
                 let _ = writeln!(
                     out,
-                    "- {consumer}: embedded / quorum throughput = **{rate:.2}** (ratio of medians; per run: {per_run}); CPU per message of the consumer process {cpu:.2}× (the embedded broker's work is in it)"
+                    "- redis, {consumer}: the Redis server's CPU {:.0} ms / 1k msgs, {:.0} % of a core over the drain (medians; the whole server's)",
+                    server(|r| r.cpu_ms_per_1k),
+                    server(|r| r.cpu_share * 100.0)
                 );
             }
             if part == "retry" {
-                for queue in ["classic", "quorum", "embedded"] {
+                for queue in QUEUES {
                     let (retry, happy) = (pick("retry", queue, "sluice"), pick("throughput", queue, "sluice"));
                     if retry.is_empty() || happy.is_empty() {
                         continue;
@@ -645,6 +737,22 @@ queues:
                     d.exited_mib
                 );
             }
+            if let Some(r) = &t.redis {
+                let _ = writeln!(
+                    out,
+                    "Redis used_memory, MiB: {:.1} before, {:.1} after the preload ({:.0} bytes per message; \
+                     {} keys under the prefix), {:.1} after the runner exited ({} keys). The server's CPU: \
+                     {:.0} ms / 1k msgs, {:.0} % of a core over the drain.\n",
+                    r.before_mib,
+                    r.preloaded_mib,
+                    r.bytes_per_message,
+                    r.preloaded_keys,
+                    r.drained_mib,
+                    r.drained_keys,
+                    r.cpu_ms_per_1k,
+                    r.cpu_share * 100.0
+                );
+            }
         }
         let preload: Vec<f64> = self.trials.iter().map(|t| t.preload_rate).collect();
         if !preload.is_empty() {
@@ -660,9 +768,10 @@ queues:
     }
 }
 
+const MIB: f64 = 1024.0 * 1024.0;
+
 /// The embedded broker's file sizes over a trial, from the samples taken while the consumer ran.
 fn disk(preloaded: u64, samples: &[usage::Sample], n: u64, db: std::path::PathBuf) -> Option<Disk> {
-    const MIB: f64 = 1024.0 * 1024.0;
     let sized: Vec<(&usage::Sample, (u64, u64))> = samples.iter().filter_map(|s| Some((s, s.disk_bytes?))).collect();
     let (drained, (drained_bytes, drained_wal)) = *sized.iter().find(|(s, _)| s.handled >= n)?;
     let (last, (last_bytes, last_wal)) = *sized.last()?;

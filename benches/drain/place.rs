@@ -1,8 +1,9 @@
-//! Where a trial's messages live: a RabbitMQ vhost of its own, or a fresh directory of the
-//! embedded broker. Either way the pipeline's topology is declared through sluice's own plan
-//! and the backlog published with confirms, through the `Broker` trait, before any consumer
-//! starts; the loading session is closed before the consumer starts, so the consumer is alone
-//! on the broker (for the embedded broker: the only process with the file open).
+//! Where a trial's messages live: a RabbitMQ vhost of its own, a fresh directory of the
+//! embedded broker, or a key prefix of its own on Redis. Either way the pipeline's topology is
+//! declared through sluice's own plan and the backlog published with confirms, through the
+//! `Broker` trait, before any consumer starts; the loading session is closed before the
+//! consumer starts, so the consumer is alone on the broker (for the embedded broker: the only
+//! process with the file open).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -11,9 +12,12 @@ use anyhow::{Context as _, bail};
 use futures_util::{StreamExt as _, TryStreamExt as _, stream};
 use sluice::broker::amqp::Amqp;
 use sluice::broker::embedded::{self, Embedded};
+use sluice::broker::redis::Redis;
 use sluice::broker::{Broker, Outgoing};
 use sluice::envelope::Envelope;
 
+use crate::QueueType;
+use crate::keyspace::{Keyspace, Usage};
 use crate::rabbit::Vhost;
 
 /// Publishes awaiting their confirm at once, as `sluice publish --jsonl` does.
@@ -24,14 +28,17 @@ pub enum Place {
     Vhost(Vhost),
     /// The embedded broker's directory (outside the watched pipeline directory).
     Embedded(tempfile::TempDir),
+    /// A key prefix on the Redis server (`--redis`).
+    Redis(Keyspace),
 }
 
 impl Place {
-    pub fn new(embedded: bool) -> anyhow::Result<Place> {
-        Ok(if embedded {
-            Place::Embedded(tempfile::Builder::new().prefix("sluice-bench-broker-").tempdir()?)
-        } else {
-            Place::Vhost(Vhost::new()?)
+    /// A place for `queue`'s trial; a Redis one on the server `redis` (`redis://host:port`).
+    pub fn new(queue: QueueType, redis: &str) -> anyhow::Result<Place> {
+        Ok(match queue {
+            QueueType::Embedded => Place::Embedded(tempfile::Builder::new().prefix("sluice-bench-broker-").tempdir()?),
+            QueueType::Redis => Place::Redis(Keyspace::new(redis)),
+            QueueType::Classic | QueueType::Quorum => Place::Vhost(Vhost::new()?),
         })
     }
 
@@ -40,14 +47,23 @@ impl Place {
         match self {
             Place::Vhost(vhost) => vhost.url(),
             Place::Embedded(dir) => dir.path().display().to_string(),
+            Place::Redis(keys) => keys.url(),
         }
     }
 
     /// The embedded broker's files (`broker.db` and its `-wal` and `-shm`).
     pub fn files(&self) -> Option<PathBuf> {
         match self {
-            Place::Vhost(_) => None,
             Place::Embedded(dir) => Some(dir.path().join(embedded::FILE)),
+            Place::Vhost(_) | Place::Redis(_) => None,
+        }
+    }
+
+    /// On Redis, what the server uses and the keys under the trial's prefix.
+    pub fn redis_usage(&self) -> anyhow::Result<Option<(Usage, usize)>> {
+        match self {
+            Place::Redis(keys) => Ok(Some((keys.usage()?, keys.count()?))),
+            Place::Vhost(_) | Place::Embedded(_) => Ok(None),
         }
     }
 
@@ -83,6 +99,13 @@ impl Place {
                 }
                 rate
             }
+            Place::Redis(keys) => {
+                let broker = Redis::connect(&keys.url()).await?;
+                broker.declare(&plan).await?;
+                let rate = preload(&broker, exchange, routing_key, count).await;
+                broker.close().await;
+                rate
+            }
         }
     }
 
@@ -95,6 +118,11 @@ impl Place {
                 format!("vhost {name} (rabbitmqctl list_queues -p {name}; rabbitmqctl delete_vhost {name})")
             }
             Place::Embedded(dir) => format!("embedded broker {}", dir.keep().display()),
+            Place::Redis(mut keys) => {
+                keys.keep();
+                let prefix = &keys.prefix;
+                format!("Redis keys {prefix}* (redis-cli --scan --pattern '{prefix}*' | xargs redis-cli unlink)")
+            }
         }
     }
 }

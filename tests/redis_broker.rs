@@ -283,6 +283,53 @@ async fn a_killed_active_consumers_place_passes_on_after_its_lease() {
     two.close().await;
 }
 
+/// An entry a claim took whose answer never reached the consumer (the connection broke, or the
+/// server restarted, after the script ran) is not renewed by the consumer that never knew of it:
+/// its lease runs out and it is delivered. (Such an entry was renewed for as long as the runner
+/// lived: CI lost one across a Redis restart.)
+#[tokio::test]
+async fn an_entry_claimed_without_the_consumer_knowing_comes_back_after_its_lease() {
+    let place = RedisPrefix::with("&lease=1s");
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    broker.publish("", "a", message("m0")).await.expect("publish");
+    let (mut deliveries, consumer) = broker.consume("a", 1).await.expect("consume");
+    let held = take(&mut deliveries, 1).await.remove(0).1.expect("delivery");
+    // Its prefetch is full; m1 is read under its name behind its back, as a lost answer leaves it.
+    broker.publish("", "a", message("m1")).await.expect("publish");
+    let stream = format!("{}s:a", place.prefix);
+    let mut raw = place.raw();
+    let consumers: Vec<redis::Value> =
+        redis::cmd("XINFO").arg("CONSUMERS").arg(&stream).arg("g").query(&mut raw).expect("XINFO");
+    let name = consumers
+        .iter()
+        .find_map(|c| match c {
+            redis::Value::Array(fields) => match fields.get(1) {
+                Some(redis::Value::BulkString(name)) => Some(String::from_utf8_lossy(name).into_owned()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .expect("the consumer's name");
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg(&name)
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(&stream)
+        .arg(">")
+        .query(&mut raw)
+        .expect("XREADGROUP");
+    consumer.ack(&[held]).await.expect("ack m0");
+    let (text, again) = take(&mut deliveries, 1).await.remove(0);
+    assert_eq!(text, "m1", "the entry it never knew of, after its lease");
+    consumer.ack(&[again.expect("delivery")]).await.expect("ack m1");
+    consumer.close().await;
+}
+
 /// A retry copy that comes due while its queue holds its `max_length` goes in all the same, as
 /// on RabbitMQ (see the claim script): the queue admitted the message once, and nothing is lost.
 /// Publishers are refused meanwhile.

@@ -752,6 +752,9 @@ async fn consume(
         };
         let renew = last_renew.elapsed() >= lease / 3;
         let reclaim = delivering && last_reclaim.is_none_or(|at| at.elapsed() >= POLL);
+        // Only what this consumer knows it holds is renewed: an entry a claim took whose answer
+        // was lost (a connection that broke, a server restarted) goes idle, and comes back.
+        let held: Vec<String> = if renew { lock(&s.unsettled).iter().cloned().collect() } else { Vec::new() };
         let claimed: Result<Vec<Value>, _> = broker
             .inner
             .scripts
@@ -769,6 +772,7 @@ async fn consume(
             .arg(u8::from(s.single_active))
             .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
             .arg(CLAIM_BYTES)
+            .arg(held)
             .invoke_async(&mut broker.conn())
             .await;
         // A short lease (`?lease=`) is renewed in time too.

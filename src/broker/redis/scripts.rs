@@ -86,7 +86,9 @@ return 'OK'
 
 /// One step of a consumer of stream `KEYS[1]`: moves the delayed copies come due (`KEYS[2]`,
 /// fields under the prefix `ARGV[5]`) into the stream; renews the consumer's registration in
-/// `KEYS[4]` and, with `ARGV[6]` = 1, its pending entries' leases; on a single-active queue
+/// `KEYS[4]` and, with `ARGV[6]` = 1, the leases of its pending entries it says it holds
+/// (`ARGV[10..]`: one a claim took but whose answer was lost goes idle, and comes back); on a
+/// single-active queue
 /// (`ARGV[7]` = 1) goes on only while it holds, or takes, the lease `KEYS[3]`; takes what
 /// consumers handed back (consumer `returned`), first and in stream order; with `ARGV[4]` = 1
 /// takes back entries idle past the lease `ARGV[3]` ms (a dead consumer's) and forgets dead
@@ -120,10 +122,15 @@ local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 local out = { first[2] and math.max(0, tonumber(first[2]) - now) or -1 }
 redis.call('ZADD', KEYS[4], now + tonumber(ARGV[8]), me)
 if ARGV[6] == '1' then
-  local mine = redis.call('XPENDING', KEYS[1], 'g', '-', '+', 1000000, me)
-  for i = 1, #mine, 500 do
+  local held = {}
+  for i = 10, #ARGV do held[ARGV[i]] = true end
+  local renew = {}
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], 'g', '-', '+', 1000000, me)) do
+    if held[p[1]] then renew[#renew + 1] = p[1] end
+  end
+  for i = 1, #renew, 500 do
     local args = { 'XCLAIM', KEYS[1], 'g', me, 0 }
-    for j = i, math.min(i + 499, #mine) do args[#args + 1] = mine[j][1] end
+    for j = i, math.min(i + 499, #renew) do args[#args + 1] = renew[j] end
     args[#args + 1] = 'JUSTID'
     redis.call(unpack(args))
   end

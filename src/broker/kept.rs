@@ -3,12 +3,20 @@
 //! tag).
 
 use std::collections::BTreeMap;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use futures_util::Stream;
+use tokio::sync::{Notify, mpsc};
 
-use super::{Delivery, HeaderValue, Headers, Route};
+use super::{BrokerError, Delivery, HeaderValue, Headers, Route};
+
+/// How many bytes of bodies a consumer of these brokers holds read from the store and not yet
+/// read from its stream before it claims no more.
+pub(crate) const CLAIM_BYTES: u64 = 4 << 20;
 
 /// What a message carries beside its body, as these brokers keep it.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -78,5 +86,31 @@ impl<Tag: Send + Sync + 'static> Delivery for Kept<Tag> {
 
     fn is_live(&self) -> bool {
         self.live.load(Ordering::SeqCst)
+    }
+}
+
+/// The deliveries of one consumer.
+pub struct KeptDeliveries<Tag> {
+    pub(crate) receiver: mpsc::UnboundedReceiver<Result<Kept<Tag>, BrokerError>>,
+    /// Its consumer's count of body bytes sent and not yet read, and what to poke when a read
+    /// brings it under [`CLAIM_BYTES`].
+    pub(crate) unread: Arc<AtomicU64>,
+    pub(crate) room: Arc<Notify>,
+}
+
+impl<Tag> Stream for KeptDeliveries<Tag> {
+    type Item = Result<Kept<Tag>, BrokerError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let item = self.receiver.poll_recv(cx);
+        if let Poll::Ready(Some(Ok(delivery))) = &item {
+            let read = delivery.body.len() as u64;
+            let before = self.unread.fetch_sub(read, Ordering::SeqCst);
+            // Only a read that makes room again wakes the consumer (it waits on no other).
+            if before >= CLAIM_BYTES && before - read < CLAIM_BYTES {
+                self.room.notify_one();
+            }
+        }
+        item
     }
 }

@@ -33,7 +33,7 @@ use serde::Serialize;
 
 use crate::topology::{BindingDecl, Plan};
 
-pub use self::kept::{Kept, Properties};
+pub use self::kept::{Kept, KeptDeliveries, Properties};
 pub use crate::envelope::{HeaderValue, Headers};
 
 /// A new message: the body and the properties sluice sets.

@@ -48,13 +48,10 @@ mod writer;
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak, mpsc};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_util::Stream;
 use tokio::sync::{Notify, mpsc as channel, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -65,10 +62,11 @@ pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Registration, Stored, ms};
 use self::writer::{Op, Renewal, Wakers};
 use super::declaration;
+use super::kept::CLAIM_BYTES;
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Consumer, Drift, Edits, Headers, Kept, Operate, Outgoing, Properties, QueueStats,
-    Route,
+    BodyLimits, Broker, BrokerError, Consumer, Drift, Edits, Headers, Kept, KeptDeliveries, Operate, Outgoing,
+    Properties, QueueStats, Route,
 };
 use crate::topology::{BindingDecl, Plan};
 /// This process as a claim names it (`pid:start`), and whether the process a name gives still
@@ -86,11 +84,6 @@ pub const POLL: Duration = Duration::from_millis(50);
 
 /// The most messages claimed in one request.
 const CLAIM_MAX: u32 = 1024;
-
-/// The most body bytes claimed in one request (a larger message goes alone), and how much a
-/// consumer's stream may hold unread before it claims more: a browse of large messages keeps
-/// a few in memory, not a claim's worth.
-const CLAIM_BYTES: u64 = 4 << 20;
 
 /// A session with the embedded broker. Cheap to clone; clones share the writer thread.
 #[derive(Clone)]
@@ -284,7 +277,7 @@ impl Embedded {
             dropped: CancellationToken::new(),
         });
         let (sender, receiver) = channel::unbounded_channel();
-        let deliveries = EmbeddedDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
+        let deliveries = KeptDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
         lock(&self.inner.consumers).push(Arc::downgrade(&state));
         if !self.inner.renewing.swap(true, Ordering::SeqCst) {
             tokio::spawn(renew_all(Arc::downgrade(&self.inner)));
@@ -514,30 +507,7 @@ fn copy(original: &EmbeddedDelivery, headers: Headers) -> NewMessage {
 }
 
 /// The deliveries of one consumer.
-pub struct EmbeddedDeliveries {
-    receiver: channel::UnboundedReceiver<Result<EmbeddedDelivery, BrokerError>>,
-    /// Its consumer's count of body bytes sent and not yet read, and what to poke when a read
-    /// brings it under [`CLAIM_BYTES`].
-    unread: Arc<AtomicU64>,
-    room: Arc<Notify>,
-}
-
-impl Stream for EmbeddedDeliveries {
-    type Item = Result<EmbeddedDelivery, BrokerError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let item = self.receiver.poll_recv(cx);
-        if let Poll::Ready(Some(Ok(delivery))) = &item {
-            let read = delivery.body.len() as u64;
-            let before = self.unread.fetch_sub(read, Ordering::SeqCst);
-            // Only a read that makes room again wakes the consumer (it waits on no other).
-            if before >= CLAIM_BYTES && before - read < CLAIM_BYTES {
-                self.room.notify_one();
-            }
-        }
-        item
-    }
-}
+pub type EmbeddedDeliveries = KeptDeliveries<Row>;
 
 /// A consumer of the embedded broker. Cheap to clone; clones share the consumer.
 #[derive(Clone)]

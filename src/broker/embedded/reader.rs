@@ -13,7 +13,8 @@ use std::sync::atomic::AtomicBool;
 use rusqlite::Connection;
 
 use super::store::Store;
-use super::{CLAIM_BYTES, CLAIM_MAX, EmbeddedDelivery, FILE};
+use super::{CLAIM_MAX, EmbeddedDelivery, FILE};
+use crate::broker::kept::CLAIM_BYTES;
 use crate::broker::{BrokerError, QueueStats};
 
 /// The broker's file, read-only.

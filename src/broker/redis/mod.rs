@@ -34,14 +34,12 @@
 mod scripts;
 
 use std::collections::{BTreeMap, HashMap};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt as _};
+use futures_util::StreamExt as _;
 use redis::Value;
 use redis::aio::ConnectionManager;
 use tokio::sync::{Notify, mpsc as channel};
@@ -49,10 +47,11 @@ use tokio_util::sync::CancellationToken;
 
 use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
+use super::kept::CLAIM_BYTES;
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Cause, Consumer, Drift, Edits, HeaderValue, Headers, Kept, Operate, Outgoing,
-    Properties, QueueStats, Route,
+    BodyLimits, Broker, BrokerError, Cause, Consumer, Drift, Edits, HeaderValue, Headers, Kept, KeptDeliveries,
+    Operate, Outgoing, Properties, QueueStats, Route,
 };
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
@@ -70,12 +69,6 @@ pub const POLL: Duration = Duration::from_secs(1);
 /// The most entries one claim takes (a browse's window may be larger): each claim is a script
 /// that holds the server while it runs.
 const CLAIM_MAX: usize = 1024;
-
-/// The most body bytes one claim takes (it goes past by one body at most: a larger one comes
-/// alone), and how much a consumer's stream may hold unread before it claims more, as on the
-/// embedded broker: a browse of large messages, or a consumer without a prefetch limit, holds
-/// a few of them in memory, not a claim's worth.
-const CLAIM_BYTES: u64 = 4 << 20;
 
 /// How long a consumer counts as live after its last claim (it claims at least every [`POLL`]).
 const REGISTRATION: Duration = Duration::from_secs(3);
@@ -483,7 +476,7 @@ impl Redis {
         let (sender, receiver) = channel::unbounded_channel();
         let wake = self.waker(queue);
         tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender, wake));
-        let deliveries = RedisDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
+        let deliveries = KeptDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
         Ok((deliveries, RedisConsumer { broker: self.clone(), state }))
     }
 
@@ -926,30 +919,7 @@ fn edited(original: &RedisDelivery, edits: &Edits) -> Message {
 }
 
 /// The deliveries of one consumer.
-pub struct RedisDeliveries {
-    receiver: channel::UnboundedReceiver<Result<RedisDelivery, BrokerError>>,
-    /// Its consumer's count of body bytes sent and not yet read, and what to poke when a read
-    /// brings it under [`CLAIM_BYTES`].
-    unread: Arc<AtomicU64>,
-    room: Arc<Notify>,
-}
-
-impl Stream for RedisDeliveries {
-    type Item = Result<RedisDelivery, BrokerError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let item = self.receiver.poll_recv(cx);
-        if let Poll::Ready(Some(Ok(delivery))) = &item {
-            let read = delivery.body.len() as u64;
-            let before = self.unread.fetch_sub(read, Ordering::SeqCst);
-            // Only a read that makes room again wakes the consumer (it waits on no other).
-            if before >= CLAIM_BYTES && before - read < CLAIM_BYTES {
-                self.room.notify_one();
-            }
-        }
-        item
-    }
-}
+pub type RedisDeliveries = KeptDeliveries<Entry>;
 
 /// A consumer of the Redis broker. Cheap to clone; clones share the consumer.
 #[derive(Clone)]

@@ -127,18 +127,7 @@ pub fn plan(config: &Config) -> Plan {
             arguments: q.arguments.clone(),
             max_message_bytes: Some(q.max_message_bytes),
         });
-        plan.queues.push(QueueDecl {
-            name: q.dead_letter.clone(),
-            role: Role::DeadLetter,
-            kind: q.kind,
-            dead_letter: None,
-            max_length: None,
-            single_active_consumer: false,
-            message_ttl_ms: None,
-            max_priority: None,
-            arguments: BTreeMap::new(),
-            max_message_bytes: None,
-        });
+        plan.queues.push(QueueDecl { kind: q.kind, ..QueueDecl::new(&q.dead_letter, Role::DeadLetter) });
         plan.bindings.extend(bindings(q));
     }
     plan

@@ -1028,7 +1028,8 @@ async fn signals(shutdown: CancellationToken, forced: CancellationToken) {
 /// empty one, and left uncreated.
 async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> anyhow::Result<()> {
     use crate::broker::{Broker as _, Drift};
-    let absent = match broker.endpoint()? {
+    let endpoint = broker.endpoint()?;
+    let absent = match &endpoint {
         Endpoint::Embedded(dir) => !dir.join(crate::broker::embedded::FILE).exists(),
         Endpoint::Amqp(_) | Endpoint::Redis(_) => false,
     };
@@ -1041,7 +1042,7 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
             drift?
         })
     };
-    let picture = match broker.endpoint()? {
+    let picture = match &endpoint {
         Endpoint::Amqp(_) => amqp::declarations(&plan).picture(),
         Endpoint::Embedded(dir) => crate::broker::embedded::picture(&plan, dir),
         Endpoint::Redis(url) => crate::broker::redis::picture(&plan, &crate::broker::redis::Location::parse(url)?),
@@ -1054,7 +1055,7 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
     let absent = if absent { " (does not exist: only `sluice run` creates it)" } else { "" };
     let mut text = format!("\nbroker {}{absent} {verdict}\n", broker.display());
-    if let Endpoint::Redis(url) = broker.endpoint()? {
+    if let Endpoint::Redis(url) = &endpoint {
         let (persistence, warning) = redis_persistence(url).await;
         let tail = warning.map(|w| format!("\n  warning: {w}")).unwrap_or_default();
         text = format!("\nbroker persistence: {persistence}{tail}{text}");

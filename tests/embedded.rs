@@ -87,7 +87,7 @@ fn leased_keys(place: &EmbeddedDir, queue: &str) -> BTreeSet<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_9_under_load_loses_nothing_and_what_was_in_flight_comes_back_after_its_lease() {
+async fn kill_9_under_load_loses_nothing_and_what_was_in_flight_comes_back() {
     const N: usize = 3_000;
     let place = EmbeddedDir::new();
     // Slow enough that the kill finds a full window in flight; no idempotency store, so every

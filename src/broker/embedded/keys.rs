@@ -15,15 +15,17 @@
 //! that was alone notices the newcomer within [`POLL`](super::POLL), writes the claims it
 //! holds as rows, and from then on claims by rows, until it finds itself alone again. The
 //! newcomer's claims meanwhile answer [`Claim::Busy`] (its messages come back a little later).
-//! A holder's process, as its claims name it, is its pid and start time, so a killed one's
-//! memory claims die with it, and its rows and registration stop counting at once.
+//! A holder's process, as its claims name it, is its pid, start time and pid namespace
+//! ([`process`](super::process::process)), so a killed one's memory claims die with it, and its rows and registration
+//! stop counting at once.
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension as _, TransactionBehavior, params};
 
+use super::process::{alive, process};
 use super::store::{Store, now_ms};
 use crate::broker::{BrokerError, Cause};
 
@@ -45,35 +47,6 @@ const SWEEP: i64 = 2_000;
 /// How often a holder that shares its claims looks whether it is alone again (a killed
 /// neighbour commits nothing that would tell it sooner).
 const ALONE_AGAIN_EVERY: i64 = 1_000;
-
-/// This process: its pid and its start time (pids are reused).
-pub fn process() -> &'static str {
-    static PROCESS: OnceLock<String> = OnceLock::new();
-    PROCESS.get_or_init(|| {
-        let pid = std::process::id();
-        format!("{pid}:{}", started(pid).unwrap_or_default())
-    })
-}
-
-/// A process's start time (clock ticks since boot, `/proc/PID/stat` field 22), where the
-/// system says.
-fn started(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The name (field 2) is in parentheses and may hold spaces: count after its end.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// Whether the process a holder (`pid:start`, then anything) names still runs. Where that
-/// cannot be known (no `/proc`: the holder was written without a start time), it counts as
-/// alive: its claim holds until the lease ends.
-pub fn alive(holder: &str) -> bool {
-    let mut parts = holder.split(':');
-    let named = parts.next().and_then(|p| p.parse().ok()).zip(parts.next().and_then(|s| s.parse().ok()));
-    let Some((pid, start)) = named else {
-        return true;
-    };
-    started(pid) == Some(start)
-}
 
 /// How a holder takes keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -422,19 +395,4 @@ pub(super) fn expire(store: &Store, db: &Connection, now: i64, cursor: &mut Stri
         }
     }
     Ok(deleted)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn this_process_is_alive_and_a_made_up_one_is_not() {
-        assert!(alive(process()), "{}", process());
-        assert!(alive(&format!("{}:7", process())), "a holder of this process");
-        let (pid, start) = process().split_once(':').expect("pid:start");
-        assert!(!alive(&format!("{pid}:{}:7", start.parse::<u64>().expect("start") + 1)), "a reused pid");
-        assert!(!alive(&format!("{}:1", u32::MAX)), "no such pid");
-        assert!(alive("not a holder"), "unknown forms hold until the lease ends");
-    }
 }

@@ -40,6 +40,7 @@
 //! is [`BrokerError::Damaged`], which ends `sluice run` (see the store's and writer's docs).
 
 mod keys;
+mod process;
 mod reader;
 mod store;
 #[cfg(test)]
@@ -72,7 +73,7 @@ use crate::topology::{BindingDecl, Plan};
 /// This process as a claim names it (`pid:start`), and whether the process a name gives still
 /// runs: the tests name what they make on shared servers so, to remove what a killed run left.
 #[doc(hidden)]
-pub use keys::{alive as process_alive, process as this_process};
+pub use process::{alive as process_alive, process as this_process};
 
 /// How long a delivered message stays leased to its consumer without a renewal. A live
 /// consumer renews every third of it; a killed one's messages come back after at most this.

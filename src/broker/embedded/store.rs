@@ -11,7 +11,8 @@
 //!
 //! A message is ready when `visible_at` is 0 (published, handed back) or past (a delayed copy
 //! come due, a lease run out); claiming one sets `visible_at` to the lease's end and names
-//! its owner, so a consumer that dies without settling simply lets it come due again.
+//! its owner, so a consumer that dies without settling simply lets it come due again (at once
+//! when its process is known dead: [`Store::release_the_dead`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,7 @@ use serde_json::Value;
 
 use super::super::declaration::{self, unsupported};
 use super::super::{BrokerError, Cause, Drift, HeaderValue, Headers, Properties, QueueStats, Route};
+use super::process::{alive, process};
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
 use crate::envelope::{ATTEMPT_HEADER, Reason, attempt_in, dead_letter_headers};
@@ -505,6 +507,15 @@ impl Store {
             .map_err(sql)?;
         if limits.is_none() {
             tx.execute_batch("ALTER TABLE queues ADD COLUMN max_message_bytes INTEGER;").map_err(sql)?;
+        }
+        // The process of each consumer ([`process`]), so that what a killed one held comes back
+        // at once; registrations from before have none, and wait for their lease.
+        let processes = tx
+            .query_row("SELECT 1 FROM pragma_table_info('consumers') WHERE name = 'process'", [], |_| Ok(()))
+            .optional()
+            .map_err(sql)?;
+        if processes.is_none() {
+            tx.execute_batch("ALTER TABLE consumers ADD COLUMN process TEXT;").map_err(sql)?;
         }
         // Where a message was published to, for binding filters; rows from before have none.
         let routes = tx
@@ -1076,11 +1087,11 @@ impl Store {
                     .and_then(|mut s| s.execute([now_ms()]))
                     .map_err(e)?;
                 db.prepare_cached(
-                    "INSERT INTO consumers (owner, queue, until, since)
-                     VALUES (?1, ?2, ?3, (SELECT coalesce(max(since), 0) + 1 FROM consumers))
+                    "INSERT INTO consumers (owner, queue, until, since, process)
+                     VALUES (?1, ?2, ?3, (SELECT coalesce(max(since), 0) + 1 FROM consumers), ?4)
                      ON CONFLICT (owner) DO UPDATE SET until = excluded.until",
                 )
-                .and_then(|mut s| s.execute(params![owner, queue, until]))
+                .and_then(|mut s| s.execute(params![owner, queue, until, process()]))
                 .map_err(e)?;
             }
             // Its own row only: a scan of every consumer per renewal made idle cost grow with
@@ -1102,6 +1113,42 @@ impl Store {
             s.execute(params![id, owner, until]).map_err(e)?;
         }
         Ok(())
+    }
+
+    /// Hands back, ready at once in their old places, the messages leased to consumers of
+    /// processes that no longer run (a `kill -9`), and removes their registrations, so that a
+    /// single-active-consumer queue's next consumer takes over at once; the queues whose
+    /// messages came back. A consumer whose process cannot be known dead (see [`alive`])
+    /// keeps its leases until they run out.
+    pub fn release_the_dead(&mut self, db: &Connection) -> Result<Vec<String>, BrokerError> {
+        let e = |err| self.error(err);
+        let consumers: Vec<(i64, String, String)> = db
+            .prepare_cached("SELECT owner, queue, process FROM consumers WHERE typeof(process) = 'text'")
+            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect())
+            .map_err(e)?;
+        let mut known: HashMap<String, bool> = HashMap::new();
+        let mut queues = Vec::new();
+        for (owner, queue, process) in consumers {
+            if *known.entry(process).or_insert_with_key(|p| alive(p)) {
+                continue;
+            }
+            let back = db
+                .prepare_cached(
+                    "UPDATE messages SET visible_at = 0, lease_owner = NULL WHERE queue = ?1 AND lease_owner = ?2",
+                )
+                .and_then(|mut s| s.execute(params![queue, owner]))
+                .map_err(e)?;
+            db.prepare_cached("DELETE FROM consumers WHERE owner = ?1")
+                .and_then(|mut s| s.execute([owner]))
+                .map_err(e)?;
+            if back > 0 {
+                queues.push(queue);
+            }
+        }
+        if !queues.is_empty() {
+            self.ready_counts.clear();
+        }
+        Ok(queues)
     }
 
     /// Ready messages of `queue` (leased ones and delayed copies not yet due excluded).

@@ -205,6 +205,40 @@ async fn a_killed_consumers_messages_come_back_after_the_lease() {
     consumer.close().await;
 }
 
+/// A consumer of a process that died (`kill -9`) holds nothing: the next consumer to start,
+/// or the next renewal of a live one, hands its messages back at once and removes its
+/// registration, so a single-active-consumer queue's next consumer takes over at once too,
+/// not when the lease (30 s) runs out.
+#[tokio::test]
+async fn a_dead_processes_consumer_hands_back_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = open(&dir).await;
+    let plan = Plan { queues: vec![QueueDecl { single_active_consumer: true, ..queue("ordered") }], ..Plan::default() };
+    broker.declare(&plan).await.expect("declare");
+    for i in 0..3 {
+        broker.publish("", "ordered", message(&i.to_string())).await.expect("publish");
+    }
+    let (mut deliveries, consumer) = broker.consume("ordered", 2).await.expect("consume");
+    let _held = (next(&mut deliveries).await, next(&mut deliveries).await);
+    // Its process as a killed one's would read: the same namespace, a pid that is not running.
+    let namespace = process::process().rsplit(':').next().expect("pid:start:namespace");
+    let db = rusqlite::Connection::open(dir.path().join("broker").join("sluice.db")).expect("open");
+    db.execute("UPDATE consumers SET process = ?1", [format!("{}:1:{namespace}", u32::MAX)]).expect("update");
+    drop((deliveries, consumer));
+
+    let since = Instant::now();
+    let (mut deliveries, consumer) = broker.consume("ordered", 10).await.expect("consume");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(next(&mut deliveries).await);
+    }
+    assert!(since.elapsed() < LEASE / 3, "back after {:?}", since.elapsed());
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), ["0", "1", "2"], "in their old places");
+    assert_eq!(broker.stats("ordered").await.expect("stats").consumers, 1, "the dead one's registration gone");
+    consumer.ack(&got).await.expect("ack");
+    consumer.close().await;
+}
+
 #[tokio::test]
 async fn delayed_copies_wait_without_blocking_each_other() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -516,9 +516,14 @@ fn apply(
             }
             done(reply, result)
         }
+        // Each renewal (a consumer's start, and every third of the lease) also takes back what
+        // consumers of dead processes held.
         Op::Renew { renewals, until, reply } => {
-            let result =
-                renewals.iter().try_for_each(|r| store.renew(db, r.owner, &r.queue, &r.ids, until, r.registration));
+            let result = renewals
+                .iter()
+                .try_for_each(|r| store.renew(db, r.owner, &r.queue, &r.ids, until, r.registration))
+                .and_then(|()| store.release_the_dead(db))
+                .map(|queues| ready.now.extend(queues));
             done(reply, result)
         }
         Op::Stats { queue, reply } => done(reply, store.stats(db, &queue)),

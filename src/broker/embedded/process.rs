@@ -1,0 +1,60 @@
+//! Which process holds something in the broker's file (a consumer's leases, an idempotency
+//! key's claim), and whether it still runs: what a process that died holds comes back at once
+//! instead of when its lease ends.
+
+use std::sync::OnceLock;
+
+/// This process: its pid, its start time (pids are reused) and its pid namespace (processes
+/// in two containers that share the directory see different pids).
+pub fn process() -> &'static str {
+    static PROCESS: OnceLock<String> = OnceLock::new();
+    PROCESS.get_or_init(|| {
+        let pid = std::process::id();
+        format!("{pid}:{}:{}", started(pid).unwrap_or_default(), pid_namespace())
+    })
+}
+
+/// A process's start time (clock ticks since boot, `/proc/PID/stat` field 22), where the
+/// system says.
+fn started(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The name (field 2) is in parentheses and may hold spaces: count after its end.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// This process's pid namespace (the inode `/proc/self/ns/pid` names), or 0 where the system
+/// does not say.
+fn pid_namespace() -> u64 {
+    let link = std::fs::read_link("/proc/self/ns/pid").unwrap_or_default();
+    let digits: String = link.to_string_lossy().chars().filter(char::is_ascii_digit).collect();
+    digits.parse().unwrap_or(0)
+}
+
+/// Whether the process a holder (`pid:start:namespace`, then anything) names still runs.
+/// Where that cannot be known (a holder written without a start time, or by a process of
+/// another pid namespace), it counts as alive: what it holds waits for its lease to end.
+pub fn alive(holder: &str) -> bool {
+    let mut parts = holder.split(':').map(str::parse::<u64>);
+    let (Some(Ok(pid)), Some(Ok(start)), Some(Ok(namespace))) = (parts.next(), parts.next(), parts.next()) else {
+        return true;
+    };
+    namespace != pid_namespace() || u32::try_from(pid).map_or(true, |pid| started(pid) == Some(start))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_is_alive_and_a_made_up_one_is_not() {
+        assert!(alive(process()), "{}", process());
+        assert!(alive(&format!("{}:7", process())), "a holder of this process");
+        let [pid, start, namespace] = process().split(':').collect::<Vec<_>>()[..] else { panic!("{}", process()) };
+        let start: u64 = start.parse().expect("start");
+        assert!(!alive(&format!("{pid}:{}:{namespace}:7", start + 1)), "a reused pid");
+        assert!(!alive(&format!("{}:1:{namespace}", u32::MAX)), "no such pid");
+        assert!(alive(&format!("{}:1:{}", u32::MAX, namespace.parse::<u64>().expect("ns") + 1)), "another namespace");
+        assert!(alive(&format!("{pid}:{}:7", start + 1)), "a holder of before namespaces were named");
+        assert!(alive("not a holder"), "unknown forms hold until the lease ends");
+    }
+}

@@ -21,7 +21,7 @@ pub struct EmbeddedStore {
 }
 
 fn err(e: BrokerError) -> StoreError {
-    StoreError(e.to_string())
+    StoreError { message: e.to_string(), damaged: e.is_damaged() }
 }
 
 impl EmbeddedStore {

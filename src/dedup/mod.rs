@@ -21,8 +21,19 @@ use crate::broker::embedded::Embedded;
 
 /// The store could not answer.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("idempotency store: {0}")]
-pub struct StoreError(pub String);
+#[error("idempotency store: {message}")]
+pub struct StoreError {
+    pub message: String,
+    /// No retry mends it: the embedded broker's file is damaged, deleted or replaced.
+    pub damaged: bool,
+}
+
+impl StoreError {
+    /// An error that a later try may not meet.
+    pub fn new(message: impl Into<String>) -> StoreError {
+        StoreError { message: message.into(), damaged: false }
+    }
+}
 
 /// Where idempotency keys live, chosen by `--dedup`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -26,13 +26,13 @@ pub struct RedisStore {
 }
 
 fn err(e: redis::RedisError) -> StoreError {
-    StoreError(format!("redis: {e}"))
+    StoreError::new(format!("redis: {e}"))
 }
 
 impl RedisStore {
     /// Connects (the manager reconnects by itself after a drop).
     pub async fn open(url: &str) -> Result<RedisStore, StoreError> {
-        let location = crate::broker::redis::Location::parse(url).map_err(|e| StoreError(e.to_string()))?;
+        let location = crate::broker::redis::Location::parse(url).map_err(|e| StoreError::new(e.to_string()))?;
         let client = redis::Client::open(location.url.as_str()).map_err(err)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))

@@ -350,8 +350,9 @@ impl Worker {
         }
     }
 
-    /// Records successes before their acks, retrying while the lease lasts: a success the
-    /// store does not know of could run again when its message is delivered twice.
+    /// Records successes before their acks, retrying while the lease lasts (not when the
+    /// store is damaged, which no retry mends): a success the store does not know of could
+    /// run again when its message is delivered twice.
     async fn complete(&self, keys: &[String]) {
         let q = self.queue();
         let (Some(store), Some(idempotency)) = (&self.store, &q.idempotency) else { return };
@@ -360,7 +361,7 @@ impl Worker {
         let mut failures = 0;
         while let Err(e) = store.complete(&q.name, keys, idempotency.ttl).await {
             failures += 1;
-            if started.elapsed() >= lease {
+            if e.damaged || started.elapsed() >= lease {
                 error!(queue = %q.name, error = %e, keys = keys.len(), "could not record successes in the idempotency store; duplicates of these messages may run again");
                 return;
             }

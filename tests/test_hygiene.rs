@@ -9,9 +9,9 @@ use support::{left_by_a_dead_run, owned_name};
 /// This process, with a start time that is not its own: a process that no longer runs.
 fn dead_owners_name() -> String {
     let this = sluice::broker::embedded::this_process();
-    let (pid, start) = this.split_once(':').expect("pid:start");
+    let [pid, start, namespace] = this.split(':').collect::<Vec<_>>()[..] else { panic!("pid:start:namespace") };
     let start: u64 = start.parse().expect("a start time");
-    format!("sluice-test-{pid}-{}-{}", start + 1, uuid::Uuid::now_v7())
+    format!("sluice-test-{pid}-{}-{namespace}-{}", start + 1, uuid::Uuid::now_v7())
 }
 
 #[test]

@@ -67,9 +67,11 @@ pub fn owned_name() -> String {
 /// could remove what it made (its `Drop`s never ran).
 pub fn left_by_a_dead_run(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("sluice-test-") else { return false };
-    let mut parts = rest.splitn(3, '-');
-    match (parts.next(), parts.next()) {
-        (Some(pid), Some(start)) => !sluice::broker::embedded::process_alive(&format!("{pid}:{start}")),
+    let mut parts = rest.splitn(4, '-');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(pid), Some(start), Some(namespace)) => {
+            !sluice::broker::embedded::process_alive(&format!("{pid}:{start}:{namespace}"))
+        }
         _ => false,
     }
 }

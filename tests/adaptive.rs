@@ -58,7 +58,6 @@ impl std::fmt::Display for Stretch {
 async fn adaptive_concurrency_finds_the_receivers_capacity() {
     const CAPACITY: usize = 20;
     const SERVICE: Duration = Duration::from_millis(20);
-    let _alone = crate::ONE_AT_A_TIME.lock().await;
     let vhost = Vhost::new();
     let receiver =
         Receiver::start(

@@ -311,10 +311,14 @@ async fn a_confirm_that_never_comes_is_bounded(cluster: &Cluster) {
     let args =
         ["publish", "--broker", &url, "--confirm-timeout", "1s", "--exchange", "ev", "--type", "t", "--payload", "{}"];
     let publish = sluice_cli(&args, &[], Duration::from_secs(60));
+    let gave_up_after = started.elapsed();
     blocking(|| cluster.disk_alarm(false));
-    eprintln!("publish under a disk alarm gave up after {:?}", started.elapsed());
+    eprintln!("publish under a disk alarm gave up after {gave_up_after:?}");
     assert_eq!(publish.code, Some(1), "{publish:?}");
     assert!(publish.stderr.contains("no confirm from the broker within 1s"), "{}", publish.stderr);
+    // Three sessions of 1 s each and their connects (about 3.5 s here), not also a wait for
+    // each session's close, which a blocked node never answers (3 × 6 s and more before).
+    assert!(gave_up_after < Duration::from_secs(15), "publish gave up after {gave_up_after:?}: {}", publish.stderr);
 }
 
 /// `sluice dlq redrive` given every node, its node killed mid-run: it carries on, exits 0,

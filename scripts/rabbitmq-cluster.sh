@@ -2,17 +2,22 @@
 # A three-node RabbitMQ cluster on this machine, for tests (tests/support/cluster.rs drives it).
 #
 #   scripts/rabbitmq-cluster.sh DIR up|down|status|ports
-#   scripts/rabbitmq-cluster.sh DIR kill|freeze|thaw|start|stop N        (N = 1, 2 or 3)
+#   scripts/rabbitmq-cluster.sh DIR kill|freeze|thaw|start|rejoin|stop N  (N = 1, 2 or 3)
 #
-#   up        create DIR, start three nodes, join 2 and 3 to 1, wait until 3 nodes run
+#   up        create DIR, start three nodes (2 and 3 join 1 as they boot), wait until each
+#             node sees 3 running
 #   down      kill -9 every node process of DIR (thawing first), wait until no process,
 #             epmd name or listening port is left, remove DIR; safe to repeat, and after a
 #             failed or partial up
 #   kill N    kill -9 node N's beam.smp and wait until it is gone (name off epmd, port closed)
 #   freeze N  SIGSTOP node N's processes (beam.smp and its helpers): a hung VM, sockets open
 #   thaw N    SIGCONT them
-#   start N   start node N again on its own data (it rejoins by itself); wait until it runs
-#             and every node up sees all nodes up running (3, unless another is down too)
+#   start N   start node N again on its own data (it rejoins by itself); wait until it has
+#             booted and every node up sees all nodes up running (3, unless another is down too)
+#   rejoin N  restart node N's RabbitMQ application inside its running VM (stop_app,
+#             start_app) and wait as start does: a node thawed after the others declared it
+#             down stays out of their cluster until then. About 1 s of CPU where start, a VM
+#             boot, takes 6.
 #   stop N    stop node N cleanly (rabbitmqctl stop) and wait until its process is gone
 #   status    one line per node (name, AMQP port, distribution port, pid, state) and the
 #             running nodes as each reachable node sees them
@@ -46,7 +51,7 @@ DIR=$(realpath -m -- "$1")
 CMD=$2
 N=${3:-}
 case $CMD in
-  kill | freeze | thaw | start | stop) [[ $N == [123] && $# -eq 3 ]] || usage ;;
+  kill | freeze | thaw | start | rejoin | stop) [[ $N == [123] && $# -eq 3 ]] || usage ;;
   up | down | status | ports) [[ $# -eq 2 ]] || usage ;;
   leader) [[ -n $N && $# -eq 3 ]] || usage ;;
   alarm) [[ $N == on || $N == off ]] || usage ;;
@@ -187,6 +192,24 @@ net_ticktime = 10
 log.console = false
 log.file.level = info
 EOF
+  ((n == 1)) || join_at_boot "$n" >>"$nd/rabbitmq.conf"
+}
+
+# Nodes 2 and 3 join node 1 while they boot (classic config peer discovery), which saves the
+# three rabbitmqctl calls per node (each an Erlang VM of its own) of stop_app, join_cluster and
+# start_app. Node 1 lists no peers, so it alone starts the cluster; node N lists node 1 (and
+# itself, as the discovery lock expects) and waits for it as long as `up` waits: RabbitMQ
+# 3.10 skips a peer whose database is not up yet and tries again every retry interval, up to
+# the retry limit, after which the node would start on its own, which await_cluster reports.
+# Only a node with an empty database looks: a restart rejoins by itself.
+join_at_boot() {
+  cat <<EOF
+cluster_formation.peer_discovery_backend = classic_config
+cluster_formation.classic_config.nodes.1 = $(node_name 1)
+cluster_formation.classic_config.nodes.2 = $(node_name "$1")
+cluster_formation.discovery_retry_interval = 250
+cluster_formation.discovery_retry_limit = $((WAIT_SECS * 4))
+EOF
 }
 
 # Start node N in the background, in a session of its own, on its existing files.
@@ -217,35 +240,39 @@ start_node() {
 }
 has_procs() { [[ -n $(node_pids "$1") ]]; }
 
-# Wait until node N has booted: await_startup fails at once until the node is on epmd, so retry.
-await_node() {
-  local n=$1 deadline=$((SECONDS + WAIT_SECS)) out
-  while :; do
+# Wait until node N listens on its AMQP port, one of the last steps of its boot (after its
+# database has joined the cluster's), by reading /proc rather than running rabbitmqctl.
+await_listening() {
+  local n=$1 deadline=$((SECONDS + WAIT_SECS))
+  until listening "$(amqp_port "$n")"; do
     has_procs "$n" || fail "node $n ($(node_name "$n")) exited while starting" "$n"
-    if out=$(CTL_TIMEOUT=$((deadline - SECONDS + 5)) ctl "$n" await_startup --timeout $((deadline - SECONDS > 1 ? deadline - SECONDS : 1)) 2>&1); then
-      return 0
-    fi
-    ((SECONDS < deadline)) || fail "node $n did not boot within ${WAIT_SECS}s; last await_startup said: $out" "$n"
-    sleep 0.5
+    ((SECONDS < deadline)) || fail "node $n did not listen on AMQP port $(amqp_port "$n") within ${WAIT_SECS}s" "$n"
+    sleep 0.2
   done
 }
 
-running_count() { CTL_TIMEOUT=20 ctl "$1" eval 'length(rabbit_nodes:all_running()).' 2>/dev/null | tail -n 1; }
-
-# await_running COUNT N...: wait until each node N sees COUNT running nodes (await_startup
-# returning does not mean joined).
-await_running() {
-  local want=$1 n deadline=$((SECONDS + WAIT_SECS)) count
-  shift
-  for n in "$@"; do
-    until [[ $(running_count "$n") == "$want" ]]; do
-      if ((SECONDS >= deadline)); then
-        count=$(running_count "$n" || true)
-        fail "node $n sees ${count:-no answer} running nodes, not $want, after ${WAIT_SECS}s" "${NODES[@]}"
-      fi
-      sleep 0.5
-    done
-  done
+# await_cluster COUNT N...: wait until each node N has booted and sees COUNT running nodes
+# (listening does not mean joined), asking them all from the first with one rabbitmqctl call
+# whose loop runs inside that node.
+await_cluster() {
+  local want=$1 n nodes=() out
+  for n in "${@:2}"; do nodes+=("'$(node_name "$n")'"); done
+  out=$(CTL_TIMEOUT=$((WAIT_SECS + 30)) ctl "$2" eval "
+    Deadline = erlang:monotonic_time(second) + $WAIT_SECS,
+    View = fun(N) -> {N, rpc:call(N, rabbit, is_booted, [], 5000), rpc:call(N, rabbit_nodes, running_count, [], 5000)} end,
+    Await = fun Await() ->
+      Views = [View(N) || N <- [$(IFS=,; echo "${nodes[*]}")]],
+      case [V || {_, true, $want} = V <- Views] of
+        Views -> ok;
+        _ -> case erlang:monotonic_time(second) < Deadline of
+               true -> timer:sleep(200), Await();
+               false -> {not_yet, Views}
+             end
+      end
+    end,
+    Await()." 2>&1) || true
+  [[ $(tail -n 1 <<<"$out") == ok ]] ||
+    fail "not every node of ${*:2} booted and saw $want running within ${WAIT_SECS}s ({node, booted, running}): $out" "${NODES[@]}"
 }
 
 # run N DESCRIPTION ARGS...: rabbitmqctl against node N, failing with its output and the log.
@@ -306,14 +333,9 @@ cmd_up() {
   printf '%s\n' "${ports[0]}" "${ports[1]}" "${ports[2]}" >"$DIR/ports"
   say "starting $(node_name 1), $(node_name 2), $(node_name 3) on AMQP ports ${ports[*]:0:3} in $DIR"
   for n in "${NODES[@]}"; do start_node "$n"; done
-  for n in "${NODES[@]}"; do await_node "$n"; done
-  say "booted in $(($(now_ms) - t0)) ms; joining"
-  for n in 2 3; do
-    run_ctl "$n" "node $n stop_app" stop_app
-    run_ctl "$n" "node $n join_cluster" join_cluster "$(node_name 1)"
-    run_ctl "$n" "node $n start_app" start_app
-  done
-  await_running 3 1 2 3
+  for n in "${NODES[@]}"; do await_listening "$n"; done
+  say "listening in $(($(now_ms) - t0)) ms"
+  await_cluster 3 "${NODES[@]}"
   trap - EXIT
   say "up: 3 nodes running in $(($(now_ms) - t0)) ms"
 }
@@ -363,7 +385,7 @@ cmd_thaw() {
 }
 
 cmd_start() {
-  local t0 others=() n
+  local t0
   require_up
   t0=$(now_ms)
   if beam_pid "$N" >/dev/null; then
@@ -371,12 +393,29 @@ cmd_start() {
   else
     start_node "$N"
   fi
-  await_node "$N"
+  await_listening "$N"
+  await_rejoined
+  say "started node $N in $(($(now_ms) - t0)) ms"
+}
+
+cmd_rejoin() {
+  local t0
+  require_up
+  t0=$(now_ms)
+  beam_pid "$N" >/dev/null || fail "node $N is not running"
+  run_ctl "$N" "node $N stop_app" stop_app
+  run_ctl "$N" "node $N start_app" start_app
+  await_rejoined
+  say "rejoined node $N in $(($(now_ms) - t0)) ms"
+}
+
+# Wait until node $N and every other node that runs see each other running.
+await_rejoined() {
+  local others=() n
   for n in "${NODES[@]}"; do
     [[ $n == "$N" ]] || ! beam_pid "$n" >/dev/null || others+=("$n")
   done
-  await_running $((1 + ${#others[@]})) "$N" "${others[@]}"
-  say "started node $N in $(($(now_ms) - t0)) ms"
+  await_cluster $((1 + ${#others[@]})) "$N" "${others[@]}"
 }
 
 cmd_stop() {
@@ -448,6 +487,7 @@ case $CMD in
   freeze) cmd_freeze ;;
   thaw) cmd_thaw ;;
   start) cmd_start ;;
+  rejoin) cmd_rejoin ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
   ports) cmd_ports ;;

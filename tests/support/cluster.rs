@@ -1,6 +1,6 @@
 //! A three-node RabbitMQ cluster of a test's own, run by `scripts/rabbitmq-cluster.sh` in a
 //! fresh temporary directory (nodes `c1-<hash>@localhost` .. `c3-<hash>@localhost`, beside the
-//! machine's own `rabbit@localhost`) and taken down on drop. Starting it takes about 40 s on a
+//! machine's own `rabbit@localhost`) and taken down on drop. Starting it takes about 15 s on a
 //! two-core machine; nodes are numbered 1 to 3.
 
 use std::collections::HashSet;
@@ -107,8 +107,8 @@ impl Cluster {
         self.node_command("freeze", n);
     }
 
-    /// SIGCONTs node `n`'s VM. A freeze longer than the net tick time (60 s) leaves node `n`
-    /// partitioned from the others; `kill` and `start` it to bring it back.
+    /// SIGCONTs node `n`'s VM. A freeze longer than the net tick time (10 s) leaves node `n`
+    /// partitioned from the others; `rejoin` brings it back.
     pub fn thaw(&self, n: usize) {
         self.node_command("thaw", n);
     }
@@ -117,6 +117,12 @@ impl Cluster {
     /// nodes up (all three, usually) see each other running.
     pub fn start(&self, n: usize) {
         self.node_command("start", n);
+    }
+
+    /// Restarts RabbitMQ inside node `n`'s running VM, which brings a node that the others
+    /// declared down back into their cluster; waits as `start` does.
+    pub fn rejoin(&self, n: usize) {
+        self.node_command("rejoin", n);
     }
 
     /// Stops node `n` cleanly.

@@ -648,7 +648,15 @@ impl Broker for Amqp {
             && more
     }
 
+    /// Closes the session. One given up for a missing confirm is being closed in the
+    /// background already ([`Amqp::give_up`]): a node that sent no confirm answers no close
+    /// either, so waiting [`CLOSE_TIMEOUT`] for it again would only hold up the next node
+    /// (`sluice publish` under a disk alarm gave up after 3 × (1 s + 5 s) with
+    /// `--confirm-timeout 1s`).
     async fn close(&self) {
+        if self.inner.broken.load(Ordering::SeqCst) {
+            return;
+        }
         self.close_all(200, "sluice shutting down").await;
     }
 }

@@ -38,7 +38,26 @@ pub fn alive(holder: &str) -> bool {
     let (Some(Ok(pid)), Some(Ok(start)), Some(Ok(namespace))) = (parts.next(), parts.next(), parts.next()) else {
         return true;
     };
-    namespace != pid_namespace() || u32::try_from(pid).map_or(true, |pid| started(pid) == Some(start))
+    if namespace != pid_namespace() {
+        return true;
+    }
+    match libc::pid_t::try_from(pid) {
+        Ok(pid) if pid > 0 => match started(pid.unsigned_abs()) {
+            Some(now) => now == start,
+            // Unreadable: gone, unless the pid still answers (a `/proc` mounted to hide other
+            // users' processes).
+            None => exists(pid),
+        },
+        _ => false, // no process has such a pid
+    }
+}
+
+/// Whether process `pid` exists: only "no such process" from signal 0 says it does not.
+fn exists(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 delivers nothing; for a positive pid, kill only checks that the process
+    // exists and may be signalled.
+    let result = unsafe { libc::kill(pid, 0) };
+    result == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 #[cfg(test)]
@@ -56,5 +75,8 @@ mod tests {
         assert!(alive(&format!("{}:1:{}", u32::MAX, namespace.parse::<u64>().expect("ns") + 1)), "another namespace");
         assert!(alive(&format!("{pid}:{}:7", start + 1)), "a holder of before namespaces were named");
         assert!(alive("not a holder"), "unknown forms hold until the lease ends");
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        child.wait().expect("wait");
+        assert!(!alive(&format!("{}:1:{namespace}", child.id())), "a process that exited and was reaped");
     }
 }

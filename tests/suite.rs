@@ -1,8 +1,9 @@
 //! The integration tests, one binary (as ripgrep and cargo have them): each file beside this one
 //! is a module, linked once against sluice and its C libraries instead of once per file. Run
 //! one file's tests with `cargo test --test suite FILE::` (e.g. `cargo test --test suite dlq::`).
-//! `cluster.rs` and `adaptive.rs` are the binary `alone` (`cargo test --test alone`), run after
-//! the suite, one test at a time: beside the suite, what they measure missed its bounds.
+//! `cluster.rs` is the binary `cluster` (`cargo test --test cluster`), which `.ci/run` runs
+//! beside the suite, and `adaptive.rs` the binary `alone`, run last with the machine to itself:
+//! beside the suite, the adaptive limit missed its bounds.
 
 #[macro_use]
 mod support;

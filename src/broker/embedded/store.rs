@@ -117,6 +117,17 @@ pub(crate) enum Registration {
 /// A stored body and its length, or what can be read of a damaged one and what is wrong.
 type BodyRead = Result<(Bytes, u64), (Bytes, String)>;
 
+/// Adds `column` (a name and its type) to `table` of a file written before the column existed.
+fn add_column(tx: &rusqlite::Transaction, table: &str, column: &str) -> rusqlite::Result<()> {
+    let name = column.split_whitespace().next().unwrap_or(column);
+    let there =
+        tx.query_row("SELECT 1 FROM pragma_table_info(?1) WHERE name = ?2", [table, name], |_| Ok(())).optional()?;
+    match there {
+        Some(()) => Ok(()),
+        None => tx.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column};")),
+    }
+}
+
 /// The declarations routing needs, cached until a declare (by any process) bumps the version.
 #[derive(Default)]
 struct Topology {
@@ -501,33 +512,13 @@ impl Store {
         )
         .map_err(sql)?;
         // Kept apart from the declaration: a limit of the runner's, no conflict when it changes.
-        let limits = tx
-            .query_row("SELECT 1 FROM pragma_table_info('queues') WHERE name = 'max_message_bytes'", [], |_| Ok(()))
-            .optional()
-            .map_err(sql)?;
-        if limits.is_none() {
-            tx.execute_batch("ALTER TABLE queues ADD COLUMN max_message_bytes INTEGER;").map_err(sql)?;
-        }
+        add_column(&tx, "queues", "max_message_bytes INTEGER").map_err(sql)?;
         // The process of each consumer ([`process`]), so that what a killed one held comes back
         // at once; registrations from before have none, and wait for their lease.
-        let processes = tx
-            .query_row("SELECT 1 FROM pragma_table_info('consumers') WHERE name = 'process'", [], |_| Ok(()))
-            .optional()
-            .map_err(sql)?;
-        if processes.is_none() {
-            tx.execute_batch("ALTER TABLE consumers ADD COLUMN process TEXT;").map_err(sql)?;
-        }
+        add_column(&tx, "consumers", "process TEXT").map_err(sql)?;
         // Where a message was published to, for binding filters; rows from before have none.
-        let routes = tx
-            .query_row("SELECT 1 FROM pragma_table_info('messages') WHERE name = 'exchange'", [], |_| Ok(()))
-            .optional()
-            .map_err(sql)?;
-        if routes.is_none() {
-            tx.execute_batch(
-                "ALTER TABLE messages ADD COLUMN exchange TEXT; ALTER TABLE messages ADD COLUMN routing_key TEXT;",
-            )
-            .map_err(sql)?;
-        }
+        add_column(&tx, "messages", "exchange TEXT").map_err(sql)?;
+        add_column(&tx, "messages", "routing_key TEXT").map_err(sql)?;
         if !bodies_apart {
             // A file of an earlier version keeps each body in its row: it moves to `bodies`,
             // under the row's id.

@@ -50,6 +50,14 @@ async fn open(dir: &tempfile::TempDir) -> Embedded {
     Embedded::open(&dir.path().join("broker").join("sluice.db")).expect("open")
 }
 
+/// A broker in `dir` with the single-active-consumer queue `ordered` declared.
+async fn with_ordered_queue(dir: &tempfile::TempDir) -> Embedded {
+    let broker = open(dir).await;
+    let plan = Plan { queues: vec![QueueDecl { single_active_consumer: true, ..queue("ordered") }], ..Plan::default() };
+    broker.declare(&plan).await.expect("declare");
+    broker
+}
+
 async fn next(deliveries: &mut EmbeddedDeliveries) -> EmbeddedDelivery {
     tokio::time::timeout(DEADLINE, deliveries.next())
         .await
@@ -212,9 +220,7 @@ async fn a_killed_consumers_messages_come_back_after_the_lease() {
 #[tokio::test]
 async fn a_dead_processes_consumer_hands_back_at_once() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let broker = open(&dir).await;
-    let plan = Plan { queues: vec![QueueDecl { single_active_consumer: true, ..queue("ordered") }], ..Plan::default() };
-    broker.declare(&plan).await.expect("declare");
+    let broker = with_ordered_queue(&dir).await;
     for i in 0..3 {
         broker.publish("", "ordered", message(&i.to_string())).await.expect("publish");
     }
@@ -458,9 +464,7 @@ async fn a_backlog_passes_and_its_space_comes_back() {
 #[tokio::test]
 async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let broker = open(&dir).await;
-    let plan = Plan { queues: vec![QueueDecl { single_active_consumer: true, ..queue("ordered") }], ..Plan::default() };
-    broker.declare(&plan).await.expect("declare");
+    let broker = with_ordered_queue(&dir).await;
     let (mut first, active) = broker.consume("ordered", 10).await.expect("consume");
     let (mut second, standby) = broker.consume("ordered", 10).await.expect("consume");
     for i in 0..3 {

@@ -16,8 +16,8 @@
 //! holds as rows, and from then on claims by rows, until it finds itself alone again. The
 //! newcomer's claims meanwhile answer [`Claim::Busy`] (its messages come back a little later).
 //! A holder's process, as its claims name it, is its pid, start time and pid namespace
-//! ([`process`](super::process::process)), so a killed one's memory claims die with it, and its rows and registration
-//! stop counting at once.
+//! ([`process`](super::process::process)), so a killed one's memory claims die with it, and
+//! its rows and registration stop counting at once.
 
 use std::collections::HashMap;
 use std::path::Path;

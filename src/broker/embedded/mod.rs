@@ -70,13 +70,15 @@ use super::{
     Properties, QueueStats, Route,
 };
 use crate::topology::{BindingDecl, Plan};
-/// This process as a claim names it (`pid:start`), and whether the process a name gives still
-/// runs: the tests name what they make on shared servers so, to remove what a killed run left.
+/// This process as a claim or a consumer names it (`pid:start:namespace`), and whether the
+/// process a name gives still runs: the tests name what they make on shared servers so, to
+/// remove what a killed run left.
 #[doc(hidden)]
 pub use process::{alive as process_alive, process as this_process};
 
 /// How long a delivered message stays leased to its consumer without a renewal. A live
-/// consumer renews every third of it; a killed one's messages come back after at most this.
+/// consumer renews every third of it; a killed one's messages come back after at most this
+/// (at once when its process is known dead: see `Store::release_the_dead`).
 pub const LEASE: Duration = Duration::from_secs(30);
 
 /// How often the writer looks for what no commit of this process announced: another process's

@@ -117,6 +117,10 @@ pub(crate) enum Registration {
 /// A stored body and its length, or what can be read of a damaged one and what is wrong.
 type BodyRead = Result<(Bytes, u64), (Bytes, String)>;
 
+/// How often [`Store::release_the_dead`] looks at most: a runner's start registers a consumer
+/// per queue, each a renewal, and thousands of queues would each scan every registration.
+const RELEASE_EVERY: Duration = Duration::from_secs(1);
+
 /// Adds `column` (a name and its type) to `table` of a file written before the column existed.
 fn add_column(tx: &rusqlite::Transaction, table: &str, column: &str) -> rusqlite::Result<()> {
     let name = column.split_whitespace().next().unwrap_or(column);
@@ -158,6 +162,8 @@ pub(super) struct Store {
     /// Ready messages of the queues with `max_length` that this batch published to: counted
     /// once per batch, then kept up to date by its inserts and claims.
     ready_counts: HashMap<String, u64>,
+    /// When [`Store::release_the_dead`] last looked: at most once per [`RELEASE_EVERY`].
+    released_at: Option<std::time::Instant>,
 }
 
 fn kind_from(text: &str) -> Option<ExchangeKind> {
@@ -409,7 +415,10 @@ impl Store {
                 ));
             }
         }
-        Ok((db, Store { path: shown, opened: Vec::new(), topology: None, ready_counts: HashMap::new() }))
+        Ok((
+            db,
+            Store { path: shown, opened: Vec::new(), topology: None, ready_counts: HashMap::new(), released_at: None },
+        ))
     }
 
     /// Opens the file (with `create`, making it and its directory when missing): WAL,
@@ -535,7 +544,7 @@ impl Store {
             .into_iter()
             .filter_map(|file| identity(&file).map(|id| (file, id)))
             .collect();
-        Ok((conn, Store { path: shown, opened, topology: None, ready_counts: HashMap::new() }))
+        Ok((conn, Store { path: shown, opened, topology: None, ready_counts: HashMap::new(), released_at: None }))
     }
 
     /// Drops the cached declarations (read in a transaction that did not commit).
@@ -1110,8 +1119,13 @@ impl Store {
     /// processes that no longer run (a `kill -9`), and removes their registrations, so that a
     /// single-active-consumer queue's next consumer takes over at once; the queues whose
     /// messages came back. A consumer whose process cannot be known dead (see [`alive`])
-    /// keeps its leases until they run out.
+    /// keeps its leases until they run out. Looks at most once per [`RELEASE_EVERY`] (the
+    /// first call always: a runner's first registration finds its killed predecessor's).
     pub fn release_the_dead(&mut self, db: &Connection) -> Result<Vec<String>, BrokerError> {
+        if self.released_at.is_some_and(|at| at.elapsed() < RELEASE_EVERY) {
+            return Ok(Vec::new());
+        }
+        self.released_at = Some(std::time::Instant::now());
         let e = |err| self.error(err);
         let consumers: Vec<(i64, String, String)> = db
             .prepare_cached("SELECT owner, queue, process FROM consumers WHERE typeof(process) = 'text'")

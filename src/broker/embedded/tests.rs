@@ -232,15 +232,17 @@ async fn a_dead_processes_consumer_hands_back_at_once() {
     db.execute("UPDATE consumers SET process = ?1", [format!("{}:1:{namespace}", u32::MAX)]).expect("update");
     drop((deliveries, consumer));
 
+    // The next runner: a handle of its own on the file.
+    let next_runner = open(&dir).await;
     let since = Instant::now();
-    let (mut deliveries, consumer) = broker.consume("ordered", 10).await.expect("consume");
+    let (mut deliveries, consumer) = next_runner.consume("ordered", 10).await.expect("consume");
     let mut got = Vec::new();
     for _ in 0..3 {
         got.push(next(&mut deliveries).await);
     }
     assert!(since.elapsed() < LEASE / 3, "back after {:?}", since.elapsed());
     assert_eq!(got.iter().map(text).collect::<Vec<_>>(), ["0", "1", "2"], "in their old places");
-    assert_eq!(broker.stats("ordered").await.expect("stats").consumers, 1, "the dead one's registration gone");
+    assert_eq!(next_runner.stats("ordered").await.expect("stats").consumers, 1, "the dead one's registration gone");
     consumer.ack(&got).await.expect("ack");
     consumer.close().await;
 }

@@ -2,8 +2,9 @@
 //! is a module, linked once against sluice and its C libraries instead of once per file. Run
 //! one file's tests with `cargo test --test suite FILE::` (e.g. `cargo test --test suite dlq::`).
 //! `cluster.rs` is the binary `cluster` (`cargo test --test cluster`), which `.ci/run` runs
-//! beside the suite, and `adaptive.rs` the binary `alone`, run last with the machine to itself:
-//! beside the suite, the adaptive limit missed its bounds.
+//! beside the suite (and after it, this binary's `schedule::` and `redis_broker::`, which the
+//! suite run there leaves out), and `adaptive.rs` the binary `alone`, run last with the machine
+//! to itself: beside the suite, the adaptive limit missed its bounds.
 
 #[macro_use]
 mod support;

@@ -18,16 +18,17 @@ const DEADLINE: Duration = Duration::from_secs(60);
 /// A direct exchange `ev` and a queue `work` bound with key `work` (the messages of
 /// [`webhook_pipeline`] route to it too), with a command handler `handler.sh` (written from
 /// `body`) that gets the path of `side-effects` in the pipeline directory as `$1`; `extra` is
-/// appended to the queue's definition (indented by four spaces). The handler's timeout is 10s
-/// (every script here is done sooner): the idempotency claim of a handler cut off by a crash or
-/// by the shutdown grace holds its key for 2 × timeout + 5s, which the default 60s would make
-/// longer than a test waits for the message to run again.
-fn command_pipeline(body: &str, extra: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+/// appended to the queue's definition (indented by four spaces). The handler's timeout is
+/// `timeout` (every script here is done sooner): the idempotency claim of a handler cut off by
+/// a crash or by the shutdown grace holds its key for 2 × timeout + 5s where the store cannot
+/// tell that its runner is gone (Redis), which the default 60s would make longer than a test
+/// waits for the message to run again.
+fn command_pipeline(body: &str, timeout: &str, extra: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     script(dir.path(), "handler.sh", body);
     let effects = dir.path().join("side-effects");
     let yaml = format!(
-        "version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: work}}]\n    handler:\n      command: {{program: ./handler.sh, args: [\"{}\"], timeout: 10s}}\n{extra}",
+        "version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: work}}]\n    handler:\n      command: {{program: ./handler.sh, args: [\"{}\"], timeout: {timeout}}}\n{extra}",
         effects.display()
     );
     std::fs::write(dir.path().join("pipeline.yaml"), yaml).expect("write pipeline");
@@ -296,7 +297,8 @@ async fn crash_between_side_effect_and_ack(
 
 async fn a_crash_between_command_side_effect_and_ack_repeats_at_most_the_in_flight_messages<P: Place>(place: P) {
     // The side effect first, then the slow rest of the work: the crash lands between the two.
-    let (dir, effects) = command_pipeline(r#"echo "$SLUICE_IDEMPOTENCY_KEY" >> "$1"; sleep 1"#, "    concurrency: 4\n");
+    let (dir, effects) =
+        command_pipeline(r#"echo "$SLUICE_IDEMPOTENCY_KEY" >> "$1"; sleep 1"#, "10s", "    concurrency: 4\n");
     crash_between_side_effect_and_ack(dir.path(), &place, || lines(&effects)).await;
 }
 
@@ -313,6 +315,7 @@ async fn a_crash_between_webhook_side_effect_and_ack_repeats_at_most_the_in_flig
 async fn a_command_failing_transiently_runs_exactly_max_attempts_then_dead_letters<P: Place>(place: P) {
     let (dir, effects) = command_pipeline(
         r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; echo "upstream down" >&2; exit 3"#,
+        "10s",
         "    retry: {max_attempts: 4, initial: 100ms, max: 300ms}\n",
     );
     let broker = place.connect().await;
@@ -362,6 +365,7 @@ async fn sigterm_finishes_in_flight_messages_and_acks_them<P: Place>(place: P) {
     const N: usize = 8;
     let (dir, effects) = command_pipeline(
         r#"echo "start $SLUICE_IDEMPOTENCY_KEY" >> "$1"; sleep 2; echo "done $SLUICE_IDEMPOTENCY_KEY" >> "$1""#,
+        "10s",
         "    concurrency: 4\n",
     );
     let broker = place.connect().await;
@@ -390,9 +394,12 @@ async fn sigterm_finishes_in_flight_messages_and_acks_them<P: Place>(place: P) {
 }
 
 async fn sigterm_with_a_handler_slower_than_the_grace_exits_in_time_and_loses_nothing<P: Place>(place: P) {
-    // Slow (far beyond the grace) while the marker file exists, quick once it is gone.
+    // Slow (far beyond the grace) while the marker file exists, quick once it is gone. The
+    // grace (1 s) cuts it off long before its timeout (4 s), whose claim on Redis then holds
+    // the key for 13 s.
     let (dir, effects) = command_pipeline(
         r#"echo $$ > "$1.pid"; echo "start $SLUICE_IDEMPOTENCY_KEY" >> "$1"; if [ -e "$1.slow" ]; then sleep 30; fi; echo "done $SLUICE_IDEMPOTENCY_KEY" >> "$1""#,
+        "4s",
         "",
     );
     let marker = effects.with_extension("slow");

@@ -23,11 +23,14 @@ fn started(pid: u32) -> Option<u64> {
 }
 
 /// This process's pid namespace (the inode `/proc/self/ns/pid` names), or 0 where the system
-/// does not say.
+/// does not say; read once, as every holder [`alive`] looks at is compared with it.
 fn pid_namespace() -> u64 {
-    let link = std::fs::read_link("/proc/self/ns/pid").unwrap_or_default();
-    let digits: String = link.to_string_lossy().chars().filter(char::is_ascii_digit).collect();
-    digits.parse().unwrap_or(0)
+    static NAMESPACE: OnceLock<u64> = OnceLock::new();
+    *NAMESPACE.get_or_init(|| {
+        let link = std::fs::read_link("/proc/self/ns/pid").unwrap_or_default();
+        let digits: String = link.to_string_lossy().chars().filter(char::is_ascii_digit).collect();
+        digits.parse().unwrap_or(0)
+    })
 }
 
 /// Whether the process a holder (`pid:start:namespace`, then anything) names still runs.

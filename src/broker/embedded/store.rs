@@ -415,10 +415,7 @@ impl Store {
                 ));
             }
         }
-        Ok((
-            db,
-            Store { path: shown, opened: Vec::new(), topology: None, ready_counts: HashMap::new(), released_at: None },
-        ))
+        Ok((db, Store::new(shown, Vec::new())))
     }
 
     /// Opens the file (with `create`, making it and its directory when missing): WAL,
@@ -544,7 +541,13 @@ impl Store {
             .into_iter()
             .filter_map(|file| identity(&file).map(|id| (file, id)))
             .collect();
-        Ok((conn, Store { path: shown, opened, topology: None, ready_counts: HashMap::new(), released_at: None }))
+        Ok((conn, Store::new(shown, opened)))
+    }
+
+    /// A store of the file shown as `path`, whose files as opened are `opened`, with nothing
+    /// cached yet.
+    fn new(path: String, opened: Vec<(PathBuf, (u64, u64))>) -> Store {
+        Store { path, opened, topology: None, ready_counts: HashMap::new(), released_at: None }
     }
 
     /// Drops the cached declarations (read in a transaction that did not commit).

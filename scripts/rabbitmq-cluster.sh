@@ -4,8 +4,8 @@
 #   scripts/rabbitmq-cluster.sh DIR up|down|status|ports
 #   scripts/rabbitmq-cluster.sh DIR kill|freeze|thaw|start|rejoin|stop N  (N = 1, 2 or 3)
 #
-#   up        create DIR, start three nodes (2 and 3 join 1 as they boot), wait until each
-#             node sees 3 running
+#   up        create DIR, start node 1, then nodes 2 and 3 (which join 1 as they boot), wait
+#             until each node sees 3 running
 #   down      kill -9 every node process of DIR (thawing first), wait until no process,
 #             epmd name or listening port is left, remove DIR; safe to repeat, and after a
 #             failed or partial up
@@ -332,8 +332,14 @@ cmd_up() {
   for n in "${NODES[@]}"; do write_node_files "$n" "${ports[n - 1]}" "${ports[n + 2]}"; done
   printf '%s\n' "${ports[0]}" "${ports[1]}" "${ports[2]}" >"$DIR/ports"
   say "starting $(node_name 1), $(node_name 2), $(node_name 3) on AMQP ports ${ports[*]:0:3} in $DIR"
-  for n in "${NODES[@]}"; do start_node "$n"; done
-  for n in "${NODES[@]}"; do await_listening "$n"; done
+  # Node 1 first, to the end of its boot: a node that joins one still enabling its feature
+  # flags can stop that boot ("incompatible_feature_flags ... All replicas on diskfull nodes
+  # are not active yet", seen once under a loaded CI machine). Nodes 2 and 3 then join it one
+  # at a time, under the discovery lock.
+  start_node 1
+  await_listening 1
+  for n in 2 3; do start_node "$n"; done
+  for n in 2 3; do await_listening "$n"; done
   say "listening in $(($(now_ms) - t0)) ms"
   await_cluster 3 "${NODES[@]}"
   trap - EXIT

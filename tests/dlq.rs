@@ -369,17 +369,26 @@ async fn a_redrive_into_a_full_queue_waits_for_room_before_it_gives_up<P: Place>
     })
     .await;
     // Room appears: a runner takes what is in the queue.
-    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
+    let (mut runner, admin) = support::run_with_admin(dir.path(), &place.url(), "work").await;
     let finished =
         tokio::task::spawn_blocking(move || redrive.wait_with_output().expect("redrive")).await.expect("redrive task");
     let stdout = String::from_utf8_lossy(&finished.stdout).to_string();
     let stderr = std::fs::read_to_string(&log).unwrap_or_default();
-    assert_eq!(finished.status.code(), Some(0), "stdout: {stdout}\nstderr: {stderr}");
+    assert_eq!(
+        finished.status.code(),
+        Some(0),
+        "stdout: {stdout}\nstderr: {stderr}\nthe runner's log:\n{}",
+        runner.log()
+    );
     assert!(stdout.starts_with("10 message(s) redriven to work"), "{stdout}");
     support::wait_until(Duration::from_secs(60), "every message handled", || async {
         receiver.succeeded_keys().len() == 15
     })
     .await;
+    // Each copy went in once: a pass the full queue refused in part moved what it took, and
+    // the next did not copy those again (idempotency would have hidden it from the receiver).
+    let duplicates = r#"sluice_messages_total{queue="work",outcome="duplicate"}"#;
+    assert_eq!(support::sample(&admin, duplicates).await, Some(0.0), "copies redriven twice");
     assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
     let each = support::counts(receiver.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()));
     assert!(each.values().all(|n| *n == 1), "a side effect twice: {each:?}");

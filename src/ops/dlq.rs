@@ -481,9 +481,15 @@ pub async fn apply<B: Operate>(
         Ok(())
     }
     .await;
-    // Whatever was confirmed leaves the dead-letter queue, even when a later copy failed;
-    // a failed copy's message is not acked, and closing hands it back with the rest.
-    drop(pending);
+    // When a copy failed, the others already sent are waited for (each within the broker's
+    // confirm timeout), and whatever was confirmed leaves the dead-letter queue: a pass that a
+    // full queue refuses in part still moves what went in, and the next pass does not copy
+    // those again. A failed copy's message is not acked; closing hands it back with the rest.
+    while let Some(copied) = pending.join_next().await {
+        if let Ok(copy) = joined(copied) {
+            confirmed.push(copy);
+        }
+    }
     let taken = take(&mut browse, &mut confirmed, &mut tally, progress).await;
     (tally.unread, tally.unread_because) = browse.close().await;
     result.and(taken.map(drop)).map(|()| tally)

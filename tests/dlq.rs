@@ -381,8 +381,12 @@ async fn a_redrive_into_a_full_queue_waits_for_room_before_it_gives_up<P: Place>
         runner.log()
     );
     assert!(stdout.starts_with("10 message(s) redriven to work"), "{stdout}");
-    support::wait_until(Duration::from_secs(60), "every message handled", || async {
+    // Every message handled, and every copy the redrive sent taken and settled: a copy sent
+    // twice would have been counted by now.
+    support::wait_until(Duration::from_secs(60), "every message handled and work drained", || async {
         receiver.succeeded_keys().len() == 15
+            && place.depth("work").await == 0
+            && support::gauge(&admin, "sluice_in_flight", "work").await == Some(0.0)
     })
     .await;
     // Each copy went in once: a pass the full queue refused in part moved what it took, and
@@ -390,6 +394,7 @@ async fn a_redrive_into_a_full_queue_waits_for_room_before_it_gives_up<P: Place>
     let duplicates = r#"sluice_messages_total{queue="work",outcome="duplicate"}"#;
     assert_eq!(support::sample(&admin, duplicates).await, Some(0.0), "copies redriven twice");
     assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
+    assert_eq!(place.depth("work").await, 0, "a copy left behind");
     let each = support::counts(receiver.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()));
     assert!(each.values().all(|n| *n == 1), "a side effect twice: {each:?}");
     assert_eq!(place.depth("work.dlq").await, 0);

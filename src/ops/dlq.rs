@@ -437,7 +437,7 @@ pub async fn apply<B: Operate>(
     let mut confirmed = Vec::new();
     // Body bytes of the messages in `pending` and `confirmed`.
     let mut held_bytes = 0;
-    let result = async {
+    let mut result = async {
         loop {
             while pending.len() >= IN_FLIGHT || (held_bytes >= HELD_BYTES && !pending.is_empty()) {
                 if let Some(copied) = pending.join_next().await {
@@ -475,20 +475,16 @@ pub async fn apply<B: Operate>(
                 Ok::<_, BrokerError>((delivery, removed))
             });
         }
-        while let Some(copied) = pending.join_next().await {
-            confirmed.push(joined(copied)?);
-        }
         Ok(())
     }
     .await;
-    // When a copy failed, the others already sent are waited for (each within the broker's
-    // confirm timeout), and whatever was confirmed leaves the dead-letter queue: a pass that a
+    // The copies still awaiting their confirms, each within the broker's confirm timeout, also
+    // when one failed: whatever was confirmed leaves the dead-letter queue, so a pass that a
     // full queue refuses in part still moves what went in, and the next pass does not copy
     // those again. A failed copy's message is not acked; closing hands it back with the rest.
+    // The first error stands.
     while let Some(copied) = pending.join_next().await {
-        if let Ok(copy) = joined(copied) {
-            confirmed.push(copy);
-        }
+        result = result.and(joined(copied).map(|copy| confirmed.push(copy)));
     }
     let taken = take(&mut browse, &mut confirmed, &mut tally, progress).await;
     (tally.unread, tally.unread_because) = browse.close().await;

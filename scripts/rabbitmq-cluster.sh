@@ -338,8 +338,8 @@ cmd_up() {
   # at a time, under the discovery lock.
   start_node 1
   await_listening 1
-  for n in 2 3; do start_node "$n"; done
-  for n in 2 3; do await_listening "$n"; done
+  for n in "${NODES[@]:1}"; do start_node "$n"; done
+  for n in "${NODES[@]:1}"; do await_listening "$n"; done
   say "listening in $(($(now_ms) - t0)) ms"
   await_cluster 3 "${NODES[@]}"
   trap - EXIT

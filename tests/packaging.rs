@@ -113,3 +113,60 @@ fn the_unit_waits_longer_than_the_shutdown_grace() {
     let stop = setting("TimeoutStopSec=").and_then(sluice::config::parse_duration).expect("TimeoutStopSec=");
     assert!(stop > grace, "TimeoutStopSec={stop:?} kills sluice within its --shutdown-grace {grace:?}");
 }
+
+/// Issue 31 item 18: the unit's `validate` lines check the files as the runner will, so an edit
+/// `sluice run` refuses fails `systemctl reload` (and the start), and the running pipelines
+/// stay. Each line is run as written (the binary and the pipelines directory swapped for the
+/// test's) on edits the runner refuses in a shell without the variables they read: a
+/// `${VAR}` unset, a signing secret unset.
+#[test]
+fn the_units_validate_lines_fail_on_an_edit_the_runner_refuses() {
+    const PIPELINES: &str = "/etc/sluice/pipelines";
+    let text = std::fs::read_to_string(UNIT).expect(UNIT);
+    let lines: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("ExecStartPre=").or_else(|| line.strip_prefix("ExecReload=")))
+        .filter(|line| line.split_whitespace().nth(1) == Some("validate"))
+        .collect();
+    assert_eq!(lines.len(), 2, "ExecStartPre= and ExecReload= each validate: {lines:?}");
+    let url = "url: http://127.0.0.1:9/x";
+    let edits = [
+        ("valid", format!("{{{url}}}"), true),
+        ("a ${VAR} unset", format!("{{{url}, headers: {{Authorization: \"Bearer ${{UNIT_TEST_TOKEN}}\"}}}}"), false),
+        ("a signing secret unset", format!("{{{url}, signing: {{secret_env: UNIT_TEST_SECRET}}}}"), false),
+    ];
+    for (what, webhook, runs) in edits {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = format!("version: 1\nqueues:\n  work:\n    handler:\n      webhook: {webhook}\n");
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write the pipeline");
+        let pipelines = dir.path().display().to_string();
+        if !runs {
+            // The runner refuses it: the edit is one the unit must refuse too.
+            let out = sluice()
+                .args(["run", &pipelines, "--broker", &dir.path().join("broker").display().to_string()])
+                .env_remove("UNIT_TEST_TOKEN")
+                .env_remove("UNIT_TEST_SECRET")
+                .timeout(std::time::Duration::from_secs(30))
+                .output()
+                .expect("runs");
+            assert_eq!(out.status.code(), Some(1), "sluice run refuses {what}: {out:?}");
+        }
+        for line in &lines {
+            let argv: Vec<String> = line
+                .split_whitespace()
+                .map(|word| match word {
+                    INSTALLED => env!("CARGO_BIN_EXE_sluice").to_string(),
+                    PIPELINES => pipelines.clone(),
+                    other => other.to_string(),
+                })
+                .collect();
+            let out = Command::new(&argv[0])
+                .args(&argv[1..])
+                .env_remove("UNIT_TEST_TOKEN")
+                .env_remove("UNIT_TEST_SECRET")
+                .output()
+                .expect("runs");
+            assert_eq!(out.status.success(), runs, "{line} on {what}: {out:?}");
+        }
+    }
+}

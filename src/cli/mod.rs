@@ -58,15 +58,19 @@ enum Command {
     /// Check pipeline files; exit 1 on any error (warnings alone exit 0).
     ///
     /// An unset environment variable read by `${VAR}` without a default is a warning (CI has no
-    /// secrets), and the value reading it is not checked further; `run`, `test` and the other
-    /// commands refuse the file (as `--env-strict` does).
+    /// secrets), and the value reading it is not checked further; `run` and `test` refuse the
+    /// file (as `--env-strict` does), the operator's commands (`status`, `dlq`, `plan`,
+    /// `render`) only when they read that value.
     Validate {
         /// Files or directories (searched recursively for *.yaml and *.yml).
         #[arg(default_value = config::source::DEFAULT_DIR)]
         paths: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
-        /// An unset variable read by `${VAR}` without a default is an error, as it is for `run`.
+        /// Check the files in this environment as `run` does before it starts: an unset
+        /// variable read by `${VAR}` without a default, an unset `{{env.X}}` or signing secret,
+        /// a secrets or `tls:` file that cannot be read are errors (the systemd unit validates so
+        /// before a reload).
         #[arg(long)]
         env_strict: bool,
         /// The broker the files will run on: with several amqp:// nodes (a cluster), classic
@@ -1124,7 +1128,7 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
 }
 
 fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, nodes: usize) -> ExitCode {
-    let validation = config::load_with(paths, unset).on_nodes(nodes);
+    let mut validation = config::load_with(paths, unset).on_nodes(nodes);
     let text = validation.render(format);
     if (format == Format::Json || !text.is_empty())
         && let Err(e) = output::stdout(&text)
@@ -1132,7 +1136,16 @@ fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, nodes: usiz
         output::stderr(&format!("error: cannot write the diagnostics: {e}\n"));
         return ExitCode::FAILURE;
     }
-    if validation.has_errors() {
+    // Strict: what `run` refuses to start with in this environment fails here too, so that a
+    // reload checked so (the systemd unit's) fails where the runner would reject the edit.
+    let refused = match (unset, validation.config.as_mut()) {
+        (config::Unset::Error, Some(config)) => config.prepare_run().err().unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    for error in &refused {
+        output::stderr(&format!("error: {}\n", crate::terminal::visible(&error.to_string())));
+    }
+    if validation.has_errors() || !refused.is_empty() {
         ExitCode::FAILURE
     } else {
         if format == Format::Human {

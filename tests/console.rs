@@ -191,18 +191,9 @@ async fn console_redrives_and_pauses<P: Place>(place: P) {
     for key in &keys {
         publish(&broker, "ev", "x", key, json!({ "key": key })).await;
     }
-    let seen = std::sync::Mutex::new(vec![0]);
-    wait_until(DEADLINE, "the overview's dead letters rise to 5", || async {
-        let n: u32 = browser.text(&dead).await.unwrap_or_default().trim().parse().unwrap_or(0);
-        let mut seen = seen.lock().expect("lock");
-        if seen.last() != Some(&n) {
-            seen.push(n);
-        }
-        n == 5
-    })
-    .await;
-    let seen = seen.into_inner().expect("lock");
-    assert!(seen.windows(2).all(|w| w[0] < w[1]), "the count only rose: {seen:?}");
+    // Issue 31 item 22: a condition, not a rate: the page shows all 5 (under load a refresh
+    // can show a cell empty or a count behind, which says nothing about the runner).
+    browser.wait_text(&dead, "the overview's dead letters rise to 5", |t| t.trim() == "5").await;
     browser.screenshot(&format!("overview-{}", broker_name(&place))).await;
 
     // The attempts say why.

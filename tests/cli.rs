@@ -391,3 +391,91 @@ fn plan_compares_with_the_broker_named_by_sluice_broker() {
     assert!(stdout.contains("missing exchange \"orders\""), "{env:?}");
     assert!(!broker.exists(), "plan created the broker");
 }
+
+/// A pipeline whose webhook reads a token (`${OPS_TEST_TOKEN}`) and a signing secret
+/// (`OPS_TEST_SECRET`) from the environment, as a deployment's does; `dead_letter` is added to
+/// the queue as given.
+fn secret_pipeline(dead_letter: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let pipelines = dir.path().join("pipelines");
+    std::fs::create_dir(&pipelines).unwrap();
+    let yaml = format!(
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n{dead_letter}    \
+         handler:\n      webhook:\n        url: http://127.0.0.1:9/x\n        headers: {{Authorization: \"Bearer ${{OPS_TEST_TOKEN}}\"}}\n        \
+         signing: {{secret_env: OPS_TEST_SECRET}}\n"
+    );
+    std::fs::write(pipelines.join("p.yaml"), yaml).unwrap();
+    dir
+}
+
+/// `sluice ARGS` in a shell without the pipelines' secrets.
+fn without_secrets(args: &[&str]) -> std::process::Output {
+    sluice()
+        .args(args)
+        .env_remove("OPS_TEST_TOKEN")
+        .env_remove("OPS_TEST_SECRET")
+        .env_remove("OPS_TEST_DLQ")
+        .env_remove("SLUICE_BROKER")
+        .output()
+        .unwrap()
+}
+
+/// Issue 31 item 17: the operator's commands need no secret they do not use. `status`, `dlq`
+/// and `plan` work in a shell without the webhook's token and signing secret (as the
+/// README's Deploy section runs `status`), each saying in one note line what it left
+/// unresolved; `render`, which renders the webhook's call, still needs its token, and `status`
+/// needs a variable the dead-letter queue's name reads.
+#[test]
+fn operator_commands_resolve_only_what_they_use() {
+    let dir = secret_pipeline("");
+    let pipelines = dir.path().join("pipelines").display().to_string();
+    let broker = dir.path().join("broker").display().to_string();
+    let run = sluice()
+        .args(["run", &pipelines, "--broker", &broker, "--exit-when-idle"])
+        .env("OPS_TEST_TOKEN", "t0ken")
+        .env("OPS_TEST_SECRET", "whsec_c2VjcmV0LWtleS1mb3ItdGVzdHM=")
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(0), "the runner declares the broker: {run:?}");
+    let cases: [&[&str]; 4] = [
+        &["status", &pipelines, "--broker", &broker],
+        &["dlq", "list", "work", "--pipelines", &pipelines, "--broker", &broker],
+        &["plan", &pipelines],
+        &["plan", &pipelines, "--broker", &broker],
+    ];
+    for args in cases {
+        let out = without_secrets(args);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stdout}{stderr}");
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: one note line: {stderr}");
+        let note = lines[0];
+        assert!(
+            note.starts_with("note: ") && note.contains("OPS_TEST_TOKEN") && note.contains("OPS_TEST_SECRET"),
+            "{args:?}: {note}"
+        );
+    }
+    let status = without_secrets(&["status", &pipelines, "--broker", &broker]);
+    assert!(String::from_utf8_lossy(&status.stdout).starts_with("QUEUE"), "{status:?}");
+
+    // `render` renders the webhook's call: the token it reads is needed.
+    let message = dir.path().join("message.json");
+    std::fs::write(&message, r#"{"id": "m-1", "type": "t", "payload": {}}"#).unwrap();
+    let render =
+        without_secrets(&["render", &pipelines, "--queue", "work", "--message", &message.display().to_string()]);
+    assert_eq!(render.status.code(), Some(1), "{render:?}");
+    assert!(String::from_utf8_lossy(&render.stderr).contains("OPS_TEST_TOKEN"), "{render:?}");
+
+    // A dead-letter queue named by a variable: `status` and `dlq` read that name.
+    let dir = secret_pipeline("    dead_letter: {queue: \"${OPS_TEST_DLQ}\"}\n");
+    let pipelines = dir.path().join("pipelines").display().to_string();
+    for args in [&["status", &pipelines][..], &["dlq", "list", "work", "--pipelines", &pipelines]] {
+        let out = without_secrets(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("OPS_TEST_DLQ")
+                || String::from_utf8_lossy(&out.stderr).contains("OPS_TEST_DLQ"),
+            "{args:?}: {out:?}"
+        );
+    }
+}

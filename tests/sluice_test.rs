@@ -337,3 +337,60 @@ tests:
     assert!(out.contains("expected: [\"big\"]"), "{out}");
     assert!(out.contains("actual:   []"), "{out}");
 }
+
+/// Issue 31 (low): test names are text from outside: ESC, BEL and CR in one reach neither the
+/// GitHub annotations (a terminal shows the job log) nor the JUnit XML (where a raw CR in an
+/// attribute is read back as a space) raw; each is shown escaped.
+#[test]
+fn control_characters_in_test_names_are_escaped_in_github_and_junit() {
+    let dir = suite(
+        "  - name: \"evil \\e]0;title\\a \\e[31mred\\r\\nover\"\n    message: {exchange: orders, routing_key: order.x, payload: {id: 1}}\n    expect: {queues: [audit]}\n",
+    );
+    for format in ["github", "junit"] {
+        let out = stdout(sluice().arg("test").arg(dir.path()).args(["--format", format]).assert().code(1));
+        let raw: Vec<char> = out.chars().filter(|c| c.is_control() && *c != '\n').collect();
+        assert!(raw.is_empty(), "{format}: raw control characters {raw:?} in:\n{out}");
+        assert!(out.contains(r"evil \x1b]0;title\x07 \x1b[31mred\r\nover"), "{format}: the name escaped:\n{out}");
+    }
+}
+
+/// Issue 31 item 17: CI has no secrets. A webhook whose signing secret is unset here is signed
+/// with a throwaway secret, and `sluice test` says so; a secret that is set but is no secret
+/// still fails as `run` would have it fail.
+#[test]
+fn an_unset_signing_secret_is_replaced_by_a_throwaway_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pipeline = r##"version: 1
+exchanges:
+  orders: {type: topic}
+queues:
+  signed:
+    bind: [{exchange: orders, routing_key: "#"}]
+    handler: {webhook: {url: "http://127.0.0.1:9/s", signing: {secret_env: SLUICE_TEST_UNSET_SECRET}}}
+  mangled:
+    bind: [{exchange: orders, routing_key: "#"}]
+    handler: {webhook: {url: "http://127.0.0.1:9/m", signing: {secret_env: SLUICE_TEST_BAD_SECRET}}}
+"##;
+    std::fs::write(dir.path().join("p.yaml"), pipeline).expect("write");
+    let tests = r#"version: 1
+tests:
+  - name: signed without the secret
+    message: {exchange: orders, routing_key: order.created, payload: {id: 1}}
+    expect: {outcomes: {signed: success, mangled: dead_letter:signing}}
+"#;
+    std::fs::write(dir.path().join("t.test.yaml"), tests).expect("write");
+    let assert = sluice()
+        .arg("test")
+        .arg(dir.path())
+        .env_remove("SLUICE_TEST_UNSET_SECRET")
+        .env("SLUICE_TEST_BAD_SECRET", "not-a-secret")
+        .assert()
+        .success();
+    let err = String::from_utf8(assert.get_output().stderr.clone()).expect("UTF-8");
+    let out = stdout(assert);
+    assert!(out.ends_with("test result: ok. 1 passed; 0 failed\n"), "{out}");
+    assert_eq!(
+        err,
+        "note: queue signed: signing secret SLUICE_TEST_UNSET_SECRET not set here: its calls are signed with a throwaway secret\n"
+    );
+}

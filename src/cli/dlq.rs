@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use indicatif::ProgressBar;
 
+use super::reads::{self, Reads};
 use super::{BrokerArg, Endpoint, Refusals, output, parse_duration, with_broker, with_sessions};
 use crate::broker::embedded::ReadOnly;
 use crate::broker::{Broker as _, BrokerError};
@@ -124,7 +125,7 @@ impl Target {
         if !self.pipelines.iter().any(|p| p.exists()) {
             return Ok(format!("{}.dlq", self.queue));
         }
-        let config = load(&self.pipelines)?;
+        let config = load(&self.pipelines, "dlq")?;
         match config.queues.get(&self.queue) {
             Some(q) => Ok(q.dead_letter.clone()),
             None => bail!(
@@ -141,10 +142,11 @@ fn paths(paths: &[PathBuf]) -> String {
     paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
 }
 
-fn load(paths: &[PathBuf]) -> anyhow::Result<Config> {
-    let validation = config::load(paths);
-    output::stderr(&validation.render(config::Format::Human));
-    validation.config.with_context(|| format!("invalid pipeline files in {}", self::paths(paths)))
+/// The pipeline files, for the queues' names and their dead-letter queues' (all `command`
+/// reads of them).
+fn load(paths: &[PathBuf], command: &str) -> anyhow::Result<Config> {
+    reads::load_for(paths, 1, command, Reads::DeadLetters)
+        .with_context(|| format!("invalid pipeline files in {}", self::paths(paths)))
 }
 
 /// Runs `read` on the embedded broker's file opened read-only, when `--broker` names its
@@ -392,7 +394,7 @@ fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
 
 /// Runs `sluice status`; `admin` names the runners whose held deliveries fill UNACKED.
 pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], format: Format) -> anyhow::Result<()> {
-    let config = load(paths)?;
+    let config = load(paths, "status")?;
     let runners = if admin.is_empty() { None } else { Some(runners(admin).await?) };
     let held = runners.as_ref().map(|(held, _)| held);
     let read = read_only(&broker, async |file| status::read(file, &config, held).await).await?;

@@ -6,6 +6,7 @@ mod dlq;
 mod output;
 mod pause;
 mod publish;
+mod reads;
 
 use std::future::Future;
 use std::io::IsTerminal as _;
@@ -609,7 +610,7 @@ pub fn main() -> ExitCode {
             validate(&paths, format, unset, nodes(&broker))
         }
         Command::Plan { paths, format, broker, connect_timeout } => {
-            let Some(config) = load_or_report(&paths, nodes(&broker)) else {
+            let Some(config) = reads::load_for(&paths, nodes(&broker), "plan", reads::Reads::Topology) else {
                 return ExitCode::FAILURE;
             };
             let plan = topology::plan(&config);
@@ -669,7 +670,9 @@ pub fn main() -> ExitCode {
         Command::Publish(args) => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, publish::publish(args))),
         Command::DemoReceiver { listen } => exit(block_on(NonZeroUsize::MIN, LogFormat::Text, demo::receive(&listen))),
         Command::Render { paths, queue, message, attempt } => {
-            let Some(mut config) = load_or_report(&paths, 1) else { return ExitCode::FAILURE };
+            let Some(mut config) = reads::load_for(&paths, 1, "render", reads::Reads::Queue(&queue)) else {
+                return ExitCode::FAILURE;
+            };
             exit(render(&mut config, &queue, &message, attempt).and_then(|text| Ok(output::stdout(&text)?)))
         }
         Command::Completions { shell } => {
@@ -1159,6 +1162,9 @@ fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, nodes: usiz
 /// `sluice test`: every result on stdout; exit 1 when a test fails or a file has an error.
 fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
     let outcome = testing::run(paths);
+    for note in &outcome.notes {
+        output::stderr(&format!("note: {}\n", crate::terminal::visible(note)));
+    }
     if let Err(e) = output::stdout(&testing::report::render(&outcome, format)) {
         output::stderr(&format!("error: cannot write the results: {e}\n"));
         return ExitCode::FAILURE;

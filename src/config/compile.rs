@@ -53,6 +53,7 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
     // What `${VAR}` substitution said, and the strings it left as written, by file.
     let mut substitution = Vec::new();
     let mut unresolved: Vec<(PathBuf, String)> = Vec::new();
+    let mut unset = Vec::new();
     for path in &discovery.files {
         let loaded = source::read(path).and_then(|text| {
             // Kept for the snippets of diagnostics: printing them never reads a file again.
@@ -68,6 +69,11 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
                 let interpolated = interpolate(&mut file, env);
                 substitution.extend(interpolated.diagnostics);
                 unresolved.extend(interpolated.unresolved.into_iter().map(|p| (file.path.clone(), p)));
+                unset.extend(interpolated.unset.into_iter().map(|(pointer, name)| super::UnsetVar {
+                    file: file.path.clone(),
+                    pointer,
+                    name,
+                }));
                 let schema_errors = super::schema::check(&file);
                 if schema_errors.is_empty() {
                     match deserialize(&file) {
@@ -126,7 +132,7 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
     let mut diags = once_per_anchor(diags);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
-    Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources, cluster }
+    Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources, cluster, unset }
 }
 
 /// The raw file without the nodes at `invalid` (JSON pointers), for checking the rest of a

@@ -53,6 +53,9 @@ pub struct Interpolated {
     /// The strings left as written because of a diagnostic above: what the other checks say
     /// about them would only repeat it.
     pub unresolved: Vec<String>,
+    /// Each variable unset here (without a default) that a string left as written reads, by
+    /// the string's pointer: what a command that does not use the string can do without.
+    pub unset: Vec<(String, String)>,
 }
 
 /// Substitutes the environment into every string value of `file` (keys are left alone).
@@ -77,6 +80,9 @@ pub fn interpolate(file: &mut SourceFile, env: &Env) -> Interpolated {
                     continue;
                 }
                 for fault in faults {
+                    if let Kind::Unset { name } | Kind::Required { name, .. } = &fault.kind {
+                        out.unset.push((pointer.clone(), name.clone()));
+                    }
                     let pos = file.offset_pos(&pointer, text, fault.offset);
                     let severity = match (&fault.kind, env.unset) {
                         (Kind::Unset { .. } | Kind::Required { .. }, Unset::Warning) => Severity::Warning,

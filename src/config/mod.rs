@@ -655,6 +655,17 @@ pub struct Validation {
     pub sources: BTreeMap<PathBuf, String>,
     /// Warnings that hold only when the broker is a cluster (a classic queue lives on one node).
     pub cluster: Vec<Diagnostic>,
+    /// The `${VAR}`s unset here that left a string as written (with [`Unset::Warning`]).
+    pub unset: Vec<UnsetVar>,
+}
+
+/// An environment variable unset here, without a default, and the string reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnsetVar {
+    pub file: PathBuf,
+    /// The string's JSON pointer in the file, as the diagnostics name it.
+    pub pointer: String,
+    pub name: String,
 }
 
 impl Validation {

@@ -50,6 +50,13 @@ pub fn render(outcome: &Outcome, format: Format) -> String {
         Format::Github => {
             let mut all = outcome.diagnostics.clone();
             all.extend(outcome.results.iter().flat_map(annotations));
+            // A job's log is shown on a terminal: what came from the files is escaped first
+            // (the workflow command's own escapes only keep a message on its line).
+            for d in &mut all {
+                d.message = visible(&d.message).into_owned();
+                d.pointer = visible(&d.pointer).into_owned();
+                d.file = visible(&d.file.display().to_string()).into_owned().into();
+            }
             diagnostic::render(&all, DiagnosticFormat::Github, &source)
         }
     }
@@ -113,7 +120,7 @@ fn junit(outcome: &Outcome) -> String {
     if !errors.is_empty() {
         let _ = writeln!(out, "  <testsuite name=\"files\" tests=\"{0}\" failures=\"0\" errors=\"{0}\">", errors.len());
         for d in errors {
-            let file = xml(&d.file.display().to_string());
+            let file = xml(&visible(&d.file.display().to_string()));
             let _ =
                 writeln!(out, "    <testcase name=\"{file}\" classname=\"files\" file=\"{file}\" line=\"{}\">", d.line);
             let _ = writeln!(out, "      <error message=\"{}\"/>", xml(&d.headline()));
@@ -126,13 +133,13 @@ fn junit(outcome: &Outcome) -> String {
     for file in files {
         let results: Vec<&TestResult> = outcome.results.iter().filter(|r| r.file == file).collect();
         let failed = results.iter().filter(|r| !r.passed()).count();
-        let name = xml(&file.display().to_string());
+        let name = xml(&visible(&file.display().to_string()));
         let _ = writeln!(out, "  <testsuite name=\"{name}\" tests=\"{}\" failures=\"{failed}\">", results.len());
         for r in results {
             let _ = write!(
                 out,
                 "    <testcase name=\"{}\" classname=\"{name}\" file=\"{name}\" line=\"{}\"",
-                xml(&r.name),
+                xml(&visible(&r.name)),
                 r.line
             );
             if r.passed() {
@@ -145,7 +152,8 @@ fn junit(outcome: &Outcome) -> String {
                 .iter()
                 .map(|f| {
                     let m = &f.mismatch;
-                    format!("{} (line {}): expected {}, actual {}", m.field, f.line, m.expected, m.actual)
+                    let (field, expected, actual) = (visible(&m.field), visible(&m.expected), visible(&m.actual));
+                    format!("{field} (line {}): expected {expected}, actual {actual}", f.line)
                 })
                 .collect();
             let _ = writeln!(
@@ -162,7 +170,10 @@ fn junit(outcome: &Outcome) -> String {
     out
 }
 
-/// Text as XML attribute or element content; characters XML 1.0 cannot hold are replaced.
+/// Text as XML attribute or element content: the line breaks sluice writes (between a test's
+/// failures) and tabs as character references, which a parser keeps (a raw one in an attribute
+/// is read back as a space); characters XML 1.0 cannot hold replaced. Text from outside is
+/// escaped with [`visible`] first, so none of its control characters reaches here.
 fn xml(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
@@ -173,7 +184,8 @@ fn xml(text: &str) -> String {
             '"' => out.push_str("&quot;"),
             '\'' => out.push_str("&apos;"),
             '\n' => out.push_str("&#10;"),
-            '\t' | '\r' => out.push(c),
+            '\r' => out.push_str("&#13;"),
+            '\t' => out.push_str("&#9;"),
             c if c.is_control() => out.push('\u{fffd}'),
             c => out.push(c),
         }
@@ -187,6 +199,6 @@ mod tests {
 
     #[test]
     fn xml_escapes_markup_and_control_characters() {
-        assert_eq!(xml("a<b>&\"c\"'d'\n\u{1b}"), "a&lt;b&gt;&amp;&quot;c&quot;&apos;d&apos;&#10;\u{fffd}");
+        assert_eq!(xml("a<b>&\"c\"'d'\n\r\t\u{1b}"), "a&lt;b&gt;&amp;&quot;c&quot;&apos;d&apos;&#10;&#13;&#9;\u{fffd}");
     }
 }

@@ -33,6 +33,14 @@ fn ok(finished: &Finished) -> &str {
 }
 
 /// A dead-letter copy as the runner writes it, published straight into `work.dlq`.
+/// [`plant`] with a payload of about `size` bytes.
+async fn plant_sized<B: sluice::broker::Broker>(broker: &B, key: &str, size: usize) {
+    let envelope = Envelope::new("test.event", &json!({"pad": "x".repeat(size)}), Some(key.to_string()));
+    let headers = Headers::from([(envelope::REASON_HEADER.to_string(), HeaderValue::Str("exhausted".into()))]);
+    let message = sluice::broker::Outgoing { body: envelope.encode(), headers, ..Default::default() };
+    broker.publish("", "work.dlq", message).await.expect("plant");
+}
+
 pub async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str, reason: &str, failed: Duration) -> String {
     let envelope = Envelope::new("test.event", &json!({"n": key}), Some(key.to_string()));
     let failed_at = humantime::format_rfc3339_seconds(SystemTime::now() - failed).to_string();
@@ -446,3 +454,53 @@ on_every_broker!(
     a_redrive_into_a_full_queue_waits_for_room_before_it_gives_up,
     a_redrive_of_thousands_at_full_speed_leaves_none_behind,
 );
+
+/// Issue 31 (low): a redrive killed mid-way leaves what it held leased to it; the next
+/// redrive moves what it can and says how many the dead one still holds and when their
+/// lease ends, and a redrive after that moves the rest: none is skipped in silence.
+async fn a_redrive_after_a_killed_one_names_what_the_dead_one_still_holds<P: Place>(place: P) {
+    let receiver = Receiver::ok().await;
+    let dir = support::webhook_pipeline(&receiver, "");
+    let broker = place.connect().await;
+    support::declare(dir.path(), &broker).await;
+    for n in 0..1500 {
+        plant_sized(&broker, &format!("h-{n}"), 8 << 10).await;
+    }
+    broker.close().await;
+    let d = dir.path().to_str().expect("utf-8 path").to_string();
+    let mut first = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["dlq", "redrive", "work", "--pipelines", &d, "--rate", "200/s", "--broker", &place.url()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn redrive");
+    support::wait_until(Duration::from_secs(30), "the first redrive under way", || async {
+        place.depth("work").await >= 50
+    })
+    .await;
+    first.kill().expect("kill -9");
+    let _ = first.wait();
+
+    let second = cli(&["dlq", "redrive", "work", "--pipelines", &d], &place.url()).await;
+    ok(&second);
+    // What the dead one still holds is left, and said: how many, until when.
+    let left = place.depth("work.dlq").await;
+    if left > 0 {
+        // Held when the pass began: some may have come back meanwhile, and wait for the next.
+        let held = second.stderr.lines().find_map(|l| {
+            let rest = l.strip_prefix("note: ")?;
+            let (count, rest) = rest.split_once(" message(s) of work.dlq ")?;
+            rest.contains("lease").then(|| count.parse::<u32>().ok()).flatten()
+        });
+        assert!(held.is_some_and(|held| held >= left), "{left} left, not said: {}", second.stderr);
+    }
+    // Once the lease ends, a redrive moves the rest.
+    support::wait_until(Duration::from_secs(90), "a redrive leaves none", || async {
+        ok(&cli(&["dlq", "redrive", "work", "--pipelines", &d], &place.url()).await);
+        place.depth("work.dlq").await == 0
+    })
+    .await;
+    assert!(place.depth("work").await >= 1500, "every message redriven");
+}
+
+on_every_broker!(a_redrive_after_a_killed_one_names_what_the_dead_one_still_holds);

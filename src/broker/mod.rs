@@ -501,4 +501,23 @@ pub trait Operate: Broker {
 
     /// How what exists on the broker differs from `plan`, changing nothing.
     fn drift(&self, plan: &Plan) -> impl Future<Output = Result<Vec<Drift>, BrokerError>> + Send;
+
+    /// The messages of `queue` that consumers hold under a lease still running (delivered, not
+    /// settled), which no browse reads until it runs out: a killed `sluice dlq` holds its
+    /// messages so. None when there are none, or where a broker has no leases (RabbitMQ hands
+    /// a dead consumer's messages back as soon as its connection is gone). The embedded broker
+    /// first hands back what consumers of processes known dead held.
+    fn leased(&self, queue: &str) -> impl Future<Output = Result<Option<Leased>, BrokerError>> + Send {
+        let _ = queue;
+        std::future::ready(Ok(None))
+    }
+}
+
+/// Messages held under a lease (see [`Operate::leased`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Leased {
+    pub count: u32,
+    /// When the last of their leases runs out, unless the consumer holding it lives and renews
+    /// it: seconds since the epoch.
+    pub until: u64,
 }

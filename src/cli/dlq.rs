@@ -309,8 +309,17 @@ async fn apply(
 }
 
 /// Says why a pass read fewer messages than `dlq` held when it began, when it was not told to
-/// stop (`--limit`).
+/// stop (`--limit`), and what other consumers held that it could not read.
 fn unread_note(tally: &dlq::Tally, dlq: &str) {
+    if let Some(leased) = tally.leased {
+        let until = std::time::UNIX_EPOCH + Duration::from_secs(leased.until);
+        output::stderr(&format!(
+            "note: {} message(s) of {dlq} were not read: a consumer holds them under a lease (a `sluice dlq` killed \
+             mid-run, or one still running) that runs out by {}; run again then\n",
+            leased.count,
+            humantime::format_rfc3339_seconds(until)
+        ));
+    }
     let why = match tally.unread_because {
         Some(Unread::PassedOver) => format!(
             "more than {} were passed over at once; narrow the filter, or act on some and run again",

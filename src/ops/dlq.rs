@@ -21,7 +21,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::task::{JoinError, JoinSet};
 
-use crate::broker::{BrokerError, Consumer, Delivery, Edits, HeaderValue, Operate, embedded};
+use crate::broker::{BrokerError, Consumer, Delivery, Edits, HeaderValue, Leased, Operate, embedded};
 use crate::envelope::{self, Envelope};
 
 /// The most messages held (read, not removed) at once. A filter that passes over more than
@@ -113,6 +113,9 @@ pub struct Tally {
     pub unread: u32,
     /// Why the pass stopped early, when it did.
     pub unread_because: Option<Unread>,
+    /// Messages of the dead-letter queue that consumers held under a lease when the pass
+    /// began, which it could not read (those of a `sluice dlq` killed mid-run).
+    pub leased: Option<Leased>,
 }
 
 /// Why a pass read fewer messages than the dead-letter queue held when it began.
@@ -140,6 +143,7 @@ impl Tally {
             done: self.done + next.done,
             unread: next.unread,
             unread_because: next.unread_because,
+            leased: next.leased,
         }
     }
 }
@@ -195,13 +199,19 @@ struct Browse<B: Operate> {
     window: u16,
     /// Why it ended before `remaining` reached 0, once it has.
     short: Option<Unread>,
+    /// What other consumers held under a lease when it began.
+    leased: Option<Leased>,
 }
 
 impl<B: Operate> Browse<B> {
     async fn open(broker: &B, dlq: &str) -> Result<Browse<B>, BrokerError> {
+        // First: on the embedded broker it hands back what dead processes held, to be counted
+        // ready below and read.
+        let leased = broker.leased(dlq).await?;
         let stats = broker.stats(dlq).await?;
         let mut browse = Browse::start(broker, dlq, stats.ready, MAX_HELD).await?;
-        if stats.ready == 0 && stats.consumers > 0 {
+        browse.leased = leased;
+        if stats.ready == 0 && stats.consumers > 0 && leased.is_none() {
             browse.short = Some(Unread::Held { consumers: stats.consumers });
         }
         Ok(browse)
@@ -211,7 +221,7 @@ impl<B: Operate> Browse<B> {
     async fn start(broker: &B, dlq: &str, remaining: u32, window: u16) -> Result<Browse<B>, BrokerError> {
         let (deliveries, consumer) = broker.browse(dlq, window).await?;
         let (broker, queue) = (broker.clone(), dlq.to_string());
-        Ok(Browse { broker, queue, deliveries, consumer, remaining, held: 0, window, short: None })
+        Ok(Browse { broker, queue, deliveries, consumer, remaining, held: 0, window, short: None, leased: None })
     }
 
     async fn next(&mut self) -> Result<Option<B::Delivery>, BrokerError> {
@@ -322,7 +332,9 @@ pub async fn list_read_only(
 
 /// The dead-lettered messages `filter` selects, in queue order.
 pub async fn list<B: Operate>(broker: &B, dlq: &str, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
-    list_in(Browse::open(broker, dlq).await?, filter).await
+    let browse = Browse::open(broker, dlq).await?;
+    let leased = browse.leased;
+    list_in(browse, filter).await.map(|(entries, tally)| (entries, Tally { leased, ..tally }))
 }
 
 async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
@@ -423,7 +435,7 @@ pub async fn apply<B: Operate>(
     // No burst: `--rate 100/s` means evenly, not 100 at once and then one every 10 ms.
     let limiter = rate.map(|r| DefaultDirectRateLimiter::direct(Quota::per_second(r).allow_burst(NonZeroU32::MIN)));
     let mut browse = Browse::open(broker, dlq).await?;
-    let mut tally = Tally { queued: browse.remaining, ..Tally::default() };
+    let mut tally = Tally { queued: browse.remaining, leased: browse.leased, ..Tally::default() };
     progress(&tally);
     let now = now();
     // Copies awaiting their confirms, each its own task, which yields its delivery once

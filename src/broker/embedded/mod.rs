@@ -694,4 +694,10 @@ impl Operate for Embedded {
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
         self.call(|reply| Op::Drift(plan.clone(), reply)).await
     }
+
+    async fn leased(&self, queue: &str) -> Result<Option<super::Leased>, BrokerError> {
+        let (count, until_ms) = self.call(|reply| Op::Leased { queue: queue.into(), reply }).await?;
+        let until = u64::try_from(until_ms / 1000).unwrap_or(0);
+        Ok((count > 0).then_some(super::Leased { count, until }))
+    }
 }

@@ -1159,6 +1159,19 @@ impl Store {
         Ok(queues)
     }
 
+    /// The messages of `queue` leased to a consumer with the lease still running, and when the
+    /// last of those leases ends (ms since the epoch; 0 when there is none).
+    pub fn leased(&self, db: &Connection, queue: &str) -> Result<(u32, i64), BrokerError> {
+        let (n, until): (i64, Option<i64>) = db
+            .prepare_cached(
+                "SELECT count(*), max(visible_at) FROM messages
+                 WHERE queue = ?1 AND lease_owner IS NOT NULL AND visible_at > ?2",
+            )
+            .and_then(|mut s| s.query_row(params![queue, now_ms()], |r| Ok((r.get(0)?, r.get(1)?))))
+            .map_err(|e| self.error(e))?;
+        Ok((u32::try_from(n).unwrap_or(u32::MAX), until.unwrap_or(0)))
+    }
+
     /// Ready messages of `queue` (leased ones and delayed copies not yet due excluded).
     pub fn ready(&self, db: &Connection, queue: &str) -> Result<u32, BrokerError> {
         let n: i64 = db

@@ -115,6 +115,12 @@ pub(super) enum Op {
     },
     Delayed(Reply<u32>),
     Drift(Plan, Reply<Vec<Drift>>),
+    /// The messages of a queue under a running lease, and when the last lease ends (ms since
+    /// the epoch), once what dead processes held is handed back.
+    Leased {
+        queue: String,
+        reply: Reply<(u32, i64)>,
+    },
 }
 
 impl Op {
@@ -431,6 +437,7 @@ fn fail(op: Op, e: BrokerError) -> Finish {
         Op::Limits { reply, .. } => finish(reply, Err(e)),
         Op::Delayed(reply) => finish(reply, Err(e)),
         Op::Drift(_, reply) => finish(reply, Err(e)),
+        Op::Leased { reply, .. } => finish(reply, Err(e)),
     }
 }
 
@@ -532,5 +539,13 @@ fn apply(
         }
         Op::Delayed(reply) => done(reply, store.delayed(db)),
         Op::Drift(plan, reply) => done(reply, store.drift(db, &plan)),
+        // A write: what dead processes held is handed back first, to be read at once.
+        Op::Leased { queue, reply } => {
+            let result = store.release_the_dead(db).and_then(|queues| {
+                ready.now.extend(queues);
+                store.leased(db, &queue)
+            });
+            done(reply, result)
+        }
     }
 }

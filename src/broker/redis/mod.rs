@@ -1173,6 +1173,15 @@ impl Operate for Redis {
         Ok(true)
     }
 
+    /// The entries of the pending list whose lease runs; when the last one ends is not kept
+    /// (only each entry's idle time), so it is given as at most one lease from now.
+    async fn leased(&self, queue: &str) -> Result<Option<super::Leased>, BrokerError> {
+        let [_, _, held, _] = self.counts(queue).await?;
+        let until = std::time::SystemTime::now() + self.inner.location.lease;
+        let until = until.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        Ok((held > 0).then_some(super::Leased { count: held, until }))
+    }
+
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
         let mut c = self.conn();
         let (exchanges, queues, bindings): (HashMap<String, String>, HashMap<String, String>, Vec<String>) =

@@ -127,14 +127,30 @@ impl Files {
 /// Starts `sluice run PIPELINES --admin ADDR [extra]` with its log and idempotency store in
 /// `state`, and waits until it is consuming.
 async fn start_in(pipelines: &Path, state: &Path, vhost: &Vhost, admin: &Admin, extra: &[&str]) -> Sluice {
+    start_logging(pipelines, state, vhost, admin, extra, Some("info")).await
+}
+
+/// [`start_in`] with `RUST_LOG=filter` (None: unset, sluice's default filter).
+async fn start_logging(
+    pipelines: &Path,
+    state: &Path,
+    vhost: &Vhost,
+    admin: &Admin,
+    extra: &[&str],
+    filter: Option<&str>,
+) -> Sluice {
     let log = state.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
     let file = std::fs::File::create(&log).expect("log file");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    match filter {
+        Some(filter) => command.env("RUST_LOG", filter),
+        None => command.env_remove("RUST_LOG"),
+    };
+    let child = command
         .arg("run")
         .arg(pipelines)
         .args(["--broker", &vhost.url(), "--admin", &admin.addr])
         .args(extra)
-        .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
         .env("SLUICE_DEDUP", state)
         .stdout(std::process::Stdio::null())
@@ -598,4 +614,76 @@ async fn the_runners_own_files_in_the_pipeline_directory_trigger_no_reload() {
 
     assert_eq!((applied, rejected), (0, 0), "(applied, rejected): nothing was edited; log tail:\n{log}");
     assert_each_handled_once(&published, &[&receiver]);
+}
+
+/// The size of `path` once it has stopped growing for a second (its writer is idle); fails
+/// at the deadline if it never does.
+async fn settled_size(sluice: &mut Sluice, path: &Path) -> u64 {
+    let size = || std::fs::metadata(path).map_or(0, |m| m.len());
+    let (mut last, mut since) = (size(), Instant::now());
+    wait_for(sluice, DEADLINE, "the log to stop growing for a second", || {
+        let now = size();
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+        std::future::ready(since.elapsed() >= Duration::from_secs(1))
+    })
+    .await;
+    last
+}
+
+/// Issue 31 (low): with `RUST_LOG=trace` and the log file beside the pipeline directory (the
+/// directory's parent is watched, to see it come back), the runner's own log lines are no
+/// reason to work: the log goes quiet once the runner idles (it grew at 8.6 MB/s, each line
+/// an event that notify logged in a line of its own), and writes to files other than the
+/// pipelines' reload nothing, while an edit of a pipeline does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runners_log_beside_the_pipelines_is_no_reason_to_work() {
+    let vhost = Vhost::new();
+    let (a, b) = (Receiver::ok().await, Receiver::ok().await);
+    let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&a, ""))]);
+    let broker = vhost.connect().await;
+    declare(&files.dir(), &broker).await;
+    let admin = Admin::new();
+    let mut sluice = start_logging(&files.dir(), files.root.path(), &vhost, &admin, &[], Some("trace")).await;
+    let log = sluice.log.clone();
+    settled_size(&mut sluice, &log).await;
+
+    // Other files beside the pipelines and among them: no reload.
+    for i in 0..20 {
+        std::fs::write(files.root.path().join("other.log"), format!("line {i}\n")).expect("write beside");
+        std::fs::write(files.dir().join("notes.txt"), format!("note {i}\n")).expect("write among");
+    }
+    settled_size(&mut sluice, &log).await;
+    assert_eq!((admin.applied().await, admin.rejected().await), (0, 0), "no pipeline was edited");
+
+    // The control: an edit of the pipeline is applied.
+    files.replace("pipeline.yaml", &webhook_yaml(&b, ""));
+    wait_reloads(&mut sluice, &admin, "applied", 1).await;
+    publish(&broker, "ev", "x", "k-1", json!({})).await;
+    wait_handled(&mut sluice, &b, "k-1", "B").await;
+    settled_size(&mut sluice, &log).await;
+    stop(&mut sluice);
+}
+
+/// Issue 31 (low): the pipeline directory deleted under a running runner is said in sluice's
+/// own words (the reload that finds no file, rejected; the running config stays), with no line
+/// of notify's (its WARN about a watch the kernel had already dropped), whatever `RUST_LOG`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pipeline_directory_logs_no_line_of_notifys() {
+    for filter in [None, Some("info"), Some("debug")] {
+        let vhost = Vhost::new();
+        let receiver = Receiver::ok().await;
+        let files = Files::new(&[("pipeline.yaml", &webhook_yaml(&receiver, ""))]);
+        declare(&files.dir(), &vhost.connect().await).await;
+        let admin = Admin::new();
+        let mut sluice = start_logging(&files.dir(), files.root.path(), &vhost, &admin, &[], filter).await;
+        std::fs::remove_dir_all(files.dir()).expect("delete the pipeline directory");
+        wait_reloads(&mut sluice, &admin, "rejected", 1).await;
+        let log = stop(&mut sluice);
+        let all = sluice.log();
+        let notify: Vec<&str> = all.lines().filter(|l| l.contains("notify")).collect();
+        assert!(notify.is_empty(), "RUST_LOG={filter:?}: notify's lines: {notify:?}\n{log}");
+        assert!(all.contains("the running config stays"), "RUST_LOG={filter:?}: {log}");
+    }
 }

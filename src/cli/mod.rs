@@ -708,12 +708,13 @@ fn init_logging(format: LogFormat) -> Option<crate::trace::Exporter> {
     use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
     // lapin logs, per failed connection attempt, three ERROR lines for what sluice reports in
     // one (every error lapin returns reaches sluice), and a returned (unroutable) message
-    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back. notify logs
-    // at INFO what is no news to a user (an event without paths, a watch already gone).
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,lapin=off,notify=warn,notify_debouncer_full=warn")
-    });
-    let filter = filter.and(filter_fn(crate::trace::not_a_delivery_span)).and(filter_fn(not_an_amqp_frame_dump));
+    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
+    let filter = filter
+        .and(filter_fn(crate::trace::not_a_delivery_span))
+        .and(filter_fn(not_an_amqp_frame_dump))
+        .and(filter_fn(not_notifys));
     let text = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
     let logs = match format {
         LogFormat::Text => text.with_filter(filter).boxed(),
@@ -731,6 +732,16 @@ fn init_logging(format: LogFormat) -> Option<crate::trace::Exporter> {
         tracing::error!(error = %e, "running without trace export");
     }
     exporter
+}
+
+/// False for notify's lines, whatever `RUST_LOG` says. What its watches fail with reaches sluice,
+/// which says it in its own words (`reload::watcher`); its own lines are about watches the
+/// kernel already dropped with their directory (a WARN when the pipeline directory is
+/// deleted), and at TRACE one per event in a watched directory: a log file there turned each
+/// line into another (8.6 MB/s of them, idle).
+fn not_notifys(metadata: &tracing::Metadata<'_>) -> bool {
+    let target = metadata.target();
+    target != "notify" && !target.starts_with("notify::")
 }
 
 /// False for lapin's and amq-protocol's TRACE lines, whatever `RUST_LOG` says: they dump the

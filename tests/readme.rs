@@ -2,7 +2,7 @@
 //! `pipelines/orders.yaml` and validates; every sample output it shows is what the binary
 //! prints; its example test file passes; its `${VAR}` example (issue 21) says what happens; its
 //! first-pipeline walkthrough runs as written; its configuration reference is the schema's; its
-//! first command, `scripts/demo`, does what it says.
+//! first command, `scripts/demo`, does what it says; the envelope's required fields are those.
 
 use crate::{support, util};
 
@@ -60,6 +60,47 @@ fn the_complete_pipeline_is_the_shipped_file_and_validates() {
         sluice().args(["validate", "pipelines", "--format", "json"]).current_dir(dir.path()).output().expect("runs");
     assert_eq!((out.status.code(), stdout(&out)), (Some(0), "[]\n".to_string()));
     assert!(Path::new("pipelines/scripts/audit.sh").is_file());
+}
+
+// Issue 31: the section shows the two files the pipeline names, as shipped.
+#[test]
+fn the_complete_pipelines_schema_and_program_are_the_shipped_files() {
+    let readme = readme();
+    for (info, file) in [("json", "schemas/order-created.json"), ("sh", "pipelines/scripts/audit.sh")] {
+        let shown = block_after(&readme, "## A complete pipeline", info);
+        let shipped = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(shown == shipped, "README's \"A complete pipeline\" shows another {file}");
+    }
+}
+
+// Issue 31: the first screen is the user's: the demo before the contents, the contributors'
+// commands (`scripts/demo` and `.ci/run`) in "Development".
+#[test]
+fn the_first_screen_is_the_users() {
+    let readme = readme();
+    let first = &readme[..readme.find("\n## Contents\n").expect("README has \"## Contents\"")];
+    assert!(first.contains("scripts/demo") && !first.contains(".ci/run"), "{first}");
+    let development = block_after(&readme, "## Development", "sh");
+    assert!(development.contains("scripts/demo") && development.contains(".ci/run"), "{development}");
+}
+
+// Issue 31: the envelope the README shows as the smallest is one, and each of its fields is
+// required: without any one, the message is malformed.
+#[test]
+fn the_smallest_envelope_has_exactly_the_required_fields() {
+    let shown = block_after(&readme(), "Three fields are required", "json");
+    let smallest: serde_json::Value = serde_json::from_str(&shown).expect("JSON");
+    let fields = smallest.as_object().expect("an object");
+    let mut names: Vec<&String> = fields.keys().collect();
+    names.sort();
+    assert_eq!(names, ["id", "payload", "type"]);
+    assert!(sluice::envelope::Envelope::decode(shown.as_bytes()).is_ok(), "{shown}");
+    for field in fields.keys() {
+        let mut without = smallest.clone();
+        without.as_object_mut().expect("an object").remove(field);
+        let body = without.to_string();
+        assert!(sluice::envelope::Envelope::decode(body.as_bytes()).is_err(), "accepted without {field}: {body}");
+    }
 }
 
 #[test]
@@ -396,7 +437,7 @@ fn the_contents_list_every_section() {
     for line in readme.lines() {
         fenced ^= line.starts_with("```");
         let heading = line.strip_prefix("## ").or_else(|| line.strip_prefix("### "));
-        if let Some(heading) = heading.filter(|h| !fenced && !["Contents", "Two commands"].contains(h)) {
+        if let Some(heading) = heading.filter(|h| !fenced && *h != "Contents") {
             headings.push(format!("#{}", anchor(heading)));
         }
     }

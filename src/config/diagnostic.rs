@@ -122,9 +122,21 @@ fn snippet(text: &str, line: usize, column: usize) -> String {
 }
 
 /// A workflow command's message ends at a line break, and `%` starts an escape
-/// (<https://github.com/actions/toolkit/blob/main/packages/core/src/command.ts>).
+/// (<https://github.com/actions/toolkit/blob/main/packages/core/src/command.ts>); the job's log
+/// is shown on a terminal, so other control characters (from file names, test names, messages)
+/// are written as `terminal::visible` escapes, never raw.
 fn github_data(s: &str) -> String {
-    s.replace('%', "%25").replace('\r', "%0D").replace('\n', "%0A")
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '\r' => out.push_str("%0D"),
+            '\n' => out.push_str("%0A"),
+            c if terminal::is_hidden(c) => out.push_str(&visible(c.encode_utf8(&mut [0; 4]))),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// A property value also ends at `,` (the next property) and `::` (the message).
@@ -228,6 +240,19 @@ mod tests {
             let d = Diagnostic { file: PathBuf::from(file), pointer: String::new(), message: message.into(), ..diag() };
             assert_eq!(render(&[d], Format::Github, &|_| None), want, "{file:?}");
         }
+    }
+
+    // Issue 31 (low): ESC and BEL from a file name or a message reached the job's log raw.
+    #[test]
+    fn github_annotation_escapes_control_characters() {
+        let d = Diagnostic {
+            file: PathBuf::from("a\x1b[2J.yaml"),
+            pointer: String::new(),
+            message: "bell\x07 \u{202e}txt".into(),
+            ..diag()
+        };
+        let out = render(&[d], Format::Github, &|_| None);
+        assert_eq!(out, "::error file=a\\x1b[2J.yaml,line=2,col=5::bell\\x07 \\u{202e}txt\n");
     }
 
     // Issue 9: a link to /proc/self/environ printed the environment in the snippet.

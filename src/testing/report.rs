@@ -50,13 +50,6 @@ pub fn render(outcome: &Outcome, format: Format) -> String {
         Format::Github => {
             let mut all = outcome.diagnostics.clone();
             all.extend(outcome.results.iter().flat_map(annotations));
-            // A job's log is shown on a terminal: what came from the files is escaped first
-            // (the workflow command's own escapes only keep a message on its line).
-            for d in &mut all {
-                d.message = visible(&d.message).into_owned();
-                d.pointer = visible(&d.pointer).into_owned();
-                d.file = visible(&d.file.display().to_string()).into_owned().into();
-            }
             diagnostic::render(&all, DiagnosticFormat::Github, &source)
         }
     }

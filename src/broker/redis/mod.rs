@@ -1323,10 +1323,8 @@ async fn watch(inner: Weak<Inner>, checks: Checks, stop: CancellationToken) {
                     return;
                 }
                 let now = found.info.as_ref().and_then(server::Info::full);
-                match (full.is_some(), now) {
-                    (false, Some(sizes)) => tracing::warn!("{}", server::full_text(sizes)),
-                    (true, None) => tracing::info!("Redis has room again (under its maxmemory): publishes go through"),
-                    _ => {}
+                if now.is_some() != full.is_some() {
+                    server::log_memory(now);
                 }
                 full = now;
             }

@@ -31,6 +31,7 @@ const SCALARS: &[&str] = &[
     "sluice_concurrency_limit",
     "sluice_paused",
     "sluice_broker_connected",
+    "sluice_redis_empty_restarts_total",
 ];
 
 /// Histograms: queried only through their `_bucket`, `_count` and `_sum` series.

@@ -44,6 +44,7 @@ mod packaging;
 mod readme;
 mod readonly;
 mod redis_broker;
+mod redis_server;
 mod reload;
 mod reload_concurrency;
 mod reload_links;

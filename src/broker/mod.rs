@@ -122,6 +122,13 @@ pub enum Drift {
     BindingsUnchecked {
         reason: String,
     },
+    /// A binding into a queue of the plan that the plan does not declare (on Redis: another
+    /// set of pipeline files on the same prefix, whose messages the queue takes too).
+    ExtraBinding {
+        exchange: String,
+        queue: String,
+        routing_key: String,
+    },
 }
 
 impl Drift {
@@ -148,6 +155,10 @@ impl std::fmt::Display for Drift {
             }
             Drift::Conflict { what, name, detail } => write!(f, "conflict: {what} \"{name}\": {detail}"),
             Drift::BindingsUnchecked { reason } => write!(f, "bindings not checked: {reason}"),
+            Drift::ExtraBinding { exchange, queue, routing_key } => write!(
+                f,
+                "binding {exchange} -> {queue} (routing key \"{routing_key}\") is not in the files: another set of pipeline files on this prefix? Its messages reach the queue too"
+            ),
         }
     }
 }
@@ -509,6 +520,13 @@ pub trait Operate: Broker {
     /// first hands back what consumers of processes known dead held.
     fn leased(&self, queue: &str) -> impl Future<Output = Result<Option<Leased>, BrokerError>> + Send {
         let _ = queue;
+        std::future::ready(Ok(None))
+    }
+
+    /// The oldest message of `queue` (`None` when it has none), read without taking it and
+    /// without writing, where the broker can (Redis: what `status` reads of a full server);
+    /// `None` by default: browse it instead.
+    fn oldest(&self, _queue: &str) -> impl Future<Output = Result<Option<Option<Self::Delivery>>, BrokerError>> + Send {
         std::future::ready(Ok(None))
     }
 }

@@ -26,7 +26,7 @@ use crate::broker::Operate as _;
 use crate::broker::amqp::{self, Amqp};
 use crate::broker::embedded::Embedded;
 use crate::broker::failover::Failover;
-use crate::broker::redis::Redis;
+use crate::broker::redis::{Checks as RedisChecks, Purpose, Redis};
 use crate::broker::render::{self, PlanFormat};
 use crate::call::{self, Call};
 use crate::config::{self, Format};
@@ -93,6 +93,8 @@ enum Command {
         broker: Vec<String>,
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
         connect_timeout: Duration,
+        #[command(flatten)]
+        evicting: EvictingArg,
     },
     /// Every queue at a glance: ready, consumers, dead-lettered, oldest dead letter.
     Status {
@@ -173,6 +175,8 @@ enum Command {
         /// log collectors.
         #[arg(long, value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
+        #[command(flatten)]
+        evicting: EvictingArg,
     },
     /// Stop consuming a queue in a running runner (in-flight messages finish; the rest wait
     /// on the broker) until `sluice resume`; kept across reloads.
@@ -295,6 +299,20 @@ pub struct BrokerArg {
     /// the next node tried.
     #[arg(long, default_value = "15s", value_parser = parse_duration)]
     pub confirm_timeout: Duration,
+    /// What a Redis server must offer this command (an operator's by default).
+    #[arg(skip)]
+    pub redis: RedisChecks,
+}
+
+/// `--allow-evicting-redis`, for the commands that refuse a Redis that can evict keys.
+#[derive(Debug, clap::Args)]
+pub struct EvictingArg {
+    /// Run on a Redis whose maxmemory-policy can evict keys (anything but noeviction), or whose
+    /// policy cannot be read. Only for a server used for nothing else, with room to spare: a
+    /// full one drops queued messages and idempotency keys without a word. Warns at the start
+    /// and on every reconnect.
+    #[arg(long)]
+    pub allow_evicting_redis: bool,
 }
 
 /// How many RabbitMQ nodes `--broker` values name (a cluster when more than one).
@@ -410,7 +428,8 @@ macro_rules! with_sessions {
                 async { Ok::<_, anyhow::Error>($body) }.await
             }
             $crate::cli::Endpoint::Redis(url) => {
-                let connect = |_| $crate::broker::redis::Redis::connect(url);
+                let checks = &arg.redis;
+                let connect = |_| $crate::broker::redis::Redis::open(url, checks);
                 let names = vec![$crate::broker::amqp::redact(url)];
                 #[allow(unused_mut)]
                 let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(3);
@@ -609,7 +628,7 @@ pub fn main() -> ExitCode {
             let unset = if env_strict { config::Unset::Error } else { config::Unset::Warning };
             validate(&paths, format, unset, nodes(&broker))
         }
-        Command::Plan { paths, format, broker, connect_timeout } => {
+        Command::Plan { paths, format, broker, connect_timeout, evicting } => {
             let Some(config) = reads::load_for(&paths, nodes(&broker), "plan", reads::Reads::Topology) else {
                 return ExitCode::FAILURE;
             };
@@ -618,8 +637,12 @@ pub fn main() -> ExitCode {
                 let picture = amqp::declarations(&plan).picture();
                 return exit(output::stdout(&render::render(&picture, format)).map_err(Into::into));
             }
-            let broker =
-                BrokerArg { urls: broker, connect_timeout, confirm_timeout: amqp::Timeouts::default().confirm };
+            let broker = BrokerArg {
+                urls: broker,
+                connect_timeout,
+                confirm_timeout: amqp::Timeouts::default().confirm,
+                redis: RedisChecks::new(Purpose::Plan, evicting.allow_evicting_redis),
+            };
             exit(block_on(NonZeroUsize::MIN, LogFormat::Text, drift(plan, broker, format)))
         }
         Command::Status { paths, broker, admin, format } => {
@@ -647,6 +670,7 @@ pub fn main() -> ExitCode {
             no_watch,
             threads,
             log_format,
+            evicting,
         } => {
             let options = runtime::Options {
                 shutdown_grace,
@@ -658,7 +682,8 @@ pub fn main() -> ExitCode {
             };
             let watch = !no_watch;
             let admin = admin.map(|addr| (addr, admin_token(admin_token_file)));
-            let run = run(paths, watch, broker, dedup.as_deref().map(Location::parse), admin, options);
+            let dedup = dedup.as_deref().map(Location::parse);
+            let run = run(paths, watch, broker, dedup, evicting.allow_evicting_redis, admin, options);
             exit(block_on(threads, log_format, run))
         }
         Command::Pause { queue, admin } => {
@@ -804,6 +829,7 @@ async fn run(
     watch: bool,
     broker: BrokerArg,
     dedup: Option<Location>,
+    allow_evicting_redis: bool,
     admin: Option<(String, token::Given)>,
     options: runtime::Options,
 ) -> anyhow::Result<()> {
@@ -830,6 +856,18 @@ async fn run(
             Opened::Embedded(dir, Embedded::open_dir(dir).with_context(|| format!("broker {}", broker.display()))?)
         }
     };
+    // A Redis that cannot serve is refused first, in its own words (a wrong password is no
+    // fault of the idempotency store beside it), and reconnects check it again.
+    let redis = RedisChecks::new(Purpose::Run, allow_evicting_redis);
+    let persistence = match &opened {
+        Opened::Redis(url) => {
+            let session = Redis::open(url, &redis).await?;
+            let persistence = session.persistence().await;
+            crate::broker::Broker::close(&session).await;
+            Some(persistence_line(persistence))
+        }
+        _ => None,
+    };
     // Beside a Redis broker, its keys live in the same deployment (prefix included).
     let dedup = match (dedup, &opened) {
         (Some(location), _) => location,
@@ -850,7 +888,7 @@ async fn run(
             (Opened::Embedded(broker_dir, file), Location::File(dir)) if same_dir(broker_dir, dir) => {
                 Store::in_broker(file)
             }
-            _ => Store::open(&dedup).await.context("cannot open the idempotency store")?,
+            _ => Store::open(&dedup, allow_evicting_redis).await.context("cannot open the idempotency store")?,
         })
     } else {
         None
@@ -874,10 +912,6 @@ async fn run(
         (None, _) => "none".to_string(),
         (Some(_), Location::File(dir)) => dir.display().to_string(),
         (Some(_), Location::Redis(url)) => amqp::redact(url),
-    };
-    let persistence = match &opened {
-        Opened::Redis(url) => Some(redis_persistence(url).await),
-        _ => None,
     };
     tracing::info!(
         version = VERSION,
@@ -921,7 +955,12 @@ async fn run(
                     });
                     port.spawn(connect, &options, current, shutdown.clone());
                 }
-                let sessions = Failover::new(vec![amqp::redact(url)], |_| Redis::connect(url));
+                // `/readyz` says why a session does not open (the server refused).
+                let readiness = options.readiness.clone();
+                let (redis, readiness) = (&redis, &readiness);
+                let sessions = Failover::new(vec![amqp::redact(url)], |_| async move {
+                    Redis::open(url, redis).await.inspect_err(|e| readiness.failed(e))
+                });
                 runtime::run(config, sessions, store, options, reloads, shutdown).await
             }
             Opened::Embedded(path, file) => {
@@ -946,8 +985,8 @@ async fn run(
     }
 }
 
-/// What a Redis server says of its persistence, as the start line and `plan` show it, and a
-/// warning when a restart would lose messages (or when it cannot be told).
+/// What a Redis server says of its persistence, as `plan` shows it, and a warning when a
+/// restart would lose messages (or when it cannot be told).
 async fn redis_persistence(url: &str) -> (String, Option<String>) {
     let persistence = match Redis::connect(url).await {
         Ok(session) => {
@@ -957,6 +996,12 @@ async fn redis_persistence(url: &str) -> (String, Option<String>) {
         }
         Err(_) => None,
     };
+    persistence_line(persistence)
+}
+
+/// Persistence as the start line and `plan` show it, and a warning when a restart would lose
+/// messages (or when it cannot be told).
+fn persistence_line(persistence: Option<crate::broker::redis::Persistence>) -> (String, Option<String>) {
     match persistence {
         Some(p) => (p.to_string(), p.warning()),
         None => (

@@ -64,6 +64,8 @@ pub struct Args {
     priority: Option<u8>,
     #[command(flatten)]
     broker: BrokerArg,
+    #[command(flatten)]
+    evicting: super::EvictingArg,
 }
 
 /// A key that is not blank: an empty shell variable would otherwise key every message alike,
@@ -131,7 +133,9 @@ fn outgoing(envelope: &Envelope, priority: Option<u8>) -> Outgoing {
 /// Runs `sluice publish`: learns the limits of the queues the messages would reach (where
 /// the broker can tell), checks every message against them before sending any, then sends
 /// them, a batch at a time for `--jsonl`.
-pub async fn publish(args: Args) -> anyhow::Result<()> {
+pub async fn publish(mut args: Args) -> anyhow::Result<()> {
+    use crate::broker::redis::{Checks, Purpose};
+    args.broker.redis = Checks::new(Purpose::Publish, args.evicting.allow_evicting_redis);
     // What can be checked without the broker is, before connecting. Every message of one
     // command has the same time: `--delay` counts from the start.
     let at = not_before(&args, SystemTime::now());

@@ -82,11 +82,12 @@ pub enum Store {
 }
 
 impl Store {
-    /// Opens (creating if need be) the store at `location`.
-    pub async fn open(location: &Location) -> Result<Store, StoreError> {
+    /// Opens (creating if need be) the store at `location`; `allow_evicting_redis` takes a
+    /// Redis whose `maxmemory-policy` can evict keys.
+    pub async fn open(location: &Location, allow_evicting_redis: bool) -> Result<Store, StoreError> {
         match location {
             Location::File(dir) => Ok(Store::Embedded(EmbeddedStore::open(dir)?)),
-            Location::Redis(url) => Ok(Store::Redis(RedisStore::open(url).await?)),
+            Location::Redis(url) => Ok(Store::Redis(RedisStore::open(url, allow_evicting_redis).await?)),
         }
     }
 

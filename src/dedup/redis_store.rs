@@ -3,13 +3,21 @@
 //! releases a lease another runner took over. Keys expire natively. The URL may carry the
 //! Redis broker's `?prefix=` (and `?lease=`, unused here): keys are `PREFIX` + `dedup:` + key,
 //! `sluice:dedup:` by default, so a Redis broker and its keys share one deployment's prefix.
+//!
+//! The server is checked as the broker's is (the password, a standalone primary, every command
+//! the store runs, and a `maxmemory-policy` that never evicts: `volatile-lru` evicts these keys
+//! first, and messages run twice), when the store opens and every few seconds after: while the
+//! server fails the check, claims and completions fail with its reason (messages wait). Its
+//! scripts run on a full server: a runner draining it needs its claims and completions.
 
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use redis::Script;
 use redis::aio::ConnectionManager;
 
 use super::{Claim, StoreError, millis};
+use crate::broker::redis::server::{self, Checks, Purpose};
 
 const DONE: &str = "done";
 
@@ -22,7 +30,10 @@ pub struct RedisStore {
     /// `busy:<runner id>`: the value of this runner's leases.
     lease_value: String,
     claim_script: Script,
+    complete_script: Script,
     release_script: Script,
+    /// Why the server may not be used, as its last check found: every call fails with it.
+    refused: Arc<Mutex<Option<String>>>,
 }
 
 fn err(e: redis::RedisError) -> StoreError {
@@ -30,30 +41,57 @@ fn err(e: redis::RedisError) -> StoreError {
 }
 
 impl RedisStore {
-    /// Connects (the manager reconnects by itself after a drop).
-    pub async fn open(url: &str) -> Result<RedisStore, StoreError> {
+    /// Connects (the manager reconnects by itself after a drop) once the server passes the
+    /// checks; `allow_evicting` runs on a server whose policy can evict keys.
+    pub async fn open(url: &str, allow_evicting: bool) -> Result<RedisStore, StoreError> {
         let location = crate::broker::redis::Location::parse(url).map_err(|e| StoreError::new(e.to_string()))?;
+        let shown = crate::broker::amqp::redact(url);
         let client = redis::Client::open(location.url.as_str()).map_err(err)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(2)))
             .set_number_of_retries(1);
-        let connection = ConnectionManager::new_with_config(client, config).await.map_err(err)?;
-        Ok(RedisStore {
+        let mut connection = ConnectionManager::new_with_config(client.clone(), config)
+            .await
+            .map_err(|e| refusal(&server::opening_error(&shown, e)))?;
+        let user = client.get_connection_info().redis_settings().username().unwrap_or("default").to_string();
+        let checks = Checks::new(Purpose::Dedup, allow_evicting);
+        server::check(&mut connection, &location, &user, &shown, &checks).await.map_err(|e| refusal(&e))?;
+        let store = RedisStore {
             connection,
             prefix: format!("{}dedup:", location.prefix),
             lease_value: format!("busy:{}", uuid::Uuid::now_v7()),
             claim_script: Script::new(
-                "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'claimed' end
+                "#!lua flags=allow-oom
+                 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'claimed' end
                  return redis.call('GET', KEYS[1]) or 'claimed-late'",
             ),
-            release_script: Script::new(
-                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            complete_script: Script::new(
+                "#!lua flags=allow-oom
+                 for _, key in ipairs(KEYS) do redis.call('SET', key, ARGV[1], 'PX', ARGV[2]) end
+                 return #KEYS",
             ),
-        })
+            release_script: Script::new(
+                "#!lua flags=allow-oom
+                 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            ),
+            refused: Arc::default(),
+        };
+        let watched = (store.connection.clone(), Arc::downgrade(&store.refused));
+        tokio::spawn(watch(watched, location, shown, checks));
+        Ok(store)
+    }
+
+    /// Fails while the server's last check refused it.
+    fn usable(&self) -> Result<(), StoreError> {
+        match &*self.refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
+            Some(why) => Err(StoreError::new(why.clone())),
+            None => Ok(()),
+        }
     }
 
     pub async fn claim(&self, key: &str, lease: Duration) -> Result<Claim, StoreError> {
+        self.usable()?;
         let mut c = self.connection.clone();
         let answer: String = self
             .claim_script
@@ -74,13 +112,17 @@ impl RedisStore {
 
     /// Records the keys done in one round trip.
     pub async fn complete(&self, keys: &[String], ttl: Duration) -> Result<(), StoreError> {
+        self.usable()?;
+        if keys.is_empty() {
+            return Ok(());
+        }
         let mut c = self.connection.clone();
         let ttl = u64::try_from(millis(ttl)).unwrap_or(u64::MAX).max(1);
-        let mut pipe = redis::pipe();
+        let mut invocation = self.complete_script.prepare_invoke();
         for key in keys {
-            pipe.pset_ex(format!("{}{key}", self.prefix), DONE, ttl).ignore();
+            invocation.key(format!("{}{key}", self.prefix));
         }
-        pipe.query_async::<()>(&mut c).await.map_err(err)
+        invocation.arg(DONE).arg(ttl).invoke_async::<i64>(&mut c).await.map(|_| ()).map_err(err)
     }
 
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {
@@ -92,5 +134,44 @@ impl RedisStore {
             .await
             .map(|_| ())
             .map_err(err)
+    }
+}
+
+/// The store's words for a server refused (or not reached) as the broker says it.
+fn refusal(e: &crate::broker::BrokerError) -> StoreError {
+    match e {
+        crate::broker::BrokerError::Refused { url, reason } => StoreError::new(format!("{url}: {reason}")),
+        other => StoreError::new(other.to_string()),
+    }
+}
+
+/// Checks the store's server every [`server::WATCH`] while the store lives (a reconnect of its
+/// connection can find another server, or the same with another policy): a refusal is kept,
+/// logged once, for every call to fail with until a check passes again.
+async fn watch(
+    (mut c, refused): (ConnectionManager, Weak<Mutex<Option<String>>>),
+    location: crate::broker::redis::Location,
+    shown: String,
+    checks: Checks,
+) {
+    loop {
+        tokio::time::sleep(server::WATCH).await;
+        let found = server::inspect(&mut c, &location, &shown, &checks, false).await;
+        let Some(refused) = refused.upgrade() else { return };
+        let now = match found {
+            Err(e) if e.is_fatal() => Some(refusal(&e).message),
+            // Unreachable: the calls say so themselves.
+            Err(_) => continue,
+            Ok(_) => None,
+        };
+        let mut kept = refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match (&*kept, &now) {
+            (None, Some(why)) => {
+                tracing::error!(error = %why, "the idempotency store's Redis can no longer be used: messages wait until it can")
+            }
+            (Some(_), None) => tracing::info!("the idempotency store's Redis can be used again"),
+            _ => {}
+        }
+        *kept = now;
     }
 }

@@ -356,8 +356,12 @@ async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entr
     result.map(|()| (entries, tally))
 }
 
-/// The message at the head of a dead-letter queue (the oldest), read and handed back.
+/// The message at the head of a dead-letter queue (the oldest): read where the broker reads
+/// without taking, else browsed and handed back.
 pub async fn head<B: Operate>(broker: &B, dlq: &str) -> Result<Option<Entry>, BrokerError> {
+    if let Some(oldest) = broker.oldest(dlq).await? {
+        return Ok(oldest.map(|delivery| describe(&delivery, now())));
+    }
     head_in(Browse::start(broker, dlq, 1, 1).await?).await
 }
 

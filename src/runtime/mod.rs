@@ -53,6 +53,8 @@ pub struct Readiness(Arc<Mutex<Ready>>);
 #[derive(Debug, Default)]
 struct Ready {
     connected: bool,
+    /// Why the last attempt at a session failed, while not connected.
+    failed: Option<String>,
     /// Per queue, its batches whose acks are failing ([`AcksFailing`] guards alive).
     acks_failing: BTreeMap<String, usize>,
 }
@@ -65,7 +67,18 @@ impl Readiness {
     /// Connected and consuming, or not (set by the runtime per session, and by a worker
     /// ending its session).
     pub fn set(&self, connected: bool) {
-        self.lock().connected = connected;
+        let mut ready = self.lock();
+        ready.connected = connected;
+        if connected {
+            ready.failed = None;
+        }
+    }
+
+    /// Not connected: a session failed to open, or to declare, for `why` (what `/readyz` says).
+    pub fn failed(&self, why: &impl std::fmt::Display) {
+        let mut ready = self.lock();
+        ready.connected = false;
+        ready.failed = Some(why.to_string());
     }
 
     /// Reports `queue` unable to settle what it handled until the guard is dropped.
@@ -83,7 +96,10 @@ impl Readiness {
     pub fn why_not(&self) -> Option<String> {
         let ready = self.lock();
         if !ready.connected {
-            return Some("not connected to the broker".into());
+            return Some(match &ready.failed {
+                Some(why) => format!("not connected to the broker: {why}"),
+                None => "not connected to the broker".into(),
+            });
         }
         let failing: Vec<String> = ready.acks_failing.keys().map(|q| format!("\"{q}\"")).collect();
         (!failing.is_empty())
@@ -342,6 +358,7 @@ where
             }
             Err(e) => {
                 warn!(node = %nodes[node], error = %e, "declaring the topology failed");
+                options.readiness.failed(&e);
                 // A session of no use counts as a failure of its node (never gives up: only a
                 // command does).
                 let _ = sessions.lost(e);

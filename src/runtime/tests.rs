@@ -86,7 +86,7 @@ impl Pipeline {
     }
 
     async fn store(&self) -> Store {
-        Store::open(&Location::File(self.dir.path().join("state"))).await.expect("embedded store")
+        Store::open(&Location::File(self.dir.path().join("state")), false).await.expect("embedded store")
     }
 }
 

@@ -27,11 +27,17 @@
 //!
 //! Durability is the server's: Redis answers before it writes to disk unless it runs with
 //! `appendonly yes` and `appendfsync always` (see [`Persistence`]); replicas are asynchronous.
+//! A session opens only on a server that suits its purpose ([`server`]: the password, a
+//! standalone primary, a policy that never evicts, every command it runs); a runner's session
+//! watches its server while it lives.
 //!
 //! URL: `redis://[user:password@]host:port[/db][?prefix=P&lease=DUR]` or `rediss://` (TLS);
 //! `prefix` (default `sluice:`) keeps deployments and tests on one server apart.
 
 mod scripts;
+pub(crate) mod server;
+
+pub use server::{Checks, Purpose};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -161,9 +167,15 @@ impl std::fmt::Display for Persistence {
     }
 }
 
-/// The topology as Redis keeps it: the version, exchanges' kinds, queues' declarations, their
-/// body limits, and the bindings.
-type Stored = (Option<String>, HashMap<String, String>, HashMap<String, String>, HashMap<String, u64>, Vec<String>);
+/// The topology as Redis keeps it: the version (empty when none), exchanges' kinds, queues'
+/// declarations, their body limits, and the bindings (their JSON).
+struct Stored {
+    version: String,
+    exchanges: HashMap<String, String>,
+    queues: HashMap<String, String>,
+    limits: HashMap<String, String>,
+    bindings: Vec<String>,
+}
 
 /// The topology as last read, with the version it was read at.
 #[derive(Default)]
@@ -199,6 +211,8 @@ struct Inner {
     client: redis::Client,
     connection: ConnectionManager,
     location: Location,
+    /// The URL without its password, for messages.
+    shown: String,
     scripts: Scripts,
     topology: Mutex<Option<Arc<Topology>>>,
     /// Per queue: poked when its stream may have something new (the wake channel).
@@ -218,14 +232,28 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A Redis error as the broker's: a lost connection can be retried on another session.
+/// A Redis error as the broker's: a lost connection can be retried on another session. A
+/// refusal for the server's memory says so.
 fn lost(e: redis::RedisError) -> BrokerError {
-    BrokerError::Lost(Cause::from_error(e).within("redis"))
+    let context = match e.code() {
+        Some("OOM") => {
+            "redis: the server is over its maxmemory and refuses what would grow it (maxmemory-policy noeviction) until consumers drain it or maxmemory is raised"
+        }
+        _ => "redis",
+    };
+    BrokerError::Lost(Cause::from_error(e).within(context))
 }
 
 impl Redis {
-    /// Connects to the deployment `url` names.
+    /// Connects to the deployment `url` names, for an operator's command (the password and a
+    /// standalone primary are checked).
     pub async fn connect(url: &str) -> Result<Redis, BrokerError> {
+        Redis::open(url, &Checks::default()).await
+    }
+
+    /// Connects to the deployment `url` names once the server passes `checks` (refused with
+    /// what is wrong otherwise); a runner's session watches the server from then on.
+    pub async fn open(url: &str, checks: &Checks) -> Result<Redis, BrokerError> {
         let location = Location::parse(url)?;
         let shown = super::amqp::redact(url);
         let client = redis::Client::open(location.url.as_str())
@@ -234,28 +262,28 @@ impl Redis {
             .set_connection_timeout(Some(Duration::from_secs(5)))
             .set_response_timeout(Some(Duration::from_secs(15)))
             .set_number_of_retries(2);
-        let connection = ConnectionManager::new_with_config(client.clone(), config).await.map_err(|e| {
-            let refused =
-                matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) || e.to_string().contains("NOAUTH");
-            let reason = Cause::from_error(e);
-            if refused {
-                BrokerError::Refused { url: shown.clone(), reason }
-            } else {
-                BrokerError::Connect { url: shown.clone(), reason }
-            }
-        })?;
-        let inner = Inner {
+        let mut connection = ConnectionManager::new_with_config(client.clone(), config)
+            .await
+            .map_err(|e| server::opening_error(&shown, e))?;
+        let user = client.get_connection_info().redis_settings().username().unwrap_or("default").to_string();
+        server::check(&mut connection, &location, &user, &shown, checks).await?;
+        let inner = Arc::new(Inner {
             client,
             connection,
             location,
+            shown,
             scripts: Scripts::new(),
             topology: Mutex::new(None),
             wakers: Mutex::new(HashMap::new()),
             listening: AtomicBool::new(false),
             connected: AtomicBool::new(true),
             stop: CancellationToken::new(),
-        };
-        Ok(Redis { inner: Arc::new(inner) })
+        });
+        if checks.purpose() == Purpose::Run {
+            server::describe();
+            tokio::spawn(watch(Arc::downgrade(&inner), checks.clone(), inner.stop.clone()));
+        }
+        Ok(Redis { inner })
     }
 
     /// The key prefix of this deployment.
@@ -300,17 +328,7 @@ impl Redis {
         if !stale && let Some(t) = lock(&self.inner.topology).clone() {
             return Ok(t);
         }
-        let mut c = self.conn();
-        let (version, exchanges, queues, limits, bindings): Stored = redis::pipe()
-            .atomic()
-            .get(self.key("v"))
-            .hgetall(self.key("x"))
-            .hgetall(self.key("q"))
-            .hgetall(self.key("limits"))
-            .smembers(self.key("b"))
-            .query_async(&mut c)
-            .await
-            .map_err(lost)?;
+        let Stored { version, exchanges, queues, limits, bindings } = self.stored().await?;
         let kinds = [ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers];
         let exchanges = exchanges
             .into_iter()
@@ -323,15 +341,42 @@ impl Redis {
                 let rule = QueueRule {
                     max_length: d.get("max_length").and_then(serde_json::Value::as_u64),
                     single_active: d.get("single_active_consumer").and_then(serde_json::Value::as_bool) == Some(true),
-                    max_body: limits.get(&name).and_then(|m| usize::try_from(*m).ok()),
+                    max_body: limits.get(&name).and_then(|m| m.parse().ok()),
                 };
                 (name, rule)
             })
             .collect();
         let bindings = bindings.iter().filter_map(|b| binding_from(b)).collect();
-        let topology = Arc::new(Topology { version: version.unwrap_or_default(), exchanges, queues, bindings });
+        let topology = Arc::new(Topology { version, exchanges, queues, bindings });
         *lock(&self.inner.topology) = Some(topology.clone());
         Ok(topology)
+    }
+
+    /// The topology as stored, read at once without writing (on a full server too).
+    async fn stored(&self) -> Result<Stored, BrokerError> {
+        let (version, exchanges, queues, limits, bindings): (
+            String,
+            Vec<String>,
+            Vec<String>,
+            Vec<String>,
+            Vec<String>,
+        ) = self
+            .inner
+            .scripts
+            .read
+            .key(self.key("v"))
+            .key(self.key("x"))
+            .key(self.key("q"))
+            .key(self.key("limits"))
+            .key(self.key("b"))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(lost)?;
+        let pairs = |flat: Vec<String>| -> HashMap<String, String> {
+            let mut flat = flat.into_iter();
+            std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
+        };
+        Ok(Stored { version, exchanges: pairs(exchanges), queues: pairs(queues), limits: pairs(limits), bindings })
     }
 
     /// The queues a message reaches under `t` (at least one), sorted.
@@ -347,16 +392,17 @@ impl Redis {
     }
 
     /// Writes `message` into every queue of `targets` or none, under topology version
-    /// `version` (`*`: any), refused by a full queue as a nack on `exchange`.
+    /// `version` (`*`: any), refused by a full queue as a nack on `exchange`; by `script`, the
+    /// publish script or its copy's.
     async fn write(
         &self,
         t: &Topology,
-        version: &str,
+        (version, script): (&str, &redis::Script),
         targets: &[String],
         exchange: &str,
         message: &Message,
     ) -> Result<Written, BrokerError> {
-        let mut invocation = self.inner.scripts.publish.prepare_invoke();
+        let mut invocation = script.prepare_invoke();
         invocation.key(self.key("v")).arg(version);
         for q in targets {
             invocation.key(self.stream(q)).arg(t.max_length(q));
@@ -373,11 +419,12 @@ impl Redis {
     async fn send_copy(&self, queue: &str, delay: Duration, message: &Message) -> Result<(), BrokerError> {
         let targets = [queue.to_string()];
         if delay.is_zero() {
+            let copy = ("*", &self.inner.scripts.copy);
             let t = self.topology(false).await?;
-            let written = match self.write(&t, "*", &targets, "", message).await? {
+            let written = match self.write(&t, copy, &targets, "", message).await? {
                 Written::Missing(_) => {
                     let t = self.topology(true).await?;
-                    self.write(&t, "*", &targets, "", message).await?
+                    self.write(&t, copy, &targets, "", message).await?
                 }
                 w => w,
             };
@@ -463,13 +510,14 @@ impl Redis {
         if rule.single_active {
             // As on RabbitMQ, the first consumer to attach is the active one: it takes the
             // lease now, not when its task first runs (a later consumer's task may run first).
-            let _: Option<String> = redis::cmd("SET")
-                .arg(self.key(&format!("sac:{queue}")))
+            let _: Option<String> = self
+                .inner
+                .scripts
+                .lease
+                .key(self.key(&format!("sac:{queue}")))
                 .arg(&state.name)
-                .arg("NX")
-                .arg("PX")
                 .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
-                .query_async(&mut self.conn())
+                .invoke_async(&mut self.conn())
                 .await
                 .map_err(lost)?;
         }
@@ -976,38 +1024,59 @@ impl Broker for Redis {
     type Consumer = RedisConsumer;
 
     /// Checks everything first (a conflict changes nothing), then writes what is missing and
-    /// makes each queue's stream and consumer group.
+    /// makes each queue's stream and consumer group that is missing. What stands already is not
+    /// written again: a runner declares on a full server, which refuses writes that grow it.
     async fn declare(&self, plan: &Plan) -> Result<(), BrokerError> {
         if let Some((q, detail)) = plan.queues.iter().find_map(|q| Some((q, unsupported(q, BROKER)?))) {
             return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name).into()));
         }
+        let stored = self.stored().await?;
         if let Some(Drift::Conflict { what, name, detail }) =
-            self.drift(plan).await?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
+            drift_from(plan, &stored)?.into_iter().find(|d| matches!(d, Drift::Conflict { .. }))
         {
             return Err(BrokerError::Conflict(
                 format!("{what} \"{name}\" conflicts with what exists: {detail}").into(),
             ));
         }
         let mut pipe = redis::pipe();
-        for x in &plan.exchanges {
+        let mut changes = 0;
+        for x in plan.exchanges.iter().filter(|x| !stored.exchanges.contains_key(&x.name)) {
             pipe.hset_nx(self.key("x"), &x.name, x.kind.as_str()).ignore();
+            changes += 1;
         }
         for q in &plan.queues {
-            let declared = serde_json::to_string(q).map_err(|e| {
-                BrokerError::Conflict(Cause::from_error(e).within(format_args!("queue \"{}\"", q.name)))
-            })?;
-            pipe.hset_nx(self.key("q"), &q.name, declared).ignore();
-            match q.max_message_bytes {
-                Some(max) => pipe.hset(self.key("limits"), &q.name, max as u64).ignore(),
-                None => pipe.hdel(self.key("limits"), &q.name).ignore(),
-            };
+            if !stored.queues.contains_key(&q.name) {
+                let declared = serde_json::to_string(q).map_err(|e| {
+                    BrokerError::Conflict(Cause::from_error(e).within(format_args!("queue \"{}\"", q.name)))
+                })?;
+                pipe.hset_nx(self.key("q"), &q.name, declared).ignore();
+                changes += 1;
+            }
+            let limit = q.max_message_bytes.map(|max| max.to_string());
+            if limit.as_ref() != stored.limits.get(&q.name) {
+                match limit {
+                    Some(max) => pipe.hset(self.key("limits"), &q.name, max).ignore(),
+                    None => pipe.hdel(self.key("limits"), &q.name).ignore(),
+                };
+                changes += 1;
+            }
         }
-        for b in &plan.bindings {
-            pipe.sadd(self.key("b"), binding_text(b)).ignore();
+        let bound: std::collections::HashSet<&String> = stored.bindings.iter().collect();
+        for text in plan.bindings.iter().map(binding_text).filter(|text| !bound.contains(text)) {
+            pipe.sadd(self.key("b"), text).ignore();
+            changes += 1;
         }
-        pipe.incr(self.key("v"), 1).ignore();
-        pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
+        // The version is the topology's marker too: a server that lost it came back empty.
+        if changes > 0 || stored.version.is_empty() {
+            pipe.incr(self.key("v"), 1).ignore();
+            pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
+        }
+        let mut groups = self.inner.scripts.groups.prepare_invoke();
         for q in &plan.queues {
+            groups.key(self.stream(&q.name));
+        }
+        let missing: Vec<usize> = groups.invoke_async(&mut self.conn()).await.map_err(lost)?;
+        for q in missing.into_iter().filter_map(|i| plan.queues.get(i.wrapping_sub(1))) {
             let made: Result<(), redis::RedisError> = redis::cmd("XGROUP")
                 .arg("CREATE")
                 .arg(self.stream(&q.name))
@@ -1068,7 +1137,7 @@ impl Broker for Redis {
                     continue;
                 }
             };
-            match self.write(&t, &t.version, &targets, exchange, &message).await? {
+            match self.write(&t, (&t.version, &self.inner.scripts.publish), &targets, exchange, &message).await? {
                 Written::Ok => return Ok(()),
                 Written::Stale | Written::Missing(_) => stale = true,
             }
@@ -1183,24 +1252,99 @@ impl Operate for Redis {
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {
-        let mut c = self.conn();
-        let (exchanges, queues, bindings): (HashMap<String, String>, HashMap<String, String>, Vec<String>) =
-            redis::pipe()
-                .atomic()
-                .hgetall(self.key("x"))
-                .hgetall(self.key("q"))
-                .smembers(self.key("b"))
-                .query_async(&mut c)
-                .await
-                .map_err(lost)?;
-        let bindings: std::collections::HashSet<String> = bindings.into_iter().collect();
-        declaration::drift(
-            plan,
-            Some(BROKER),
-            |name| Ok(exchanges.get(name).cloned()),
-            |name| Ok(queues.get(name).cloned()),
-            |b| Ok(bindings.contains(&binding_text(b))),
-        )
+        drift_from(plan, &self.stored().await?)
+    }
+
+    /// The stream's first entry (`XRANGE`), delivered or not: it is still in the queue.
+    async fn oldest(&self, queue: &str) -> Result<Option<Option<RedisDelivery>>, BrokerError> {
+        let entries: Vec<Value> = redis::cmd("XRANGE")
+            .arg(self.stream(queue))
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut self.conn())
+            .await
+            .map_err(lost)?;
+        let first = entries.first().and_then(|entry| match entry {
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::BulkString(id), Value::Array(fields)] => {
+                    Some((String::from_utf8_lossy(id).into_owned(), Message::from_fields(fields)))
+                }
+                _ => None,
+            },
+            _ => None,
+        });
+        Ok(Some(first.map(|(id, Message { body, kind, properties })| {
+            // Read, not delivered: nothing to settle.
+            Kept::whole(Entry { id, kind }, body, properties, Arc::new(AtomicBool::new(false)))
+        })))
+    }
+}
+
+/// How `stored` differs from `plan`: what is missing, what conflicts, and the bindings into the
+/// plan's queues that the plan does not declare (another set of pipeline files on the same
+/// prefix, whose messages these queues would take too).
+fn drift_from(plan: &Plan, stored: &Stored) -> Result<Vec<Drift>, BrokerError> {
+    let bound: std::collections::HashSet<&String> = stored.bindings.iter().collect();
+    let mut drift = declaration::drift(
+        plan,
+        Some(BROKER),
+        |name| Ok::<_, BrokerError>(stored.exchanges.get(name).cloned()),
+        |name| Ok(stored.queues.get(name).cloned()),
+        |b| Ok(bound.contains(&binding_text(b))),
+    )?;
+    let declared: std::collections::HashSet<String> = plan.bindings.iter().map(binding_text).collect();
+    let mut extra: Vec<BindingDecl> = stored
+        .bindings
+        .iter()
+        .filter(|text| !declared.contains(*text))
+        .filter_map(|text| binding_from(text))
+        .filter(|b| plan.queues.iter().any(|q| q.name == b.queue))
+        .collect();
+    extra.sort_by(|a, b| (&a.queue, &a.exchange, &a.routing_key).cmp(&(&b.queue, &b.exchange, &b.routing_key)));
+    drift.extend(extra.into_iter().map(|b| Drift::ExtraBinding {
+        exchange: b.exchange,
+        queue: b.queue,
+        routing_key: b.routing_key,
+    }));
+    Ok(drift)
+}
+
+/// Looks at the server every [`server::WATCH`] while the session lives. Ends the session (its
+/// runner reconnects, and checks everything again) when the server can no longer be used (a
+/// policy that evicts now, a replica now) or came back empty (the topology is declared again);
+/// says when the server fills up and when it has room again.
+async fn watch(inner: Weak<Inner>, checks: Checks, stop: CancellationToken) {
+    let mut full = None;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(server::WATCH) => {}
+        }
+        let Some(inner) = inner.upgrade() else { return };
+        let mut c = inner.connection.clone();
+        let found = server::inspect(&mut c, &inner.location, &inner.shown, &checks, false).await;
+        match found {
+            Ok(found) => {
+                if found.came_back_empty {
+                    inner.connected.store(false, Ordering::SeqCst);
+                    return;
+                }
+                let now = found.info.as_ref().and_then(server::Info::full);
+                if now.is_some() != full.is_some() {
+                    server::log_memory(now);
+                }
+                full = now;
+            }
+            Err(e) if e.is_fatal() => {
+                tracing::error!(error = %e, "the Redis server can no longer be used: ending the session");
+                inner.connected.store(false, Ordering::SeqCst);
+                return;
+            }
+            // Unreachable now: the session's own calls say so, and end it if it lasts.
+            Err(_) => {}
+        }
     }
 }
 

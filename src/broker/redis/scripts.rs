@@ -1,6 +1,14 @@
 //! The Lua scripts the Redis broker runs: each one step, atomic on the server. Redis 7.0:
 //! scripts replicate their effects, so `TIME` may decide what they write.
 //!
+//! Each script says what it may do (Redis 7's shebang flags): a publish is refused whole when
+//! the server is over `maxmemory` (held back, as a full queue holds publishers back); what a
+//! consumer runs to drain the server (claims, acks, hand-backs, a retry or dead-letter copy of
+//! a delivery about to be acked, a redrive's move) runs past it (`allow-oom`), since settling
+//! frees what it took; reads write nothing (`no-writes`) and run on a full server too. A script
+//! that writes copies first asks the user's ACL for every command it will run
+//! (`redis.acl_check_cmd`), so that a refusal comes before its first write: one script, or none.
+//!
 //! Keys: `s:Q` the stream of queue Q (consumer group `g`), `d:Q` its delayed copies (a sorted
 //! set of ids scored by the due time in ms), `m:ID` a delayed copy's fields, `c:Q` its live
 //! consumers (a sorted set scored by when their registration runs out), `sac:Q` the single
@@ -33,19 +41,36 @@ local function refused(s, max, i)
   if max and ready(s) >= max then return 'FULL:' .. i end
   return nil
 end
+local function may(...)
+  if not redis.acl_check_cmd(...) then
+    error({ err = 'NOPERM the Redis user may not run ' .. string.upper((...)) .. ' on ' .. tostring((select(2, ...))) })
+  end
+end
 "#;
+
+/// What a script may do, as its first line says: run on a server over `maxmemory`.
+const ALLOW_OOM: &str = "#!lua flags=allow-oom\n";
+
+/// Writes nothing (and so runs on a full server, and on a replica).
+const NO_WRITES: &str = "#!lua flags=no-writes\n";
+
+/// Writes what grows the server: refused whole once it is over `maxmemory`.
+const GROWS: &str = "#!lua\n";
 
 /// Writes one copy of a message into every stream in `KEYS[2..]`, or none: each stream must
 /// exist, and one with a maximum length (`ARGV[1 + i]`, empty for none) must hold fewer ready
 /// entries. `KEYS[1]` is the topology's version, which must still be `ARGV[1]` (`*`: not
 /// checked) since the caller routed. `ARGV[2 + n]` is the wake channel; the fields follow.
-/// Answers `OK`, `STALE`, `MISSING:i` or `FULL:i` (i: 1-based among the streams).
+/// Answers `OK`, `STALE`, `MISSING:i` or `FULL:i` (i: 1-based among the streams); an error
+/// (`NOPERM`) before writing anything when the user may not run what it would.
 const PUBLISH: &str = r#"
 if ARGV[1] ~= '*' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 'STALE' end
 local n = #KEYS - 1
 for i = 1, n do
   local no = refused(KEYS[1 + i], tonumber(ARGV[1 + i]), i)
   if no then return no end
+  may('XADD', KEYS[1 + i], '*', 'b', '')
+  may('PUBLISH', ARGV[n + 2], KEYS[1 + i])
 end
 for i = 1, n do
   redis.call('XADD', KEYS[1 + i], '*', unpack(ARGV, n + 3))
@@ -65,6 +90,10 @@ const MOVE: &str = r#"
 if #redis.call('XPENDING', KEYS[1], 'g', ARGV[2], ARGV[2], 1, ARGV[1]) == 0 then return 'GONE' end
 local no = refused(KEYS[2], tonumber(ARGV[3]), 1)
 if no then return no end
+may('XADD', KEYS[2], '*', 'b', '')
+may('XACK', KEYS[1], 'g', ARGV[2])
+may('XDEL', KEYS[1], ARGV[2])
+may('PUBLISH', ARGV[4], KEYS[2])
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 redis.call('XACK', KEYS[1], 'g', ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -78,6 +107,9 @@ return 'OK'
 /// earliest due time. Answers `OK` or `MISSING:1`.
 const DELAY: &str = r#"
 if redis.call('EXISTS', KEYS[3]) == 0 then return 'MISSING:1' end
+may('HSET', KEYS[2], 'b', '')
+may('ZADD', KEYS[1], '0', ARGV[2])
+may('PUBLISH', ARGV[3], KEYS[3])
 redis.call('HSET', KEYS[2], unpack(ARGV, 4))
 redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[1]), ARGV[2])
 redis.call('PUBLISH', ARGV[3], KEYS[3])
@@ -110,6 +142,11 @@ const CLAIM: &str = r#"
 local me, lease = ARGV[1], tonumber(ARGV[3])
 local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)
+if due[1] then
+  may('XADD', KEYS[1], '*', 'b', '')
+  may('DEL', ARGV[5] .. due[1])
+  may('ZREM', KEYS[2], due[1])
+end
 for _, id in ipairs(due) do
   local fields = redis.call('HGETALL', ARGV[5] .. id)
   if #fields > 0 then
@@ -236,28 +273,96 @@ local expired = #redis.call('XPENDING', KEYS[1], 'g', 'IDLE', ARGV[1], '-', '+',
 return { redis.call('XLEN', KEYS[1]) - pending + expired, live, math.max(0, pending - expired), redis.call('ZCARD', KEYS[3]) }
 "#;
 
+/// The topology, read at once: `{version (empty when none), exchanges, queues, limits,
+/// bindings}` from `KEYS[1..5]` (`v`, `x`, `q`, `limits`, `b`), the hashes as flat lists.
+const READ: &str = r#"
+return {
+  redis.call('GET', KEYS[1]) or '',
+  redis.call('HGETALL', KEYS[2]),
+  redis.call('HGETALL', KEYS[3]),
+  redis.call('HGETALL', KEYS[4]),
+  redis.call('SMEMBERS', KEYS[5]),
+}
+"#;
+
+/// Which of the streams `KEYS` has no consumer group `g` (or is no stream yet): their
+/// 1-based places. A declaration that finds every group there writes nothing.
+const GROUPS: &str = r#"
+local missing = {}
+for i, s in ipairs(KEYS) do
+  local found = false
+  if redis.call('EXISTS', s) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+      if g[2] == 'g' then found = true end
+    end
+  end
+  if not found then missing[#missing + 1] = i end
+end
+return missing
+"#;
+
+/// Takes the single-active lease `KEYS[1]` for consumer `ARGV[1]` for `ARGV[2]` ms, unless
+/// another holds it.
+const LEASE: &str = r#"
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+"#;
+
+/// Which of the commands `ARGV[4..]` the user's ACL refuses, run nothing: each a line of
+/// words, `{s}`, `{k}`, `{c}` standing for `ARGV[1..3]` (not keys of the script, which a user
+/// limited to other keys could not run at all). Answers their names (with the subcommand for
+/// `XGROUP`, `XINFO`, `SCRIPT`).
+pub(super) const PROBE: &str = r#"#!lua flags=no-writes
+local names = { ['{s}'] = ARGV[1], ['{k}'] = ARGV[2], ['{c}'] = ARGV[3] }
+local refused, said = {}, {}
+for i = 4, #ARGV do
+  local line, words = ARGV[i], {}
+  for w in string.gmatch(line, '%S+') do words[#words + 1] = names[w] or w end
+  local ok, allowed = pcall(redis.acl_check_cmd, unpack(words))
+  if not (ok and allowed) then
+    local name = words[1]
+    if name == 'XGROUP' or name == 'XINFO' or name == 'SCRIPT' then name = name .. ' ' .. words[2] end
+    if not said[name] then
+      said[name] = true
+      refused[#refused + 1] = name
+    end
+  end
+end
+return refused
+"#;
+
 /// The broker's scripts, loaded once per session (sent by hash, loaded on a miss).
 pub(super) struct Scripts {
     pub publish: Script,
+    /// The publish script for a copy of a delivery (a retry due now, a dead letter, a
+    /// redrive's copy): it runs on a full server, as the original's ack frees its room.
+    pub copy: Script,
     pub move_entry: Script,
     pub delay: Script,
     pub claim: Script,
     pub ack: Script,
     pub hand_back: Script,
     pub counts: Script,
+    pub read: Script,
+    pub groups: Script,
+    pub lease: Script,
 }
 
 impl Scripts {
     pub fn new() -> Scripts {
-        let with_prelude = |body: &str| Script::new(&format!("{PRELUDE}{body}"));
+        let with_prelude = |flags: &str, body: &str| Script::new(&format!("{flags}{PRELUDE}{body}"));
+        let plain = |flags: &str, body: &str| Script::new(&format!("{flags}{body}"));
         Scripts {
-            publish: with_prelude(PUBLISH),
-            move_entry: with_prelude(MOVE),
-            delay: with_prelude(DELAY),
-            claim: with_prelude(CLAIM),
-            ack: Script::new(ACK),
-            hand_back: Script::new(HAND_BACK),
-            counts: with_prelude(COUNTS),
+            publish: with_prelude(GROWS, PUBLISH),
+            copy: with_prelude(ALLOW_OOM, PUBLISH),
+            move_entry: with_prelude(ALLOW_OOM, MOVE),
+            delay: with_prelude(ALLOW_OOM, DELAY),
+            claim: with_prelude(ALLOW_OOM, CLAIM),
+            ack: plain(ALLOW_OOM, ACK),
+            hand_back: plain(ALLOW_OOM, HAND_BACK),
+            counts: with_prelude(NO_WRITES, COUNTS),
+            read: plain(NO_WRITES, READ),
+            groups: plain(NO_WRITES, GROUPS),
+            lease: plain(ALLOW_OOM, LEASE),
         }
     }
 }

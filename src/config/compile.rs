@@ -533,6 +533,7 @@ impl Compiler<'_> {
                 "program": program_source,
                 "tls": tls_source,
             }),
+            written: file.written.pointer(&base).cloned().unwrap_or_default(),
         })
     }
 

@@ -1,0 +1,234 @@
+//! Issue 31 (items 1 and 2): what the admin port gives away. Every secret a pipeline can hold
+//! (written in the file, filled in from `${VAR}` or `{{env.X}}`) stays out of every answer of
+//! the port, the log and `/metrics`; reads of message data need the admin token unless
+//! `--admin-open-reads`; a request for a host the port does not answer for (DNS rebinding) is
+//! refused; `/metrics`, `/healthz` and `/readyz` stay open.
+
+use crate::support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sluice::broker::Broker as _;
+use support::*;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const TOKEN: &str = "exposure-test-token-0123456789";
+
+/// GETs `path` on the admin port with `headers`; the status and the body.
+async fn get(admin: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut request = http().get(format!("http://{admin}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.unwrap_or_else(|e| panic!("GET {path}: {e}"));
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap_or_else(|e| panic!("GET {path}: the body: {e}")))
+}
+
+/// GETs `path` with the test's token, expecting 200; the body.
+async fn read(admin: &str, path: &str) -> String {
+    let bearer = format!("Bearer {TOKEN}");
+    let (status, body) = get(admin, path, &[("authorization", &bearer)]).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
+}
+
+/// A pipeline directory whose file is `yaml`, with the test's token in `admin-token`; the
+/// path of the token file.
+fn with_token(yaml: &str) -> (tempfile::TempDir, String) {
+    let dir = pipeline(yaml);
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, format!("{TOKEN}\n")).expect("write the token");
+    let token = token.to_str().expect("utf-8 path").to_string();
+    (dir, token)
+}
+
+/// Issue 31 item 1: 20 secrets planted in every way a pipeline can hold one; none is in any
+/// answer of the port (every GET the OpenAPI document names, for every queue and dead letter,
+/// the console's files, the probes), nor in `/metrics` or the log. The handler view shows the
+/// file's text instead: `${VAR}` and `{{env.X}}` as written, URL passwords and query values
+/// masked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_secret_leaves_through_the_admin_port() {
+    let receiver = Receiver::start(|hit, _| Reply::status(if hit.key().starts_with("dead") { 422 } else { 200 })).await;
+    let hook = receiver.uri().trim_start_matches("http://").to_string();
+    // Each value below is a secret: none may be seen.
+    let env: [(&str, String); 11] = [
+        ("HOOK_URL", format!("http://envuser:secret-url-from-env@{hook}")),
+        ("HOOK_PASS", "secret-url-from-var".into()),
+        ("QUERY_TOKEN", "secret-query-from-var".into()),
+        ("API_TOKEN", "secret-header-named".into()),
+        ("CUSTOM_VALUE", "secret-header-from-var".into()),
+        ("CUSTOM_ENV", "secret-header-from-env".into()),
+        ("BODY_VALUE", "secret-body-from-var".into()),
+        ("ARG_TOKEN", "secret-arg-from-var".into()),
+        ("CONN_URL", "postgres://dbuser:secret-env-from-var@db.example/x".into()),
+        ("SIGN_SECRET", "whsec_c2VjcmV0LXNpZ25pbmcta2V5LTEyMzQ1Njc4".into()),
+        ("OAUTH_SECRET", "secret-oauth-client".into()),
+    ];
+    let written = [
+        "secret-url-literal",
+        "secret-query-literal",
+        "secret-arg-literal",
+        "secret-arg-next",
+        "secret-arg-url",
+        "secret-env-dsn",
+        "secret-env-named",
+        "secret-token-url-query",
+        "secret-query-after-env",
+    ];
+    let yaml = format!(
+        r#"version: 1
+exchanges:
+  ev: {{type: topic}}
+queues:
+  literal:
+    bind: [{{exchange: ev, routing_key: literal}}]
+    handler:
+      webhook:
+        url: "http://hookuser:secret-url-literal@{hook}/hook?api_key=secret-query-literal&tenant=t1"
+        headers:
+          Authorization: "Bearer ${{API_TOKEN}}"
+          X-Custom: "${{CUSTOM_VALUE}}"
+          X-From-Env: "{{{{env.CUSTOM_ENV}}}}"
+        body: '{{"k": "${{BODY_VALUE}}", "id": "{{{{id}}}}"}}'
+        signing: {{secret_env: SIGN_SECRET}}
+    retry: {{max_attempts: 1}}
+  fromenv:
+    bind: [{{exchange: ev, routing_key: fromenv}}]
+    handler:
+      webhook: {{url: "{{{{env.HOOK_URL}}}}/hook?sig=secret-query-after-env"}}
+  fromvar:
+    bind: [{{exchange: ev, routing_key: fromvar}}]
+    handler:
+      webhook: {{url: "http://varuser:${{HOOK_PASS}}@{hook}/hook?token=${{QUERY_TOKEN}}"}}
+  oauth:
+    handler:
+      webhook:
+        url: "https://127.0.0.1:9/hook"
+        auth:
+          oauth2:
+            token_url: "https://127.0.0.1:9/token?x=secret-token-url-query"
+            client_id: partner
+            client_secret_env: OAUTH_SECRET
+  command:
+    bind: [{{exchange: ev, routing_key: command}}]
+    handler:
+      command:
+        program: /bin/sh
+        args: ["-c", "exit 3", "--password=secret-arg-literal", "--password", "secret-arg-next",
+               "--token=${{ARG_TOKEN}}", "postgres://dbuser:secret-arg-url@db.example/x"]
+        env:
+          DSN: "postgres://dbuser:secret-env-dsn@db.example/x"
+          CONN: "${{CONN_URL}}"
+          DB_PASSWORD: secret-env-named
+        permanent_exit_codes: [3]
+"#
+    );
+    let (dir, token) = with_token(&yaml);
+    let place = EmbeddedDir::new();
+    let broker = place.connect().await;
+    let env_pairs: Vec<(&str, &str)> = env.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let sluice =
+        Sluice::run_with_env(dir.path(), &place.url(), &["--admin", &admin, "--admin-token-file", &token], &env_pairs);
+    // The runner declares the topology before its workers start (the breaker gauge).
+    wait_until(DEADLINE, "the admin port up", || async {
+        gauge(&admin, "sluice_circuit_state", "command").await.is_some()
+    })
+    .await;
+    for (key, routing) in
+        [("ok-1", "literal"), ("dead-1", "literal"), ("ok-2", "fromenv"), ("ok-3", "fromvar"), ("run-1", "command")]
+    {
+        publish(&broker, "ev", routing, key, json!({ "n": 1 })).await;
+    }
+    wait_until(DEADLINE, "the webhooks called", || async {
+        ["ok-1", "ok-2", "ok-3"].iter().all(|k| receiver.succeeded_keys().contains(*k))
+    })
+    .await;
+    wait_until(DEADLINE, "two dead letters", || async {
+        place.depth("literal.dlq").await == 1 && place.depth("command.dlq").await == 1
+    })
+    .await;
+    broker.close().await;
+
+    // Every GET the API documents, for each queue and each dead letter.
+    let openapi: Value = serde_json::from_str(&read(&admin, "/api/v1/openapi.json").await).expect("JSON");
+    let queues = ["literal", "fromenv", "fromvar", "oauth", "command"];
+    let mut answers: Vec<(String, String)> = Vec::new();
+    let mut paths = BTreeSet::new();
+    for (path, item) in openapi["paths"].as_object().expect("paths") {
+        if item.get("get").is_none() {
+            continue;
+        }
+        for queue in queues {
+            let path = path.replace("{name}", queue);
+            if path.contains("{id}") {
+                let list: Value =
+                    serde_json::from_str(&read(&admin, &format!("/api/v1/queues/{queue}/dead-letters")).await)
+                        .expect("JSON");
+                for entry in list["entries"].as_array().expect("entries") {
+                    let id = entry["id"].as_str().expect("an id");
+                    paths.insert(path.replace("{id}", id));
+                }
+            } else {
+                paths.insert(path);
+            }
+        }
+    }
+    assert!(paths.iter().filter(|p| p.contains("/dead-letters/")).count() == 2, "both dead letters read: {paths:?}");
+    for path in paths.iter().map(String::as_str).chain(["/", "/console.js", "/console.css", "/metrics", "/healthz"]) {
+        answers.push((path.to_string(), read(&admin, path).await));
+    }
+    answers.push(("the log".into(), sluice.log()));
+    let secrets: Vec<&str> = env
+        .iter()
+        .map(|(_, v)| v.as_str())
+        .filter(|v| !v.starts_with("http://") && !v.starts_with("postgres://"))
+        .chain(["secret-url-from-env", "secret-env-from-var", "c2VjcmV0LXNpZ25pbmcta2V5"])
+        .chain(written)
+        .collect();
+    let mut seen = Vec::new();
+    for (path, body) in &answers {
+        for secret in &secrets {
+            if body.contains(secret) {
+                seen.push(format!("{secret} in {path}"));
+            }
+        }
+    }
+    assert!(seen.is_empty(), "{} secret(s) readable:\n{}", seen.len(), seen.join("\n"));
+
+    // What the file says instead.
+    let view = |queue: &str| {
+        let body = &answers.iter().find(|(p, _)| p == &format!("/api/v1/queues/{queue}")).expect("read").1;
+        serde_json::from_str::<Value>(body).expect("JSON")["handler"].clone()
+    };
+    let literal = view("literal");
+    assert_eq!(literal["url"], format!("http://hookuser:***@{hook}/hook?api_key=***&tenant=***"));
+    assert_eq!(
+        literal["headers"],
+        json!([["Authorization", "***"], ["X-Custom", "${CUSTOM_VALUE}"], ["X-From-Env", "{{env.CUSTOM_ENV}}"]])
+    );
+    assert_eq!(literal["body"], r#"{"k": "${BODY_VALUE}", "id": "{{id}}"}"#);
+    assert_eq!(view("fromenv")["url"], "{{env.HOOK_URL}}/hook?sig=***");
+    assert_eq!(view("fromvar")["url"], format!("http://varuser:***@{hook}/hook?token=***"));
+    let command = view("command");
+    assert_eq!(
+        command["args"],
+        json!([
+            "-c",
+            "exit 3",
+            "--password=***",
+            "--password",
+            "***",
+            "--token=***",
+            "postgres://dbuser:***@db.example/x"
+        ])
+    );
+    assert_eq!(
+        command["env"],
+        json!([["CONN", "${CONN_URL}"], ["DB_PASSWORD", "***"], ["DSN", "postgres://dbuser:***@db.example/x"]])
+    );
+}

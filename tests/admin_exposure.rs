@@ -7,7 +7,7 @@
 use crate::support;
 
 use std::collections::BTreeSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice::broker::Broker as _;
@@ -230,5 +230,114 @@ queues:
     assert_eq!(
         command["env"],
         json!([["CONN", "${CONN_URL}"], ["DB_PASSWORD", "***"], ["DSN", "postgres://dbuser:***@db.example/x"]])
+    );
+}
+
+/// A runner of one command queue `work` on an embedded broker of its own, with the test's
+/// token and `extra` args; its admin address.
+async fn runner(extra: &[&str]) -> (tempfile::TempDir, EmbeddedDir, Sluice, String) {
+    let (dir, token) = with_token("version: 1\nqueues:\n  work:\n    handler: {command: {program: /bin/true}}\n");
+    let place = EmbeddedDir::new();
+    let args: Vec<&str> = ["--admin-token-file", token.as_str()].into_iter().chain(extra.iter().copied()).collect();
+    let (sluice, admin) = run_with_admin_and(dir.path(), &place.url(), "work", &args).await;
+    (dir, place, sluice, admin)
+}
+
+/// The reads of message data the API serves.
+const DATA: [&str; 5] = [
+    "/api/v1/queues",
+    "/api/v1/queues/work",
+    "/api/v1/queues/work/attempts",
+    "/api/v1/queues/work/dead-letters",
+    "/api/v1/topology",
+];
+const PROBES: [&str; 3] = ["/metrics", "/healthz", "/readyz"];
+
+/// Issue 31 item 2: every read of the API needs the token (401 without it or with another);
+/// the probes, the console's files and the OpenAPI document do not; a request for a host the
+/// port does not answer for is refused whatever it carries, the probes excepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_need_the_token_and_a_host_the_port_answers_for() {
+    let (_dir, _place, _sluice, admin) = runner(&["--admin-allowed-hosts", "sluice.internal,Other.Example."]).await;
+    let port = admin.rsplit_once(':').expect("a port").1;
+    let bearer = format!("Bearer {TOKEN}");
+    for path in DATA {
+        assert_eq!(get(&admin, path, &[]).await.0, 401, "GET {path} without the token");
+        assert_eq!(get(&admin, path, &[("authorization", "Bearer wrong")]).await.0, 401, "GET {path}, a wrong token");
+        assert_eq!(get(&admin, path, &[("authorization", &bearer)]).await.0, 200, "GET {path} with the token");
+        // The names the port answers for: its address, localhost, and those allowed.
+        for host in [
+            format!("localhost:{port}"),
+            "localhost".into(),
+            format!("LOCALHOST:{port}"),
+            format!("[::1]:{port}"),
+            format!("sluice.internal:{port}"),
+            "other.example".into(),
+        ] {
+            let answered = get(&admin, path, &[("authorization", &bearer), ("host", &host)]).await;
+            assert_eq!(answered.0, 200, "GET {path} for host {host}: {}", answered.1);
+        }
+        for host in [
+            format!("attacker.example:{port}"),
+            "attacker.example".into(),
+            format!("localhost.attacker.example:{port}"),
+        ] {
+            let (status, body) = get(&admin, path, &[("authorization", &bearer), ("host", &host)]).await;
+            assert_eq!(status, 421, "GET {path} for host {host}: {body}");
+            assert!(body.contains("--admin-allowed-hosts"), "says how to allow it: {body}");
+        }
+    }
+    for path in ["/", "/console.js", "/console.css", "/api/v1/openapi.json"] {
+        assert_eq!(get(&admin, path, &[]).await.0, 200, "GET {path} needs no token: it holds no data");
+        assert_eq!(get(&admin, path, &[("host", "attacker.example")]).await.0, 421, "GET {path} for another host");
+    }
+    for path in PROBES {
+        assert_eq!(get(&admin, path, &[]).await.0, 200, "GET {path} stays open");
+        assert_eq!(get(&admin, path, &[("host", "attacker.example")]).await.0, 200, "GET {path} for any host");
+    }
+    // A write for another host is refused too, token or not.
+    let refused = http()
+        .post(format!("http://{admin}/api/v1/queues/work/pause"))
+        .header("authorization", &bearer)
+        .header("host", "attacker.example")
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(refused.status().as_u16(), 421);
+    assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0), "not paused");
+}
+
+/// Issue 31 item 2: `--admin-open-reads` opens the reads again, and nothing else: writes still
+/// need the token, and the host is still checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_reads_open_the_reads_only() {
+    let (_dir, _place, _sluice, admin) = runner(&["--admin-open-reads"]).await;
+    for path in DATA {
+        assert_eq!(get(&admin, path, &[]).await.0, 200, "GET {path} without the token");
+        assert_eq!(get(&admin, path, &[("host", "attacker.example")]).await.0, 421, "GET {path} for another host");
+    }
+    let write = http().post(format!("http://{admin}/api/v1/queues/work/pause")).send().await.expect("answered");
+    assert_eq!(write.status().as_u16(), 401, "a write still needs the token");
+    assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0), "not paused");
+}
+
+/// Issue 31 (low): refused requests are logged one line per 10 s with a count of the others,
+/// not one line each (5,000 refused writes once made 1 MB of log).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_do_not_flood_the_log() {
+    let (_dir, _place, sluice, admin) = runner(&[]).await;
+    let started = Instant::now();
+    for _ in 0..500 {
+        let refused = http().post(format!("http://{admin}/queues/work/pause")).send().await.expect("answered");
+        assert_eq!(refused.status().as_u16(), 401);
+    }
+    let intervals = started.elapsed().as_secs() / 10 + 1;
+    let log = sluice.log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("refused") && l.contains("remote=")).collect();
+    assert!(
+        !lines.is_empty() && lines.len() as u64 <= intervals,
+        "{} line(s) for 500 refusals in {intervals} interval(s) of 10 s:\n{}",
+        lines.len(),
+        lines.iter().take(3).copied().collect::<Vec<_>>().join("\n")
     );
 }

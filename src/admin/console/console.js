@@ -230,7 +230,7 @@ async function overview() {
   const data = await read('/api/v1/queues');
   runner(data.runner);
   const head = ['Queue', 'Ready', 'In flight', 'Consumers', 'Dead letters', 'Oldest', 'Paused', 'Circuit',
-    'Limit', 'Handled/min', 'Retried/min', 'DLQ/min', 'p50', 'p99', 'Last 15 min', ''];
+    'Limit', 'Handled/min', 'Duplicates/min', 'Retried/min', 'DLQ/min', 'p50', 'p99', 'Last 15 min', ''];
   const rows = data.queues.map((q) => {
     const s = q.status || {};
     const link = (hash, text) => el('a', { href: hash }, text);
@@ -246,6 +246,7 @@ async function overview() {
       el('td', { 'data-col': 'circuit', className: q.circuit === 'closed' ? '' : 'bad' }, q.circuit),
       num('limit', q.concurrency_limit),
       num('handled', q.handled_per_minute),
+      num('duplicates', q.duplicates_per_minute),
       num('retried', q.retried_per_minute),
       num('dead_lettered_rate', q.dead_lettered_per_minute),
       el('td', { className: 'num' }, ms(q.p50_ms)),

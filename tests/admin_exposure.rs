@@ -341,3 +341,28 @@ async fn refused_requests_do_not_flood_the_log() {
         lines.iter().take(3).copied().collect::<Vec<_>>().join("\n")
     );
 }
+
+/// Issue 31 (low): under `umask 000` the state directory a runner makes (here the embedded
+/// broker's, which holds its admin token), and each parent it makes, is the owner's alone
+/// (0700), not 0777.
+#[test]
+fn the_state_directory_is_private_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = pipeline("version: 1\nqueues:\n  work:\n    handler: {command: {program: /bin/true}}\n");
+    let parent = dir.path().join("state");
+    let state = parent.join("broker");
+    let path = |p: &std::path::Path| p.to_str().expect("utf-8 path").to_string();
+    let finished = std::process::Command::new("timeout")
+        .args(["60", "/bin/sh", "-c", "umask 000 && exec \"$@\"", "sh", env!("CARGO_BIN_EXE_sluice"), "run"])
+        .args([path(dir.path()), "--broker".into(), path(&state), "--admin".into(), "127.0.0.1:0".into()])
+        .args(["--exit-when-idle", "--no-watch"])
+        .output()
+        .expect("run sluice under umask 000");
+    assert!(finished.status.success(), "{finished:?}");
+    for made in [&parent, &state] {
+        let mode = std::fs::metadata(made).expect("made").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{} is mode {mode:o}", made.display());
+    }
+    let token = std::fs::metadata(state.join("admin-token")).expect("the token generated");
+    assert_eq!(token.permissions().mode() & 0o777, 0o600);
+}

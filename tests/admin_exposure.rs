@@ -179,7 +179,9 @@ queues:
         }
     }
     assert!(paths.iter().filter(|p| p.contains("/dead-letters/")).count() == 2, "both dead letters read: {paths:?}");
-    for path in paths.iter().map(String::as_str).chain(["/", "/console.js", "/console.css", "/metrics", "/healthz"]) {
+    for path in
+        paths.iter().map(String::as_str).chain(["/", "/console.js", "/console.css", "/metrics", "/healthz", "/readyz"])
+    {
         answers.push((path.to_string(), read(&admin, path).await));
     }
     answers.push(("the log".into(), sluice.log()));

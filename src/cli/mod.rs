@@ -140,7 +140,8 @@ enum Command {
         exit_when_idle: bool,
         /// Serve /metrics, /healthz and /readyz (open to whoever reaches the port), the console
         /// and its API, and the writes of `sluice pause|resume` on this HOST:PORT (e.g.
-        /// 127.0.0.1:9464, localhost:9464). All but the metrics and health need the admin token.
+        /// 127.0.0.1:9464, localhost:9464). All but the probes and the console's own files need
+        /// the admin token.
         #[arg(long, env = "SLUICE_ADMIN", value_parser = parse_host_port)]
         admin: Option<String>,
         /// A file holding the admin token (not writable by others, owned by you or root).

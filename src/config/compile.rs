@@ -788,7 +788,8 @@ impl Compiler<'_> {
                 None
             }
             Err(e) => {
-                self.error(file, &url_pointer, format!("token_url \"{}\" is not a URL: {e}", o.token_url));
+                let shown = crate::secret::mask_url(&o.token_url);
+                self.error(file, &url_pointer, format!("token_url \"{shown}\" is not a URL: {e}"));
                 None
             }
         };

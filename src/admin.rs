@@ -139,7 +139,7 @@ fn set_paused(pauses: &Pauses, queue: &str, paused: bool, remote: SocketAddr) ->
 }
 
 /// What the operator chose about who may use the port, beside the token.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Policy {
     /// Reads need no token (`--admin-open-reads`).
     pub open_reads: bool,
@@ -214,8 +214,8 @@ impl Refusal {
     }
 }
 
-/// Whether a write with these headers may go ahead: from no page or a page of the port's own
-/// origin (`http://` and the `Host` asked for), with the runner's token.
+/// Whether a request that needs the token, with these headers, may go ahead: from no page or a
+/// page of the port's own origin (`http://` and the `Host` asked for), with the runner's token.
 fn check(token: &Token, headers: &HeaderMap) -> Result<(), Refusal> {
     if let Some(origin) = headers.get(header::ORIGIN) {
         let own = headers.get(header::HOST).map(|host| [b"http://", host.as_bytes()].concat());
@@ -378,7 +378,7 @@ pub async fn serve(
         token = %source,
         console = %format_args!("http://{addr}/"),
         open_reads,
-        "admin endpoint listening (the console at /, /api/v1/, /metrics, /healthz, /readyz, /queues/NAME/pause|resume); all but the metrics and health need the token"
+        "admin endpoint listening (the console at /, /api/v1/, /metrics, /healthz, /readyz, /queues/NAME/pause|resume); all but the metrics, health and the console's files need the token"
     );
     if !addr.ip().is_loopback() {
         if open_reads {

@@ -43,9 +43,11 @@ run_once() {
   if [ "$1" = with ]; then
     local addr="127.0.0.1:$(port)"
     admin=(--admin "$addr")
+    # The reads need the token the runner generates into the broker's directory.
     ( while sleep 2; do
-        curl -s "http://$addr/api/v1/queues" >/dev/null || true
-        curl -s "http://$addr/api/v1/queues/work/attempts" >/dev/null || true
+        auth="Authorization: Bearer $(cat "$broker/admin-token" 2>/dev/null)"
+        curl -s -H "$auth" "http://$addr/api/v1/queues" >/dev/null || true
+        curl -s -H "$auth" "http://$addr/api/v1/queues/work/attempts" >/dev/null || true
       done ) &
     poller=$!
   fi

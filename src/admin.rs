@@ -4,11 +4,17 @@
 //! call), the operator console at `/` ([`console`]) and the JSON API it uses under `/api/v1/`
 //! ([`api`]).
 //!
-//! Reads (GET, HEAD) are open to whoever reaches the port. Every other request is a write: it
-//! needs `Authorization: Bearer` with the runner's [`token`], and is refused when it carries an
-//! `Origin` other than the port's own (a page of another site in the operator's browser). A
-//! write route logs what it did once, naming the remote address; a refused one is logged here.
-//! No cookie is ever set or read, so a browser adds no credentials of its own.
+//! `/metrics`, `/healthz` and `/readyz` are open to whoever reaches the port, for scrapers and
+//! probes. Every other request must be addressed to a host the port answers for (an IP address,
+//! `localhost`, the name `--admin` gave, or one of `--admin-allowed-hosts`): a page whose name
+//! was rebound to this address (DNS rebinding) is refused. Then the console's own files and the
+//! OpenAPI document, which hold no data, are open; every other read needs `Authorization:
+//! Bearer` with the runner's [`token`] unless `--admin-open-reads`, and every write needs it
+//! always, and is refused when it carries an `Origin` other than the port's own (a page of
+//! another site in the operator's browser). A write route logs what it did once, naming the
+//! remote address; refused requests are logged here, one line per [`REFUSED_EVERY`] with how
+//! many more there were. No cookie is ever set or read, so a browser adds no credentials of its
+//! own.
 //!
 //! The port must never cost the data path its file descriptors or its time: it holds at most
 //! [`MAX_CONNECTIONS`] connections and closes more as they come, and a connection that sends
@@ -21,8 +27,8 @@ pub mod api;
 pub mod console;
 pub mod token;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -53,6 +59,15 @@ const LIFETIME: Duration = Duration::from_secs(30);
 
 /// How often a full admin port says so in the log.
 const CROWDED_EVERY: Duration = Duration::from_secs(60);
+
+/// How often refused requests are logged: one line, then the count of those in between.
+pub const REFUSED_EVERY: Duration = Duration::from_secs(10);
+
+/// What scrapers and probes read: open to anyone, for any host.
+const PROBES: [&str; 3] = ["/metrics", "/healthz", "/readyz"];
+
+/// Reads that hold no data (the console's files, the API's description): no token needed.
+const PUBLIC: [&str; 4] = ["/", "/console.js", "/console.css", "/api/v1/openapi.json"];
 
 /// Installs the global Prometheus recorder and describes every metric sluice records (the
 /// `# HELP` lines).
@@ -123,9 +138,51 @@ fn set_paused(pauses: &Pauses, queue: &str, paused: bool, remote: SocketAddr) ->
     }
 }
 
-/// Why a write was refused.
+/// What the operator chose about who may use the port, beside the token.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Reads need no token (`--admin-open-reads`).
+    pub open_reads: bool,
+    /// Host names, beside IP addresses and `localhost`, that requests may be addressed to:
+    /// the one `--admin` names and those of `--admin-allowed-hosts`, as [`host_name`] reads them.
+    hosts: Vec<String>,
+}
+
+impl Policy {
+    /// The policy of a port bound as `addr` (`--admin`), with the `allowed` hosts.
+    pub fn new(addr: &str, open_reads: bool, allowed: &[String]) -> Policy {
+        let hosts = std::iter::once(addr).chain(allowed.iter().map(String::as_str)).filter_map(host_name).collect();
+        Policy { open_reads, hosts }
+    }
+
+    /// Whether a request with this `Host` is addressed to this port: an IP address (which no
+    /// page can rebind), `localhost`, or an allowed name. No `Host` at all is refused.
+    fn answers_for(&self, host: Option<&HeaderValue>) -> bool {
+        let Some(name) = host.and_then(|h| h.to_str().ok()).and_then(host_name) else { return false };
+        name.parse::<IpAddr>().is_ok() || name == "localhost" || self.hosts.contains(&name)
+    }
+}
+
+/// The host of a `Host` value or a `HOST:PORT` (port optional, IPv6 in brackets): lower case,
+/// without the port, the brackets or a final dot; `None` when empty.
+fn host_name(value: &str) -> Option<String> {
+    let value = value.trim();
+    let host = match value.strip_prefix('[') {
+        Some(bracketed) => bracketed.split_once(']')?.0,
+        None => match value.rsplit_once(':') {
+            Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+            _ => value,
+        },
+    };
+    let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+    (!host.is_empty()).then_some(host)
+}
+
+/// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refusal {
+    /// A `Host` the port does not answer for: a page whose name was rebound to this address.
+    ForeignHost,
     /// An `Origin` other than the port's own: a page of another site.
     ForeignOrigin,
     /// No `Authorization: Bearer`.
@@ -137,6 +194,7 @@ enum Refusal {
 impl Refusal {
     fn status(self) -> StatusCode {
         match self {
+            Refusal::ForeignHost => StatusCode::MISDIRECTED_REQUEST,
             Refusal::ForeignOrigin => StatusCode::FORBIDDEN,
             Refusal::NoToken | Refusal::WrongToken => StatusCode::UNAUTHORIZED,
         }
@@ -144,15 +202,20 @@ impl Refusal {
 
     fn why(self) -> &'static str {
         match self {
+            Refusal::ForeignHost => {
+                "this port does not answer for that host: address it by IP address or as localhost, or name the host with --admin-allowed-hosts"
+            }
             Refusal::ForeignOrigin => "writes are not taken from a page of another origin",
-            Refusal::NoToken => "writes need Authorization: Bearer with the runner's admin token",
+            Refusal::NoToken => {
+                "this needs Authorization: Bearer with the runner's admin token (reads too, unless the runner has --admin-open-reads)"
+            }
             Refusal::WrongToken => "that is not the runner's admin token",
         }
     }
 }
 
-/// Whether a write with these headers may go ahead: from no page or a page of the port's own
-/// origin (`http://` and the `Host` asked for), with the runner's token.
+/// Whether a request that needs the token, with these headers, may go ahead: from no page or a
+/// page of the port's own origin (`http://` and the `Host` asked for), with the runner's token.
 fn check(token: &Token, headers: &HeaderMap) -> Result<(), Refusal> {
     if let Some(origin) = headers.get(header::ORIGIN) {
         let own = headers.get(header::HOST).map(|host| [b"http://", host.as_bytes()].concat());
@@ -168,21 +231,86 @@ fn check(token: &Token, headers: &HeaderMap) -> Result<(), Refusal> {
     if token.matches(presented.trim_ascii()) { Ok(()) } else { Err(Refusal::WrongToken) }
 }
 
-/// Lets reads through, and writes that pass [`check`]; answers and logs the others.
-async fn guard_writes(
-    State(token): State<Token>,
+/// Lets one log line through per `every`, counting the others.
+#[derive(Debug)]
+struct Throttle {
+    every: Duration,
+    /// When a line was last let through, and how many were held back since.
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    fn new(every: Duration) -> Throttle {
+        Throttle { every, state: Mutex::new((None, 0)) }
+    }
+
+    /// At `now`: how many lines were held back since the last one, when this one may be
+    /// logged; `None` (and counted) when it may not.
+    fn admit(&self, now: Instant) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match state.0 {
+            Some(last) if now.saturating_duration_since(last) < self.every => {
+                state.1 = state.1.saturating_add(1);
+                None
+            }
+            _ => {
+                let held = std::mem::take(&mut state.1);
+                state.0 = Some(now);
+                Some(held)
+            }
+        }
+    }
+}
+
+/// What the guard needs: the token, the policy, and the log's throttle.
+#[derive(Debug, Clone)]
+struct Access {
+    token: Token,
+    policy: Arc<Policy>,
+    refused: Arc<Throttle>,
+}
+
+impl Access {
+    /// Whether this request may go ahead.
+    fn check(&self, request: &Request) -> Result<(), Refusal> {
+        let read = matches!(*request.method(), Method::GET | Method::HEAD);
+        let path = request.uri().path();
+        if read && PROBES.contains(&path) {
+            return Ok(());
+        }
+        if !self.policy.answers_for(request.headers().get(header::HOST)) {
+            return Err(Refusal::ForeignHost);
+        }
+        if read && (self.policy.open_reads || PUBLIC.contains(&path)) {
+            return Ok(());
+        }
+        check(&self.token, request.headers())
+    }
+}
+
+/// Lets through what [`Access::check`] allows; answers the rest, and logs them (throttled).
+async fn guard(
+    State(access): State<Access>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
     request: Request,
     next: Next,
 ) -> Response {
-    if matches!(*request.method(), Method::GET | Method::HEAD) {
-        return next.run(request).await;
-    }
-    let Err(refusal) = check(&token, request.headers()) else {
+    let Err(refusal) = access.check(&request) else {
         return next.run(request).await;
     };
-    let (method, path) = (request.method(), request.uri().path());
-    tracing::warn!(%remote, %method, path, reason = refusal.why(), "admin write refused");
+    if let Some(held) = access.refused.admit(Instant::now()) {
+        let (method, path) = (request.method(), request.uri().path());
+        let host = request.headers().get(header::HOST).map(|h| String::from_utf8_lossy(h.as_bytes()));
+        tracing::warn!(
+            %remote,
+            %method,
+            path,
+            host = host.as_deref().unwrap_or(""),
+            reason = refusal.why(),
+            refused_since_last_line = held,
+            "admin request refused"
+        );
+    }
     let mut response = (refusal.status(), format!("{}\n", refusal.why())).into_response();
     if refusal.status() == StatusCode::UNAUTHORIZED {
         response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -190,9 +318,16 @@ async fn guard_writes(
     response
 }
 
-/// The routes, `more` (the console and its API) among them, writes guarded, every answer with
-/// the console's security headers.
-fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token: Token, more: Router) -> Router {
+/// The routes, `more` (the console and its API) among them, guarded, every answer with the
+/// console's security headers.
+fn routes(
+    metrics: PrometheusHandle,
+    readiness: Readiness,
+    pauses: Pauses,
+    (token, policy): (Token, Policy),
+    more: Router,
+) -> Router {
+    let access = Access { token, policy: Arc::new(policy), refused: Arc::new(Throttle::new(REFUSED_EVERY)) };
     let resumes = pauses.clone();
     Router::new()
         .route("/metrics", get(move || std::future::ready(metrics.render())))
@@ -219,34 +354,41 @@ fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token
             }),
         )
         .merge(more)
-        .layer(axum::middleware::from_fn_with_state(token, guard_writes))
+        .layer(axum::middleware::from_fn_with_state(access, guard))
         .layer(axum::middleware::map_response(console::secure))
 }
 
 /// Serves the admin endpoints, and `more` (the console and its API), on `listener` until
-/// `shutdown`; writes need `token` (from `source`, named in the log).
+/// `shutdown`; what is not open needs `token` (from `source`, named in the log), as `policy`
+/// says.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: PrometheusHandle,
     readiness: Readiness,
     pauses: Pauses,
-    (token, source): (Token, Source),
+    (token, source, policy): (Token, Source, Policy),
     more: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let app = routes(metrics, readiness, pauses, token, more);
+    let open_reads = policy.open_reads;
+    let app = routes(metrics, readiness, pauses, (token, policy), more);
     let addr = listener.local_addr()?;
     tracing::info!(
         %addr,
         token = %source,
         console = %format_args!("http://{addr}/"),
-        "admin endpoint listening (the console at /, /api/v1/, /metrics, /healthz, /readyz, /queues/NAME/pause|resume); writes need the token"
+        open_reads,
+        "admin endpoint listening (the console at /, /api/v1/, /metrics, /healthz, /readyz, /queues/NAME/pause|resume); all but the metrics, health and the console's files need the token"
     );
     if !addr.ip().is_loopback() {
-        tracing::warn!(
-            %addr,
-            "the admin endpoint is open to the network: whoever reaches it reads the metrics, health, queues, recent attempts and dead-lettered messages (writes still need the token)"
-        );
+        if open_reads {
+            tracing::warn!(
+                %addr,
+                "the admin endpoint is open to the network with --admin-open-reads: whoever reaches it reads the queues, recent attempts and dead-lettered messages (writes still need the token)"
+            );
+        } else {
+            tracing::info!(%addr, "the admin endpoint is open to the network: its metrics and health are open, the rest needs the token");
+        }
     }
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -351,5 +493,55 @@ mod tests {
             }
             assert_eq!(check(&token, &map), *expected, "{headers:?}");
         }
+    }
+
+    /// Issue 31 item 2: a request is answered when addressed to an IP address (no page can
+    /// rebind one), `localhost`, the `--admin` name or an allowed one; not to another name
+    /// (a DNS-rebinding page's), nor without a host.
+    #[test]
+    fn requests_are_answered_for_addresses_localhost_and_allowed_names_only() {
+        let policy = Policy::new("sluice-host:9464", false, &["Ops.Example.".into(), "proxy.example:8443".into()]);
+        let cases = [
+            ("127.0.0.1:9464", true),
+            ("10.1.2.3", true),
+            ("[::1]:9464", true),
+            ("[fe80::1]", true),
+            ("localhost", true),
+            ("LocalHost:9464", true),
+            ("localhost.:9464", true),
+            ("sluice-host:9464", true),
+            ("ops.example", true),
+            ("OPS.EXAMPLE:1", true),
+            ("proxy.example", true),
+            ("attacker.example", false),
+            ("attacker.example:9464", false),
+            ("localhost.attacker.example", false),
+            ("127.0.0.1.attacker.example", false),
+            ("sluice-host.attacker.example", false),
+            ("", false),
+            (":9464", false),
+            ("[::1", false),
+        ];
+        for (host, answered) in cases {
+            let value = HeaderValue::from_static(host);
+            assert_eq!(policy.answers_for(Some(&value)), answered, "{host:?}");
+        }
+        assert!(!policy.answers_for(None), "no Host");
+    }
+
+    /// Issue 31 (low): refused requests log one line per interval, the next one counting those
+    /// held back (5,000 refused writes once logged 5,000 lines).
+    #[test]
+    fn refusals_are_logged_once_per_interval_with_the_count_held_back() {
+        let throttle = Throttle::new(Duration::from_secs(10));
+        let start = Instant::now();
+        assert_eq!(throttle.admit(start), Some(0));
+        for ms in 1..5000 {
+            assert_eq!(throttle.admit(start + Duration::from_millis(ms)), None);
+        }
+        assert_eq!(throttle.admit(start + Duration::from_secs(10)), Some(4999));
+        assert_eq!(throttle.admit(start + Duration::from_secs(11)), None);
+        assert_eq!(throttle.admit(start + Duration::from_secs(25)), Some(1));
+        assert_eq!(throttle.admit(start + Duration::from_secs(40)), Some(0));
     }
 }

@@ -1,5 +1,6 @@
 //! Reading a file that sluice is pointed at (a pipeline file, a payload schema, a PEM, a
-//! secret): only a regular file, and never past a limit.
+//! secret): only a regular file, and never past a limit. And making the directories that hold
+//! its state, which are their owner's alone.
 
 use std::path::Path;
 
@@ -14,6 +15,14 @@ pub enum ReadError {
     NotUtf8,
     #[error("{0}")]
     Io(#[from] std::io::Error),
+}
+
+/// Creates `dir` and the parents it lacks, each mode 0700 whatever the umask: a state
+/// directory holds the broker's messages and the admin token, which no other user may read or
+/// replace. A directory already there is left as it is.
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 /// Reads a regular file of at most `limit` bytes as UTF-8 text.

@@ -1,7 +1,8 @@
 //! Issue 19 (item 5): the admin port. Writes need the runner's token and are refused from a
-//! page of another origin, and a refused write changes nothing; reads stay open; `sluice
-//! pause|resume` find the token the runner generated; idle and half-sent connections cannot
-//! take the file descriptors webhook calls need, nor keep a fresh request from an answer.
+//! page of another origin, and a refused write changes nothing; the probes stay open (the
+//! other reads need the token too: `admin_exposure.rs`); `sluice pause|resume` find the token
+//! the runner generated; idle and half-sent connections cannot take the file descriptors
+//! webhook calls need, nor keep a fresh request from an answer.
 
 use crate::support;
 
@@ -89,7 +90,7 @@ async fn writes_without_the_token_or_from_another_origin_change_nothing() {
     assert_eq!(gauge(&admin, "sluice_paused", "work").await, Some(0.0));
     publish(&broker, "ev", "x", "after-refusals", json!({})).await;
     wait_handled(&receiver, "after-refusals").await;
-    // Reads need nothing.
+    // The probes need nothing.
     for path in ["/metrics", "/healthz", "/readyz"] {
         assert_eq!(get_status(&admin, path).await, Some(200), "GET {path}");
     }

@@ -1,7 +1,9 @@
 //! Issue 22: the operator console in a real browser (Debian's chromium, headless, driven through
-//! chromedriver) against a real `sluice run`, on every broker: a failing receiver's dead letters
-//! are seen rising, its status code among the attempts; once it recovers, the operator gives
-//! the token and redrives every match from the page, and each key is handled exactly once.
+//! chromedriver) against a real `sluice run`, on every broker: the console asks for the admin
+//! token before it shows anything (issue 31 item 2), asks again for a wrong one, and keeps the
+//! right one for the tab; a failing receiver's dead letters are seen rising, its status code
+//! among the attempts; once it recovers, the operator redrives every match from the page, and
+//! each key is handled exactly once.
 //! Pause and resume from the page stop and restart consumption. Hostile dead letters (markup,
 //! script, ANSI escapes, invalid UTF-8, 1 MB) are shown as inert text.
 //!
@@ -136,6 +138,18 @@ impl Browser {
         self.client.execute(script, Vec::new()).await.unwrap_or_else(|e| panic!("{script}: {e}"))
     }
 
+    /// Whether the console's token dialog is shown.
+    async fn asks_token(&self) -> bool {
+        self.script("return !document.getElementById('token-dialog').hidden").await == json!(true)
+    }
+
+    /// Waits for the console to ask for the admin token, and gives it `token`.
+    async fn give_token(&self, token: &str) {
+        wait_until(DEADLINE, "the token asked for", || async { self.asks_token().await }).await;
+        self.type_into("#token-input", token).await;
+        self.click("#token-save").await;
+    }
+
     /// Saves a screenshot as `target/console-screenshots/NAME.png`.
     async fn screenshot(&self, name: &str) -> PathBuf {
         let png = self.client.screenshot().await.expect("screenshot");
@@ -180,6 +194,13 @@ async fn console_redrives_and_pauses<P: Place>(place: P) {
     let (_dir, sluice, admin) = run_console(&place, &receiver).await;
     let browser = Browser::start().await;
     browser.go(&format!("http://{admin}/")).await;
+    // Issue 31 item 2: nothing is shown before the token; a wrong one is refused and asked
+    // for again.
+    browser.give_token("wrong-token").await;
+    browser.wait_text("#notice", "the wrong token refused", |t| t.starts_with("The runner refused that token")).await;
+    assert!(browser.asks_token().await, "asked again");
+    assert_eq!(browser.count("#queues").await, 0, "nothing shown without the token");
+    browser.give_token(TOKEN).await;
     let dead = format!("{ROW} td[data-col='dead_lettered']");
     browser.wait_text(&dead, "the overview shows 0 dead letters", |t| t == "0").await;
     let runner = browser.text("#runner").await.unwrap_or_default();
@@ -200,20 +221,15 @@ async fn console_redrives_and_pauses<P: Place>(place: P) {
     browser.go(&format!("http://{admin}/#/queue/work")).await;
     browser.wait_text("#attempts td[data-col='status']", "the attempts show HTTP 503", |t| t == "503").await;
 
-    // The receiver recovers; the operator redrives every match, giving the token when asked.
+    // The receiver recovers; the operator redrives every match, with the token the tab kept.
     failing.store(false, Ordering::SeqCst);
     browser.go(&format!("http://{admin}/#/dead-letters/work")).await;
     wait_until(DEADLINE, "5 dead letters listed", || async { browser.count("#dead-letters tbody tr").await == 5 })
         .await;
     browser.screenshot(&format!("dead-letters-{}", broker_name(&place))).await;
     browser.click("#redrive-all").await;
-    wait_until(DEADLINE, "the token asked for", || async {
-        browser.script("return !document.getElementById('token-dialog').hidden").await == json!(true)
-    })
-    .await;
-    browser.type_into("#token-input", TOKEN).await;
-    browser.click("#token-save").await;
     let would = browser.wait_text("#would-go", "the dry run's count", |t| !t.is_empty()).await;
+    assert!(!browser.asks_token().await, "the token is kept for the tab");
     assert!(would.starts_with("5 message(s) would be redriven"), "{would}");
     browser.click("#confirm-redrive").await;
     wait_until(DEADLINE, "every key handled", || async { keys.iter().all(|k| receiver.succeeded_keys().contains(k)) })
@@ -296,6 +312,7 @@ async fn hostile_messages_are_shown_inert() {
 
     let browser = Browser::start().await;
     browser.go(&format!("http://{admin}/#/queue/work")).await;
+    browser.give_token(TOKEN).await;
     browser.wait_text("#attempts td[data-col='status']", "the 422 attempt", |t| t == "422").await;
     // The receiver's answer is there, as text.
     let shown = browser.script("return document.getElementById('attempts').textContent").await;
@@ -327,10 +344,8 @@ async fn hostile_messages_are_shown_inert() {
     }
     browser.screenshot("hostile-dead-letter").await;
 
-    // Purge every match once the queue's name is typed (the token asked for first).
+    // Purge every match once the queue's name is typed.
     browser.click("#purge-all").await;
-    browser.type_into("#token-input", TOKEN).await;
-    browser.click("#token-save").await;
     browser.type_into("#purge-confirm", "wor").await;
     browser.click("#confirm-purge").await;
     browser.wait_text("#notice", "a mistyped name refused", |t| t.starts_with("Type the queue name")).await;

@@ -11,6 +11,7 @@ mod support;
 mod util;
 
 mod admin;
+mod admin_exposure;
 mod admin_guard;
 mod broker_arguments;
 mod channels;

@@ -6,8 +6,10 @@
 //! The work is `ops`'s (`ops::status`, `ops::dlq`), as for the CLI; this only gathers what
 //! this runner knows beside it (its attempts, its breakers, the last reload) and answers in
 //! JSON. Writes are guarded by `admin` (the token, no foreign origin) before they get here;
-//! each logs once what it did, naming the remote address. Secrets never leave: header and
-//! variable values whose names look secret are masked, and signing says only on or off.
+//! each logs once what it did, naming the remote address. Secrets never leave: a handler is
+//! shown as its file writes it (`${VAR}` and `{{env.X}}` as written, never their values), URL
+//! passwords and query values masked, so are header, variable and flag values whose names look
+//! secret; signing says only on or off.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -33,6 +35,7 @@ use crate::ops::status;
 use crate::reload::loader::Current;
 use crate::runtime::attempts::Attempts;
 use crate::runtime::gate::Pauses;
+use crate::secret::MASK;
 
 /// The OpenAPI document of every route below.
 pub const OPENAPI: &str = include_str!("openapi.json");
@@ -230,43 +233,103 @@ async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> 
     }))
 }
 
-/// Header and variable names whose values are never shown.
+/// Header, variable and flag names whose values are never shown.
 fn secret_name(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    ["authorization", "signature", "secret", "token", "password", "passwd", "cookie", "key", "credential", "auth"]
-        .iter()
-        .any(|word| name.contains(word))
+    [
+        "authorization",
+        "signature",
+        "secret",
+        "token",
+        "pass",
+        "cookie",
+        "key",
+        "credential",
+        "auth",
+        "private",
+        "session",
+    ]
+    .iter()
+    .any(|word| name.contains(word))
 }
 
-/// `(name, value)` pairs with secret-looking values masked.
-fn masked<'a>(pairs: impl Iterator<Item = (&'a String, &'a str)>) -> Vec<(String, String)> {
-    pairs.map(|(n, v)| (n.clone(), if secret_name(n) { "***".to_string() } else { v.to_string() })).collect()
+/// What the queue's file writes at `pointer` below the queue (before `${VAR}` substitution).
+fn written<'a>(q: &'a Queue, pointer: &str) -> Option<&'a Value> {
+    q.written.pointer(pointer)
 }
 
-/// The handler as compiled, without a secret.
+/// A written scalar as text: a string as it is, anything else as JSON.
+fn text(value: &Value) -> String {
+    value.as_str().map_or_else(|| value.to_string(), str::to_string)
+}
+
+/// The written text at `pointer`, URL credentials masked.
+fn shown(q: &Queue, pointer: &str) -> Option<String> {
+    written(q, pointer).map(|v| crate::secret::mask_urls(&text(v)))
+}
+
+/// The written webhook URL, its credentials masked.
+fn shown_url(q: &Queue) -> Option<String> {
+    written(q, "/handler/webhook/url").map(|v| crate::secret::mask_url(&text(v)))
+}
+
+/// The written `name: value` map at `pointer` (headers, a command's env) as pairs: the value of
+/// a secret-looking name masked whole, URL credentials masked in the others.
+fn shown_pairs(q: &Queue, pointer: &str) -> Vec<(String, String)> {
+    let pairs = written(q, pointer).and_then(Value::as_object).into_iter().flatten();
+    pairs
+        .map(|(name, value)| {
+            let value = if secret_name(name) { MASK.to_string() } else { crate::secret::mask_urls(&text(value)) };
+            (name.clone(), value)
+        })
+        .collect()
+}
+
+/// A command's written arguments, masked: URL credentials, the value of `--name=value` when the
+/// name looks secret, and the argument after a secret-looking flag written alone
+/// (`--password VALUE`).
+fn shown_args(q: &Queue) -> Vec<String> {
+    let args = written(q, "/handler/command/args").and_then(Value::as_array).into_iter().flatten();
+    let mut after_flag = false;
+    args.map(|arg| {
+        let arg = text(arg);
+        let flag = arg.starts_with('-') && secret_name(&arg);
+        let shown = match arg.split_once('=') {
+            _ if after_flag => MASK.to_string(),
+            Some((name, _)) if secret_name(name) => format!("{name}={MASK}"),
+            _ => crate::secret::mask_urls(&arg),
+        };
+        after_flag = flag && !arg.contains('=');
+        shown
+    })
+    .collect()
+}
+
+/// The handler as its file writes it, without a secret: templates and `${VAR}`s as written
+/// (never what the environment fills in), URL credentials and secret-looking values masked.
 fn handler_view(q: &Queue) -> Value {
-    let source = |pointer: &str| q.source.pointer(pointer).cloned().unwrap_or(Value::Null);
+    let rules = |pointer: &str| written(q, pointer).cloned().unwrap_or(Value::Null);
     match &q.handler {
         Handler::Webhook(w) => json!({
             "kind": "webhook",
             "method": w.method,
-            "url": w.url.source(),
-            "headers": masked(w.headers.iter().map(|(n, t)| (n, t.source()))),
-            "body": w.body.as_ref().map(|b| b.source()),
+            "url": shown_url(q),
+            "headers": shown_pairs(q, "/handler/webhook/headers"),
+            "body": shown(q, "/handler/webhook/body"),
             "timeout_ms": w.timeout.as_millis() as u64,
             "signing": w.signing.is_some(),
-            "on_status": source("/definition/on_status"),
+            "on_status": rules("/on_status"),
         }),
         Handler::Command(c) => json!({
             "kind": "command",
-            "program": c.program.display().to_string(),
-            "args": c.args.iter().map(|a| a.source()).collect::<Vec<_>>(),
-            "env": masked(c.env.iter().map(|(n, t)| (n, t.source()))),
+            "program": written(q, "/handler/command/program").map(text),
+            "args": shown_args(q),
+            "env": shown_pairs(q, "/handler/command/env"),
             "pass_env": c.pass_env,
             "stdin": format!("{:?}", c.stdin).to_lowercase(),
             "timeout_ms": c.timeout.as_millis() as u64,
             "permanent_exit_codes": c.permanent_exit_codes,
-            "on_exit": source("/definition/handler/command/on_exit"),
+            "on_exit": rules("/handler/command/on_exit"),
             "signing": false,
         }),
     }
@@ -302,7 +365,7 @@ async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<Stri
         "concurrency": q.concurrency.get(),
         "adaptive": q.adaptive,
         "ordered": q.ordered,
-        "rate_limit": q.source.pointer("/definition/rate_limit").cloned(),
+        "rate_limit": written(q, "/rate_limit").cloned(),
         "idempotency": q.idempotency.as_ref().map(|i| json!({ "ttl_ms": i.ttl.as_millis() as u64 })),
         "handler": handler_view(q),
         "retry": retry_view(q),
@@ -384,7 +447,7 @@ async fn dead_letter<B: Operate>(
         .ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no message with id \"{id}\" in {}", q.dead_letter)))?;
     // A producer's credentials in a message's headers are not for whoever reads the port.
     for (_, value) in shown.headers.iter_mut().filter(|(name, _)| secret_name(name)) {
-        *value = Value::from("***");
+        *value = Value::from(MASK);
     }
     Ok(Json(shown))
 }
@@ -502,8 +565,12 @@ async fn topology<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
         .iter()
         .map(|(name, q)| {
             let target = match &q.handler {
-                Handler::Webhook(w) => json!({ "kind": "webhook", "method": w.method, "url": w.url.source() }),
-                Handler::Command(c) => json!({ "kind": "command", "program": c.program.display().to_string() }),
+                Handler::Webhook(w) => {
+                    json!({ "kind": "webhook", "method": w.method, "url": shown_url(q) })
+                }
+                Handler::Command(_) => {
+                    json!({ "kind": "command", "program": written(q, "/handler/command/program").map(text) })
+                }
             };
             (name, target)
         })

@@ -1,11 +1,11 @@
-//! The bearer token that writes on the admin port need: where it comes from (a file the
-//! operator names, `$SLUICE_ADMIN_TOKEN`, else one the runner generates into its state
-//! directory, mode 0600, and the local CLI reads from there), and comparing it in constant time.
-//! It never reads the network and never logs the token itself.
+//! The bearer token the admin port needs: where it comes from (a file the operator names,
+//! `$SLUICE_ADMIN_TOKEN`, else one the runner generates into its state directory, mode 0600,
+//! and the local CLI reads from there), and comparing it in constant time. A file another user
+//! could change is refused. It never reads the network and never logs the token itself.
 
 use std::fmt;
 use std::io::Write as _;
-use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -54,6 +54,16 @@ pub enum TokenError {
         path = .path.display()
     )]
     Exposed { path: PathBuf, mode: u32 },
+    #[error(
+        "{path} can be changed by others (mode {mode:o}), who could set the admin token: `chmod go-w {path}`",
+        path = .path.display()
+    )]
+    Writable { path: PathBuf, mode: u32 },
+    #[error(
+        "{path} belongs to another user (uid {owner}), who could set the admin token: use a file of your own",
+        path = .path.display()
+    )]
+    NotOwned { path: PathBuf, owner: u32 },
 }
 
 /// A bearer token. Its `Debug` never shows it.
@@ -107,6 +117,7 @@ impl Given {
     fn token(&self) -> Result<Option<(Token, Source)>, TokenError> {
         if let Some(path) = &self.file {
             let source = Source::File(path.clone());
+            trusted(path)?;
             let text = std::fs::read_to_string(path).map_err(|error| TokenError::Read { path: path.clone(), error })?;
             return Ok(Some((Token::parse(&text, &source)?, source)));
         }
@@ -147,14 +158,30 @@ impl Given {
     }
 }
 
-/// The token in a generated file, which nobody but its owner may read.
+/// The file at `path`'s metadata, when no one but this user (or root, who could anyway) can
+/// change it: its owner, not writable by group or others. A token someone else can set would
+/// let them in.
+fn trusted(path: &Path) -> Result<std::fs::Metadata, TokenError> {
+    let metadata = std::fs::metadata(path).map_err(|error| TokenError::Read { path: path.to_path_buf(), error })?;
+    let mode = metadata.permissions().mode();
+    if mode & 0o022 != 0 {
+        return Err(TokenError::Writable { path: path.to_path_buf(), mode: mode & 0o777 });
+    }
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if metadata.uid() != me && metadata.uid() != 0 {
+        return Err(TokenError::NotOwned { path: path.to_path_buf(), owner: metadata.uid() });
+    }
+    Ok(metadata)
+}
+
+/// The token in a generated file, which nobody but its owner may read or change.
 fn read_private(path: &Path) -> Result<Token, TokenError> {
-    let read = |error| TokenError::Read { path: path.to_path_buf(), error };
-    let mode = std::fs::metadata(path).map_err(read)?.permissions().mode();
+    let mode = trusted(path)?.permissions().mode();
     if mode & 0o077 != 0 {
         return Err(TokenError::Exposed { path: path.to_path_buf(), mode: mode & 0o777 });
     }
-    let text = std::fs::read_to_string(path).map_err(read)?;
+    let text = std::fs::read_to_string(path).map_err(|error| TokenError::Read { path: path.to_path_buf(), error })?;
     Token::parse(&text, &Source::Generated(path.to_path_buf()))
 }
 
@@ -162,7 +189,7 @@ fn read_private(path: &Path) -> Result<Token, TokenError> {
 /// token goes into a file of this process's own first and is then linked into place, so that
 /// nobody ever reads a half-written token.
 fn write_new(dir: &Path, path: &Path, token: &Token) -> std::io::Result<bool> {
-    std::fs::create_dir_all(dir)?;
+    crate::file::create_private_dir(dir)?;
     let partial = dir.join(format!(".{FILE}.{}", std::process::id()));
     // One left by a killed process of the same pid.
     let _ = std::fs::remove_file(&partial);
@@ -250,6 +277,54 @@ mod tests {
                 p = path.display()
             )
         );
+    }
+
+    /// Issue 31 (low): a token file another user could change (writable by group or others, or
+    /// owned by another user but root) is refused, naming the fix; one readable by others
+    /// (a Kubernetes secret's 0644) is taken.
+    #[test]
+    fn a_token_file_others_can_change_is_refused() {
+        let state = tempfile::tempdir().expect("tempdir");
+        let file = state.path().join("given");
+        std::fs::write(&file, "given-token\n").expect("write");
+        let given = Given { file: Some(file.clone()), env: None };
+        for mode in [0o600, 0o644, 0o400] {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            assert_eq!(given.for_runner(state.path()).expect("taken").0.secret(), "given-token", "mode {mode:o}");
+        }
+        for mode in [0o620, 0o602, 0o666] {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            let error = given.for_client(state.path()).expect_err("writable").to_string();
+            let p = file.display();
+            assert_eq!(
+                error,
+                format!(
+                    "{p} can be changed by others (mode {mode:o}), who could set the admin token: `chmod go-w {p}`"
+                )
+            );
+        }
+        // The generated file too.
+        let generated = state.path().join(FILE);
+        std::fs::write(&generated, "generated\n").expect("write");
+        std::fs::set_permissions(&generated, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        assert_eq!(Given::default().for_client(state.path()).expect("taken").0.secret(), "generated");
+        // SAFETY: geteuid(2) takes nothing and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            // Only root can give a file away: as another user the case cannot be made.
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+            let expected = |p: &Path| {
+                format!(
+                    "{} belongs to another user (uid 65534), who could set the admin token: use a file of your own",
+                    p.display()
+                )
+            };
+            std::os::unix::fs::chown(&file, Some(65534), None).expect("chown");
+            let error = given.for_runner(state.path()).expect_err("owned by another user").to_string();
+            assert_eq!(error, expected(&file));
+            std::os::unix::fs::chown(&generated, Some(65534), None).expect("chown");
+            let error = Given::default().for_runner(state.path()).expect_err("owned by another user").to_string();
+            assert_eq!(error, expected(&generated));
+        }
     }
 
     #[test]

@@ -145,16 +145,27 @@ enum Command {
         /// Exit 0 once every queue and pending retry is drained.
         #[arg(long)]
         exit_when_idle: bool,
-        /// Serve /metrics, /healthz and /readyz (open to whoever reaches the port) and the
-        /// writes of `sluice pause|resume` (which need the admin token) on this HOST:PORT
-        /// (e.g. 127.0.0.1:9464, localhost:9464).
+        /// Serve /metrics, /healthz and /readyz (open to whoever reaches the port), the console
+        /// and its API, and the writes of `sluice pause|resume` on this HOST:PORT (e.g.
+        /// 127.0.0.1:9464, localhost:9464). All but the probes and the console's own files need
+        /// the admin token.
         #[arg(long, env = "SLUICE_ADMIN", value_parser = parse_host_port)]
         admin: Option<String>,
-        /// A file holding the token admin writes need. Without it, $SLUICE_ADMIN_TOKEN; without
-        /// that, a token generated once into the state directory (the embedded broker's
-        /// directory, else .sluice) as `admin-token`, mode 0600, where `sluice pause` finds it.
+        /// A file holding the admin token (not writable by others, owned by you or root).
+        /// Without it, $SLUICE_ADMIN_TOKEN; without that, a token generated once into the
+        /// state directory (the embedded broker's directory, else .sluice) as `admin-token`,
+        /// mode 0600, where `sluice pause` finds it.
         #[arg(long, value_name = "PATH")]
         admin_token_file: Option<PathBuf>,
+        /// Let the console and the API be read without the admin token (writes still need it),
+        /// by whoever reaches the port: queues, attempts, dead-lettered messages.
+        #[arg(long)]
+        admin_open_reads: bool,
+        /// Host names, beside IP addresses, localhost and the --admin host, that requests to the
+        /// admin port may be addressed to (comma-separated): the name operators or a proxy use
+        /// for it. Requests for any other (a DNS-rebinding page) are refused with 421.
+        #[arg(long, value_name = "HOST", value_delimiter = ',')]
+        admin_allowed_hosts: Vec<String>,
         /// How many recent attempts per queue the console keeps (in memory) and shows.
         #[arg(long, default_value_t = runtime::attempts::DEFAULT_CAPACITY, value_name = "N")]
         admin_attempts: usize,
@@ -665,6 +676,8 @@ pub fn main() -> ExitCode {
             exit_when_idle,
             admin,
             admin_token_file,
+            admin_open_reads,
+            admin_allowed_hosts,
             admin_attempts,
             dedup,
             no_watch,
@@ -681,7 +694,10 @@ pub fn main() -> ExitCode {
                 attempts: runtime::attempts::Attempts::new(if admin.is_some() { admin_attempts } else { 0 }),
             };
             let watch = !no_watch;
-            let admin = admin.map(|addr| (addr, admin_token(admin_token_file)));
+            let admin = admin.map(|addr| {
+                let policy = crate::admin::Policy::new(&addr, admin_open_reads, &admin_allowed_hosts);
+                (addr, admin_token(admin_token_file), policy)
+            });
             let dedup = dedup.as_deref().map(Location::parse);
             let run = run(paths, watch, broker, dedup, evicting.allow_evicting_redis, admin, options);
             exit(block_on(threads, log_format, run))
@@ -830,7 +846,7 @@ async fn run(
     broker: BrokerArg,
     dedup: Option<Location>,
     allow_evicting_redis: bool,
-    admin: Option<(String, token::Given)>,
+    admin: Option<(String, token::Given, crate::admin::Policy)>,
     options: runtime::Options,
 ) -> anyhow::Result<()> {
     let endpoint = broker.endpoint()?;
@@ -897,13 +913,13 @@ async fn run(
     let forced = CancellationToken::new();
     tokio::spawn(signals(shutdown.clone(), forced.clone()));
     let mut admin = match admin {
-        Some((addr, token)) => {
-            let token = token.for_runner(&state_dir(&broker.urls)?)?;
+        Some((addr, token, policy)) => {
+            let (token, source) = token.for_runner(&state_dir(&broker.urls)?)?;
             let metrics = crate::admin::install_recorder().map_err(anyhow::Error::msg)?;
             let listener = tokio::net::TcpListener::bind(addr.as_str())
                 .await
                 .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
-            Some(AdminPort { listener, metrics, token })
+            Some(AdminPort { listener, metrics, access: (token, source, policy) })
         }
         None => None,
     };
@@ -1011,11 +1027,11 @@ fn persistence_line(persistence: Option<crate::broker::redis::Persistence>) -> (
     }
 }
 
-/// The admin port, bound, with its metrics and token; served once the broker is known.
+/// The admin port, bound, with its metrics, token and policy; served once the broker is known.
 struct AdminPort {
     listener: tokio::net::TcpListener,
     metrics: metrics_exporter_prometheus::PrometheusHandle,
-    token: (token::Token, token::Source),
+    access: (token::Token, token::Source, crate::admin::Policy),
 }
 
 impl AdminPort {
@@ -1039,7 +1055,7 @@ impl AdminPort {
         let (readiness, pauses) = (options.readiness.clone(), options.pauses.clone());
         tokio::spawn(async move {
             let served =
-                crate::admin::serve(self.listener, self.metrics, readiness, pauses, self.token, more, shutdown);
+                crate::admin::serve(self.listener, self.metrics, readiness, pauses, self.access, more, shutdown);
             if let Err(e) = served.await {
                 tracing::error!(error = %e, "admin endpoint failed");
             }

@@ -539,6 +539,7 @@ impl Compiler<'_> {
                 "program": program_source,
                 "tls": tls_source,
             }),
+            written: file.written.pointer(&base).cloned().unwrap_or_default(),
         })
     }
 
@@ -793,7 +794,8 @@ impl Compiler<'_> {
                 None
             }
             Err(e) => {
-                self.error(file, &url_pointer, format!("token_url \"{}\" is not a URL: {e}", o.token_url));
+                let shown = crate::secret::mask_url(&o.token_url);
+                self.error(file, &url_pointer, format!("token_url \"{shown}\" is not a URL: {e}"));
                 None
             }
         };

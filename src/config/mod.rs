@@ -141,6 +141,9 @@ pub struct Queue {
     /// from other files (the payload schema, the resolved program). Two queues with the same
     /// source behave the same, so a reload leaves the queue running.
     pub source: serde_json::Value,
+    /// The queue's definition as its file writes it, before `${VAR}` substitution: what the
+    /// admin port shows, which must not hold what the environment fills in.
+    pub written: serde_json::Value,
 }
 
 /// A compiled JSON Schema that payloads must satisfy.
@@ -528,7 +531,8 @@ impl Queue {
         let Handler::Webhook(w) = &mut self.handler else { return Ok(()) };
         let problem = |reason: String| StartError::WebhookUrl {
             queue: self.name.clone(),
-            url: w.url.source().to_string(),
+            // The log and the console show it: no credential the file or `${VAR}` put there.
+            url: crate::secret::mask_url(w.url.source()),
             reason,
         };
         let resolved = match url::resolve(w.url.source(), lookup) {
@@ -980,7 +984,7 @@ queues:
   fixed: {handler: {webhook: {url: "{{env.BASE}}/x?k={{env.KEY}}"}}}
   templated: {handler: {webhook: {url: "https://{{env.HOST}}/x/{{payload.id}}"}}}
   literal: {handler: {webhook: {url: "https://h.example/x"}}}
-  ftp: {handler: {webhook: {url: "{{env.FTP}}/x"}}}
+  ftp: {handler: {webhook: {url: "{{env.FTP}}/x?api_key=k1"}}}
 "#,
         );
         let lookup = |name: &str| {
@@ -1000,7 +1004,8 @@ queues:
         assert_eq!(results["literal"], Ok(()));
         assert_eq!(
             results["ftp"],
-            Err("queue \"ftp\": webhook URL \"{{env.FTP}}/x\": with FTP as set, the scheme and host are not usable: webhook URLs are http or https, not \"ftp\"".to_string())
+            // Issue 31 item 1: the URL's credentials are masked (the log and the console show it).
+            Err("queue \"ftp\": webhook URL \"{{env.FTP}}/x?api_key=***\": with FTP as set, the scheme and host are not usable: webhook URLs are http or https, not \"ftp\"".to_string())
         );
         let webhook = |name: &str| match &config.queues[name].handler {
             Handler::Webhook(w) => (w.url.source().to_string(), w.fixed_url.as_ref().map(ToString::to_string)),

@@ -180,7 +180,7 @@ mod tests {
     }
 
     /// The queue `work` compiled from `definition`, as `Debug` shows it, without the source
-    /// it keeps (which is the definition as written, and differs by construction).
+    /// and the text it keeps (which are the definition as written, and differ by construction).
     fn compiled(definition: &Value) -> String {
         let dir = tempfile::tempdir().expect("tempdir");
         let file =
@@ -190,6 +190,7 @@ mod tests {
         let mut config = validation.config.unwrap_or_else(|| panic!("{definition}: {:?}", validation.diagnostics));
         let queue = config.queues.get_mut("work").expect("work");
         queue.source = Value::Null;
+        queue.written = Value::Null;
         queue.file = Default::default();
         format!("{queue:?}")
     }

@@ -30,8 +30,12 @@ pub struct SourceFile {
     /// The path as the user named it (or found under a named directory).
     pub path: PathBuf,
     pub text: String,
-    /// The document as JSON, with `<<` merge keys applied.
+    /// The document as JSON, with `<<` merge keys applied (and, once loading substitutes
+    /// them, `${VAR}`s).
     pub value: serde_json::Value,
+    /// [`value`](Self::value) as the file writes it: `${VAR}`s never substituted, for showing
+    /// a pipeline without the secrets the environment puts in it.
+    pub written: serde_json::Value,
     spans: SpanMap,
     /// Where the text ends (see [`end_of`]), found once: positions are clamped to it.
     end: Option<Pos>,
@@ -379,7 +383,7 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
             .map_err(|e| at(Pos { line: 1, column: 1 }, format!("not representable as JSON: {e}")))?,
     };
     let end = end_of(&text);
-    Ok(SourceFile { path: path.to_path_buf(), text, value, spans, end })
+    Ok(SourceFile { path: path.to_path_buf(), text, written: value.clone(), value, spans, end })
 }
 
 /// Parsers report the end of the input on the line after the last one, or past trailing blank

@@ -1,7 +1,7 @@
 //! What the console shows of each queue's recent work, kept in memory: the last N attempts
 //! (a ring buffer per queue) and, per 10-second bucket over the last 15 minutes, how many
-//! messages were handled, retried and dead-lettered and how long the handler took (a coarse
-//! histogram, for p50 and p99).
+//! messages were handled, skipped as duplicates, retried and dead-lettered and how long the
+//! handler took (a coarse histogram, for p50 and p99).
 //!
 //! Recorded where a delivery's outcome is emitted (`runtime::events`), read by the admin port.
 //! A record is one short lock of the queue's own log (no IO, no allocation beyond the attempt
@@ -58,6 +58,8 @@ struct Bucket {
     /// Its start, in seconds since the epoch (a multiple of [`BUCKET`]).
     start: u64,
     handled: u32,
+    /// Acked without calling the handler: their key was done already.
+    duplicates: u32,
     retried: u32,
     dead_lettered: u32,
     latencies: [u32; CLASSES],
@@ -65,7 +67,7 @@ struct Bucket {
 
 impl Bucket {
     fn new(start: u64) -> Bucket {
-        Bucket { start, handled: 0, retried: 0, dead_lettered: 0, latencies: [0; CLASSES] }
+        Bucket { start, handled: 0, duplicates: 0, retried: 0, dead_lettered: 0, latencies: [0; CLASSES] }
     }
 }
 
@@ -104,7 +106,10 @@ fn quantile(counts: &[u32; CLASSES], q: f64) -> Option<f64> {
 /// A queue's numbers over the last minute, and its series.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Summary {
+    /// Handler calls that succeeded.
     pub handled_per_minute: u32,
+    /// Deliveries acked without calling the handler, their key done already.
+    pub duplicates_per_minute: u32,
     pub retried_per_minute: u32,
     pub dead_lettered_per_minute: u32,
     /// Over the last minute; None without a handler run in it.
@@ -119,7 +124,7 @@ pub struct Summary {
 pub struct Point {
     /// The bucket's start, in seconds since the epoch.
     pub start: u64,
-    /// Messages settled in it (handled, retried or dead-lettered).
+    /// Messages settled in it (handled, skipped as duplicates, retried or dead-lettered).
     pub settled: u32,
     pub p99_ms: Option<f64>,
 }
@@ -171,7 +176,8 @@ impl QueueLog {
         }
         if let Some(bucket) = inner.buckets.back_mut() {
             match attempt.outcome {
-                "success" | "duplicate" => bucket.handled += 1,
+                "success" => bucket.handled += 1,
+                "duplicate" => bucket.duplicates += 1,
                 "retry" => bucket.retried += 1,
                 "dead_lettered" => bucket.dead_lettered += 1,
                 _ => {}
@@ -212,6 +218,7 @@ impl QueueLog {
         let inner = self.lock();
         let mut summary = Summary {
             handled_per_minute: 0,
+            duplicates_per_minute: 0,
             retried_per_minute: 0,
             dead_lettered_per_minute: 0,
             p50_ms: None,
@@ -227,11 +234,12 @@ impl QueueLog {
             };
             summary.series.push(Point {
                 start,
-                settled: bucket.handled + bucket.retried + bucket.dead_lettered,
+                settled: bucket.handled + bucket.duplicates + bucket.retried + bucket.dead_lettered,
                 p99_ms: quantile(&bucket.latencies, 0.99),
             });
             if start >= minute {
                 summary.handled_per_minute += bucket.handled;
+                summary.duplicates_per_minute += bucket.duplicates;
                 summary.retried_per_minute += bucket.retried;
                 summary.dead_lettered_per_minute += bucket.dead_lettered;
                 for (sum, n) in last_minute.iter_mut().zip(bucket.latencies) {
@@ -342,6 +350,19 @@ mod tests {
         }
     }
 
+    /// Issue 31 item 20: a duplicate (acked without calling the handler) is not counted as
+    /// handled.
+    #[test]
+    fn duplicates_are_counted_apart_from_handled() {
+        let log = QueueLog::new(10);
+        for outcome in ["success", "success", "success", "duplicate", "duplicate", "retry"] {
+            log.record(attempt(outcome, None));
+        }
+        let summary = log.summary();
+        assert_eq!((summary.handled_per_minute, summary.duplicates_per_minute, summary.retried_per_minute), (3, 2, 1));
+        assert_eq!(summary.series.iter().map(|p| p.settled).sum::<u32>(), 6, "each settled once");
+    }
+
     #[test]
     fn latency_classes_bound_what_they_hold() {
         for ms in [0.1, 0.5, 0.7, 1.0, 3.3, 10.0, 99.0, 1000.0, 65_000.0] {
@@ -362,6 +383,7 @@ mod tests {
             old.handled = 50;
             let mut recent = Bucket::new(now - 20);
             recent.handled = 9;
+            recent.duplicates = 4;
             recent.retried = 2;
             recent.dead_lettered = 1;
             recent.latencies[class(10.0)] = 98;
@@ -371,10 +393,15 @@ mod tests {
         let summary = log.summary_at(now);
         assert_eq!(summary.series.len(), BUCKETS);
         assert_eq!(summary.series.last().map(|p| p.start), Some(now));
-        assert_eq!(summary.series.iter().map(|p| p.settled).sum::<u32>(), 62, "the bucket 2000 s ago is out");
+        assert_eq!(summary.series.iter().map(|p| p.settled).sum::<u32>(), 66, "the bucket 2000 s ago is out");
         assert_eq!(
-            (summary.handled_per_minute, summary.retried_per_minute, summary.dead_lettered_per_minute),
-            (9, 2, 1)
+            (
+                summary.handled_per_minute,
+                summary.duplicates_per_minute,
+                summary.retried_per_minute,
+                summary.dead_lettered_per_minute
+            ),
+            (9, 4, 2, 1)
         );
         assert_eq!(summary.p50_ms, Some(upper(class(10.0))));
         assert_eq!(summary.p99_ms, Some(upper(class(900.0))));

@@ -29,9 +29,15 @@ fn the_openapi_document_matches_the_routes() {
     assert_eq!(served, documented());
     let doc: Value = serde_json::from_str(OPENAPI).expect("JSON");
     assert_eq!(doc["openapi"], "3.1.0");
-    // Every write says it needs the token.
-    for (method, path) in documented().iter().filter(|(m, _)| m != "GET") {
-        let op = &doc["paths"][path][method.to_lowercase()];
+    // Every route but this document says it needs the token (issue 31 item 2: reads too),
+    // and every one that a host the port does not answer for is refused.
+    for (method, path) in documented() {
+        let op = &doc["paths"][&path][method.to_lowercase()];
+        assert!(op["responses"].get("421").is_some(), "{method} {path} documents the host's refusal");
+        if path == "/api/v1/openapi.json" {
+            assert_eq!(op.get("security"), None, "{method} {path} is open");
+            continue;
+        }
         assert_eq!(op["security"], json!([{ "bearer": [] }]), "{method} {path}");
         assert!(op["responses"].get("401").is_some(), "{method} {path} documents its refusal");
     }
@@ -39,6 +45,11 @@ fn the_openapi_document_matches_the_routes() {
 
 /// A runner's port over the in-memory broker, one queue `work` running, with token `s3cret`.
 fn app() -> (Router, Pauses) {
+    app_with(crate::admin::Policy::new("127.0.0.1:9464", false, &[]))
+}
+
+/// [`app`], with `policy`.
+fn app_with(policy: crate::admin::Policy) -> (Router, Pauses) {
     let dir = tempfile::tempdir().expect("tempdir");
     let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\", headers: \
                 {Authorization: \"Bearer literal-secret\", X-Tenant: t1}}}\n    on_status: {\"404\": dead_letter}\n  \
@@ -59,15 +70,17 @@ fn app() -> (Router, Pauses) {
         .for_runner(std::path::Path::new("/nonexistent"))
         .expect("token")
         .0;
-    (super::super::routes(metrics, Default::default(), pauses.clone(), token, more), pauses)
+    (super::super::routes(metrics, Default::default(), pauses.clone(), (token, policy), more), pauses)
 }
 
+/// Sends a request for host `127.0.0.1:9464` unless `headers` name another.
 async fn send(app: &Router, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut request = Request::builder().method(method).uri(path).header("host", "127.0.0.1:9464");
+    let mut request = Request::builder().method(method).uri(path).body(Body::empty()).expect("request");
+    request.headers_mut().insert("host", axum::http::HeaderValue::from_static("127.0.0.1:9464"));
     for (name, value) in headers {
-        request = request.header(*name, *value);
+        let name = axum::http::HeaderName::from_bytes(name.as_bytes()).expect("a header name");
+        request.headers_mut().insert(name, axum::http::HeaderValue::from_str(value).expect("a header value"));
     }
-    let mut request = request.body(Body::empty()).expect("request");
     request.extensions_mut().insert(ConnectInfo(SocketAddr::from(([127, 0, 0, 1], 50000))));
     let response = app.clone().oneshot(request).await.expect("answered");
     let status = response.status().as_u16();
@@ -77,8 +90,9 @@ async fn send(app: &Router, method: &str, path: &str, headers: &[(&str, &str)]) 
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// Every documented route is served (not the router's empty 404 or a 405); every write is
-/// refused without the token, with a wrong one and from another origin, and changes nothing.
+/// Every documented route is served (not the router's empty 404 or a 405); every read but the
+/// OpenAPI document (issue 31 item 2) and every write is refused without the token or with a
+/// wrong one, every write from another origin too, and a refused write changes nothing.
 #[tokio::test]
 async fn every_documented_route_answers_and_every_write_needs_the_token() {
     let (app, pauses) = app();
@@ -87,8 +101,15 @@ async fn every_documented_route_answers_and_every_write_needs_the_token() {
     for (method, path) in documented() {
         let path = path.replace("{name}", "work").replace("{id}", "none");
         if method == "GET" {
-            let (status, body) = send(&app, &method, &path, &[]).await;
-            assert!(status != 405 && !(status == 404 && body.is_empty()), "{method} {path}: {status} {body}");
+            let needed = if path == "/api/v1/openapi.json" { 200 } else { 401 };
+            assert_eq!(send(&app, &method, &path, &[]).await.0, needed, "{method} {path} without the token");
+            let wrong = send(&app, &method, &path, &[("authorization", "Bearer wrong")]).await.0;
+            assert_eq!(wrong, needed, "{method} {path} with a wrong token");
+            let (status, body) = send(&app, &method, &path, &[("authorization", "Bearer s3cret")]).await;
+            assert!(
+                status != 405 && status != 401 && !(status == 404 && body.is_empty()),
+                "{method} {path}: {status} {body}"
+            );
             continue;
         }
         let refused: [(&[(&str, &str)], u16); 4] = [
@@ -124,7 +145,8 @@ async fn a_purge_needs_the_queue_name_typed_again() {
 #[tokio::test]
 async fn a_queue_shows_its_handler_without_secrets() {
     let (app, _) = app();
-    let (status, body) = send(&app, "GET", "/api/v1/queues/work", &[]).await;
+    let token = [("authorization", "Bearer s3cret")];
+    let (status, body) = send(&app, "GET", "/api/v1/queues/work", &token).await;
     assert_eq!(status, 200, "{body}");
     assert!(!body.contains("literal-secret"), "{body}");
     let queue: Value = serde_json::from_str(&body).expect("JSON");
@@ -134,7 +156,7 @@ async fn a_queue_shows_its_handler_without_secrets() {
     assert_eq!((handler["kind"].as_str(), handler["signing"].as_bool()), (Some("webhook"), Some(false)));
     assert_eq!(queue["retry"]["delays_ms"].as_array().map(Vec::len), Some(4), "{}", queue["retry"]);
 
-    let (status, body) = send(&app, "GET", "/api/v1/queues/job", &[]).await;
+    let (status, body) = send(&app, "GET", "/api/v1/queues/job", &token).await;
     assert_eq!(status, 200, "{body}");
     let handler = &serde_json::from_str::<Value>(&body).expect("JSON")["handler"];
     assert_eq!(handler["program"], "/bin/true");
@@ -157,5 +179,27 @@ fn secret_looking_names_are_masked() {
         ("BUCKET", false),
     ] {
         assert_eq!(secret_name(name), secret, "{name}");
+    }
+}
+
+/// Issue 31 item 2: with `--admin-open-reads` every read is open and every write still needs
+/// the token; a request for another host is refused either way, the probes excepted.
+#[tokio::test]
+async fn open_reads_leave_writes_and_hosts_guarded() {
+    let (app, _) = app_with(crate::admin::Policy::new("127.0.0.1:9464", true, &[]));
+    for (method, path) in documented() {
+        let path = path.replace("{name}", "work").replace("{id}", "none");
+        let (status, body) = send(&app, &method, &path, &[]).await;
+        if method == "GET" {
+            assert!(status != 401 && !(status == 404 && body.is_empty()), "{method} {path}: {status} {body}");
+        } else {
+            assert_eq!(status, 401, "{method} {path}: {body}");
+        }
+        let foreign = send(&app, &method, &path, &[("host", "attacker.example:9464")]).await.0;
+        assert_eq!(foreign, 421, "{method} {path} for another host");
+    }
+    // Open, for any host (readiness answers 503 here: nothing runs).
+    for (path, status) in [("/metrics", 200), ("/healthz", 200), ("/readyz", 503)] {
+        assert_eq!(send(&app, "GET", path, &[("host", "attacker.example")]).await.0, status, "{path}");
     }
 }

@@ -68,15 +68,50 @@ function when(msSinceEpoch) {
   return new Date(msSinceEpoch).toISOString().replace('T', ' ').replace('Z', '');
 }
 
+// The error of a request made without a token because none was given.
+function noToken() {
+  const error = new Error('no admin token given');
+  error.noToken = true;
+  return error;
+}
+
+// A fetch with the admin token: the one kept for this tab, else asked for (and again when the
+// runner refuses it). A runner with --admin-open-reads answers reads without one: nothing is
+// asked for until the first write.
+async function authorized(path, options) {
+  for (let tries = 0; tries < 3; tries++) {
+    const token = sessionStorage.getItem(TOKEN_KEY);
+    const headers = { ...options.headers };
+    if (token) headers.Authorization = 'Bearer ' + token;
+    const response = await fetch(path, { ...options, headers, cache: 'no-store' });
+    if (response.status !== 401) return response;
+    if (token) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      notice('The runner refused that token: ' + (await response.text()).trim());
+    }
+    if (!(await askToken())) throw noToken();
+  }
+  throw new Error('the runner refused the token');
+}
+
 async function read(path) {
-  const response = await fetch(path, { headers: { Accept: 'application/json' }, cache: 'no-store' });
+  const response = await authorized(path, { headers: { Accept: 'application/json' } });
   const body = await response.json().catch(() => ({ error: 'not JSON (HTTP ' + response.status + ')' }));
   if (!response.ok) throw new Error(body.error || 'HTTP ' + response.status);
   return body;
 }
 
-// Asks for the admin token in the page's own dialog; resolves to it, or null when cancelled.
+// The question for the token under way, shared by the requests that need it at once.
+let asking = null;
+
+// Asks for the admin token in the page's own dialog, once for all who need it; resolves to
+// it (kept for this tab), or null when cancelled.
 function askToken() {
+  if (!asking) asking = promptToken().finally(() => { asking = null; });
+  return asking;
+}
+
+function promptToken() {
   const dialog = document.getElementById('token-dialog');
   const input = document.getElementById('token-input');
   dialog.hidden = false;
@@ -108,28 +143,17 @@ function askToken() {
 
 // A write with the admin token (asked for first when there is none, and again when refused).
 async function write(path, body) {
-  for (let tries = 0; tries < 3; tries++) {
-    let token = sessionStorage.getItem(TOKEN_KEY);
-    if (!token) token = await askToken();
-    if (!token) throw new Error('no admin token given');
-    const response = await fetch(path, {
-      method: 'POST',
-      headers: { Authorization: 'Bearer ' + token, 'Content-Type': 'application/json' },
-      body: JSON.stringify(body || {}),
-      cache: 'no-store',
-    });
-    const text = await response.text();
-    if (response.status === 401) {
-      sessionStorage.removeItem(TOKEN_KEY);
-      notice('The runner refused that token: ' + text.trim());
-      continue;
-    }
-    let parsed;
-    try { parsed = JSON.parse(text); } catch (_) { parsed = { message: text.trim() }; }
-    if (!response.ok) throw new Error(parsed.error || parsed.message || 'HTTP ' + response.status);
-    return parsed;
-  }
-  throw new Error('the runner refused the token');
+  if (!sessionStorage.getItem(TOKEN_KEY) && !(await askToken())) throw noToken();
+  const response = await authorized(path, {
+    method: 'POST',
+    headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify(body || {}),
+  });
+  const text = await response.text();
+  let parsed;
+  try { parsed = JSON.parse(text); } catch (_) { parsed = { message: text.trim() }; }
+  if (!response.ok) throw new Error(parsed.error || parsed.message || 'HTTP ' + response.status);
+  return parsed;
 }
 
 async function act(what, promise) {
@@ -206,7 +230,7 @@ async function overview() {
   const data = await read('/api/v1/queues');
   runner(data.runner);
   const head = ['Queue', 'Ready', 'In flight', 'Consumers', 'Dead letters', 'Oldest', 'Paused', 'Circuit',
-    'Limit', 'Handled/min', 'Retried/min', 'DLQ/min', 'p50', 'p99', 'Last 15 min', ''];
+    'Limit', 'Handled/min', 'Duplicates/min', 'Retried/min', 'DLQ/min', 'p50', 'p99', 'Last 15 min', ''];
   const rows = data.queues.map((q) => {
     const s = q.status || {};
     const link = (hash, text) => el('a', { href: hash }, text);
@@ -222,6 +246,7 @@ async function overview() {
       el('td', { 'data-col': 'circuit', className: q.circuit === 'closed' ? '' : 'bad' }, q.circuit),
       num('limit', q.concurrency_limit),
       num('handled', q.handled_per_minute),
+      num('duplicates', q.duplicates_per_minute),
       num('retried', q.retried_per_minute),
       num('dead_lettered_rate', q.dead_lettered_per_minute),
       el('td', { className: 'num' }, ms(q.p50_ms)),
@@ -436,6 +461,11 @@ async function route() {
     else await overview();
     document.body.dataset.loaded = hash;
   } catch (e) {
+    // Without the token nothing can be read: asking again every few seconds would only nag.
+    if (e.noToken) {
+      notice('This runner\'s console needs its admin token: reload the page to give it.');
+      return;
+    }
     notice('Cannot read the runner: ' + e.message);
   }
   // The dead-letters page is read again by hand (Filter) or after an action: a poll would

@@ -425,7 +425,7 @@ impl Store {
         let fail = |reason: Cause| BrokerError::Connect { url: shown.clone(), reason };
         let flags = if create {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| fail(Cause::from_error(e)))?;
+                crate::file::create_private_dir(dir).map_err(|e| fail(Cause::from_error(e)))?;
             }
             OpenFlags::default()
         } else {

@@ -244,9 +244,9 @@ impl Pki {
                 &format!("{ca}.pem"),
             ]);
         }
-        pki.issue("server", "ca", "subjectAltName=IP:127.0.0.1");
-        pki.issue("client", "ca", "extendedKeyUsage=clientAuth");
-        pki.issue("stranger", "other-ca", "extendedKeyUsage=clientAuth");
+        pki.issue("server", "ca", Some("subjectAltName=IP:127.0.0.1"));
+        pki.issue("client", "ca", Some("extendedKeyUsage=clientAuth"));
+        pki.issue("stranger", "other-ca", Some("extendedKeyUsage=clientAuth"));
         pki
     }
 
@@ -263,35 +263,28 @@ impl Pki {
         assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 
-    /// `name.pem` and `name.key` (PKCS#8), signed by `ca`, with extension `ext`.
-    fn issue(&self, name: &str, ca: &str, ext: &str) {
+    /// `name.pem` and `name.key` (PKCS#8), signed by `ca`, with extension `ext`; without one,
+    /// `openssl x509 -req` makes an X.509 v1 certificate.
+    fn issue(&self, name: &str, ca: &str, ext: Option<&str>) {
         let (key, csr, pem) = (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"));
         self.openssl(&["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", &key]);
         self.openssl(&["req", "-new", "-key", &key, "-subj", &format!("/CN={name}"), "-out", &csr]);
-        std::fs::write(self.path(&format!("{name}.ext")), format!("{ext}\n")).expect("write ext");
-        self.openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &format!("{ca}.pem"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &format!("{name}.ext"),
-            "-out",
-            &pem,
-        ]);
+        let (ca_pem, ca_key, extfile) = (format!("{ca}.pem"), format!("{ca}.key"), format!("{name}.ext"));
+        let mut args =
+            vec!["x509", "-req", "-in", &csr, "-CA", &ca_pem, "-CAkey", &ca_key, "-CAcreateserial", "-days", "2"];
+        if let Some(ext) = ext {
+            std::fs::write(self.path(&extfile), format!("{ext}\n")).expect("write ext");
+            args.extend(["-extfile", &extfile]);
+        }
+        args.extend(["-out", &pem]);
+        self.openssl(&args);
     }
 }
 
-/// An HTTPS receiver that requires a client certificate issued by `ca`, answers 200 to every
-/// request, and counts the requests it answered.
-async fn mtls_receiver(pki: &Pki) -> (String, Arc<AtomicUsize>) {
+/// An HTTPS receiver presenting the certificate `server` (`server.pem`, `server.key`), that
+/// requires a client certificate issued by `ca`, answers 200 to every request, and counts the
+/// requests it answered.
+async fn mtls_receiver(pki: &Pki, server: &str) -> (String, Arc<AtomicUsize>) {
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -301,8 +294,8 @@ async fn mtls_receiver(pki: &Pki) -> (String, Arc<AtomicUsize>) {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca).expect("root");
     let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots)).build().expect("verifier");
-    let chain = vec![CertificateDer::from_pem_file(pki.path("server.pem")).expect("server cert")];
-    let key = PrivateKeyDer::from_pem_file(pki.path("server.key")).expect("server key");
+    let chain = vec![CertificateDer::from_pem_file(pki.path(&format!("{server}.pem"))).expect("server cert")];
+    let key = PrivateKeyDer::from_pem_file(pki.path(&format!("{server}.key"))).expect("server key");
     let config = rustls::ServerConfig::builder()
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain, key)
@@ -352,7 +345,7 @@ fn client_from_pipeline(pki: &Pki, tls: &str) -> reqwest::Client {
 #[tokio::test]
 async fn mutual_tls_with_a_private_ca() {
     let pki = Pki::new();
-    let (url, answered) = mtls_receiver(&pki).await;
+    let (url, answered) = mtls_receiver(&pki, "server").await;
     let call = |client: reqwest::Client| {
         let url = url.clone();
         async move {
@@ -382,6 +375,146 @@ async fn mutual_tls_with_a_private_ca() {
     let shared = webhook::client().expect("client");
     unwell(call(shared).await, "the private CA is not trusted without ca_file");
     assert_eq!(answered.load(Ordering::SeqCst), 1, "only the right certificate got an answer");
+}
+
+/// The diagnostics of a pipeline whose webhook has the `tls:` block `tls`, as `validate` shows
+/// them (pointer and message).
+fn tls_diagnostics(pki: &Pki, tls: &str) -> Vec<String> {
+    let yaml = format!(
+        "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://127.0.0.1/hook\n        tls: {tls}\n"
+    );
+    std::fs::write(pki.path("p.yaml"), yaml).expect("write");
+    let validation = sluice::config::load(&[pki.path("p.yaml")]);
+    validation
+        .diagnostics
+        .iter()
+        .map(|d| format!("{} {}: {}", crate::util::severity_name(d.severity), d.pointer, d.message))
+        .collect()
+}
+
+/// Issue 31 item 21: a client certificate the receiver will refuse, or a key that is not the
+/// certificate's, is a `validate` error at its setting saying what is wrong and how to fix it,
+/// in words, not in Rust's Debug form.
+#[test]
+fn tls_files_that_cannot_work_are_explained_at_validate() {
+    let pki = Pki::new();
+    pki.issue("old", "ca", None);
+    pki.issue("server-only", "ca", Some("extendedKeyUsage=serverAuth"));
+    let base = "/queues/work/handler/webhook/tls";
+    let cases = [
+        (
+            "{client_cert_file: old.pem, client_key_file: old.key}",
+            format!(
+                "error {base}/client_cert_file: the client certificate is X.509 version 1; receivers refuse it: \
+                 issue a version 3 certificate with extendedKeyUsage=clientAuth \
+                 (openssl x509 -req ... -extfile with the line \"extendedKeyUsage=clientAuth\")"
+            ),
+        ),
+        (
+            "{client_cert_file: server-only.pem, client_key_file: server-only.key}",
+            format!(
+                "error {base}/client_cert_file: the client certificate's extendedKeyUsage does not allow client \
+                 authentication (clientAuth); receivers refuse it: issue it with extendedKeyUsage=clientAuth"
+            ),
+        ),
+        (
+            "{client_cert_file: client.pem, client_key_file: stranger.key}",
+            format!(
+                "error {base}/client_key_file: the key is not the one of the certificate in client_cert_file \
+                 (its public key does not match): give the private key the certificate was issued for"
+            ),
+        ),
+    ];
+    for (tls, expected) in cases {
+        let shown = tls_diagnostics(&pki, tls);
+        assert_eq!(shown, [expected], "{tls}");
+        assert!(!shown.iter().any(|d| d.contains("Mismatch") || d.contains("Unsupported") || d.contains("(Other")));
+    }
+    assert_eq!(
+        tls_diagnostics(&pki, "{client_cert_file: client.pem, client_key_file: client.key, ca_file: ca.pem}"),
+        Vec::<String>::new()
+    );
+}
+
+/// Issue 31 item 21: at call time a refused handshake says, in words, which side refused what
+/// and how to fix it: a client certificate the receiver refused or that it requires, a
+/// receiver's certificate of an unknown CA or of X.509 version 1.
+#[tokio::test]
+async fn tls_refusals_at_call_time_are_explained() {
+    let pki = Pki::new();
+    pki.issue("old-server", "ca", None);
+    let (url, _) = mtls_receiver(&pki, "server").await;
+    // rustls will not serve an X.509 v1 certificate; OpenSSL will.
+    let port = crate::support::free_port();
+    let _old_server = Killed(
+        std::process::Command::new("openssl")
+            .args(["s_server", "-quiet", "-www", "-accept", &format!("127.0.0.1:{port}"), "-cert", "old-server.pem"])
+            .args(["-key", "old-server.key"])
+            .current_dir(pki.dir.path())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("openssl s_server runs"),
+    );
+    let old_url = format!("https://127.0.0.1:{port}/hook");
+    crate::support::wait_until(Duration::from_secs(10), "openssl s_server listening", || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+    })
+    .await;
+    let call = |client: reqwest::Client, url: &str| {
+        let request = Request {
+            method: Method::POST,
+            url: url.parse().expect("url"),
+            headers: Vec::new(),
+            body: bytes::Bytes::new(),
+        };
+        async move { webhook::call(&client, request, TIMEOUT, &Rules::default(), &mut Observed::default()).await }
+    };
+    let stranger = "{client_cert_file: stranger.pem, client_key_file: stranger.key, ca_file: ca.pem}";
+    let cases = [
+        (
+            client_from_pipeline(&pki, stranger),
+            &url,
+            "TLS handshake: the receiver does not trust the CA that issued the client certificate \
+             (TLS alert \"unknown CA\"): use one issued by a CA the receiver trusts",
+        ),
+        (
+            client_from_pipeline(&pki, "{ca_file: ca.pem}"),
+            &url,
+            "TLS handshake: the receiver requires a client certificate (TLS alert \"certificate required\"): \
+             set tls.client_cert_file and tls.client_key_file",
+        ),
+        (
+            webhook::client().expect("client"),
+            &url,
+            "TLS handshake: the receiver's certificate is refused here: it is not issued by a CA trusted here; \
+             for a private CA, give the CA's certificate in tls.ca_file",
+        ),
+        (
+            client_from_pipeline(&pki, "{ca_file: ca.pem}"),
+            &old_url,
+            "TLS handshake: the receiver's certificate is refused here: it is X.509 version 1; the receiver \
+             needs a version 3 certificate (with subjectAltName)",
+        ),
+    ];
+    for (client, url, expected) in cases {
+        match call(client, url).await {
+            Err(e @ HandlerError::Transient { .. }) if e.is_unwell() => {
+                assert_eq!(e, HandlerError::unwell(expected, None));
+            }
+            other => panic!("{expected}: expected a refused handshake, got {other:?}"),
+        }
+    }
+}
+
+/// A child process killed and reaped when dropped, however the test ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Extra environment variables of a command.

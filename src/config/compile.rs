@@ -872,9 +872,10 @@ impl Compiler<'_> {
                     let missing = matches!(error, ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
                     (if missing { Severity::Warning } else { Severity::Error }, *setting)
                 }
-                TlsProblem::Invalid(crate::handler::webhook::TlsError::Identity(_)) => {
-                    (Severity::Error, "client_cert_file")
-                }
+                TlsProblem::Invalid(
+                    crate::handler::webhook::TlsError::Identity(_) | crate::handler::webhook::TlsError::Certificate(_),
+                ) => (Severity::Error, "client_cert_file"),
+                TlsProblem::Invalid(crate::handler::webhook::TlsError::Key(_)) => (Severity::Error, "client_key_file"),
                 TlsProblem::Invalid(crate::handler::webhook::TlsError::Ca(_)) => (Severity::Error, "ca_file"),
                 TlsProblem::Invalid(_) => (Severity::Error, ""),
             };

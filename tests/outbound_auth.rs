@@ -31,10 +31,11 @@ async fn call_authorized(
 const TIMEOUT: Duration = Duration::from_secs(10);
 const SECRET: &str = "s3cr&t=value";
 
-/// A token endpoint answering `tok-1`, `tok-2`, ... living `expires_in` seconds.
+/// A token endpoint answering `tok-1`, `tok-2`, ... living `expires_in` (seconds, written as
+/// given: a number, a string, out of range).
 struct Tokens {
     issued: AtomicUsize,
-    expires_in: u64,
+    expires_in: serde_json::Value,
 }
 
 impl Respond for Tokens {
@@ -49,11 +50,11 @@ impl Respond for Tokens {
 }
 
 /// A token endpoint of tokens living `expires_in` seconds, at `/token`.
-async fn token_endpoint(expires_in: u64) -> MockServer {
+async fn token_endpoint(expires_in: impl Into<serde_json::Value>) -> MockServer {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/token"))
-        .respond_with(Tokens { issued: AtomicUsize::new(0), expires_in })
+        .respond_with(Tokens { issued: AtomicUsize::new(0), expires_in: expires_in.into() })
         .mount(&server)
         .await;
     server
@@ -175,6 +176,123 @@ async fn a_401_fetches_a_new_token_once_and_sends_again() {
     assert_eq!(result, Err(HandlerError::permanent("HTTP 401")));
     assert_eq!(authorizations(&refusing).await, ["Bearer tok-2", "Bearer tok-3"]);
     assert_eq!(requests(&tokens).await, 3);
+}
+
+/// Issue 31 item 15: a token of no lifetime left (`expires_in: 0`) is fetched once for the
+/// calls waiting together, not once by each in turn; the next call fetches again.
+#[tokio::test]
+async fn concurrent_calls_share_one_fetch_of_a_token_of_no_lifetime() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = token_endpoint(0).await;
+    let receiver = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&receiver).await;
+    let oauth2 = credentials(&tokens.uri(), dir.path());
+    let client = webhook::client().expect("client");
+    let rules = Rules::default();
+    let calls = (0..8).map(|_| call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &rules));
+    for result in futures_util::future::join_all(calls).await {
+        assert_eq!(result, Ok(()));
+    }
+    assert_eq!(requests(&tokens).await, 1, "one fetch for eight concurrent calls");
+    assert_eq!(authorizations(&receiver).await, vec!["Bearer tok-1"; 8]);
+    assert_eq!(call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &rules).await, Ok(()));
+    assert_eq!(requests(&tokens).await, 2, "a later call finds it expired");
+}
+
+/// Issue 31 items 5 and 15: `expires_in` as endpoints in the wild write it: a string (Azure
+/// AD v1), a fraction, 2^63 − 1 (which panicked adding it to the clock), beyond any integer.
+/// Each gives a token that serves the next call too.
+#[tokio::test]
+async fn expires_in_as_endpoints_write_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let receiver = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&receiver).await;
+    let client = webhook::client().expect("client");
+    let rules = Rules::default();
+    let forms = [
+        serde_json::json!("3600"),
+        serde_json::json!(3599.5),
+        serde_json::json!(i64::MAX),
+        serde_json::json!(u64::MAX),
+        serde_json::json!(1e300),
+    ];
+    for expires_in in forms {
+        let tokens = token_endpoint(expires_in.clone()).await;
+        let oauth2 = credentials(&tokens.uri(), dir.path());
+        for _ in 0..2 {
+            let result = call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &rules).await;
+            assert_eq!(result, Ok(()), "expires_in {expires_in}");
+        }
+        assert_eq!(requests(&tokens).await, 1, "expires_in {expires_in}: the token is reused");
+    }
+}
+
+/// Issue 31 item 15: a token past the old 64 KiB cap (a JWT with many claims) is taken and
+/// sent whole; an answer over 1 MiB is refused as such.
+#[tokio::test]
+async fn large_tokens_are_taken_up_to_a_mebibyte() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let receiver = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&receiver).await;
+    let client = webhook::client().expect("client");
+    let answer = |token: String| {
+        ResponseTemplate::new(200).set_body_json(serde_json::json!({
+            "access_token": token, "token_type": "Bearer", "expires_in": 3600,
+        }))
+    };
+    let large = "a".repeat(100 * 1024);
+    let tokens = MockServer::start().await;
+    Mock::given(path("/token")).respond_with(answer(large.clone())).mount(&tokens).await;
+    let oauth2 = credentials(&tokens.uri(), dir.path());
+    let result = call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &Rules::default()).await;
+    assert_eq!(result, Ok(()));
+    assert_eq!(authorizations(&receiver).await, [format!("Bearer {large}")]);
+
+    let huge = MockServer::start().await;
+    Mock::given(path("/token")).respond_with(answer("a".repeat(1024 * 1024))).mount(&huge).await;
+    let oauth2 = credentials(&huge.uri(), dir.path());
+    let result = call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &Rules::default()).await;
+    assert_eq!(
+        result,
+        Err(HandlerError::unwell(
+            "OAuth2 token endpoint: HTTP 200: the answer is over 1 MiB, longer than any token",
+            None
+        ))
+    );
+}
+
+/// Issue 31 item 5: a token endpoint answering `expires_in` 2^63 − 1 dead-lettered every
+/// message of the queue (a panic adding it to the clock, reported as `internal`). On a real
+/// runner, 200 messages are all handled with one token, none dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_expires_in_dead_letters_nothing() {
+    use crate::support::{self, Place as _};
+    let tokens = token_endpoint(i64::MAX).await;
+    let receiver = support::Receiver::ok().await;
+    let yaml = format!(
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    \
+         handler:\n      webhook:\n        url: \"{}/hook\"\n        auth:\n          oauth2: {{token_url: \"{}/token\", \
+         client_id: sluice-test, client_secret_env: IDP_SECRET}}\n",
+        receiver.uri(),
+        tokens.uri()
+    );
+    let dir = support::pipeline(&yaml);
+    let place = support::EmbeddedDir::new();
+    let broker = place.connect().await;
+    support::declare(dir.path(), &broker).await;
+    for i in 0..200 {
+        support::publish(&broker, "ev", "x", &format!("k{i}"), serde_json::json!({ "i": i })).await;
+    }
+    let _run = support::Sluice::run_with_env(dir.path(), &place.url(), &[], &[("IDP_SECRET", SECRET)]);
+    let deadline = Duration::from_secs(60);
+    support::wait_until(deadline, "200 messages handled or dead-lettered", || async {
+        receiver.succeeded_keys().len() + place.depth("work.dlq").await as usize >= 200
+    })
+    .await;
+    assert_eq!(place.depth("work.dlq").await, 0, "nothing dead-lettered");
+    assert_eq!(receiver.succeeded_keys().len(), 200, "every message handled");
+    assert!(receiver.hits().iter().all(|hit| hit.header("authorization") == Some("Bearer tok-1")));
+    assert_eq!(requests(&tokens).await, 1, "one token for them all");
 }
 
 #[tokio::test]

@@ -135,40 +135,145 @@ pub struct Envelope<'a> {
     pub payload: Cow<'a, RawValue>,
 }
 
-/// A point in time written as RFC 3339 (`2026-12-24T18:00:00Z`, `2026-12-24T19:00:00.250+01:00`).
+/// A point in time written as RFC 3339 (`2026-12-24T18:00:00Z`, `2026-12-24T19:00:00.250+01:00`),
+/// held between the epoch and the end of year 9999: a time before 1970 is past, as the epoch
+/// is, so nothing is lost by holding it as the epoch, and both ends can always be written out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Timestamp(pub SystemTime);
 
+/// The last instant RFC 3339 writes: 9999-12-31T23:59:59.999999999Z.
+const LATEST_SECONDS: u64 = 253_402_300_799;
+
 impl Timestamp {
-    /// Parses RFC 3339: a date, `T`, a time with optional fraction, and `Z` or an offset
-    /// `+HH:MM`/`-HH:MM`.
+    /// Parses RFC 3339: a date (years 0000 to 9999), `T`, a time with optional fraction (a leap
+    /// second, `:60`, is taken as `:59`), and `Z` or an offset `+HH:MM`/`-HH:MM`; `t` and `z`
+    /// in either case. Outside the epoch to the end of 9999 it is held at the nearer end.
     pub fn parse(text: &str) -> Option<Timestamp> {
         let upper = text.to_ascii_uppercase();
-        if upper.ends_with('Z') {
-            return humantime::parse_rfc3339(&upper).ok().map(Timestamp);
-        }
-        let (local, offset) = upper.split_at_checked(upper.len().checked_sub(6)?)?;
-        let (sign, hhmm) = offset.split_at_checked(1)?;
-        let (hours, minutes) = hhmm.split_once(':')?;
-        let (hours, minutes): (u64, u64) = (hours.parse().ok()?, minutes.parse().ok()?);
-        if hours > 23 || minutes > 59 || hhmm.len() != 5 {
-            return None;
-        }
-        let offset = Duration::from_secs(hours * 3600 + minutes * 60);
-        let local = humantime::parse_rfc3339(&format!("{local}Z")).ok()?;
+        let (local, offset) = match upper.strip_suffix('Z') {
+            Some(local) => (local, 0),
+            None => {
+                let (local, offset) = upper.split_at_checked(upper.len().checked_sub(6)?)?;
+                (local, offset_seconds(offset)?)
+            }
+        };
+        let (seconds, nanos) = local_seconds(local)?;
         // The local time is ahead of UTC by a positive offset.
-        match sign {
-            "+" => local.checked_sub(offset),
-            "-" => local.checked_add(offset),
-            _ => None,
-        }
-        .map(Timestamp)
+        Some(Timestamp::held(seconds - offset, nanos))
     }
+
+    /// `delay` after `now`, held as [`Timestamp::parse`] holds a time.
+    pub fn after(now: SystemTime, delay: Duration) -> Timestamp {
+        Timestamp(Timestamp::hold(now.checked_add(delay).unwrap_or(SystemTime::UNIX_EPOCH + Timestamp::latest())))
+    }
+
+    /// `seconds` (before the epoch when negative) and `nanos` after the epoch, held between the
+    /// epoch and the end of 9999.
+    fn held(seconds: i64, nanos: u32) -> Timestamp {
+        let since_epoch = u64::try_from(seconds).map_or(Duration::ZERO, |s| Duration::new(s, nanos));
+        Timestamp(SystemTime::UNIX_EPOCH + since_epoch.min(Timestamp::latest()))
+    }
+
+    fn latest() -> Duration {
+        Duration::new(LATEST_SECONDS, 999_999_999)
+    }
+
+    /// `at` between the epoch and the end of 9999.
+    fn hold(at: SystemTime) -> SystemTime {
+        let since_epoch = at.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        SystemTime::UNIX_EPOCH + since_epoch.min(Timestamp::latest())
+    }
+}
+
+/// The seconds an offset `+HH:MM` or `-HH:MM` puts local time ahead of UTC.
+fn offset_seconds(offset: &str) -> Option<i64> {
+    let (sign, hhmm) = offset.split_at_checked(1)?;
+    let (hours, minutes) = hhmm.split_once(':')?;
+    let (hours, minutes) = (digits(hours)?, digits(minutes)?);
+    if hours > 23 || minutes > 59 || hhmm.len() != 5 {
+        return None;
+    }
+    let seconds = hours * 3600 + minutes * 60;
+    match sign {
+        "+" => Some(seconds),
+        "-" => Some(-seconds),
+        _ => None,
+    }
+}
+
+/// `YYYY-MM-DDTHH:MM:SS[.fraction]` as seconds from the epoch (negative before it) and the
+/// fraction's nanoseconds (digits past the ninth ignored).
+fn local_seconds(local: &str) -> Option<(i64, u32)> {
+    let (date, time) = local.split_once('T')?;
+    let mut date = date.split('-');
+    let (year, month, day) = (date.next()?, date.next()?, date.next()?);
+    if date.next().is_some() || year.len() != 4 || month.len() != 2 || day.len() != 2 {
+        return None;
+    }
+    let (year, month, day) = (digits(year)?, digits(month)?, digits(day)?);
+    let (clock, fraction) = match time.split_once('.') {
+        Some((clock, fraction)) => (clock, Some(fraction)),
+        None => (time, None),
+    };
+    let mut clock = clock.split(':');
+    let (hour, minute, second) = (clock.next()?, clock.next()?, clock.next()?);
+    if clock.next().is_some() || [hour, minute, second].iter().any(|part| part.len() != 2) {
+        return None;
+    }
+    let (hour, minute, second) = (digits(hour)?, digits(minute)?, digits(second)?);
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let days_in_month = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return None,
+    };
+    if day == 0 || day > days_in_month || hour > 23 || minute > 59 || second > 60 {
+        return None;
+    }
+    let nanos = match fraction {
+        None => 0,
+        Some(f) if !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()) => {
+            let nine: String = f.chars().chain(std::iter::repeat('0')).take(9).collect();
+            nine.parse().ok()?
+        }
+        Some(_) => return None,
+    };
+    let days = days_from_civil(year, month, day);
+    Some((days * 86_400 + hour * 3600 + minute * 60 + second.min(59), nanos))
+}
+
+/// A number written in ASCII digits only (no sign, no spaces), small enough for any date part.
+fn digits(text: &str) -> Option<i64> {
+    if text.is_empty() || text.len() > 4 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// Days from 1970-01-01 to a date of the proleptic Gregorian calendar (negative before it);
+/// Howard Hinnant's `days_from_civil`.
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
+}
+
+/// `seconds` since the epoch as RFC 3339 to the second (`2026-12-24T18:00:00Z`): a time read
+/// from a header may be anything, and past the end of 9999 it is shown as that end.
+pub fn rfc3339_seconds(seconds: u64) -> String {
+    let at = SystemTime::UNIX_EPOCH + Duration::from_secs(seconds.min(LATEST_SECONDS));
+    humantime::format_rfc3339_seconds(at).to_string()
 }
 
 impl fmt::Display for Timestamp {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "{}", humantime::format_rfc3339_millis(self.0))
+        // Held again: the field is public, and humantime panics before 1970 and fails after 9999.
+        write!(f, "{}", humantime::format_rfc3339_millis(Timestamp::hold(self.0)))
     }
 }
 
@@ -314,6 +419,8 @@ impl Envelope<'_> {
 mod tests {
     use super::*;
 
+    use std::time::UNIX_EPOCH;
+
     #[test]
     fn decode_cases() {
         let cases: &[(&str, bool)] = &[
@@ -361,6 +468,53 @@ mod tests {
             let body = format!(r#"{{"id":"1","type":"t","payload":1,"not_before":"{text}"}}"#);
             assert_eq!(Envelope::decode(body.as_bytes()).is_ok(), expected.is_some(), "{body}");
         }
+        // Issue 31 item 16: every day RFC 3339 writes is a time, and one before 1970 (Go's zero
+        // time included) is past, so now; one past the end of 9999 (by an offset) is that end.
+        // Each is shown again without a panic.
+        let latest = UNIX_EPOCH + Duration::new(253_402_300_799, 999_999_999);
+        let wide: &[(&str, Option<SystemTime>)] = &[
+            ("0001-01-01T00:00:00Z", Some(UNIX_EPOCH)),
+            ("0000-01-01T00:00:00Z", Some(UNIX_EPOCH)),
+            ("1969-12-31T23:59:59.999Z", Some(UNIX_EPOCH)),
+            ("1970-01-01T00:30:00+01:00", Some(UNIX_EPOCH)),
+            ("2024-02-29T00:00:00Z", at(1_709_164_800, 0)),
+            ("2000-02-29T12:00:00Z", at(951_825_600, 0)),
+            ("2026-12-24T18:00:59.123456789999Z", Some(UNIX_EPOCH + Duration::new(1_798_135_259, 123_456_789))),
+            ("2016-12-31T23:59:60Z", at(1_483_228_799, 0)),
+            ("9999-12-31T23:59:59Z", at(253_402_300_799, 0)),
+            ("9999-12-31T23:59:59-23:59", Some(latest)),
+            ("2023-02-29T00:00:00Z", None),
+            ("1900-02-29T00:00:00Z", None),
+            ("2026-13-01T00:00:00Z", None),
+            ("2026-00-01T00:00:00Z", None),
+            ("2026-04-31T00:00:00Z", None),
+            ("2026-12-24T24:00:00Z", None),
+            ("2026-12-24T18:60:00Z", None),
+            ("2026-12-24T18:00:61Z", None),
+            ("2026-12-24T18:00:00.Z", None),
+            ("2026-12-24T18:00:00.1x2Z", None),
+            ("-001-01-01T00:00:00Z", None),
+            ("2026-12-24T18:00:00+01:60", None),
+            ("2026-12-24T18:00:00é1:00", None),
+            ("2026-12-24T18:00:00ZZ", None),
+        ];
+        for (text, expected) in wide {
+            let parsed = Timestamp::parse(text);
+            assert_eq!(parsed.map(|t| t.0), *expected, "{text}");
+            if let Some(t) = parsed {
+                assert!(t.to_string().ends_with('Z'), "{text} shows as {t}");
+            }
+        }
+        let shown = |at: SystemTime| Timestamp(at).to_string();
+        assert_eq!(shown(UNIX_EPOCH - Duration::from_secs(1)), "1970-01-01T00:00:00.000Z");
+        assert_eq!(shown(latest + Duration::from_secs(86_400)), "9999-12-31T23:59:59.999Z");
+        assert_eq!(Timestamp::after(UNIX_EPOCH, Duration::MAX).0, latest);
+        assert_eq!(Timestamp::after(UNIX_EPOCH, Duration::from_secs(10)).0, UNIX_EPOCH + Duration::from_secs(10));
+
+        // Issue 31 item 5: a header's time (`x-death`'s, a u64) past what a clock holds.
+        assert_eq!(rfc3339_seconds(u64::MAX), "9999-12-31T23:59:59Z");
+        assert_eq!(rfc3339_seconds(1_798_135_200), "2026-12-24T18:00:00Z");
+
         let body = br#"{"id":"1","type":"t","payload":1,"not_before":12}"#;
         assert!(Envelope::decode(body).is_err(), "a number is not a time");
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
@@ -372,6 +526,7 @@ mod tests {
         assert_eq!(envelope("1970-01-01T00:01:42.5Z"), Some(Duration::from_millis(2500)));
         assert_eq!(envelope("1970-01-01T00:01:40Z"), None, "now is due");
         assert_eq!(envelope("1970-01-01T00:00:01Z"), None, "a time past is now");
+        assert_eq!(envelope("0001-01-01T00:00:00Z"), None, "Go's zero time is past");
     }
 
     /// Issue 9: a payload decodes exactly when it parses into a value, nesting included.

@@ -218,3 +218,29 @@ async fn a_dot_segment_value_never_changes_the_webhook_path() {
     }
     assert!(vhost.drain_queue("work").await.is_empty(), "work is not empty");
 }
+
+/// Issue 31 item 16: a `not_before` before 1970 (Go's zero time `0001-01-01T00:00:00Z`, what a
+/// Go producer writes for an unset time) was dead-lettered `malformed`; a time past is now, so
+/// each is handled at once, on the embedded broker as on every other (the envelope is read
+/// alike). A time before the epoch only by its offset is past too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_not_before_before_1970_is_now() {
+    let place = support::EmbeddedDir::new();
+    let receiver = Receiver::ok().await;
+    let dir = support::webhook_pipeline(&receiver, "    retry: {max_attempts: 1}\n");
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let times = [
+        ("go-zero", "0001-01-01T00:00:00Z"),
+        ("1969", "1969-12-31T23:59:59Z"),
+        ("offset", "1970-01-01T00:30:00+01:00"),
+    ];
+    for (key, time) in times {
+        let body = json!({"id": key, "type": "t", "idempotency_key": key, "not_before": time, "payload": {}});
+        support::publish_raw(&broker, "ev", "x", body.to_string().into_bytes(), Default::default()).await;
+    }
+    let mut sluice = Sluice::run(dir.path(), &place.url(), &["--exit-when-idle"]);
+    assert_eq!(sluice.wait(Duration::from_secs(60)), Some(0), "log:\n{}", sluice.log());
+    assert_eq!(receiver.succeeded_keys(), times.iter().map(|(key, _)| key.to_string()).collect::<BTreeSet<_>>());
+    assert_eq!(place.depth("work.dlq").await, 0, "nothing dead-lettered");
+}

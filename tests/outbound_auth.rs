@@ -31,10 +31,11 @@ async fn call_authorized(
 const TIMEOUT: Duration = Duration::from_secs(10);
 const SECRET: &str = "s3cr&t=value";
 
-/// A token endpoint answering `tok-1`, `tok-2`, ... living `expires_in` seconds.
+/// A token endpoint answering `tok-1`, `tok-2`, ... living `expires_in` (seconds, written as
+/// given: a number, a string, out of range).
 struct Tokens {
     issued: AtomicUsize,
-    expires_in: u64,
+    expires_in: serde_json::Value,
 }
 
 impl Respond for Tokens {
@@ -49,11 +50,11 @@ impl Respond for Tokens {
 }
 
 /// A token endpoint of tokens living `expires_in` seconds, at `/token`.
-async fn token_endpoint(expires_in: u64) -> MockServer {
+async fn token_endpoint(expires_in: impl Into<serde_json::Value>) -> MockServer {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/token"))
-        .respond_with(Tokens { issued: AtomicUsize::new(0), expires_in })
+        .respond_with(Tokens { issued: AtomicUsize::new(0), expires_in: expires_in.into() })
         .mount(&server)
         .await;
     server
@@ -177,6 +178,123 @@ async fn a_401_fetches_a_new_token_once_and_sends_again() {
     assert_eq!(requests(&tokens).await, 3);
 }
 
+/// Issue 31 item 15: a token of no lifetime left (`expires_in: 0`) is fetched once for the
+/// calls waiting together, not once by each in turn; the next call fetches again.
+#[tokio::test]
+async fn concurrent_calls_share_one_fetch_of_a_token_of_no_lifetime() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = token_endpoint(0).await;
+    let receiver = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&receiver).await;
+    let oauth2 = credentials(&tokens.uri(), dir.path());
+    let client = webhook::client().expect("client");
+    let rules = Rules::default();
+    let calls = (0..8).map(|_| call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &rules));
+    for result in futures_util::future::join_all(calls).await {
+        assert_eq!(result, Ok(()));
+    }
+    assert_eq!(requests(&tokens).await, 1, "one fetch for eight concurrent calls");
+    assert_eq!(authorizations(&receiver).await, vec!["Bearer tok-1"; 8]);
+    assert_eq!(call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &rules).await, Ok(()));
+    assert_eq!(requests(&tokens).await, 2, "a later call finds it expired");
+}
+
+/// Issue 31 items 5 and 15: `expires_in` as endpoints in the wild write it: a string (Azure
+/// AD v1), a fraction, 2^63 − 1 (which panicked adding it to the clock), beyond any integer.
+/// Each gives a token that serves the next call too.
+#[tokio::test]
+async fn expires_in_as_endpoints_write_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let receiver = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&receiver).await;
+    let client = webhook::client().expect("client");
+    let rules = Rules::default();
+    let forms = [
+        serde_json::json!("3600"),
+        serde_json::json!(3599.5),
+        serde_json::json!(i64::MAX),
+        serde_json::json!(u64::MAX),
+        serde_json::json!(1e300),
+    ];
+    for expires_in in forms {
+        let tokens = token_endpoint(expires_in.clone()).await;
+        let oauth2 = credentials(&tokens.uri(), dir.path());
+        for _ in 0..2 {
+            let result = call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &rules).await;
+            assert_eq!(result, Ok(()), "expires_in {expires_in}");
+        }
+        assert_eq!(requests(&tokens).await, 1, "expires_in {expires_in}: the token is reused");
+    }
+}
+
+/// Issue 31 item 15: a token past the old 64 KiB cap (a JWT with many claims) is taken and
+/// sent whole; an answer over 1 MiB is refused as such.
+#[tokio::test]
+async fn large_tokens_are_taken_up_to_a_mebibyte() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let receiver = MockServer::start().await;
+    Mock::given(method("POST")).respond_with(ResponseTemplate::new(200)).mount(&receiver).await;
+    let client = webhook::client().expect("client");
+    let answer = |token: String| {
+        ResponseTemplate::new(200).set_body_json(serde_json::json!({
+            "access_token": token, "token_type": "Bearer", "expires_in": 3600,
+        }))
+    };
+    let large = "a".repeat(100 * 1024);
+    let tokens = MockServer::start().await;
+    Mock::given(path("/token")).respond_with(answer(large.clone())).mount(&tokens).await;
+    let oauth2 = credentials(&tokens.uri(), dir.path());
+    let result = call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &Rules::default()).await;
+    assert_eq!(result, Ok(()));
+    assert_eq!(authorizations(&receiver).await, [format!("Bearer {large}")]);
+
+    let huge = MockServer::start().await;
+    Mock::given(path("/token")).respond_with(answer("a".repeat(1024 * 1024))).mount(&huge).await;
+    let oauth2 = credentials(&huge.uri(), dir.path());
+    let result = call_authorized(&client, post(receiver.uri()), &oauth2, TIMEOUT, &Rules::default()).await;
+    assert_eq!(
+        result,
+        Err(HandlerError::unwell(
+            "OAuth2 token endpoint: HTTP 200: the answer is over 1 MiB, longer than any token",
+            None
+        ))
+    );
+}
+
+/// Issue 31 item 5: a token endpoint answering `expires_in` 2^63 − 1 dead-lettered every
+/// message of the queue (a panic adding it to the clock, reported as `internal`). On a real
+/// runner, 200 messages are all handled with one token, none dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_expires_in_dead_letters_nothing() {
+    use crate::support::{self, Place as _};
+    let tokens = token_endpoint(i64::MAX).await;
+    let receiver = support::Receiver::ok().await;
+    let yaml = format!(
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n  work:\n    bind: [{{exchange: ev, routing_key: \"#\"}}]\n    \
+         handler:\n      webhook:\n        url: \"{}/hook\"\n        auth:\n          oauth2: {{token_url: \"{}/token\", \
+         client_id: sluice-test, client_secret_env: IDP_SECRET}}\n",
+        receiver.uri(),
+        tokens.uri()
+    );
+    let dir = support::pipeline(&yaml);
+    let place = support::EmbeddedDir::new();
+    let broker = place.connect().await;
+    support::declare(dir.path(), &broker).await;
+    for i in 0..200 {
+        support::publish(&broker, "ev", "x", &format!("k{i}"), serde_json::json!({ "i": i })).await;
+    }
+    let _run = support::Sluice::run_with_env(dir.path(), &place.url(), &[], &[("IDP_SECRET", SECRET)]);
+    let deadline = Duration::from_secs(60);
+    support::wait_until(deadline, "200 messages handled or dead-lettered", || async {
+        receiver.succeeded_keys().len() + place.depth("work.dlq").await as usize >= 200
+    })
+    .await;
+    assert_eq!(place.depth("work.dlq").await, 0, "nothing dead-lettered");
+    assert_eq!(receiver.succeeded_keys().len(), 200, "every message handled");
+    assert!(receiver.hits().iter().all(|hit| hit.header("authorization") == Some("Bearer tok-1")));
+    assert_eq!(requests(&tokens).await, 1, "one token for them all");
+}
+
 #[tokio::test]
 async fn a_failing_token_endpoint_says_unwell_and_the_receiver_is_not_called() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -244,9 +362,9 @@ impl Pki {
                 &format!("{ca}.pem"),
             ]);
         }
-        pki.issue("server", "ca", "subjectAltName=IP:127.0.0.1");
-        pki.issue("client", "ca", "extendedKeyUsage=clientAuth");
-        pki.issue("stranger", "other-ca", "extendedKeyUsage=clientAuth");
+        pki.issue("server", "ca", Some("subjectAltName=IP:127.0.0.1"));
+        pki.issue("client", "ca", Some("extendedKeyUsage=clientAuth"));
+        pki.issue("stranger", "other-ca", Some("extendedKeyUsage=clientAuth"));
         pki
     }
 
@@ -263,35 +381,28 @@ impl Pki {
         assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 
-    /// `name.pem` and `name.key` (PKCS#8), signed by `ca`, with extension `ext`.
-    fn issue(&self, name: &str, ca: &str, ext: &str) {
+    /// `name.pem` and `name.key` (PKCS#8), signed by `ca`, with extension `ext`; without one,
+    /// `openssl x509 -req` makes an X.509 v1 certificate.
+    fn issue(&self, name: &str, ca: &str, ext: Option<&str>) {
         let (key, csr, pem) = (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"));
         self.openssl(&["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", &key]);
         self.openssl(&["req", "-new", "-key", &key, "-subj", &format!("/CN={name}"), "-out", &csr]);
-        std::fs::write(self.path(&format!("{name}.ext")), format!("{ext}\n")).expect("write ext");
-        self.openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &format!("{ca}.pem"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            &format!("{name}.ext"),
-            "-out",
-            &pem,
-        ]);
+        let (ca_pem, ca_key, extfile) = (format!("{ca}.pem"), format!("{ca}.key"), format!("{name}.ext"));
+        let mut args =
+            vec!["x509", "-req", "-in", &csr, "-CA", &ca_pem, "-CAkey", &ca_key, "-CAcreateserial", "-days", "2"];
+        if let Some(ext) = ext {
+            std::fs::write(self.path(&extfile), format!("{ext}\n")).expect("write ext");
+            args.extend(["-extfile", &extfile]);
+        }
+        args.extend(["-out", &pem]);
+        self.openssl(&args);
     }
 }
 
-/// An HTTPS receiver that requires a client certificate issued by `ca`, answers 200 to every
-/// request, and counts the requests it answered.
-async fn mtls_receiver(pki: &Pki) -> (String, Arc<AtomicUsize>) {
+/// An HTTPS receiver presenting the certificate `server` (`server.pem`, `server.key`), that
+/// requires a client certificate issued by `ca`, answers 200 to every request, and counts the
+/// requests it answered.
+async fn mtls_receiver(pki: &Pki, server: &str) -> (String, Arc<AtomicUsize>) {
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -301,8 +412,8 @@ async fn mtls_receiver(pki: &Pki) -> (String, Arc<AtomicUsize>) {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca).expect("root");
     let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots)).build().expect("verifier");
-    let chain = vec![CertificateDer::from_pem_file(pki.path("server.pem")).expect("server cert")];
-    let key = PrivateKeyDer::from_pem_file(pki.path("server.key")).expect("server key");
+    let chain = vec![CertificateDer::from_pem_file(pki.path(&format!("{server}.pem"))).expect("server cert")];
+    let key = PrivateKeyDer::from_pem_file(pki.path(&format!("{server}.key"))).expect("server key");
     let config = rustls::ServerConfig::builder()
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain, key)
@@ -352,7 +463,7 @@ fn client_from_pipeline(pki: &Pki, tls: &str) -> reqwest::Client {
 #[tokio::test]
 async fn mutual_tls_with_a_private_ca() {
     let pki = Pki::new();
-    let (url, answered) = mtls_receiver(&pki).await;
+    let (url, answered) = mtls_receiver(&pki, "server").await;
     let call = |client: reqwest::Client| {
         let url = url.clone();
         async move {
@@ -382,6 +493,146 @@ async fn mutual_tls_with_a_private_ca() {
     let shared = webhook::client().expect("client");
     unwell(call(shared).await, "the private CA is not trusted without ca_file");
     assert_eq!(answered.load(Ordering::SeqCst), 1, "only the right certificate got an answer");
+}
+
+/// The diagnostics of a pipeline whose webhook has the `tls:` block `tls`, as `validate` shows
+/// them (pointer and message).
+fn tls_diagnostics(pki: &Pki, tls: &str) -> Vec<String> {
+    let yaml = format!(
+        "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://127.0.0.1/hook\n        tls: {tls}\n"
+    );
+    std::fs::write(pki.path("p.yaml"), yaml).expect("write");
+    let validation = sluice::config::load(&[pki.path("p.yaml")]);
+    validation
+        .diagnostics
+        .iter()
+        .map(|d| format!("{} {}: {}", crate::util::severity_name(d.severity), d.pointer, d.message))
+        .collect()
+}
+
+/// Issue 31 item 21: a client certificate the receiver will refuse, or a key that is not the
+/// certificate's, is a `validate` error at its setting saying what is wrong and how to fix it,
+/// in words, not in Rust's Debug form.
+#[test]
+fn tls_files_that_cannot_work_are_explained_at_validate() {
+    let pki = Pki::new();
+    pki.issue("old", "ca", None);
+    pki.issue("server-only", "ca", Some("extendedKeyUsage=serverAuth"));
+    let base = "/queues/work/handler/webhook/tls";
+    let cases = [
+        (
+            "{client_cert_file: old.pem, client_key_file: old.key}",
+            format!(
+                "error {base}/client_cert_file: the client certificate is X.509 version 1; receivers refuse it: \
+                 issue a version 3 certificate with extendedKeyUsage=clientAuth \
+                 (openssl x509 -req ... -extfile with the line \"extendedKeyUsage=clientAuth\")"
+            ),
+        ),
+        (
+            "{client_cert_file: server-only.pem, client_key_file: server-only.key}",
+            format!(
+                "error {base}/client_cert_file: the client certificate's extendedKeyUsage does not allow client \
+                 authentication (clientAuth); receivers refuse it: issue it with extendedKeyUsage=clientAuth"
+            ),
+        ),
+        (
+            "{client_cert_file: client.pem, client_key_file: stranger.key}",
+            format!(
+                "error {base}/client_key_file: the key is not the one of the certificate in client_cert_file \
+                 (its public key does not match): give the private key the certificate was issued for"
+            ),
+        ),
+    ];
+    for (tls, expected) in cases {
+        let shown = tls_diagnostics(&pki, tls);
+        assert_eq!(shown, [expected], "{tls}");
+        assert!(!shown.iter().any(|d| d.contains("Mismatch") || d.contains("Unsupported") || d.contains("(Other")));
+    }
+    assert_eq!(
+        tls_diagnostics(&pki, "{client_cert_file: client.pem, client_key_file: client.key, ca_file: ca.pem}"),
+        Vec::<String>::new()
+    );
+}
+
+/// Issue 31 item 21: at call time a refused handshake says, in words, which side refused what
+/// and how to fix it: a client certificate the receiver refused or that it requires, a
+/// receiver's certificate of an unknown CA or of X.509 version 1.
+#[tokio::test]
+async fn tls_refusals_at_call_time_are_explained() {
+    let pki = Pki::new();
+    pki.issue("old-server", "ca", None);
+    let (url, _) = mtls_receiver(&pki, "server").await;
+    // rustls will not serve an X.509 v1 certificate; OpenSSL will.
+    let port = crate::support::free_port();
+    let _old_server = Killed(
+        std::process::Command::new("openssl")
+            .args(["s_server", "-quiet", "-www", "-accept", &format!("127.0.0.1:{port}"), "-cert", "old-server.pem"])
+            .args(["-key", "old-server.key"])
+            .current_dir(pki.dir.path())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("openssl s_server runs"),
+    );
+    let old_url = format!("https://127.0.0.1:{port}/hook");
+    crate::support::wait_until(Duration::from_secs(10), "openssl s_server listening", || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok()
+    })
+    .await;
+    let call = |client: reqwest::Client, url: &str| {
+        let request = Request {
+            method: Method::POST,
+            url: url.parse().expect("url"),
+            headers: Vec::new(),
+            body: bytes::Bytes::new(),
+        };
+        async move { webhook::call(&client, request, TIMEOUT, &Rules::default(), &mut Observed::default()).await }
+    };
+    let stranger = "{client_cert_file: stranger.pem, client_key_file: stranger.key, ca_file: ca.pem}";
+    let cases = [
+        (
+            client_from_pipeline(&pki, stranger),
+            &url,
+            "TLS handshake: the receiver does not trust the CA that issued the client certificate \
+             (TLS alert \"unknown CA\"): use one issued by a CA the receiver trusts",
+        ),
+        (
+            client_from_pipeline(&pki, "{ca_file: ca.pem}"),
+            &url,
+            "TLS handshake: the receiver requires a client certificate (TLS alert \"certificate required\"): \
+             set tls.client_cert_file and tls.client_key_file",
+        ),
+        (
+            webhook::client().expect("client"),
+            &url,
+            "TLS handshake: the receiver's certificate is refused here: it is not issued by a CA trusted here; \
+             for a private CA, give the CA's certificate in tls.ca_file",
+        ),
+        (
+            client_from_pipeline(&pki, "{ca_file: ca.pem}"),
+            &old_url,
+            "TLS handshake: the receiver's certificate is refused here: it is X.509 version 1; the receiver \
+             needs a version 3 certificate (with subjectAltName)",
+        ),
+    ];
+    for (client, url, expected) in cases {
+        match call(client, url).await {
+            Err(e @ HandlerError::Transient { .. }) if e.is_unwell() => {
+                assert_eq!(e, HandlerError::unwell(expected, None));
+            }
+            other => panic!("{expected}: expected a refused handshake, got {other:?}"),
+        }
+    }
+}
+
+/// A child process killed and reaped when dropped, however the test ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// Extra environment variables of a command.

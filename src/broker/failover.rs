@@ -1,7 +1,10 @@
 //! Several addresses of one broker (the nodes of a RabbitMQ cluster): which one to try next,
 //! and when to pause first. A lost session moves on to the next node at once; the pause
 //! (full-jitter backoff) comes only once every node has failed in a row, so a dead node costs
-//! one connect attempt and a cluster that is down entirely is not hammered.
+//! one connect attempt and a cluster that is down entirely is not hammered. Once a broker has
+//! been seen, the pause between connection attempts stays short ([`SEEN_RECONNECT_CAP`]): a
+//! restart is over in seconds, and a runner must come back with the broker, not long after
+//! it. Sessions that open and drop at once keep the long cap: each costs the broker a session.
 //!
 //! [`Rotation`] is pure bookkeeping on injected time and randomness; [`Failover`] connects by
 //! it, through a function given the node's index.
@@ -16,8 +19,14 @@ use tracing::{info, warn};
 use super::{Broker, BrokerError};
 use crate::backoff;
 
-/// The longest pause between two rounds of attempts.
+/// The longest pause between two rounds of attempts, before any session opened (a broker
+/// that may not be there at all).
 pub const RECONNECT_CAP: Duration = Duration::from_secs(30);
+
+/// The longest pause between two rounds of failed connection attempts once a session has
+/// opened: the broker exists and is most likely restarting, and an attempt it refuses costs it
+/// little. (A pause grown to 23.8 s brought a runner back 10 s after its node.)
+pub const SEEN_RECONNECT_CAP: Duration = Duration::from_secs(5);
 
 /// A session that lived this long was a success: its loss starts the count of failures afresh.
 pub const STABLE_SESSION: Duration = Duration::from_secs(30);
@@ -34,19 +43,25 @@ pub struct Rotation {
     rounds: u32,
     /// The node of the live session, and since when.
     session: Option<(usize, Instant)>,
+    /// Whether a session ever opened.
+    seen: bool,
+    /// Whether the last failure was a session that opened and did not last (the broker takes
+    /// connections and drops them), rather than an attempt that could not connect.
+    dropped: bool,
 }
 
 impl Rotation {
     /// A rotation over `nodes` addresses (at least one), starting with the first.
     pub fn new(nodes: usize) -> Rotation {
-        Rotation { nodes: nodes.max(1), next: 0, misses: 0, rounds: 0, session: None }
+        Rotation { nodes: nodes.max(1), next: 0, misses: 0, rounds: 0, session: None, seen: false, dropped: false }
     }
 
     /// The node to try next, and how long to wait before trying it: nothing unless every node
     /// has just failed in a row.
     pub fn next(&self, rng: &mut impl Rng) -> (usize, Duration) {
+        let cap = if self.seen && !self.dropped { SEEN_RECONNECT_CAP } else { RECONNECT_CAP };
         let wait = match self.round_failed() {
-            true => backoff::reconnect_delay(self.rounds, RECONNECT_CAP, rng),
+            true => backoff::reconnect_delay(self.rounds, cap, rng),
             false => Duration::ZERO,
         };
         (self.next, wait)
@@ -73,12 +88,14 @@ impl Rotation {
     /// was of use).
     pub fn failed(&mut self, node: usize) {
         self.session = None;
+        self.dropped = false;
         self.missed(node);
     }
 
     /// A session with `node` is up.
     pub fn connected(&mut self, node: usize, now: Instant) {
         self.session = Some((node, now));
+        self.seen = true;
     }
 
     /// The live session ended. One that lived [`STABLE_SESSION`] was a success, so the next
@@ -88,8 +105,10 @@ impl Rotation {
         if now.saturating_duration_since(since) >= STABLE_SESSION {
             self.misses = 0;
             self.rounds = 0;
+            self.dropped = false;
             self.next = (node + 1) % self.nodes;
         } else {
+            self.dropped = true;
             self.missed(node);
         }
     }
@@ -242,6 +261,49 @@ mod tests {
         r.connected(0, t0 + Duration::from_secs(3));
         r.lost(t0 + Duration::from_secs(3) + STABLE_SESSION);
         assert_eq!(r.next(&mut rng), (1, Duration::ZERO), "a stable session resets the count");
+    }
+
+    /// Issue 31: once a broker has been seen, a restart that outlasts many rounds pauses at
+    /// most five seconds between connection attempts (full jitter under that ceiling), where
+    /// the pause had grown to 23.8 s. Before any session, and while sessions open and drop at
+    /// once, the pause grows to thirty.
+    #[test]
+    fn once_a_broker_was_seen_the_pause_between_attempts_stays_short() {
+        let t0 = Instant::now();
+        let mut rng = rng();
+        // The pause before each of `n` attempts at one node, each failing.
+        let failing = |r: &mut Rotation, rng: &mut StdRng, n: usize| -> Vec<Duration> {
+            (0..n)
+                .map(|_| {
+                    r.failed(0);
+                    r.next(rng).1
+                })
+                .collect()
+        };
+        let mut never = Rotation::new(1);
+        let before = failing(&mut never, &mut rng, 40);
+        assert!(before.iter().any(|w| *w > SEEN_RECONNECT_CAP), "{before:?}");
+        assert!(before.iter().all(|w| *w <= RECONNECT_CAP), "{before:?}");
+
+        let mut flapping = Rotation::new(1);
+        let dropped: Vec<Duration> = (0..40u64)
+            .map(|i| {
+                flapping.connected(0, t0 + Duration::from_secs(i));
+                flapping.lost(t0 + Duration::from_secs(i) + Duration::from_millis(10));
+                flapping.next(&mut rng).1
+            })
+            .collect();
+        assert!(dropped.iter().any(|w| *w > SEEN_RECONNECT_CAP), "sessions dropped at once: {dropped:?}");
+
+        let mut seen = Rotation::new(1);
+        seen.connected(0, t0);
+        seen.lost(t0 + STABLE_SESSION);
+        let after = failing(&mut seen, &mut rng, 200);
+        assert!(after.iter().all(|w| *w <= SEEN_RECONNECT_CAP), "{after:?}");
+        let late = &after[10..];
+        let low = late.iter().filter(|w| **w < SEEN_RECONNECT_CAP / 4).count();
+        let high = late.iter().filter(|w| **w > SEEN_RECONNECT_CAP * 3 / 4).count();
+        assert!(low >= 20 && high >= 20, "full jitter under the cap: {low} low, {high} high of {}", late.len());
     }
 
     /// One address (the usual single node): a stable session lost is retried at once, then

@@ -85,7 +85,7 @@ fn parse_time(text: &str) -> Result<Timestamp, String> {
 
 /// When the messages may be handled, from `--delay` (counted from `now`) or `--at`.
 fn not_before(args: &Args, now: SystemTime) -> Option<Timestamp> {
-    args.at.or_else(|| args.delay.map(|delay| Timestamp(now + delay)))
+    args.at.or_else(|| args.delay.map(|delay| Timestamp::after(now, delay)))
 }
 
 /// Refuses a time further ahead than the broker can hold a message back.
@@ -476,6 +476,35 @@ async fn send<B: Broker>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 31 items 5 and 16: `--delay` and `--at` are outside input: a delay past what a
+    /// clock can add is the last time RFC 3339 writes (where it panicked), refused by a broker
+    /// with a limit; a time before 1970 is past, so now.
+    #[test]
+    fn delays_and_times_past_what_a_clock_holds_are_held() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let parse = |flags: &[&str]| {
+            let mut argv = vec!["publish", "--exchange", "ev", "--type", "t", "--payload", "{}"];
+            argv.extend(flags);
+            <Cli as clap::Parser>::try_parse_from(argv).map(|cli| cli.args).map_err(|e| e.to_string())
+        };
+        let now = SystemTime::now();
+        let at = |flags: &[&str]| parse(flags).map(|args| not_before(&args, now).map(|t| t.to_string()));
+        let latest = Some("9999-12-31T23:59:59.999Z".to_string());
+        assert_eq!(at(&["--delay", "18446744073709551615s"]), Ok(latest.clone()));
+        assert_eq!(at(&["--delay", "213503982334601d"]), Ok(latest));
+        assert_eq!(at(&["--at", "0001-01-01T00:00:00Z"]), Ok(Some("1970-01-01T00:00:00.000Z".to_string())));
+        let far = not_before(&parse(&["--delay", "18446744073709551615s"]).expect("parses"), now);
+        let refused = check_not_before(far, Some(Duration::from_secs(86_400)), now).map_err(|e| e.to_string());
+        assert!(
+            refused.as_ref().is_err_and(|e| e.starts_with("not before 9999-12-31T23:59:59.999Z is ")),
+            "{refused:?}"
+        );
+    }
 
     /// Issue 24: a time further ahead than the broker holds is refused, naming both; a time
     /// past, or any time on a broker without a limit, is not.

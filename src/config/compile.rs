@@ -880,9 +880,10 @@ impl Compiler<'_> {
                     let missing = matches!(error, ReadError::Io(e) if e.kind() == std::io::ErrorKind::NotFound);
                     (if missing { Severity::Warning } else { Severity::Error }, *setting)
                 }
-                TlsProblem::Invalid(crate::handler::webhook::TlsError::Identity(_)) => {
-                    (Severity::Error, "client_cert_file")
-                }
+                TlsProblem::Invalid(
+                    crate::handler::webhook::TlsError::Identity(_) | crate::handler::webhook::TlsError::Certificate(_),
+                ) => (Severity::Error, "client_cert_file"),
+                TlsProblem::Invalid(crate::handler::webhook::TlsError::Key(_)) => (Severity::Error, "client_key_file"),
                 TlsProblem::Invalid(crate::handler::webhook::TlsError::Ca(_)) => (Severity::Error, "ca_file"),
                 TlsProblem::Invalid(_) => (Severity::Error, ""),
             };
@@ -1136,10 +1137,17 @@ fn is_number_or_bool(schema: &serde_json::Value, path: &str) -> bool {
     }
 }
 
-/// Headers the HTTP client sets itself: `Host` from the URL, the body's length and framing,
-/// and the connection's handling. A value of the pipeline's, let alone of a payload's, could
-/// pick another virtual host behind the same address, or cut the body short.
-const CLIENT_HEADERS: [&str; 4] = ["host", "content-length", "transfer-encoding", "connection"];
+/// Headers the HTTP client sets itself: `Host` from the URL, the body's length and framing.
+/// A value of the pipeline's, let alone of a payload's, could pick another virtual host behind
+/// the same address, or cut the body short.
+const CLIENT_HEADERS: [&str; 3] = ["host", "content-length", "transfer-encoding"];
+
+/// Hop-by-hop headers and those that change how the exchange is framed (RFC 9110 §7.6.1,
+/// §10.1.1): they speak of the connection, which the HTTP client manages, not of the request.
+/// A value here could ask to switch protocols (`Upgrade`), hold the body back for an interim
+/// answer (`Expect`), or announce trailers and codings that are never sent.
+const CONNECTION_HEADERS: [&str; 7] =
+    ["connection", "upgrade", "te", "trailer", "keep-alive", "proxy-connection", "expect"];
 
 /// Why a webhook may not set a header of this name: a template (the message would choose
 /// which header it sets), a header the HTTP client owns, or no HTTP header name at all.
@@ -1152,6 +1160,11 @@ fn header_name_problem(name: &str) -> Option<String> {
     if CLIENT_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name)) {
         return Some(format!(
             "\"{name}\" cannot be set in headers: the HTTP client sets it from the url and the body (a value here could pick another virtual host, or cut the body short)"
+        ));
+    }
+    if CONNECTION_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name)) {
+        return Some(format!(
+            "\"{name}\" cannot be set in headers: it speaks of the connection, which the HTTP client manages (a value here could switch protocols, hold the body back, or announce what is never sent)"
         ));
     }
     if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err() {

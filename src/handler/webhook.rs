@@ -17,7 +17,7 @@ use sha2::Sha256;
 use tokio::time::{Instant, timeout_at};
 
 use super::auth::OAuth2;
-use super::http::{cause, read_bounded, send_error};
+use super::http::{cause, read_bounded, send_error, tls_error};
 use super::rules::{Action, Rules, Verdict};
 use super::{HandlerError, Observed, head_excerpt};
 
@@ -60,6 +60,12 @@ impl std::fmt::Debug for TlsPem {
 pub enum TlsError {
     #[error("client_cert_file and client_key_file make no client identity: {0}")]
     Identity(String),
+    /// The client certificate is one receivers refuse (what is wrong and how to fix it).
+    #[error("{0}")]
+    Certificate(String),
+    /// The client key is not the client certificate's.
+    #[error("{0}")]
+    Key(String),
     #[error("ca_file: {0}")]
     Ca(String),
     #[error("{0}")]
@@ -71,6 +77,7 @@ pub enum TlsError {
 pub fn tls_client(pem: &TlsPem) -> Result<reqwest::Client, TlsError> {
     let mut builder = builder();
     if let Some((cert, key)) = &pem.identity {
+        check_client_certificate(cert)?;
         let mut both = cert.clone();
         both.push(b'\n');
         both.extend_from_slice(key);
@@ -84,7 +91,41 @@ pub fn tls_client(pem: &TlsPem) -> Result<reqwest::Client, TlsError> {
         }
         builder = builder.tls_certs_merge(certs);
     }
-    builder.build().map_err(|e| TlsError::Client(cause(&e)))
+    builder.build().map_err(|e| match tls_error(&e) {
+        Some(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch)) => TlsError::Key(
+            "the key is not the one of the certificate in client_cert_file (its public key does not match): \
+             give the private key the certificate was issued for"
+                .into(),
+        ),
+        _ => TlsError::Client(cause(&e)),
+    })
+}
+
+/// Refuses a client certificate that receivers refuse, saying how to issue one they take: rustls
+/// (and so sluice itself) takes only X.509 version 3, and a receiver checks that an
+/// `extendedKeyUsage`, when there is one, allows client authentication. What cannot be read is
+/// left to the PEM and rustls checks that follow, which say so.
+fn check_client_certificate(pem: &[u8]) -> Result<(), TlsError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let Some(Ok(leaf)) = CertificateDer::pem_slice_iter(pem).next() else { return Ok(()) };
+    let Ok((_, certificate)) = x509_parser::parse_x509_certificate(&leaf) else { return Ok(()) };
+    let version = certificate.version();
+    if version != x509_parser::x509::X509Version::V3 {
+        return Err(TlsError::Certificate(format!(
+            "the client certificate is X.509 version {}; receivers refuse it: issue a version 3 certificate \
+             with extendedKeyUsage=clientAuth (openssl x509 -req ... -extfile with the line \"extendedKeyUsage=clientAuth\")",
+            version.0.saturating_add(1)
+        )));
+    }
+    match certificate.extended_key_usage() {
+        Ok(Some(usage)) if !usage.value.client_auth => Err(TlsError::Certificate(
+            "the client certificate's extendedKeyUsage does not allow client authentication (clientAuth); \
+             receivers refuse it: issue it with extendedKeyUsage=clientAuth"
+                .into(),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The settings every webhook client has.

@@ -177,8 +177,7 @@ pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
         reason: text(&headers, envelope::REASON_HEADER).or(death.reason),
         error: text(&headers, envelope::ERROR_HEADER),
         attempts: headers.get(envelope::ATTEMPTS_HEADER).and_then(Value::as_i64).or(death.count),
-        failed_at: failed_epoch
-            .map(|t| humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(t)).to_string()),
+        failed_at: failed_epoch.map(envelope::rfc3339_seconds),
         idempotency_key: envelope.as_ref().map(|e| e.idempotency_key().to_string()),
         age_seconds: failed_epoch.map(|t| now.saturating_sub(t)),
         failed_epoch,

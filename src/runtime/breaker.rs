@@ -16,6 +16,9 @@ use crate::config::CircuitBreaker;
 /// The longest opening, as a multiple of the configured `open_for`.
 pub const MAX_OPEN_FACTOR: u32 = 10;
 
+/// An opening longer than the clock can add up to lasts this long instead.
+const LONGEST_OPENING: Duration = Duration::from_secs(100 * 365 * 86_400);
+
 /// The window is kept as this many buckets: memory stays constant however many calls run.
 const BUCKETS: u32 = 10;
 
@@ -203,7 +206,10 @@ impl Breaker {
 
     fn open(&mut self, now: Instant) -> State {
         self.window.clear();
-        self.state = State::Open { until: now + self.next_open };
+        // `open_for` is the file's, unbounded: one past what the clock holds is open until resumed
+        // in all but name (a century), never a panic.
+        let until = now.checked_add(self.next_open).unwrap_or_else(|| now + LONGEST_OPENING);
+        self.state = State::Open { until };
         self.state
     }
 }
@@ -265,6 +271,23 @@ mod tests {
             assert_eq!(b.record(at(now + 0.1 * f64::from(i)), false, Bad), None, "the window restarted when it closed");
         }
         assert_eq!(b.record(at(now + 0.5), false, Bad), Some(State::Open { until: at(now + 2.5) }));
+    }
+
+    /// Issue 31 item 5: an `open_for` past what the clock can add (the file's
+    /// `18446744073709551615s`) opens the breaker for a century, where it panicked.
+    #[test]
+    fn an_opening_past_the_clock_is_a_century() {
+        let t0 = Instant::now();
+        let mut b = Breaker::new(CircuitBreaker { open_for: Duration::MAX, ..settings() });
+        for i in 0..3 {
+            assert_eq!(b.record(t0 + i * S, false, Verdict::Unwell), None);
+        }
+        let opened = b.record(t0 + 3 * S, false, Verdict::Unwell);
+        assert_eq!(opened, Some(State::Open { until: t0 + 3 * S + LONGEST_OPENING }));
+        assert_eq!(b.tick(t0 + 3 * S + LONGEST_OPENING), Some(State::HalfOpen));
+        assert_eq!(b.admit(), Admit::Run { probe: true });
+        let reopened = b.record(t0 + 4 * S + LONGEST_OPENING, true, Verdict::Unwell);
+        assert!(matches!(reopened, Some(State::Open { .. })), "{reopened:?}");
     }
 
     #[test]

@@ -306,8 +306,7 @@ async fn apply(
     Ok(())
 }
 
-/// Says why a pass read fewer messages than `dlq` held when it began, when it was not told to
-/// stop (`--limit`).
+/// Says why a pass read fewer messages than `dlq` held when it began.
 fn unread_note(tally: &dlq::Tally, dlq: &str) {
     let why = match tally.unread_because {
         Some(Unread::PassedOver) => format!(
@@ -317,6 +316,7 @@ fn unread_note(tally: &dlq::Tally, dlq: &str) {
         Some(Unread::Elsewhere) => "the broker had none left ready: another client (a runner, another `sluice dlq`) \
                                     took or holds them, or they were removed meanwhile"
             .to_string(),
+        Some(Unread::Limit) => "the list stopped at its --limit".to_string(),
         Some(Unread::Held { consumers }) => {
             return output::stderr(&format!(
                 "note: {dlq} had no message ready: {consumers} other consumer(s) of it (another `sluice dlq` redriving or purging, say) hold what it has; run again once they are done\n"

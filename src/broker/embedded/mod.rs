@@ -58,7 +58,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::keys::Claim;
 use self::keys::{Begin, Claims};
-pub use self::reader::{Messages, ReadOnly};
+pub use self::reader::{Messages, ReadOnly, Short};
 pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Registration, Stored, ms};
 use self::writer::{Op, Renewal, Wakers};

@@ -43,6 +43,9 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// SQLite's automatic checkpoint (every 1,000 pages) lets it grow to.
 pub const WAL_LIMIT: i64 = 4 << 20;
 
+/// Bodies this large or larger are written into their row in place ([`Store::body_id`]).
+const IN_PLACE: usize = 1 << 20;
+
 /// The file's layout, recorded in `meta`: 2 since bodies are stored apart and idempotency keys
 /// kept (files without the record are of layout 1, converted on opening). A file of a later
 /// layout is refused, not misread.
@@ -1031,15 +1034,29 @@ impl Store {
     }
 
     /// The id in `bodies` of a message's body, stored first if it is new. (A stored one is
-    /// there: its message, leased to the consumer copying it, still names it.)
+    /// there: its message, leased to the consumer copying it, still names it.) A large body is
+    /// written into its row in place: bound as a value, SQLite would copy it twice (the value,
+    /// then the record), holding three of it at once.
     fn body_id(&self, db: &Connection, body: &Body) -> Result<i64, BrokerError> {
-        match body {
-            Body::New(bytes) => db
+        let bytes = match body {
+            Body::New(bytes) => bytes,
+            Body::Stored(id) => return Ok(*id),
+        };
+        let e = |err| self.error(err);
+        if bytes.len() < IN_PLACE {
+            return db
                 .prepare_cached("INSERT INTO bodies (data) VALUES (?1) RETURNING id")
                 .and_then(|mut s| s.query_row([&bytes[..]], |r| r.get(0)))
-                .map_err(|e| self.error(e)),
-            Body::Stored(id) => Ok(*id),
+                .map_err(e);
         }
+        let length = i64::try_from(bytes.len()).map_err(|_| self.error("a body over 2^63 bytes"))?;
+        let id = db
+            .prepare_cached("INSERT INTO bodies (data) VALUES (zeroblob(?1)) RETURNING id")
+            .and_then(|mut s| s.query_row([length], |r| r.get(0)))
+            .map_err(e)?;
+        let mut blob = db.blob_open(rusqlite::MAIN_DB, c"bodies", c"data", id, false).map_err(e)?;
+        blob.write_all_at(bytes, 0).map_err(e)?;
+        Ok(id)
     }
 
     fn insert(

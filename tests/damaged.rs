@@ -7,6 +7,7 @@
 use crate::support;
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -149,12 +150,17 @@ async fn a_file_that_is_not_a_database_ends_the_run_with_a_clear_error() {
     assert!(error.contains("not a usable SQLite database") && error.contains("move it aside"), "{log}");
 }
 
-/// Issue 19: a file damaged in the middle (pages of messages overwritten) ends the run with
-/// the same error once the runner, handling the messages before them, reads there. (The session was lost and opened again,
-/// forever.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_file_damaged_in_the_middle_ends_the_run_with_a_clear_error() {
-    let place = EmbeddedDir::new();
+/// Empties the write-ahead log into the broker's file, which no other process is using.
+fn checkpoint(place: &EmbeddedDir) {
+    let db = rusqlite::Connection::open(file(place)).expect("open");
+    db.busy_timeout(Duration::from_secs(30)).expect("busy timeout");
+    let busy: i64 = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0)).expect("checkpoint");
+    assert_eq!(busy, 0, "the whole log copied into the file");
+}
+
+/// A pipeline with 300 messages in `work`, whose broker's file then has the bytes `garbage`
+/// (of the file's length) overwritten with garbage.
+async fn damaged(place: &EmbeddedDir, garbage: fn(usize) -> Range<usize>) -> (Receiver, tempfile::TempDir) {
     let receiver = Receiver::ok().await;
     let dir = webhook_pipeline(&receiver, "");
     let broker = place.connect().await;
@@ -163,19 +169,76 @@ async fn a_file_damaged_in_the_middle_ends_the_run_with_a_clear_error() {
         publish(&broker, "ev", "x", &format!("k{i}"), json!({"pad": "x".repeat(2000)})).await;
     }
     drop(broker);
-    {
-        let db = rusqlite::Connection::open(file(&place)).expect("open");
-        db.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0)).expect("checkpoint");
-    }
-    let mut bytes = std::fs::read(file(&place)).expect("read");
-    let (start, end) = (bytes.len() / 3, bytes.len() * 2 / 3);
-    bytes[start..end].iter_mut().for_each(|b| *b = 0x55);
-    std::fs::write(file(&place), bytes).expect("write");
+    checkpoint(place);
+    let mut bytes = std::fs::read(file(place)).expect("read");
+    let garbage = garbage(bytes.len());
+    bytes[garbage].iter_mut().for_each(|b| *b = 0x55);
+    std::fs::write(file(place), bytes).expect("write");
+    (receiver, dir)
+}
 
+/// Issue 19: a file damaged in the middle (pages of messages overwritten) ends the run with
+/// the same error once the runner, handling the messages before them, reads there. (The session was lost and opened again,
+/// forever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_damaged_in_the_middle_ends_the_run_with_a_clear_error() {
+    let place = EmbeddedDir::new();
+    let (_receiver, dir) = damaged(&place, |len| len / 3..len * 2 / 3).await;
     let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
     assert_eq!(runner.wait(Duration::from_secs(60)), Some(1), "log:\n{}", runner.log());
     let log = runner.log();
     assert!(error_line(&log).contains("not a usable SQLite database"), "{log}");
+}
+
+/// Runs `sluice ARGS --broker URL` to completion, off the async runtime.
+async fn attempt(args: &[&str], place: &EmbeddedDir) -> Finished {
+    let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    all.extend(["--broker".into(), place.url()]);
+    tokio::task::spawn_blocking(move || {
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        sluice_cli(&all, &[], Duration::from_secs(60))
+    })
+    .await
+    .expect("cli task")
+}
+
+/// Issue 31 (left by round 3): once `run` has found the file damaged, `publish` refuses to
+/// confirm a message into it and `status` to read it, each naming the file and what to do;
+/// once the file is moved aside as the error says, `run` starts an empty broker that takes
+/// messages again. (Both went on: `publish` confirmed messages into a file no runner could
+/// read, and `status` showed its counts.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_and_status_refuse_a_file_run_found_damaged() {
+    let place = EmbeddedDir::new();
+    // One garbage page among the messages' bodies, where `run` reads and `publish` does not.
+    let (_receiver, dir) = damaged(&place, |len| len / 2 / 4096 * 4096..len / 2 / 4096 * 4096 + 4096).await;
+    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
+    assert_eq!(runner.wait(Duration::from_secs(60)), Some(1), "log:\n{}", runner.log());
+    assert!(error_line(&runner.log()).contains("not a usable SQLite database"), "{}", runner.log());
+    let shown = file(&place).display().to_string();
+    let publish = ["publish", "--exchange", "ev", "--routing-key", "x", "--type", "test.event", "--payload", "{}"];
+    let pipelines = dir.path().display().to_string();
+    for args in [&publish[..], &["status", &pipelines]] {
+        let refused = attempt(args, &place).await;
+        assert_eq!(refused.code, Some(1), "{args:?} refused\nstdout: {}\nstderr: {}", refused.stdout, refused.stderr);
+        let error = error_line(&refused.stderr);
+        assert!(
+            error.contains(&shown) && error.contains("damaged") && error.contains("move it aside"),
+            "{args:?}: {error}"
+        );
+    }
+
+    // As the error says: the file and its -wal and -shm files.
+    for suffix in ["", "-wal", "-shm"] {
+        let (from, to) = (format!("{shown}{suffix}"), format!("{shown}.bad{suffix}"));
+        if Path::new(&from).exists() {
+            std::fs::rename(&from, &to).expect("move aside");
+        }
+    }
+    let fresh = attempt(&["run", &pipelines, "--exit-when-idle"], &place).await;
+    assert_eq!(fresh.code, Some(0), "an empty broker: {}", fresh.stderr);
+    let published = attempt(&publish, &place).await;
+    assert_eq!(published.code, Some(0), "{}", published.stderr);
 }
 
 /// A runner on 40 messages published before it started (keys `k0`..), handling them one at
@@ -198,6 +261,8 @@ impl Busy {
             publish(&broker, "ev", "x", key, json!({})).await;
         }
         drop(broker);
+        // All in the file, none in the write-ahead log alone, before the runner starts.
+        checkpoint(place);
         let runner = Sluice::run(dir.path(), &place.url(), &[]);
         receiver.wait_for(5, Duration::from_secs(30)).await;
         Busy { receiver, dir, keys, runner }
@@ -259,5 +324,47 @@ async fn a_file_deleted_under_a_live_runner_is_saved_as_a_copy_and_the_runner_st
     std::fs::rename(copy, file(&place)).expect("put the copy back");
     let mut again = Sluice::run(dir.path(), &place.url(), &[]);
     wait_until(Duration::from_secs(90), "every message handled", || async { receiver.succeeded_keys() == keys }).await;
+    assert_eq!(again.stop(Duration::from_secs(30)), Some(0), "log:\n{}", again.log());
+}
+
+/// Issue 31 (left by round 3): a write-ahead log truncated to nothing under a live runner is
+/// noticed as a deleted one is: the runner stops with an error naming the log (for its
+/// supervisor to start it again) without copying what is left of the log into the file, the
+/// broker takes publishes again, and the next runner handles every message whose publish was
+/// confirmed (what the runner did since the last checkpoint went with the log: the messages
+/// it had acked come back, and are handled again). (The runner went on unaware, writing
+/// after a hole where the log had been.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_ahead_log_truncated_under_a_live_runner_is_noticed_and_nothing_confirmed_is_lost() {
+    let place = EmbeddedDir::new();
+    let Busy { receiver, dir, mut keys, mut runner } = Busy::start(&place).await;
+    let wal = PathBuf::from(format!("{}-wal", file(&place).display()));
+    {
+        // A reader holds the log's frames where they are (the runner's checkpoints, which
+        // would empty it, wait for readers), so that the runner's acks are in it.
+        let reader = rusqlite::Connection::open(file(&place)).expect("open");
+        reader.execute_batch("BEGIN; SELECT count(*) FROM messages;").expect("a read transaction");
+        wait_until(Duration::from_secs(30), "the runner's acks in the log", || async {
+            std::fs::metadata(&wal).is_ok_and(|m| m.len() > 0)
+        })
+        .await;
+        std::fs::OpenOptions::new().write(true).open(&wal).expect("open the log").set_len(0).expect("truncate");
+    }
+    assert_eq!(runner.wait(Duration::from_secs(30)), Some(1), "the runner stops; log:\n{}", runner.log());
+    let log = runner.log();
+    let error = error_line(&log);
+    assert!(
+        error.contains("write-ahead log") && error.contains("truncated") && error.contains("start sluice again"),
+        "{log}"
+    );
+    for i in 0..5 {
+        keys.insert(publish_cli(&place, &format!("after-{i}")).await);
+    }
+
+    let mut again = Sluice::run(dir.path(), &place.url(), &[]);
+    wait_until(Duration::from_secs(90), "every confirmed message handled", || async {
+        receiver.succeeded_keys().is_superset(&keys)
+    })
+    .await;
     assert_eq!(again.stop(Duration::from_secs(30)), Some(0), "log:\n{}", again.log());
 }

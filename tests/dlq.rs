@@ -145,6 +145,17 @@ async fn filters_and_dry_run_select_exactly_the_messages_they_name<P: Place>(pla
     assert_eq!(list(&["--reason", "exhausted"]).await, pick(&|n| n % 3 != 1));
     assert_eq!(list(&["--since", "30m"]).await, pick(&|n| n % 3 == 2));
     assert_eq!(list(&["--reason", "exhausted", "--limit", "2"]).await, vec![ids[0].clone(), ids[2].clone()]);
+    // Issue 31 (left by round 3): a list stopped by its --limit says so, and blames no other
+    // client (the embedded broker's said "another client (a runner, another `sluice dlq`) took
+    // or holds them" at every --limit).
+    let limited = cli(&["dlq", "list", "work", "--pipelines", d, "--limit", "2"], &url).await;
+    assert_eq!(ok(&limited).lines().count(), 3, "a header and two rows: {}", limited.stdout);
+    assert!(
+        limited.stderr.contains("note: 7 message(s) of work.dlq not read: the list stopped at its --limit")
+            && !limited.stderr.contains("another client"),
+        "{}",
+        limited.stderr
+    );
 
     let dry = cli(&["dlq", "redrive", "work", "--pipelines", d, "--reason", "permanent", "--dry-run"], &url).await;
     assert!(ok(&dry).starts_with("3 message(s) would be redriven to work (dry run)"), "{}", dry.stdout);

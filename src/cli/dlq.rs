@@ -308,16 +308,15 @@ async fn apply(
     Ok(())
 }
 
-/// Says why a pass read fewer messages than `dlq` held when it began, when it was not told to
-/// stop (`--limit`), and what other consumers held that it could not read.
+/// Says why a pass read fewer messages than `dlq` held when it began, and what other consumers
+/// held that it could not read.
 fn unread_note(tally: &dlq::Tally, dlq: &str) {
     if let Some(leased) = tally.leased {
-        let until = std::time::UNIX_EPOCH + Duration::from_secs(leased.until);
         output::stderr(&format!(
             "note: {} message(s) of {dlq} were not read: a consumer holds them under a lease (a `sluice dlq` killed \
              mid-run, or one still running) that runs out by {}; run again then\n",
             leased.count,
-            humantime::format_rfc3339_seconds(until)
+            crate::envelope::rfc3339_seconds(leased.until)
         ));
     }
     let why = match tally.unread_because {
@@ -328,6 +327,7 @@ fn unread_note(tally: &dlq::Tally, dlq: &str) {
         Some(Unread::Elsewhere) => "the broker had none left ready: another client (a runner, another `sluice dlq`) \
                                     took or holds them, or they were removed meanwhile"
             .to_string(),
+        Some(Unread::Limit) => "the list stopped at its --limit".to_string(),
         Some(Unread::Held { consumers }) => {
             return output::stderr(&format!(
                 "note: {dlq} had no message ready: {consumers} other consumer(s) of it (another `sluice dlq` redriving or purging, say) hold what it has; run again once they are done\n"

@@ -3,10 +3,13 @@
 //! Before sending anything it checks every message against the `max_message_bytes` of the
 //! queues it would reach, where the broker can tell (the embedded one keeps them when `run`
 //! declares; RabbitMQ keeps no such limit and routes only once a message is sent): a message
-//! over all of them is refused, a payload file without being read whole. A `--jsonl` file is
-//! read twice, never held: checked line by line, then sent in batches.
+//! over all of them is refused, a payload file or a `--jsonl` line without being read whole. A
+//! `--jsonl` file is read twice, never held: checked line by line, then sent in batches. A
+//! message is held about twice at most (its payload parsed and its body, or its body and the
+//! copy a publish takes).
 //! Each message starts a new trace (its `traceparent` header).
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -16,10 +19,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail};
 use futures_util::{StreamExt, stream};
 use indicatif::ProgressBar;
+use serde_json::value::RawValue;
 
 use super::{BrokerArg, Refusals};
 use crate::broker::failover::Failover;
 use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
+use crate::config::MAX_MESSAGE_BYTES;
 use crate::envelope::{Envelope, TRACEPARENT_HEADER, Timestamp};
 use crate::trace::TraceContext;
 
@@ -142,7 +147,7 @@ pub async fn publish(mut args: Args) -> anyhow::Result<()> {
     let input = match (&args.payload, &args.payload_file, &args.jsonl) {
         (Some(text), _, _) => Input::Payload(serde_json::from_str(text).context("--payload is not JSON")?),
         (None, Some(path), _) => Input::File(path),
-        (None, None, Some(path)) => Input::Lines { path, lines: check_lines(path, &args, at)? },
+        (None, None, Some(path)) => Input::Lines(path),
         (None, None, None) => bail!("one of --payload, --payload-file or --jsonl is required"),
     };
     let total = super::with_sessions!(&args.broker, |sessions| {
@@ -162,18 +167,8 @@ enum Input<'a> {
     Payload(serde_json::Value),
     /// A payload file, read once the limits are known.
     File(&'a Path),
-    /// A `--jsonl` file, checked.
-    Lines {
-        path: &'a Path,
-        lines: Lines,
-    },
-}
-
-/// What a check of a `--jsonl` file found: how many messages, and the largest body's size
-/// and line.
-struct Lines {
-    total: usize,
-    largest: (usize, usize),
+    /// A `--jsonl` file, checked once the limits are known.
+    Lines(&'a Path),
 }
 
 /// A session with the broker kept from one batch to the next, opened again (the next node)
@@ -229,29 +224,27 @@ where
             Err(e) => return Err(e.into()),
         }
     };
-    let (path, lines) = match input {
-        Input::Lines { path, lines } => (path, lines),
-        Input::Payload(payload) => return publish_one(session, args, payload, limit.as_ref(), at).await,
+    let path = match input {
+        Input::Lines(path) => path,
+        Input::Payload(payload) => {
+            let envelope = envelope(args, payload, args.idempotency_key.clone(), at);
+            return publish_one(session, args, envelope, limit.as_ref()).await;
+        }
         Input::File(path) => {
             if let Some(limit) = &limit {
                 limit.check_file(path)?;
             }
-            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-            let payload = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-            drop(text);
-            return publish_one(session, args, &payload, limit.as_ref(), at).await;
+            let envelope = file_envelope(path, args, at)?;
+            return publish_one(session, args, envelope, limit.as_ref()).await;
         }
     };
-    if let Some(limit) = &limit {
-        let (size, n) = lines.largest;
-        limit.check(size, &format!("the message of {}:{n}", path.display()))?;
-    }
-    let progress = if lines.total > 1 { ProgressBar::new(lines.total as u64) } else { ProgressBar::hidden() };
-    let mut batch = Vec::with_capacity(BATCH.min(lines.total));
-    for line in payload_lines(path)? {
-        let (n, payload) = line?;
-        let payload =
-            payload.with_context(|| format!("{}:{n}: not JSON (it changed since it was checked)", path.display()))?;
+    let total = check_lines(path, args, at, limit.as_ref())?;
+    let cap = limit.as_ref().map_or(MAX_MESSAGE_BYTES, |limit| limit.max);
+    let progress = if total > 1 { ProgressBar::new(total as u64) } else { ProgressBar::hidden() };
+    let mut batch = Vec::with_capacity(BATCH.min(total));
+    for line in payload_lines(path, cap)? {
+        let Line { number, payload } = line?;
+        let payload = payload.with_context(|| format!("{}:{number} changed since it was checked", path.display()))?;
         // Built once: a message sent again after a lost session keeps its id and key.
         batch.push(outgoing(&envelope(args, &payload, None, at), args.priority));
         if batch.len() == BATCH {
@@ -261,23 +254,39 @@ where
     }
     send_confirmed(session, args, &batch, &progress).await?;
     progress.finish_and_clear();
-    Ok(lines.total)
+    Ok(total)
 }
 
-/// Checks and publishes one message.
+/// The envelope of the payload in the file at `path`, made holding about twice the payload at
+/// most: the file's text and the payload parsed, then the payload parsed and its compact text
+/// (written into the file's buffer, emptied), then that text alone.
+fn file_envelope(path: &Path, args: &Args, at: Option<Timestamp>) -> anyhow::Result<Envelope<'static>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let payload: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let mut compact = text.into_bytes();
+    compact.clear();
+    serde_json::to_writer(&mut compact, &payload)?;
+    drop(payload);
+    let mut envelope = envelope(args, &serde_json::Value::Null, args.idempotency_key.clone(), at);
+    envelope.payload = Cow::Owned(RawValue::from_string(String::from_utf8(compact)?)?);
+    Ok(envelope)
+}
+
+/// Checks and publishes the message of `envelope`, which goes once its body is made.
 async fn publish_one<B, F, C>(
     session: &mut Session<'_, C, B>,
     args: &Args,
-    payload: &serde_json::Value,
+    envelope: Envelope<'static>,
     limit: Option<&Limit>,
-    at: Option<Timestamp>,
 ) -> anyhow::Result<usize>
 where
     B: Broker,
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
-    let message = outgoing(&envelope(args, payload, args.idempotency_key.clone(), at), args.priority);
+    let message = outgoing(&envelope, args.priority);
+    drop(envelope);
     if let Some(limit) = limit {
         limit.check(message.body.len(), "the message")?;
     }
@@ -309,9 +318,14 @@ impl Limit {
         if size <= self.max {
             return Ok(());
         }
+        Err(self.refusal(&format!("{what} is {size} bytes")))
+    }
+
+    /// The error for a message over every queue's limit: `what` says what it is and its size.
+    fn refusal(&self, what: &str) -> anyhow::Error {
         let queues: Vec<String> = self.queues.iter().map(|(q, max)| format!("\"{q}\" takes {max}")).collect();
-        bail!(
-            "{what} is {size} bytes, over the max_message_bytes of every queue it would reach ({}): none would accept it, so nothing was published",
+        anyhow::anyhow!(
+            "{what}, over the max_message_bytes of every queue it would reach ({}): none would accept it, so nothing was published",
             queues.join(", ")
         )
     }
@@ -331,62 +345,173 @@ impl Limit {
 }
 
 /// At least how many bytes the JSON text `reader` holds takes once written compact (as in a
-/// message's body): whitespace between tokens is left out, an escape in a string counts as
-/// one byte (`\u00e9` may become one), a number as one (`1.000` may become `1.0`).
+/// message's body): see [`Compact`].
 fn compact_len_at_least(reader: impl BufRead) -> std::io::Result<u64> {
-    let (mut n, mut in_string, mut skip, mut in_number) = (0u64, false, 0u8, false);
+    let mut compact = Compact::default();
     for byte in reader.bytes() {
-        let byte = byte?;
-        if in_string {
-            match (skip, byte) {
-                (0, b'\\') => (n, skip) = (n + 1, 1),
-                (0, b'"') => (n, in_string) = (n + 1, false),
-                (0, _) => n += 1,
-                (1, b'u') => skip = 4,
-                _ => skip -= 1,
-            }
-            continue;
-        }
-        let number = matches!(byte, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E');
-        match byte {
-            b' ' | b'\t' | b'\n' | b'\r' => {}
-            _ if number && in_number => {}
-            b'"' => (n, in_string) = (n + 1, true),
-            _ => n += 1,
-        }
-        in_number = number;
+        compact.push(byte?);
     }
-    Ok(n)
+    Ok(compact.at_least)
 }
 
-/// The payloads of a `--jsonl` file, each with its line number (blank lines skipped), read
-/// as they come.
-fn payload_lines(
-    path: &Path,
-) -> anyhow::Result<impl Iterator<Item = anyhow::Result<(usize, serde_json::Result<serde_json::Value>)>>> {
+/// JSON text read a byte at a time: which bytes a compact form keeps (not the whitespace
+/// between tokens), and at least how many bytes it takes once written compact, as a message's
+/// body has it (an escape in a string counts as one byte, `\u00e9` may become one; a number
+/// as one, `1.000` may become `1.0`).
+#[derive(Default)]
+struct Compact {
+    at_least: u64,
+    in_string: bool,
+    /// Bytes of an escape still to come.
+    skip: u8,
+    in_number: bool,
+}
+
+impl Compact {
+    /// Takes the next byte; whether a compact form keeps it.
+    fn push(&mut self, byte: u8) -> bool {
+        if self.in_string {
+            match (self.skip, byte) {
+                (0, b'\\') => (self.at_least, self.skip) = (self.at_least + 1, 1),
+                (0, b'"') => (self.at_least, self.in_string) = (self.at_least + 1, false),
+                (0, _) => self.at_least += 1,
+                (1, b'u') => self.skip = 4,
+                _ => self.skip -= 1,
+            }
+            return true;
+        }
+        let number = matches!(byte, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E');
+        let kept = match byte {
+            b' ' | b'\t' | b'\n' | b'\r' => false,
+            _ if number && self.in_number => true,
+            b'"' => {
+                (self.at_least, self.in_string) = (self.at_least + 1, true);
+                true
+            }
+            _ => {
+                self.at_least += 1;
+                true
+            }
+        };
+        self.in_number = number;
+        kept
+    }
+}
+
+/// One line of a `--jsonl` file: its number, and its payload or why it has none.
+struct Line {
+    number: usize,
+    payload: Result<serde_json::Value, Unusable>,
+}
+
+/// Why a line of a `--jsonl` file gives no payload.
+#[derive(Debug, thiserror::Error)]
+enum Unusable {
+    /// Its text (without its spaces) is not JSON: serde_json's words, without the place it
+    /// gives, which counts in that text, not in the line.
+    #[error("not JSON: {0}")]
+    NotJson(String),
+    /// Its payload is over the cap once compact: read no further.
+    #[error("its payload is over {0} bytes once compact")]
+    OverCap(u64),
+}
+
+impl From<serde_json::Error> for Unusable {
+    fn from(e: serde_json::Error) -> Unusable {
+        let text = e.to_string();
+        let place = format!(" at line {} column {}", e.line(), e.column());
+        Unusable::NotJson(text.strip_suffix(&place).unwrap_or(&text).to_string())
+    }
+}
+
+/// The payloads of a `--jsonl` file (blank lines skipped), read as they come, each without
+/// the whitespace between its tokens: a line is held only while it could still make a message
+/// of `cap` bytes or less, and refused ([`Unusable::OverCap`]) as soon as it cannot, unread
+/// beyond (nor is the rest of the file).
+fn payload_lines(path: &Path, cap: usize) -> anyhow::Result<impl Iterator<Item = anyhow::Result<Line>>> {
     let file = std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let lines = std::io::BufReader::new(file).lines().enumerate();
-    Ok(lines.filter_map(move |(i, line)| match line {
-        Err(e) => Some(Err(anyhow::Error::new(e).context(format!("cannot read {}", path.display())))),
-        Ok(line) if line.trim().is_empty() => None,
-        Ok(line) => Some(Ok((i + 1, serde_json::from_str(&line)))),
+    let mut input = std::io::BufReader::new(file);
+    let cap = u64::try_from(cap).unwrap_or(u64::MAX);
+    let (mut number, mut ended) = (0, false);
+    Ok(std::iter::from_fn(move || {
+        while !ended {
+            number += 1;
+            let payload = match read_line(&mut input, cap) {
+                Ok(Next::Line(text)) if text.is_empty() => continue,
+                Ok(Next::Line(text)) => serde_json::from_slice(&text).map_err(Unusable::from),
+                Ok(Next::OverCap) => Err(Unusable::OverCap(cap)),
+                Ok(Next::End) => return None,
+                Err(e) => {
+                    ended = true;
+                    return Some(Err(anyhow::Error::new(e).context(format!("cannot read {}", path.display()))));
+                }
+            };
+            ended = matches!(payload, Err(Unusable::OverCap(_)));
+            return Some(Ok(Line { number, payload }));
+        }
+        None
     }))
 }
 
-/// Checks a `--jsonl` file before anything is sent: every line JSON; how many messages, and
-/// the largest body (of a message as `args` and `at` make it).
-fn check_lines(path: &Path, args: &Args, at: Option<Timestamp>) -> anyhow::Result<Lines> {
-    let mut lines = Lines { total: 0, largest: (0, 0) };
-    for line in payload_lines(path)? {
-        let (n, payload) = line?;
-        let payload = payload.with_context(|| format!("{}:{n}: not JSON", path.display()))?;
-        let size = envelope(args, &payload, None, at).encode().len();
-        if size > lines.largest.0 {
-            lines.largest = (size, n);
+/// What [`read_line`] read.
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    /// A line, without the whitespace between its JSON tokens.
+    Line(Vec<u8>),
+    /// A line whose payload is over the cap once compact, read only that far.
+    OverCap,
+    End,
+}
+
+/// The next line of `input`, held only while its payload is within `cap` bytes once compact.
+fn read_line(input: &mut impl BufRead, cap: u64) -> std::io::Result<Next> {
+    let (mut kept, mut compact, mut any) = (Vec::new(), Compact::default(), false);
+    loop {
+        let buffer = input.fill_buf()?;
+        if buffer.is_empty() {
+            return Ok(if any { Next::Line(kept) } else { Next::End });
         }
-        lines.total += 1;
+        any = true;
+        let end = buffer.iter().position(|b| *b == b'\n');
+        kept.extend(buffer[..end.unwrap_or(buffer.len())].iter().copied().filter(|b| compact.push(*b)));
+        let used = end.map_or(buffer.len(), |end| end + 1);
+        input.consume(used);
+        if compact.at_least > cap {
+            return Ok(Next::OverCap);
+        }
+        if end.is_some() {
+            return Ok(Next::Line(kept));
+        }
     }
-    Ok(lines)
+}
+
+/// Checks a `--jsonl` file before anything is sent: every line JSON, and its message (as
+/// `args` and `at` make it) within `limit` (else within what any queue may take); how many
+/// messages.
+fn check_lines(path: &Path, args: &Args, at: Option<Timestamp>, limit: Option<&Limit>) -> anyhow::Result<usize> {
+    let cap = limit.map_or(MAX_MESSAGE_BYTES, |limit| limit.max);
+    let mut total = 0;
+    for line in payload_lines(path, cap)? {
+        let Line { number, payload } = line?;
+        let what = || format!("the message of {}:{number}", path.display());
+        let size = match (payload, limit) {
+            (Ok(payload), Some(_)) => envelope(args, &payload, None, at).encode().len(),
+            (Ok(_), None) => 0,
+            (Err(Unusable::OverCap(_)), Some(limit)) => {
+                return Err(limit.refusal(&format!("{} is over {cap} bytes", what())));
+            }
+            (Err(Unusable::OverCap(_)), None) => bail!(
+                "{} is over {cap} bytes, more than any queue takes (max_message_bytes is at most 512MiB): nothing was published",
+                what()
+            ),
+            (Err(e), _) => bail!("{}:{number}: {e}", path.display()),
+        };
+        if let Some(limit) = limit.filter(|limit| size > limit.max) {
+            return Err(limit.refusal(&format!("{} is {size} bytes", what())));
+        }
+        total += 1;
+    }
+    Ok(total)
 }
 
 /// Publishes `messages` until each is confirmed: what a lost session left unconfirmed goes
@@ -529,6 +654,37 @@ mod tests {
             let got = check_not_before(at.map(Timestamp), *max, now).map_err(|e| e.to_string());
             assert_eq!(got.err().as_deref(), *refusal, "{at:?} with {max:?}");
         }
+    }
+
+    /// Issue 31 (left by round 3): a `--jsonl` line is read without the spaces between its
+    /// tokens (those in strings kept), blank lines skipped, and one whose payload is over the
+    /// cap once compact is refused as soon as that is known, the rest of it unread (the reader
+    /// stops in its first buffer, 8 KiB).
+    #[test]
+    fn lines_are_read_compact_and_no_further_than_the_cap() {
+        let cases: &[(&str, u64, &[Option<&str>])] = &[
+            ("{\"a\": 1}\n\n  \r\n[ \"x y\" , 2 ]", 100, &[Some("{\"a\":1}"), Some(""), Some(""), Some("[\"x y\",2]")]),
+            ("{\"a\": \"\\u0041\\n\"}\r\n", 100, &[Some("{\"a\":\"\\u0041\\n\"}")]),
+            ("[1, 2]\n[1, 2, 3]\n[]", 5, &[Some("[1,2]"), None, Some("[]")]),
+        ];
+        for (text, cap, expected) in cases {
+            let mut input = std::io::BufReader::new(text.as_bytes());
+            let mut got = Vec::new();
+            loop {
+                match read_line(&mut input, *cap).expect("read") {
+                    Next::Line(kept) => got.push(Some(String::from_utf8(kept).expect("utf-8"))),
+                    Next::OverCap => got.push(None),
+                    Next::End => break,
+                }
+            }
+            let expected: Vec<Option<String>> = expected.iter().map(|e| e.map(str::to_string)).collect();
+            assert_eq!(got, expected, "{text:?}");
+        }
+        let long = format!("[\"{}\"]\n", "x".repeat(1 << 20));
+        let mut input = std::io::BufReader::new(long.as_bytes());
+        assert_eq!(read_line(&mut input, 1000).expect("read"), Next::OverCap);
+        let unread = input.get_ref().len() + input.buffer().len();
+        assert!(unread + 8192 >= long.len(), "read {} bytes", long.len() - unread);
     }
 
     /// Never more than the compact form, whatever the spacing, escapes and numbers.

@@ -131,6 +131,8 @@ pub enum Unread {
     /// None was ready when the pass began, and other consumers were attached: they hold what
     /// the queue has (another `sluice dlq` redriving, say), how many the broker cannot say.
     Held { consumers: u32 },
+    /// The list stopped at its filter's limit (`--limit`).
+    Limit,
 }
 
 impl Tally {
@@ -313,8 +315,11 @@ impl Reading for embedded::Messages<'_> {
 
     async fn close(self) -> (u32, Option<Unread>) {
         // [`MAX_HELD`] bounds what a pass reads here too, as it does a browse.
-        let (unread, capped) = self.unread();
-        let why = (unread > 0).then_some(if capped { Unread::PassedOver } else { Unread::Elsewhere });
+        let (unread, short) = self.unread();
+        let why = short.map(|short| match short {
+            embedded::Short::AtMost => Unread::PassedOver,
+            embedded::Short::Removed => Unread::Elsewhere,
+        });
         (unread, why)
     }
 }
@@ -352,6 +357,9 @@ async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entr
     .await;
     tally.selected = entries.len();
     (tally.unread, tally.unread_because) = browse.close().await;
+    if tally.unread > 0 && filter.is_full(entries.len()) {
+        tally.unread_because = Some(Unread::Limit);
+    }
     result.map(|()| (entries, tally))
 }
 

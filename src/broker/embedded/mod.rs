@@ -36,8 +36,10 @@
 //!
 //! Damage: a message row that cannot be read is quarantined by the claim that meets it (to
 //! its queue's dead-letter queue, reason `internal`), and the queue goes on; a file SQLite
-//! finds damaged, or the file or its write-ahead log deleted or replaced under a live process,
-//! is [`BrokerError::Damaged`], which ends `sluice run` (see the store's and writer's docs).
+//! finds damaged, or the file or its write-ahead log deleted, replaced or cut under a live
+//! process, is [`BrokerError::Damaged`], which ends `sluice run` (see the store's and writer's
+//! docs). A file a process found damaged is marked so beside it (`broker.db.damaged`), and
+//! every process refuses it from then on, though the damage may lie where it does not read.
 
 mod keys;
 mod process;
@@ -58,7 +60,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use self::keys::Claim;
 use self::keys::{Begin, Claims};
-pub use self::reader::{Messages, ReadOnly};
+pub use self::reader::{Messages, ReadOnly, Short};
 pub(crate) use self::store::now_ms;
 use self::store::{Body, Claimed, NewMessage, Registration, Stored, ms};
 use self::writer::{Op, Renewal, Wakers};

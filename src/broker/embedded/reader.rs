@@ -46,7 +46,17 @@ impl ReadOnly {
         self.stats(queue)?;
         let last = self.store.last_id(&self.db, queue)?;
         let held = self.store.count_up_to(&self.db, queue, last)?;
-        Ok(Messages { reader: self, queue: queue.into(), after: 0, last, most, held, read: 0, batch: VecDeque::new() })
+        Ok(Messages {
+            reader: self,
+            queue: queue.into(),
+            after: 0,
+            last,
+            most,
+            held,
+            read: 0,
+            dry: false,
+            batch: VecDeque::new(),
+        })
     }
 }
 
@@ -61,7 +71,18 @@ pub struct Messages<'a> {
     /// Messages the queue held when the cursor began, and those read since.
     held: u32,
     read: u32,
+    /// Whether a read found no message left before `most` (those unread were removed).
+    dry: bool,
     batch: VecDeque<EmbeddedDelivery>,
+}
+
+/// Why a cursor read fewer messages than its queue held when it began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Short {
+    /// It read its `most`.
+    AtMost,
+    /// The rest were removed meanwhile (taken by a runner, purged).
+    Removed,
 }
 
 impl Messages<'_> {
@@ -80,12 +101,19 @@ impl Messages<'_> {
         }
         let next = self.batch.pop_front();
         self.read += u32::from(next.is_some());
+        self.dry |= next.is_none();
         Ok(next)
     }
 
-    /// Messages the queue held when the cursor began that it did not read, and whether it
-    /// stopped at `most` (else they were removed meanwhile).
-    pub fn unread(&self) -> (u32, bool) {
-        (self.held.saturating_sub(self.read), self.read >= self.most)
+    /// Messages the queue held when the cursor began that it did not read, and why, unless its
+    /// reader stopped asking first.
+    pub fn unread(&self) -> (u32, Option<Short>) {
+        let unread = self.held.saturating_sub(self.read);
+        let why = match (self.read >= self.most, self.dry) {
+            (true, _) => Some(Short::AtMost),
+            (false, true) => Some(Short::Removed),
+            (false, false) => None,
+        };
+        (unread, why.filter(|_| unread > 0))
     }
 }

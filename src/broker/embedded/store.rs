@@ -2,7 +2,7 @@
 //! transaction. Rows read from the file are checked: a message row that cannot be read is
 //! quarantined (see [`Store::claim`]), never a panic nor an error that stops its queue; a file
 //! SQLite finds damaged is [`BrokerError::Damaged`], as is one deleted or replaced under a
-//! live connection ([`Store::vanished`]).
+//! live connection, or its write-ahead log cut ([`Store::broken`]).
 //!
 //! A body is stored once, in `bodies`, and named by every message row that carries it: the
 //! copies of a fan-out, a delayed retry, a dead-letter or redriven copy write no body again,
@@ -42,6 +42,9 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// The size the write-ahead log is cut back to once a checkpoint has emptied it: about what
 /// SQLite's automatic checkpoint (every 1,000 pages) lets it grow to.
 pub const WAL_LIMIT: i64 = 4 << 20;
+
+/// Bodies this large or larger are written into their row in place ([`Store::body_id`]).
+const IN_PLACE: usize = 1 << 20;
 
 /// The file's layout, recorded in `meta`: 2 since bodies are stored apart and idempotency keys
 /// kept (files without the record are of layout 1, converted on opening). A file of a later
@@ -227,8 +230,130 @@ impl From<serde_json::Error> for Fault {
 /// The error for a file SQLite finds damaged or not a database at all, saying what to do.
 fn damaged(path: &str, cause: Cause) -> BrokerError {
     BrokerError::Damaged(cause.within(format_args!(
-        "the embedded broker's file {path} is not a usable SQLite database (stop every sluice process using it, then restore it from a backup, or move it aside together with its -wal and -shm files: `sluice run` then starts an empty broker, and `sqlite3 FILE .recover` may salvage messages from the damaged copy)"
+        "the embedded broker's file {path} is not a usable SQLite database ({})",
+        mend(Path::new(path))
     )))
+}
+
+/// What to do with a damaged file at `path`.
+fn mend(path: &Path) -> String {
+    format!(
+        "stop every sluice process using it, then restore it from a backup and delete {}, or move it aside together with its -wal and -shm files: `sluice run` then starts an empty broker, and `sqlite3 FILE .recover` may salvage messages from the damaged copy",
+        damage_mark(path).display()
+    )
+}
+
+/// The file beside the broker's that says a process found it damaged (see [`Store::error`]):
+/// the damage may lie where the next command does not read, and a message published into a
+/// file no runner can read is lost all the same.
+fn damage_mark(path: &Path) -> PathBuf {
+    with_suffix(path, ".damaged")
+}
+
+/// Refuses the file at `path` (whose content is `shown`) if a process found it damaged, as
+/// its [mark](damage_mark) says. A mark naming another file than the one there now (the
+/// damaged one moved aside, another put in its place) is stale: `remove` drops it.
+fn refuse_if_marked(path: &Path, shown: &str, remove: bool) -> Result<(), BrokerError> {
+    let mark = damage_mark(path);
+    let Ok(text) = std::fs::read_to_string(&mark) else { return Ok(()) };
+    let (first, found) = text.split_once('\n').unwrap_or((&text, ""));
+    let marked = first.split_once(' ').and_then(|(dev, ino)| Some((dev.parse().ok()?, ino.parse().ok()?)));
+    if marked.is_some() && marked == identity(path) {
+        return Err(BrokerError::Damaged(
+            format!(
+                "the embedded broker's file {shown} was found damaged ({}): nothing is published into it nor read from it until it is mended ({})",
+                found.trim(),
+                mend(path)
+            )
+            .into(),
+        ));
+    }
+    if remove && let Err(e) = std::fs::remove_file(&mark) {
+        tracing::warn!(mark = %mark.display(), error = %e, "embedded broker: removing a stale damage mark failed");
+    }
+    Ok(())
+}
+
+/// How a connection's files were changed under it by something else than SQLite
+/// ([`Store::broken`]).
+#[derive(Debug)]
+pub(super) enum Broken {
+    /// The file (or, with `log`, its write-ahead log) is no longer at its path the one the
+    /// connection opened: deleted, or replaced.
+    Vanished { file: PathBuf, log: bool },
+    /// The write-ahead log no longer holds what its index says it does (cut short, perhaps
+    /// written after since, leaving a hole where its start was), with `unsaved` frames that
+    /// were not yet copied into the file.
+    Truncated { wal: PathBuf, unsaved: u32 },
+}
+
+/// What [`Store::broken`] reads of a write-ahead log: its length, its header and where its
+/// first hole begins. SQLite writes a log from its start without gaps, so a hole (where the
+/// file system keeps them) is a log cut short and written after.
+struct LogFile {
+    length: u64,
+    /// The log's 32-byte header, if it is that long.
+    header: Option<[u8; 32]>,
+    hole: u64,
+}
+
+impl LogFile {
+    fn read(path: &Path) -> Option<LogFile> {
+        use std::io::Read as _;
+        use std::os::fd::AsRawFd as _;
+        let mut file = std::fs::File::open(path).ok()?;
+        let length = file.metadata().ok()?.len();
+        let mut header = [0u8; 32];
+        let header = file.read_exact(&mut header).ok().map(|()| header);
+        // SAFETY: lseek(2) on a descriptor this function owns; no memory is passed.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
+        // Where holes cannot be asked for, the end of the file.
+        let hole = u64::try_from(hole).unwrap_or(length);
+        Some(LogFile { length, header, hole })
+    }
+}
+
+/// What the write-ahead log's index (the `-shm` file, in the layout SQLite documents at
+/// <https://www.sqlite.org/walformat.html>) says of the log.
+struct LogIndex {
+    /// The index's header as read: the same at two reads when nothing changed in between.
+    header: [u8; 48],
+    page_size: u64,
+    /// Frames in the log (a frame holds a page).
+    frames: u32,
+    /// Frames copied into the file by checkpoints.
+    backfilled: u32,
+}
+
+impl LogIndex {
+    /// The index at `shm`, unless it cannot be read or is being written (its header's two
+    /// copies differ) or not set up yet.
+    fn read(shm: &Path) -> Option<LogIndex> {
+        use std::io::Read as _;
+        let mut bytes = [0u8; 100];
+        std::fs::File::open(shm).ok()?.read_exact(&mut bytes).ok()?;
+        let (header, copy) = bytes.split_at(48);
+        let word = |at: usize| bytes.get(at..at + 4)?.try_into().ok().map(u32::from_ne_bytes);
+        // The version SQLite has written since 3.7.0, and `isInit`.
+        if header != &copy[..48] || word(0)? != 3_007_000 || header[12] != 1 {
+            return None;
+        }
+        let page_size = match u16::from_ne_bytes([header[14], header[15]]) {
+            1 => 65_536,
+            size => u64::from(size),
+        };
+        Some(LogIndex { header: header.try_into().ok()?, page_size, frames: word(16)?, backfilled: word(96)? })
+    }
+
+    /// Whether `log` holds the index's frames: as long as a 32-byte header and each frame's
+    /// 24-byte header and page, without a hole, and its header of the same generation (the
+    /// salts the index copied from it).
+    fn matches(&self, log: &LogFile) -> bool {
+        let needs = 32 + u64::from(self.frames) * (24 + self.page_size);
+        let magic = |h: &[u8; 32]| matches!(h[..4], [0x37, 0x7f, 0x06, 0x82 | 0x83]);
+        let salts = &self.header[32..40];
+        log.length >= needs && log.hole >= needs && log.header.is_some_and(|h| magic(&h) && h[16..24] == *salts)
+    }
 }
 
 /// Which file a path leads to now (device and inode), if any.
@@ -355,6 +480,7 @@ impl Store {
         if !path.is_file() {
             return Err(fail(NO_BROKER.into()));
         }
+        refuse_if_marked(path, &shown, false)?;
         let sql = |e: rusqlite::Error| match Fault::from(e) {
             Fault { damaged: true, cause } => damaged(&shown, cause),
             Fault { cause, .. } => fail(cause),
@@ -437,13 +563,14 @@ impl Store {
         };
         // Links are resolved once: the file is the one opened, wherever a link on its path
         // points later (a checked-out release, a repointed state directory), and it is that
-        // file whose deletion `vanished` notices.
+        // file whose deletion `broken` notices.
         let resolved =
             path.parent().filter(|d| !d.as_os_str().is_empty()).and_then(|dir| std::fs::canonicalize(dir).ok());
         let path = &match (resolved, path.file_name()) {
             (Some(dir), Some(name)) => dir.join(name),
             _ => path.to_path_buf(),
         };
+        refuse_if_marked(path, &shown, true)?;
         // SQLite reads the file only from the first statement: a file that is no database, or
         // a damaged one, fails there.
         let sql = |e: rusqlite::Error| match Fault::from(e) {
@@ -562,31 +689,88 @@ impl Store {
     }
 
     /// An error of the store as the broker's: [`BrokerError::Damaged`] when SQLite says the
-    /// file is damaged, else a lost session (retried).
+    /// file is damaged, else a lost session (retried). Damage found by a process that may
+    /// write is [marked](damage_mark) beside the file, for the processes that open it next.
     pub fn error(&self, e: impl Into<Fault>) -> BrokerError {
         match e.into() {
-            Fault { damaged: true, cause } => damaged(&self.path, cause),
+            Fault { damaged: true, cause } => {
+                self.mark_damaged(&cause);
+                damaged(&self.path, cause)
+            }
             Fault { cause, .. } => BrokerError::Lost(cause.within(format_args!("embedded broker {}", self.path))),
         }
     }
 
-    /// The file or its write-ahead log, if either is no longer at its path the one this
-    /// connection opened (deleted, or replaced): what this connection writes then reaches
-    /// neither other processes nor, once it closes, anyone.
-    pub fn vanished(&self) -> Option<&Path> {
-        self.opened.iter().find(|(file, id)| identity(file) != Some(*id)).map(|(file, _)| file.as_path())
+    /// Writes the [mark](damage_mark) that refuses the file to every process that opens it
+    /// from now on (`run`, `publish`, `status`, `dlq`), naming the file as opened (device and
+    /// inode: one put in its place is not refused) and what was found.
+    fn mark_damaged(&self, cause: &Cause) {
+        // Pages read from a log cut or replaced under this connection are garbage: the file
+        // itself may be sound (and `broken` says what happened).
+        if self.broken().is_some() {
+            return;
+        }
+        let Some((file, (dev, ino))) = self.opened.first() else { return };
+        let at = humantime::format_rfc3339_seconds(SystemTime::now());
+        let text = format!("{dev} {ino}\n{cause}; found at {at} by process {}\n", std::process::id());
+        if let Err(e) = std::fs::write(damage_mark(file), text) {
+            tracing::warn!(file = %file.display(), error = %e, "embedded broker: marking the file damaged failed");
+        }
     }
 
-    /// Makes the best of a [vanished](Store::vanished) file, through the descriptors still
-    /// open, before this connection stops for good: a deleted write-ahead log's commits are
-    /// copied into the file (they would go with the log), and nothing is done to the files
-    /// when the connection closes (the log at that path, if any, is another process's); a
-    /// deleted file's content is saved as a copy beside it. The error every request gets from
-    /// then on, saying what was kept and what to do.
-    pub fn give_up(&self, db: &Connection, vanished: &Path) -> BrokerError {
-        let wal = vanished != Path::new(&self.path);
+    /// How the file or its write-ahead log was changed under this connection by something
+    /// else than SQLite, if it was: what this connection writes then reaches neither other
+    /// processes nor, once it closes, anyone.
+    pub fn broken(&self) -> Option<Broken> {
+        let vanished = self.opened.iter().position(|(file, id)| identity(file) != Some(*id));
+        if let Some(i) = vanished {
+            return Some(Broken::Vanished { file: self.opened[i].0.clone(), log: i > 0 });
+        }
+        let [(file, _), (wal, _)] = &self.opened[..] else { return None };
+        // The index, the log, the index again: the log is compared only with an index that
+        // did not change meanwhile (a commit writes its frames before its index says so, and
+        // a checkpoint empties the index before it cuts the log).
+        let shm = with_suffix(file, "-shm");
+        let before = LogIndex::read(&shm)?;
+        let log = LogFile::read(wal)?;
+        let index = LogIndex::read(&shm)?;
+        let cut = index.frames > 0 && !index.matches(&log);
+        (index.header == before.header && cut)
+            .then(|| Broken::Truncated { wal: wal.clone(), unsaved: index.frames.saturating_sub(index.backfilled) })
+    }
+
+    /// Makes the best of a [broken](Store::broken) file, through the descriptors still open,
+    /// before this connection stops for good: a deleted write-ahead log's commits are copied
+    /// into the file (they would go with the log), and nothing is done to the files when the
+    /// connection closes (the log at that path, if any, is another process's); a deleted
+    /// file's content is saved as a copy beside it; a truncated log is not copied into the
+    /// file (what is missing of it would be copied as garbage). The error every request gets
+    /// from then on, saying what was kept and what to do.
+    pub fn give_up(&self, db: &Connection, broken: &Broken) -> BrokerError {
+        let no_checkpoint_on_close = || {
+            if let Err(e) = db.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true) {
+                tracing::warn!(error = %e, "embedded broker: closing may still touch the write-ahead log");
+            }
+        };
+        let (file, log) = match broken {
+            Broken::Vanished { file, log } => (file, *log),
+            Broken::Truncated { wal, unsaved } => {
+                no_checkpoint_on_close();
+                let what = match unsaved {
+                    0 => format!("everything committed was in {} already", self.path),
+                    n => format!(
+                        "the last {n} page(s) written, not yet copied into {}, went with it: the commits since the last checkpoint are lost (messages published then; acks, whose messages come back)",
+                        self.path
+                    ),
+                };
+                return BrokerError::Damaged(format!(
+                    "the embedded broker's write-ahead log {} was truncated while in use (only sluice may change the broker's files while it runs); {what}. Stopped without copying what is left of it into the file: start sluice again",
+                    wal.display()
+                ).into());
+            }
+        };
         let rescue = with_suffix(Path::new(&self.path), &format!(".rescued-{}", now_ms()));
-        let saved = match wal {
+        let saved = match log {
             true => Ok(()),
             false => db.execute("VACUUM INTO ?1", [rescue.display().to_string()]).map(drop),
         };
@@ -597,10 +781,10 @@ impl Store {
             Ok(_) => Err("other processes were reading".to_string()),
             Err(e) => Err(e.to_string()),
         };
-        if wal && let Err(e) = db.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true) {
-            tracing::warn!(error = %e, "embedded broker: closing may still touch the write-ahead log");
+        if log {
+            no_checkpoint_on_close();
         }
-        let what = match (wal, saved, copied) {
+        let what = match (log, saved, copied) {
             (true, _, Ok(())) => format!("what was committed is in {} now", self.path),
             (true, _, Err(e)) => {
                 format!("copying what was committed into {} failed ({e}): the last commits may be lost", self.path)
@@ -614,8 +798,8 @@ impl Store {
         };
         BrokerError::Damaged(format!(
             "the embedded broker's {} {} was deleted or replaced while in use (only sluice may delete the broker's files while it runs); {what}. Stopped: start sluice again",
-            if wal { "write-ahead log" } else { "file" },
-            vanished.display(),
+            if log { "write-ahead log" } else { "file" },
+            file.display(),
         ).into())
     }
 
@@ -850,15 +1034,29 @@ impl Store {
     }
 
     /// The id in `bodies` of a message's body, stored first if it is new. (A stored one is
-    /// there: its message, leased to the consumer copying it, still names it.)
+    /// there: its message, leased to the consumer copying it, still names it.) A large body is
+    /// written into its row in place: bound as a value, SQLite would copy it twice (the value,
+    /// then the record), holding three of it at once.
     fn body_id(&self, db: &Connection, body: &Body) -> Result<i64, BrokerError> {
-        match body {
-            Body::New(bytes) => db
+        let bytes = match body {
+            Body::New(bytes) => bytes,
+            Body::Stored(id) => return Ok(*id),
+        };
+        let e = |err| self.error(err);
+        if bytes.len() < IN_PLACE {
+            return db
                 .prepare_cached("INSERT INTO bodies (data) VALUES (?1) RETURNING id")
                 .and_then(|mut s| s.query_row([&bytes[..]], |r| r.get(0)))
-                .map_err(|e| self.error(e)),
-            Body::Stored(id) => Ok(*id),
+                .map_err(e);
         }
+        let length = i64::try_from(bytes.len()).map_err(|_| self.error("a body over 2^63 bytes"))?;
+        let id = db
+            .prepare_cached("INSERT INTO bodies (data) VALUES (zeroblob(?1)) RETURNING id")
+            .and_then(|mut s| s.query_row([length], |r| r.get(0)))
+            .map_err(e)?;
+        let mut blob = db.blob_open(rusqlite::MAIN_DB, c"bodies", c"data", id, false).map_err(e)?;
+        blob.write_all_at(bytes, 0).map_err(e)?;
+        Ok(id)
     }
 
     fn insert(

@@ -5,9 +5,10 @@
 //! fails the whole batch, which is rolled back. SQLite allows one writer at a time anyway; batching is
 //! what lets thousands of messages a second through on a few commits.
 //!
-//! Every [`CHECK_FILES_EVERY`] it checks that the file and its write-ahead log are still the
-//! ones it opened; once either was deleted or replaced, it keeps what it can and answers every
-//! request from then on with [`BrokerError::Damaged`] (see [`Store::give_up`]).
+//! Every [`CHECK_FILES_EVERY`], and before it empties the write-ahead log, it checks that the
+//! file and its log are still the ones it opened, the log as long as its index says; once
+//! either was deleted, replaced or cut, it keeps what it can and answers every request from
+//! then on with [`BrokerError::Damaged`] (see [`Store::give_up`]).
 
 use std::collections::BTreeSet;
 use std::collections::HashMap;
@@ -280,7 +281,7 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
     let mut blind = false;
     // Acks left pages free since the last reclaim.
     let mut freed = false;
-    // Once a file vanished: the answer to every request.
+    // Once a file vanished or was cut: the answer to every request.
     let mut gone: Option<BrokerError> = None;
     loop {
         let watching = gone.is_none() && !wakers.is_empty();
@@ -332,11 +333,17 @@ fn run(mut conn: Connection, mut store: Store, receiver: mpsc::Receiver<Op>, wak
                 Err(_) => {}
             }
         }
-        if gone.is_none() && last_check.elapsed() >= CHECK_FILES_EVERY {
+        let reclaim = freed && last_reclaim.elapsed() >= RECLAIM_EVERY;
+        // Before a checkpoint too: one copying a cut log into the file would copy garbage.
+        if gone.is_none() && (reclaim || last_check.elapsed() >= CHECK_FILES_EVERY) {
             last_check = Instant::now();
-            gone = store.vanished().map(|file| store.give_up(&conn, file));
+            gone = store.broken().map(|broken| store.give_up(&conn, &broken));
+            if gone.is_some() {
+                // Idle consumers send nothing that would hear of it: each asks once more.
+                wakers.watched().iter().for_each(|queue| wakers.wake(queue));
+            }
         }
-        if gone.is_none() && freed && last_reclaim.elapsed() >= RECLAIM_EVERY {
+        if gone.is_none() && reclaim {
             last_reclaim = Instant::now();
             freed = false;
             if let Err(e) = keys::expire(&store, &conn, now_ms(), &mut sweep).and_then(|_| store.reclaim(&conn)) {

@@ -404,6 +404,18 @@ fn endpoint(values: &[String]) -> anyhow::Result<Endpoint<'_>> {
     }
 }
 
+impl Endpoint<'_> {
+    /// What the broker can honour, known from its kind alone.
+    fn capabilities(&self) -> crate::broker::Capabilities {
+        use crate::broker::capabilities::{EMBEDDED, RABBITMQ, REDIS};
+        match self {
+            Endpoint::Amqp(_) => RABBITMQ,
+            Endpoint::Redis(_) => REDIS,
+            Endpoint::Embedded(_) => EMBEDDED,
+        }
+    }
+}
+
 impl BrokerArg {
     fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
         endpoint(&self.urls)
@@ -637,7 +649,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Validate { paths, format, env_strict, broker } => {
             let unset = if env_strict { config::Unset::Error } else { config::Unset::Warning };
-            validate(&paths, format, unset, nodes(&broker))
+            validate(&paths, format, unset, &broker)
         }
         Command::Plan { paths, format, broker, connect_timeout, evicting } => {
             let Some(config) = reads::load_for(&paths, nodes(&broker), "plan", reads::Reads::Topology) else {
@@ -856,7 +868,7 @@ async fn run(
         Endpoint::Amqp(urls) => urls.len(),
         Endpoint::Redis(_) | Endpoint::Embedded(_) => 1,
     };
-    let Some(mut config) = load_or_report(&paths, nodes) else {
+    let Some(mut config) = load_or_report(&paths, nodes, Some(&endpoint.capabilities())) else {
         anyhow::bail!("invalid pipeline files");
     };
     // Before any connection: a missing secret would otherwise dead-letter every message.
@@ -1202,8 +1214,20 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     Ok(out.lines().map(|line| format!("{}\n", crate::terminal::visible(line))).collect())
 }
 
-fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, nodes: usize) -> ExitCode {
-    let mut validation = config::load_with(paths, unset).on_nodes(nodes);
+fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, broker: &[String]) -> ExitCode {
+    // Only the broker's kind is read: nothing is connected to.
+    let capabilities = if broker.is_empty() {
+        None
+    } else {
+        match endpoint(broker) {
+            Ok(endpoint) => Some(endpoint.capabilities()),
+            Err(e) => return exit(Err(e)),
+        }
+    };
+    let mut validation = config::load_with(paths, unset).on_nodes(nodes(broker));
+    if let Some(capabilities) = capabilities {
+        refuse_unsupported(&mut validation, &capabilities);
+    }
     let text = validation.render(format);
     if (format == Format::Json || !text.is_empty())
         && let Err(e) = output::stdout(&text)
@@ -1244,9 +1268,26 @@ fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
     if outcome.has_errors() || outcome.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
-/// Loads the config for commands that need a valid one; problems go to stderr.
-fn load_or_report(paths: &[PathBuf], nodes: usize) -> Option<config::Config> {
-    let validation = config::load(paths).on_nodes(nodes);
+/// Adds an error for each setting of the pipeline that a broker with `capabilities` cannot
+/// honour (issue 32).
+fn refuse_unsupported(validation: &mut config::Validation, capabilities: &crate::broker::Capabilities) {
+    if let Some(config) = &validation.config {
+        let refusals = capabilities.refusals(config).into_iter().map(|r| (r.file, r.pointer, r.message));
+        validation.refuse(refusals.collect::<Vec<_>>());
+    }
+}
+
+/// Loads the config for commands that need a valid one, refusing what a broker with
+/// `capabilities` cannot honour when given; problems go to stderr.
+fn load_or_report(
+    paths: &[PathBuf],
+    nodes: usize,
+    capabilities: Option<&crate::broker::Capabilities>,
+) -> Option<config::Config> {
+    let mut validation = config::load(paths).on_nodes(nodes);
+    if let Some(capabilities) = capabilities {
+        refuse_unsupported(&mut validation, capabilities);
+    }
     output::stderr(&validation.render(Format::Human));
     validation.config
 }

@@ -42,7 +42,12 @@ fn refused(queue: &str, line: usize, column: usize, error: &str) {
 // Issue 32 item 1: priorities.
 #[test]
 fn priorities_are_refused_where_the_broker_has_none() {
-    refused("    type: classic\n    priority: 5\n", 7, 15, "/queues/work/priority: {broker} does not support priorities");
+    refused(
+        "    type: classic\n    priority: 5\n",
+        7,
+        15,
+        "/queues/work/priority: {broker} does not support priorities",
+    );
 }
 
 // Issue 32 item 1: per-queue message TTL.
@@ -108,7 +113,8 @@ fn a_pipeline_every_broker_honours_passes_on_each() {
 // Issue 32 item 1: `run` refuses the same, before it connects (nothing listens at the URL).
 #[test]
 fn run_refuses_what_the_broker_cannot_honour_before_connecting() {
-    let dir = support::work_pipeline("    priority: 3\n    type: classic\n    handler: {command: {program: /bin/true}}\n");
+    let dir =
+        support::work_pipeline("    priority: 3\n    type: classic\n    handler: {command: {program: /bin/true}}\n");
     let path = dir.path().to_str().expect("utf-8");
     let out = sluice_cli(&["run", path, "--broker", &redis_nowhere(), "--no-watch"], &[], Duration::from_secs(20));
     assert_eq!(out.code, Some(1), "{out:?}");

@@ -1239,7 +1239,8 @@ async fn a_delay_longer_than_the_broker_holds_is_served_in_hops_and_never_early(
     assert!(waited >= retry, "handled {waited:?} after the first attempt, before its due time ({retry:?})");
     let held = memory.held_delays();
     assert!(held.iter().all(|hop| *hop <= longest), "a hop longer than the broker holds: {held:?}");
-    assert!(held.len() as u32 >= retry.as_millis() as u32 / longest.as_millis() as u32, "not in hops: {held:?}");
+    // How many hops depends on how long each took to come round: at least two.
+    assert!(held.len() >= 2 && held[0] == longest, "not in hops: {held:?}");
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }

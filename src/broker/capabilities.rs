@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::config::source::escape_token;
-use crate::config::{Config, ExchangeKind, QueueKind};
+use crate::config::{Config, ExchangeKind, QueueKind, Validation};
 
 /// The orderings a queue can be consumed in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +102,16 @@ pub struct Refusal {
 }
 
 impl Capabilities {
+    /// Adds to `validation` an error, at its place, for each setting of its config that this
+    /// broker cannot honour (the config is then none): what `validate --broker`, `run` and a
+    /// reload check before anything is declared.
+    pub fn check(&self, validation: &mut Validation) {
+        if let Some(config) = &validation.config {
+            let refusals: Vec<_> = self.refusals(config).into_iter().map(|r| (r.file, r.pointer, r.message)).collect();
+            validation.refuse(refusals);
+        }
+    }
+
     /// Every setting of `config` this broker cannot honour, each naming the capability.
     pub fn refusals(&self, config: &Config) -> Vec<Refusal> {
         let mut refusals = Vec::new();

@@ -868,7 +868,8 @@ async fn run(
         Endpoint::Amqp(urls) => urls.len(),
         Endpoint::Redis(_) | Endpoint::Embedded(_) => 1,
     };
-    let Some(mut config) = load_or_report(&paths, nodes, Some(&endpoint.capabilities())) else {
+    let capabilities = endpoint.capabilities();
+    let Some(mut config) = load_or_report(&paths, nodes, Some(&capabilities)) else {
         anyhow::bail!("invalid pipeline files");
     };
     // Before any connection: a missing secret would otherwise dead-letter every message.
@@ -957,7 +958,7 @@ async fn run(
     requests.set_paths(reload::loader::watched(&paths, &config));
     let config = Arc::new(config);
     let current = reload::loader::Current::new(config.clone());
-    tokio::spawn(reload::loader::serve(paths, requests, reload, current.clone(), shutdown.clone()));
+    tokio::spawn(reload::loader::serve(paths, capabilities, requests, reload, current.clone(), shutdown.clone()));
     let running = async {
         match opened {
             Opened::Amqp(urls) => {
@@ -1226,7 +1227,7 @@ fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, broker: &[S
     };
     let mut validation = config::load_with(paths, unset).on_nodes(nodes(broker));
     if let Some(capabilities) = capabilities {
-        refuse_unsupported(&mut validation, &capabilities);
+        capabilities.check(&mut validation);
     }
     let text = validation.render(format);
     if (format == Format::Json || !text.is_empty())
@@ -1268,15 +1269,6 @@ fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
     if outcome.has_errors() || outcome.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
-/// Adds an error for each setting of the pipeline that a broker with `capabilities` cannot
-/// honour (issue 32).
-fn refuse_unsupported(validation: &mut config::Validation, capabilities: &crate::broker::Capabilities) {
-    if let Some(config) = &validation.config {
-        let refusals = capabilities.refusals(config).into_iter().map(|r| (r.file, r.pointer, r.message));
-        validation.refuse(refusals.collect::<Vec<_>>());
-    }
-}
-
 /// Loads the config for commands that need a valid one, refusing what a broker with
 /// `capabilities` cannot honour when given; problems go to stderr.
 fn load_or_report(
@@ -1286,7 +1278,7 @@ fn load_or_report(
 ) -> Option<config::Config> {
     let mut validation = config::load(paths).on_nodes(nodes);
     if let Some(capabilities) = capabilities {
-        refuse_unsupported(&mut validation, capabilities);
+        capabilities.check(&mut validation);
     }
     output::stderr(&validation.render(Format::Human));
     validation.config

@@ -74,8 +74,10 @@ enum Command {
         /// before a reload).
         #[arg(long)]
         env_strict: bool,
-        /// The broker the files will run on: with several amqp:// nodes (a cluster), classic
-        /// queues are warned about. Nothing is connected to.
+        /// The broker the files will run on (amqp:// URLs, a redis:// URL or the embedded
+        /// broker's directory): what it cannot honour is an error (priorities on Redis), and
+        /// with several amqp:// nodes (a cluster) classic queues are warned about. Nothing is
+        /// connected to: the URL's scheme says which broker it is.
         #[arg(long = "broker", env = "SLUICE_BROKER", hide_env_values = true, value_delimiter = ',')]
         broker: Vec<String>,
     },

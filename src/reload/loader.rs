@@ -249,7 +249,8 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let paths = [dir.path().to_path_buf()];
         let Err((diagnostics, _)) = load(&paths, &crate::broker::capabilities::REDIS) else { panic!("refused") };
-        let refused: Vec<String> = diagnostics.iter().map(|d| format!("{}:{} {}", d.line, d.column, d.message)).collect();
+        let refused: Vec<String> =
+            diagnostics.iter().map(|d| format!("{}:{} {}", d.line, d.column, d.message)).collect();
         assert_eq!(refused, ["5:15 the Redis broker does not support priorities"]);
         assert!(load(&paths, &crate::broker::capabilities::RABBITMQ).is_ok());
     }

@@ -358,6 +358,24 @@ mod tests {
         }
     }
 
+    /// Issue 32 item 1: the due time of a hopping copy reads back as what is left of it; one
+    /// past or unreadable is no wait (the copy is handled as it comes).
+    #[test]
+    fn a_due_time_reads_back_as_the_time_left() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let (name, header) = due_header(now, Duration::from_secs(3600)).expect("in range");
+        assert_eq!(name, DUE_HEADER);
+        assert_eq!(due_in(Some(&header), now), Some(Duration::from_secs(3600)));
+        assert_eq!(due_in(Some(&header), now + Duration::from_secs(3600)), None, "due now");
+        let text = HeaderValue::Str(header.to_text());
+        assert_eq!(due_in(Some(&text), now + Duration::from_secs(600)), Some(Duration::from_secs(3000)));
+        for odd in [HeaderValue::Int(-1), HeaderValue::Str("soon".into())] {
+            assert_eq!(due_in(Some(&odd), now), None, "{odd:?}");
+        }
+        assert_eq!(due_in(None, now), None);
+        assert_eq!(due_header(now, Duration::MAX), None, "past the clock's range");
+    }
+
     /// Issue 24: `not_before` is RFC 3339, in UTC or with an offset; anything else makes the
     /// envelope malformed (a message must not run early because its time was misread).
     #[test]

@@ -17,6 +17,9 @@ use serde_json::value::RawValue;
 
 /// Attempt number of a delivery, 1-based.
 pub const ATTEMPT_HEADER: &str = "x-sluice-attempt";
+/// When a delayed copy is due, in milliseconds since the epoch: set on a copy whose delay is
+/// longer than the broker holds one (served in hops), read on its arrival.
+pub const DUE_HEADER: &str = "x-sluice-due";
 /// W3C trace context, carried across the async hop.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
 /// Dead-letter headers.
@@ -97,6 +100,24 @@ pub fn attempt_in(header: Option<&HeaderValue>) -> u32 {
         Some(HeaderValue::Str(s)) => s.parse().ok().filter(|n| *n >= 1).unwrap_or(1),
         _ => 1,
     }
+}
+
+/// The due-time header of a copy due at `now` + `after`; none when that time cannot be said
+/// (a delay past the clock's range).
+pub fn due_header(now: SystemTime, after: Duration) -> Option<(String, HeaderValue)> {
+    let due = now.checked_add(after)?.duration_since(SystemTime::UNIX_EPOCH).ok()?;
+    Some((DUE_HEADER.to_string(), HeaderValue::Int(i64::try_from(due.as_millis()).ok()?)))
+}
+
+/// How long until a copy carrying `header` ([`DUE_HEADER`]) is due, when that is still ahead
+/// of `now`.
+pub fn due_in(header: Option<&HeaderValue>, now: SystemTime) -> Option<Duration> {
+    let ms = match header? {
+        HeaderValue::Int(n) => u64::try_from(*n).ok()?,
+        HeaderValue::Str(s) => s.parse().ok()?,
+    };
+    let due = SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms))?;
+    due.duration_since(now).ok().filter(|left| !left.is_zero())
 }
 
 /// The headers a dead-letter copy adds: why, after how many attempts, when, and from which queue.
@@ -447,6 +468,24 @@ mod tests {
         for (body, ok) in cases {
             assert_eq!(Envelope::decode(body.as_bytes()).is_ok(), *ok, "{body}");
         }
+    }
+
+    /// Issue 32 item 1: the due time of a hopping copy reads back as what is left of it; one
+    /// past or unreadable is no wait (the copy is handled as it comes).
+    #[test]
+    fn a_due_time_reads_back_as_the_time_left() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let (name, header) = due_header(now, Duration::from_secs(3600)).expect("in range");
+        assert_eq!(name, DUE_HEADER);
+        assert_eq!(due_in(Some(&header), now), Some(Duration::from_secs(3600)));
+        assert_eq!(due_in(Some(&header), now + Duration::from_secs(3600)), None, "due now");
+        let text = HeaderValue::Str(header.to_text());
+        assert_eq!(due_in(Some(&text), now + Duration::from_secs(600)), Some(Duration::from_secs(3000)));
+        for odd in [HeaderValue::Int(-1), HeaderValue::Str("soon".into())] {
+            assert_eq!(due_in(Some(&odd), now), None, "{odd:?}");
+        }
+        assert_eq!(due_in(None, now), None);
+        assert_eq!(due_header(now, Duration::MAX), None, "past the clock's range");
     }
 
     /// Issue 24: `not_before` is RFC 3339, in UTC or with an offset; anything else makes the

@@ -126,13 +126,15 @@ async fn the_embedded_broker_refuses_what_it_cannot_honour_by_name() {
     let run = cli_async(&["run", path(dir.path()), "--broker", path(&state), "--exit-when-idle"]).await;
     assert_eq!(run.code, Some(1), "{}", run.stderr);
     assert!(
-        run.stderr.contains("message_ttl: the embedded broker cannot honour it") && run.stderr.contains("RabbitMQ"),
+        // Issue 32 item 1: refused by capability, at its place, before anything is declared.
+        run.stderr.contains("/queues/work/message_ttl: the embedded broker does not support a message TTL"),
         "{}",
         run.stderr
     );
+    // Nothing was declared, nor the broker created: the check comes before it is opened.
+    assert!(!state.join("broker.db").exists(), "the refused run created the broker");
     let plan = cli_async(&["plan", path(dir.path()), "--broker", path(&state)]).await;
-    assert_eq!(plan.code, Some(1), "{}", plan.stdout);
-    // Nothing was declared: the exchange the pipeline names is still missing.
+    assert!(plan.stdout.contains("refused = message_ttl"), "{}", plan.stdout);
     assert!(plan.stdout.contains("missing exchange \"ev\""), "{}", plan.stdout);
     // Nor does it take a message priority, which no queue of it could honour.
     std::fs::write(dir.path().join("pipeline.yaml"), support::webhook_yaml(&receiver, "")).expect("write");

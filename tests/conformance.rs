@@ -393,7 +393,7 @@ async fn delays_are_exact_and_block_nothing<S: Subject>(subject: S) {
     broker.declare(&queues(vec![work("q"), work("other")])).await.expect("declare");
     let (long, short) = (Duration::from_secs(3), Duration::from_millis(300));
     // A broker with a longest delay holds a longer one only that long: these must fit.
-    if let Some(max) = broker.max_delay() {
+    if let Some(max) = broker.capabilities().longest_delay {
         assert!(long <= max, "the broker's longest delay ({max:?}) is shorter than this test's");
     }
     let original = Outgoing { headers: headers(&[("keep", text("k")), ("n", HeaderValue::Int(1))]), ..message("m") };

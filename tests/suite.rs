@@ -14,6 +14,7 @@ mod admin;
 mod admin_exposure;
 mod admin_guard;
 mod broker_arguments;
+mod capabilities;
 mod channels;
 mod cli;
 mod cli_publish;

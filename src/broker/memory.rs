@@ -52,6 +52,10 @@ struct State {
     next_id: u64,
     /// Delayed copies not yet due.
     delayed: u32,
+    /// The longest one delayed copy waits (a longer delay is held this long), if any.
+    longest_delay: Option<Duration>,
+    /// Every delay a copy was held for, in order.
+    held: Vec<Duration>,
     /// When set, the next declare fails with this.
     refuse_next_declare: Option<BrokerError>,
     /// When set, the next unbind fails with this.
@@ -88,6 +92,19 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 impl Memory {
     pub fn new() -> Memory {
         Memory::default()
+    }
+
+    /// A broker whose delayed copies wait at most `longest` (as SQS's 15 minutes), a longer
+    /// delay held only this long: for testing the runtime's hops.
+    pub fn with_longest_delay(longest: Duration) -> Memory {
+        let memory = Memory::new();
+        lock(&memory.state).longest_delay = Some(longest);
+        memory
+    }
+
+    /// Every delay a delayed copy was held for, in order.
+    pub fn held_delays(&self) -> Vec<Duration> {
+        lock(&self.state).held.clone()
     }
 
     /// Another session of the same broker: closing it closes only its consumers.
@@ -357,7 +374,13 @@ impl Broker for Memory {
         headers: Headers,
     ) -> Result<(), BrokerError> {
         let copy = Memory::copy(original, headers);
-        lock(&self.state).delayed += 1;
+        let delay = {
+            let mut state = lock(&self.state);
+            state.delayed += 1;
+            let delay = state.longest_delay.map_or(delay, |longest| delay.min(longest));
+            state.held.push(delay);
+            delay
+        };
         let (broker, queue) = (self.clone(), queue.to_string());
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
@@ -424,8 +447,8 @@ impl Broker for Memory {
         Ok(lock(&self.state).delayed)
     }
 
-    fn max_delay(&self) -> Option<Duration> {
-        None
+    fn capabilities(&self) -> super::Capabilities {
+        super::Capabilities { longest_delay: lock(&self.state).longest_delay, ..super::capabilities::MEMORY }
     }
 
     fn is_connected(&self) -> bool {

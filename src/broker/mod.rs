@@ -12,6 +12,7 @@
 //! only: no retry policy, no classification, no envelopes.
 
 pub mod amqp;
+pub mod capabilities;
 mod declaration;
 pub mod embedded;
 pub mod failover;
@@ -33,6 +34,7 @@ use serde::Serialize;
 
 use crate::topology::{BindingDecl, Plan};
 
+pub use self::capabilities::Capabilities;
 pub use self::kept::{Kept, KeptDeliveries, Properties};
 pub use crate::envelope::{HeaderValue, Headers};
 
@@ -459,9 +461,9 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// where RabbitMQ has them ready again as soon as the connection is gone.
     fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;
 
-    /// The longest a delayed copy can wait (`publish_delayed` holds a longer delay this long),
-    /// or `None` when the broker holds any delay.
-    fn max_delay(&self) -> Option<Duration>;
+    /// What this broker can honour; among it the longest a delayed copy can wait
+    /// (`publish_delayed` holds a longer delay this long: the runtime serves it in hops).
+    fn capabilities(&self) -> Capabilities;
 
     /// Whether the session is still connected.
     fn is_connected(&self) -> bool;

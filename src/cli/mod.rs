@@ -74,8 +74,10 @@ enum Command {
         /// before a reload).
         #[arg(long)]
         env_strict: bool,
-        /// The broker the files will run on: with several amqp:// nodes (a cluster), classic
-        /// queues are warned about. Nothing is connected to.
+        /// The broker the files will run on (amqp:// URLs, a redis:// URL or the embedded
+        /// broker's directory): what it cannot honour is an error (priorities on Redis), and
+        /// with several amqp:// nodes (a cluster) classic queues are warned about. Nothing is
+        /// connected to: the URL's scheme says which broker it is.
         #[arg(long = "broker", env = "SLUICE_BROKER", hide_env_values = true, value_delimiter = ',')]
         broker: Vec<String>,
     },
@@ -404,6 +406,18 @@ fn endpoint(values: &[String]) -> anyhow::Result<Endpoint<'_>> {
     }
 }
 
+impl Endpoint<'_> {
+    /// What the broker can honour, known from its kind alone.
+    fn capabilities(&self) -> crate::broker::Capabilities {
+        use crate::broker::capabilities::{EMBEDDED, RABBITMQ, REDIS};
+        match self {
+            Endpoint::Amqp(_) => RABBITMQ,
+            Endpoint::Redis(_) => REDIS,
+            Endpoint::Embedded(_) => EMBEDDED,
+        }
+    }
+}
+
 impl BrokerArg {
     fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
         endpoint(&self.urls)
@@ -637,7 +651,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Validate { paths, format, env_strict, broker } => {
             let unset = if env_strict { config::Unset::Error } else { config::Unset::Warning };
-            validate(&paths, format, unset, nodes(&broker))
+            validate(&paths, format, unset, &broker)
         }
         Command::Plan { paths, format, broker, connect_timeout, evicting } => {
             let Some(config) = reads::load_for(&paths, nodes(&broker), "plan", reads::Reads::Topology) else {
@@ -856,7 +870,8 @@ async fn run(
         Endpoint::Amqp(urls) => urls.len(),
         Endpoint::Redis(_) | Endpoint::Embedded(_) => 1,
     };
-    let Some(mut config) = load_or_report(&paths, nodes) else {
+    let capabilities = endpoint.capabilities();
+    let Some(mut config) = load_or_report(&paths, nodes, Some(&capabilities)) else {
         anyhow::bail!("invalid pipeline files");
     };
     // Before any connection: a missing secret would otherwise dead-letter every message.
@@ -945,7 +960,7 @@ async fn run(
     requests.set_paths(reload::loader::watched(&paths, &config));
     let config = Arc::new(config);
     let current = reload::loader::Current::new(config.clone());
-    tokio::spawn(reload::loader::serve(paths, requests, reload, current.clone(), shutdown.clone()));
+    tokio::spawn(reload::loader::serve(paths, capabilities, requests, reload, current.clone(), shutdown.clone()));
     let running = async {
         match opened {
             Opened::Amqp(urls) => {
@@ -1202,8 +1217,20 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     Ok(out.lines().map(|line| format!("{}\n", crate::terminal::visible(line))).collect())
 }
 
-fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, nodes: usize) -> ExitCode {
-    let mut validation = config::load_with(paths, unset).on_nodes(nodes);
+fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, broker: &[String]) -> ExitCode {
+    // Only the broker's kind is read: nothing is connected to.
+    let capabilities = if broker.is_empty() {
+        None
+    } else {
+        match endpoint(broker) {
+            Ok(endpoint) => Some(endpoint.capabilities()),
+            Err(e) => return exit(Err(e)),
+        }
+    };
+    let mut validation = config::load_with(paths, unset).on_nodes(nodes(broker));
+    if let Some(capabilities) = capabilities {
+        capabilities.check(&mut validation);
+    }
     let text = validation.render(format);
     if (format == Format::Json || !text.is_empty())
         && let Err(e) = output::stdout(&text)
@@ -1244,9 +1271,17 @@ fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
     if outcome.has_errors() || outcome.failed() > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
 }
 
-/// Loads the config for commands that need a valid one; problems go to stderr.
-fn load_or_report(paths: &[PathBuf], nodes: usize) -> Option<config::Config> {
-    let validation = config::load(paths).on_nodes(nodes);
+/// Loads the config for commands that need a valid one, refusing what a broker with
+/// `capabilities` cannot honour when given; problems go to stderr.
+fn load_or_report(
+    paths: &[PathBuf],
+    nodes: usize,
+    capabilities: Option<&crate::broker::Capabilities>,
+) -> Option<config::Config> {
+    let mut validation = config::load(paths).on_nodes(nodes);
+    if let Some(capabilities) = capabilities {
+        capabilities.check(&mut validation);
+    }
     output::stderr(&validation.render(Format::Human));
     validation.config
 }

@@ -217,7 +217,7 @@ where
 {
     let limit = loop {
         let broker = session.broker().await?;
-        check_not_before(at, broker.max_delay(), SystemTime::now())?;
+        check_not_before(at, broker.capabilities().longest_delay, SystemTime::now())?;
         match Limit::of(&broker, args).await {
             Ok(limit) => break limit,
             Err(e) if e.is_session_loss() => session.lost(e).await?,

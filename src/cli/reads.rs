@@ -66,7 +66,7 @@ pub fn load_for(paths: &[PathBuf], nodes: usize, command: &str, reads: Reads<'_>
         validation.unset.iter().all(|u| u.pointer.split('/').nth(2).is_none_or(|q| names.contains(q)))
     });
     if needed || !complete {
-        return super::load_or_report(paths, nodes);
+        return super::load_or_report(paths, nodes, None);
     }
     // What is said of the parts it does not read (an unset secret, a value left unchecked) is
     // no news to this command.

@@ -688,6 +688,40 @@ impl Validation {
         self
     }
 
+    /// Adds an error for each setting the chosen broker cannot honour (issue 32: checked by
+    /// `validate --broker` and `run` before anything is declared), at the setting's place in
+    /// its file: the `file` given, else the file whose text holds `pointer`. The config is
+    /// then none, as with any error.
+    pub fn refuse(&mut self, refusals: impl IntoIterator<Item = (Option<PathBuf>, String, String)>) {
+        let mut parsed: BTreeMap<PathBuf, Option<source::SourceFile>> = BTreeMap::new();
+        let mut added = false;
+        for (file, pointer, message) in refusals {
+            // A queue's file is known; an exchange is in the one file that defines it.
+            let candidates: Vec<PathBuf> = file.map_or_else(|| self.sources.keys().cloned().collect(), |f| vec![f]);
+            let found = candidates.into_iter().find_map(|path| {
+                let text = self.sources.get(&path)?;
+                let entry = parsed.entry(path.clone()).or_insert_with(|| source::parse(&path, text.clone()).ok());
+                let file = entry.as_ref().filter(|f| f.value.pointer(&pointer).is_some())?;
+                Some(file.diag(Severity::Error, &pointer, &message))
+            });
+            // Not found in any file read (none are, for a config built in a test): placeless.
+            let diagnostic = found.unwrap_or_else(|| Diagnostic {
+                file: PathBuf::new(),
+                line: 1,
+                column: 1,
+                severity: Severity::Error,
+                pointer,
+                message,
+            });
+            self.diagnostics.push(diagnostic);
+            added = true;
+        }
+        if added {
+            self.config = None;
+            self.diagnostics.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
+        }
+    }
+
     /// Whether any diagnostic is an error.
     pub fn has_errors(&self) -> bool {
         self.diagnostics.iter().any(|d| d.severity == Severity::Error)

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::{Reloads, Trigger};
+use crate::broker::Capabilities;
 use crate::config::{self, Config, Diagnostic, Severity};
 use crate::runtime::Reload;
 
@@ -71,6 +72,7 @@ impl Current {
 /// Serves reload requests until `shutdown` or until the runtime is gone; `current` follows.
 pub async fn serve(
     paths: Vec<PathBuf>,
+    capabilities: Capabilities,
     mut requests: Reloads,
     runtime: mpsc::UnboundedSender<Reload>,
     current: Current,
@@ -90,7 +92,7 @@ pub async fn serve(
                 info!(changed = %listed(files.iter().map(|f| f.display())), "pipeline files changed; reloading");
             }
         }
-        let config = match load(&paths) {
+        let config = match load(&paths, &capabilities) {
             Ok(config) => config,
             Err((diagnostics, errors)) => {
                 rejected();
@@ -155,10 +157,11 @@ fn rejected() {
     counter!("sluice_config_reloads_total", "result" => "rejected").increment(1);
 }
 
-/// Loads the files; on errors logs each diagnostic as `validate` prints it and returns them
-/// (and the errors without a file position).
-fn load(paths: &[PathBuf]) -> Result<Config, (Vec<Diagnostic>, Vec<String>)> {
-    let validation = config::load(paths);
+/// Loads the files, refusing what the broker cannot honour; on errors logs each diagnostic as
+/// `validate` prints it and returns them (and the errors without a file position).
+fn load(paths: &[PathBuf], capabilities: &Capabilities) -> Result<Config, (Vec<Diagnostic>, Vec<String>)> {
+    let mut validation = config::load(paths);
+    capabilities.check(&mut validation);
     let errors: Vec<Diagnostic> =
         validation.diagnostics.into_iter().filter(|d| d.severity == Severity::Error).collect();
     for d in &errors {
@@ -221,20 +224,35 @@ mod tests {
                     other:\n    handler: {webhook: {url: https://h.example/y}}\n";
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let paths = [dir.path().to_path_buf()];
-        let first = load(&paths).expect("valid");
+        let first = load(&paths, &crate::broker::capabilities::RABBITMQ).expect("valid");
         let watched = watched(&paths, &first);
         for file in ["ca.pem", "client.pem", "client.key"] {
             assert!(watched.contains(&dir.path().join(file)), "{file}: {watched:?}");
         }
-        let same = load(&paths).expect("valid");
+        let same = load(&paths, &crate::broker::capabilities::RABBITMQ).expect("valid");
         assert!(crate::topology::diff(&first, &same).changed.is_empty());
         // Renewed: another certificate for the same key would do; another CA bundle shows it.
         let mut bundle = std::fs::read_to_string(certs.join("ca.pem")).expect("read");
         bundle.push_str(&std::fs::read_to_string(certs.join("client.pem")).expect("read"));
         std::fs::write(dir.path().join("ca.pem"), bundle).expect("write");
-        let renewed = load(&paths).expect("valid");
+        let renewed = load(&paths, &crate::broker::capabilities::RABBITMQ).expect("valid");
         let diff = crate::topology::diff(&first, &renewed);
         assert_eq!(diff.changed.into_iter().collect::<Vec<_>>(), ["work"]);
+    }
+
+    /// Issue 32 item 1: a reload is checked against the broker's capabilities as `run`'s
+    /// start is: a priority on Redis is refused at its place, and the running config stays.
+    #[test]
+    fn a_reload_refuses_what_the_broker_cannot_honour() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    type: classic\n    priority: 3\n    handler: {command: {program: /bin/true}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let paths = [dir.path().to_path_buf()];
+        let Err((diagnostics, _)) = load(&paths, &crate::broker::capabilities::REDIS) else { panic!("refused") };
+        let refused: Vec<String> =
+            diagnostics.iter().map(|d| format!("{}:{} {}", d.line, d.column, d.message)).collect();
+        assert_eq!(refused, ["5:15 the Redis broker does not support priorities"]);
+        assert!(load(&paths, &crate::broker::capabilities::RABBITMQ).is_ok());
     }
 
     /// Issue 19: one reload line listed 5,000 file names (116 KB). A line names the first

@@ -201,7 +201,7 @@ impl QueueEvents {
                 totals.retried.fetch_add(1, Ordering::Relaxed);
             }
             Disposition::Scheduled { attempt, after } => {
-                debug!(queue, attempt, due_in = ?after, "scheduled for later (not_before); handed back until then");
+                debug!(queue, attempt, due_in = ?after, "scheduled for later (not_before, or a delay longer than the broker holds, served in hops); handed back until then");
             }
             Disposition::Wait { attempt, after, why } => {
                 warn!(queue, attempt, retry_in = ?after, why, "not handled yet; will try again without spending an attempt");

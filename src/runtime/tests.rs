@@ -1202,3 +1202,45 @@ async fn binding_filters<B: Broker>(new: NewBroker<B>) {
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }
+
+/// Issue 32 item 1: a retry delay longer than the broker's longest delay (here 40ms, as SQS's
+/// 15 minutes against an hour's retry) is served in hops, each no longer than the broker
+/// holds, and the copy is never handled before its due time, nor its attempt counted twice.
+/// (Real time, scaled down: the runtime's handlers are processes, which paused time cannot
+/// wait for.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delay_longer_than_the_broker_holds_is_served_in_hops_and_never_early() {
+    let pipeline = Pipeline::new();
+    let runs = pipeline.file("runs");
+    let longest = Duration::from_millis(40);
+    let retry = Duration::from_millis(400);
+    // Records "<attempt> <nanoseconds since the epoch>" and fails the first attempt.
+    let script = r#"echo "$SLUICE_ATTEMPT $(date +%s%N)" >> "$1"; [ "$SLUICE_ATTEMPT" != 1 ]"#;
+    let argv = json!(["-c", script, "sh", runs]);
+    let queue = format!(
+        "    retry: {{max_attempts: 3, initial: 400ms, max: 400ms, jitter: none}}\n    handler:\n      command: {{program: /bin/sh, args: {argv}, stdin: none}}\n"
+    );
+    let memory = Memory::with_longest_delay(longest);
+    let config = pipeline.config(&[("work", queue)]);
+    let runner = Runner::start_on(memory.clone(), Arc::new(memory.clone()), config, None, GRACE).await;
+    runner.publish("work", message("k", &json!({}))).await;
+    wait_until("the retry handled", || pipeline.lines("runs").len() == 2 && runner.settled("work")).await;
+
+    let runs: Vec<(String, u128)> = pipeline
+        .lines("runs")
+        .iter()
+        .map(|line| {
+            let (attempt, at) = line.split_once(' ').expect("attempt and time");
+            (attempt.to_string(), at.parse().expect("nanoseconds"))
+        })
+        .collect();
+    assert_eq!(runs.iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), ["1", "2"], "one retry, counted once");
+    let waited = Duration::from_nanos(u64::try_from(runs[1].1 - runs[0].1).expect("nanoseconds"));
+    assert!(waited >= retry, "handled {waited:?} after the first attempt, before its due time ({retry:?})");
+    let held = memory.held_delays();
+    assert!(held.iter().all(|hop| *hop <= longest), "a hop longer than the broker holds: {held:?}");
+    // How many hops depends on how long each took to come round: at least two.
+    assert!(held.len() >= 2 && held[0] == longest, "not in hops: {held:?}");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}

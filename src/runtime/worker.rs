@@ -279,6 +279,10 @@ impl Worker {
         seen: &mut Seen,
     ) -> Disposition {
         let q = self.queue();
+        // A copy that came back from a hop before its due time waits again, attempt unspent.
+        if let Some(after) = envelope::due_in(delivery.header(envelope::DUE_HEADER).as_ref(), SystemTime::now()) {
+            return Disposition::Scheduled { attempt, after };
+        }
         let keep = self.events.keeps_attempts();
         if keep {
             seen.message_id = delivery.message_id().map(str::to_string);
@@ -403,7 +407,8 @@ impl Worker {
                 Disposition::Retry { after, .. }
                 | Disposition::Wait { after, .. }
                 | Disposition::Scheduled { after, .. } => {
-                    broker.publish_delayed(&q.name, *after, delivery, headers.clone()).await
+                    let (hold, headers) = hop(*after, broker.capabilities().longest_delay, &headers);
+                    broker.publish_delayed(&q.name, hold, delivery, headers).await
                 }
                 Disposition::DeadLetter { .. } => broker.dead_letter(&q.dead_letter, delivery, headers.clone()).await,
                 Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
@@ -544,6 +549,20 @@ fn panic_text(panic: &(dyn Any + Send)) -> String {
         (Some(s), _) => (*s).to_string(),
         (None, Some(s)) => s.clone(),
         (None, None) => "a panic without a message".to_string(),
+    }
+}
+
+/// How long to hold a copy delayed `after` on a broker whose copies wait at most `longest`,
+/// and its headers: a longer delay is held `longest` (one hop), its due time recorded, so that
+/// the copy arriving early is delayed again ([`envelope::due_in`]) and never handled before.
+fn hop(after: Duration, longest: Option<Duration>, headers: &Headers) -> (Duration, Headers) {
+    let mut headers = headers.clone();
+    match longest {
+        Some(longest) if after > longest => {
+            headers.extend(envelope::due_header(SystemTime::now(), after));
+            (longest, headers)
+        }
+        _ => (after, headers),
     }
 }
 

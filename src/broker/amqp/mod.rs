@@ -635,8 +635,8 @@ impl Broker for Amqp {
         Ok(total)
     }
 
-    fn max_delay(&self) -> Option<Duration> {
-        Some(MAX_DELAY)
+    fn capabilities(&self) -> crate::broker::Capabilities {
+        crate::broker::capabilities::RABBITMQ
     }
 
     fn is_connected(&self) -> bool {

@@ -669,8 +669,8 @@ impl Broker for Embedded {
 
     /// A delayed copy is a row with the time it is due (milliseconds since the epoch, 64 bits):
     /// any delay fits.
-    fn max_delay(&self) -> Option<Duration> {
-        None
+    fn capabilities(&self) -> crate::broker::Capabilities {
+        crate::broker::capabilities::EMBEDDED
     }
 
     fn is_connected(&self) -> bool {

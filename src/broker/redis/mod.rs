@@ -1201,8 +1201,8 @@ impl Broker for Redis {
     }
 
     /// A delayed copy is scored by its due time in milliseconds: any delay fits.
-    fn max_delay(&self) -> Option<Duration> {
-        None
+    fn capabilities(&self) -> crate::broker::Capabilities {
+        crate::broker::capabilities::REDIS
     }
 
     fn is_connected(&self) -> bool {

@@ -12,6 +12,7 @@ mod util;
 
 mod admin;
 mod admin_guard;
+mod admin_load;
 mod broker_arguments;
 mod channels;
 mod cli;

@@ -7,8 +7,13 @@
 //! A record is one short lock of the queue's own log (no IO, no allocation beyond the attempt
 //! itself); reads copy out under the same lock. Nothing here is persisted: a restart starts
 //! empty, and another runner has its own.
+//!
+//! What an attempt keeps comes from outside (ids, keys, receivers' answers), so it is bounded:
+//! texts longer than [`ID_BYTES`] or [`TEXT_BYTES`] are cut and say so, and a queue's attempts
+//! take at most [`RING_BYTES`] as the API serves them, the oldest let go first.
 
 use std::collections::{HashMap, VecDeque};
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,6 +21,17 @@ use serde::Serialize;
 
 /// Attempts kept per queue unless `--admin-attempts` says otherwise.
 pub const DEFAULT_CAPACITY: usize = 200;
+
+/// The most bytes of a message id, an idempotency key or a trace id an attempt keeps.
+pub const ID_BYTES: usize = 256;
+
+/// The most bytes of an error or of an excerpt (invalid UTF-8 of a response replaced, which
+/// can triple its [`Observed::BYTES`](crate::handler::Observed::BYTES)) an attempt keeps.
+pub const TEXT_BYTES: usize = 4096;
+
+/// The most bytes a queue's attempts take as JSON (what `/attempts` answers, and more than they
+/// hold in memory): the oldest are let go first, even while fewer than the capacity are kept.
+pub const RING_BYTES: usize = 2 << 20;
 
 /// The width of one bucket of the series.
 pub const BUCKET: Duration = Duration::from_secs(10);
@@ -127,8 +143,59 @@ pub struct Point {
 #[derive(Debug, Default)]
 struct Inner {
     next_seq: u64,
-    ring: VecDeque<Attempt>,
+    /// Each attempt with its size as JSON.
+    ring: VecDeque<(Attempt, usize)>,
+    /// The sizes in `ring`, summed.
+    ring_bytes: usize,
     buckets: VecDeque<Bucket>,
+}
+
+/// Cuts `text` to at most `limit` bytes (at a character boundary), ending it with how long it
+/// was, and lets go of the rest of its memory.
+fn cut(text: &mut String, limit: usize) {
+    let len = text.len();
+    if len <= limit {
+        return;
+    }
+    text.truncate(text.floor_char_boundary(limit));
+    // Writing to a String cannot fail.
+    let _ = write!(text, "…(cut from {len} bytes)");
+    text.shrink_to_fit();
+}
+
+/// Counts what is written to it.
+struct Count(usize);
+
+impl std::io::Write for Count {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0 += bytes.len();
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `attempt` as it is kept: long texts cut; and its size as JSON.
+fn bounded(mut attempt: Attempt) -> (Attempt, usize) {
+    for (text, limit) in [
+        (&mut attempt.message_id, ID_BYTES),
+        (&mut attempt.idempotency_key, ID_BYTES),
+        (&mut attempt.trace_id, ID_BYTES),
+        (&mut attempt.error, TEXT_BYTES),
+        (&mut attempt.excerpt, TEXT_BYTES),
+    ] {
+        if let Some(text) = text {
+            cut(text, limit);
+        }
+    }
+    // Measured before the lock is taken, with the widest sequence number (the lock sets it).
+    attempt.seq = u64::MAX;
+    let mut count = Count(0);
+    // An attempt always serializes (serde_json writes a non-finite latency as null).
+    let _ = serde_json::to_writer(&mut count, &attempt);
+    (attempt, count.0)
 }
 
 /// One queue's log.
@@ -156,10 +223,12 @@ impl QueueLog {
         self.capacity > 0
     }
 
-    /// Records `attempt` (its `seq` and `at_ms` are set here) in the ring and the series.
+    /// Records `attempt` (its `seq` and `at_ms` are set here) in the ring, its long texts cut,
+    /// and in the series.
     pub fn record(&self, mut attempt: Attempt) {
         attempt.at_ms = now_ms();
         let start = attempt.at_ms / 1000 / BUCKET.as_secs() * BUCKET.as_secs();
+        let (mut attempt, bytes) = if self.keeps() { bounded(attempt) } else { (attempt, 0) };
         let mut inner = self.lock();
         inner.next_seq += 1;
         attempt.seq = inner.next_seq;
@@ -183,15 +252,18 @@ impl QueueLog {
         if self.capacity == 0 {
             return;
         }
-        if inner.ring.len() == self.capacity {
-            inner.ring.pop_front();
+        inner.ring_bytes += bytes;
+        inner.ring.push_back((attempt, bytes));
+        while inner.ring.len() > self.capacity || inner.ring_bytes > RING_BYTES {
+            if let Some((_, bytes)) = inner.ring.pop_front() {
+                inner.ring_bytes -= bytes;
+            }
         }
-        inner.ring.push_back(attempt);
     }
 
     /// The attempts kept, newest first.
     pub fn recent(&self) -> Vec<Attempt> {
-        self.lock().ring.iter().rev().cloned().collect()
+        self.lock().ring.iter().rev().map(|(attempt, _)| attempt.clone()).collect()
     }
 
     /// How many attempts it keeps.
@@ -340,6 +412,59 @@ mod tests {
             }
             assert_eq!(log.summary().handled_per_minute as usize, THREADS * EACH, "capacity {capacity}");
         }
+    }
+
+    /// Issue 31 item 7: ids and keys were kept whole (250 messages with 256 KiB ids and keys
+    /// took 118 MB). Each long text is cut, saying from how long, and lets go of its memory; the
+    /// ring's JSON stays within [`RING_BYTES`], the newest attempts kept.
+    #[test]
+    fn long_texts_are_cut_and_the_ring_stays_within_its_bytes() {
+        let huge = |c: char| Some(c.to_string().repeat(256 << 10));
+        let log = QueueLog::new(250);
+        for _ in 0..250 {
+            let mut a = attempt("dead_lettered", Some(1.0));
+            (a.message_id, a.idempotency_key, a.trace_id) = (huge('i'), huge('k'), huge('t'));
+            (a.error, a.excerpt) = (huge('e'), huge('\u{1}'));
+            log.record(a);
+        }
+        let recent = log.recent();
+        let json = serde_json::to_vec(&recent).expect("JSON");
+        assert!(json.len() <= RING_BYTES, "{} bytes of attempts served", json.len());
+        assert!(!recent.is_empty() && recent.len() < 250, "{} kept: the bytes decide", recent.len());
+        assert_eq!(recent[0].seq, 250, "the newest kept");
+        let marker = format!("…(cut from {} bytes)", 256 << 10);
+        for a in &recent {
+            for (text, limit) in [
+                (&a.message_id, ID_BYTES),
+                (&a.idempotency_key, ID_BYTES),
+                (&a.trace_id, ID_BYTES),
+                (&a.error, TEXT_BYTES),
+                (&a.excerpt, TEXT_BYTES),
+            ] {
+                let text = text.as_ref().expect("kept");
+                assert!(text.ends_with(&marker), "{text:?}");
+                assert!(text.capacity() <= limit + marker.len(), "{} bytes held", text.capacity());
+            }
+        }
+
+        // Short texts are kept whole; many small attempts are bounded by the capacity alone,
+        // many more by the bytes.
+        let log = QueueLog::new(100_000);
+        for i in 0..20_000 {
+            let mut a = attempt("success", Some(1.0));
+            a.message_id = Some(format!("{i:0200}"));
+            log.record(a);
+        }
+        let recent = log.recent();
+        assert_eq!(recent[0].message_id, Some(format!("{:0200}", 19_999)), "kept whole");
+        let json = serde_json::to_vec(&recent).expect("JSON");
+        assert!(json.len() <= RING_BYTES, "{} bytes of attempts served", json.len());
+        assert!(
+            recent.len() < 20_000 && json.len() > RING_BYTES * 9 / 10,
+            "{} kept, {} bytes",
+            recent.len(),
+            json.len()
+        );
     }
 
     #[test]

@@ -18,11 +18,12 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{ConnectInfo, Path, Query, State};
-use axum::http::{Method, StatusCode};
+use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, State};
+use axum::http::{Method, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -158,6 +159,34 @@ impl From<BrokerError> for Failure {
 
 type Answer<T> = Result<Json<T>, Failure>;
 
+/// The query, refused as every error here is: in JSON.
+struct Queried<T>(T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Queried<T> {
+    type Rejection = Failure;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Failure> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(value)) => Ok(Queried(value)),
+            Err(e) => Err(Failure(e.status(), e.body_text())),
+        }
+    }
+}
+
+/// The path's parameters, refused (not UTF-8 once decoded) in JSON too.
+struct Named<T>(T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for Named<T> {
+    type Rejection = Failure;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Failure> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(value)) => Ok(Named(value)),
+            Err(e) => Err(Failure(e.status(), e.body_text())),
+        }
+    }
+}
+
 /// The queue `name` of the running config.
 fn find<'a>(config: &'a Config, name: &str) -> Result<&'a Queue, Failure> {
     config.queues.get(name).ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no queue \"{name}\" runs here")))
@@ -288,7 +317,7 @@ fn retry_view(q: &Queue) -> Value {
     })
 }
 
-async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<String>) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
     let held = api.held().get(&name).copied().unwrap_or_default();
@@ -309,23 +338,57 @@ async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<Stri
     })))
 }
 
-async fn attempts<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+async fn attempts<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<String>) -> Answer<Value> {
     find(&api.current.get().config, &name)?;
     let log = api.attempts.of(&name);
     Ok(Json(json!({ "capacity": log.capacity(), "attempts": log.recent() })))
 }
 
-/// The dead-letter filters, as query parameters or in a write's body.
+/// The dead-letter filters, as query parameters or in a write's body. As the OpenAPI document
+/// has them: a field may be absent, never null.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Filters {
+    #[serde(default, deserialize_with = "given")]
     reason: Option<String>,
     /// A duration such as `1h`.
+    #[serde(default, deserialize_with = "given")]
     since: Option<String>,
     /// Message ids, comma-separated in a query.
     #[serde(default, deserialize_with = "ids")]
     id: Vec<String>,
+    #[serde(default, deserialize_with = "count")]
     limit: Option<usize>,
+}
+
+/// A field that is there, not null (absent is the field's default).
+fn given<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+/// A count of messages: a whole number, 0 or more, as JSON Schema's `integer` has it (`230.0`
+/// is one) and as text in a query. Past what fits, as many as there can be.
+fn count<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Number {
+        Whole(u64),
+        Real(f64),
+        Text(String),
+    }
+    let real = match Number::deserialize(d)? {
+        Number::Whole(n) => return Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+        Number::Real(r) => Some(r),
+        Number::Text(text) => match text.trim().parse::<u64>() {
+            Ok(n) => return Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+            Err(_) => text.trim().parse::<f64>().ok(),
+        },
+    };
+    match real {
+        // A float past usize's range saturates in the cast: as many as there can be.
+        Some(r) if r.is_finite() && r >= 0.0 && r.fract() == 0.0 => Ok(Some(r as usize)),
+        _ => Err(serde::de::Error::custom("expected a whole number of messages, 0 or more")),
+    }
 }
 
 /// Ids as a list, or as one comma-separated string.
@@ -342,12 +405,20 @@ fn ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> 
     })
 }
 
+/// Whether `text` is a duration by the OpenAPI document's pattern, too long to be held: any
+/// age, then.
+fn too_long(text: &str) -> bool {
+    let digits = ["ms", "s", "m", "h", "d"].iter().find_map(|unit| text.strip_suffix(unit));
+    digits.is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
 impl Filters {
     fn filter(self) -> Result<Filter, Failure> {
         let since = match self.since.as_deref().filter(|s| !s.is_empty()) {
             None => None,
             Some(text) => Some(
                 crate::config::parse_duration(text)
+                    .or_else(|| too_long(text).then_some(Duration::MAX))
                     .ok_or_else(|| Failure(StatusCode::BAD_REQUEST, crate::config::duration_problem(text)))?,
             ),
         };
@@ -358,8 +429,8 @@ impl Filters {
 
 async fn dead_letters<B: Operate>(
     State(api): State<Arc<Api<B>>>,
-    Path(name): Path<String>,
-    Query(filters): Query<Filters>,
+    Named(name): Named<String>,
+    Queried(filters): Queried<Filters>,
 ) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
@@ -373,7 +444,7 @@ async fn dead_letters<B: Operate>(
 
 async fn dead_letter<B: Operate>(
     State(api): State<Arc<Api<B>>>,
-    Path((name, id)): Path<(String, String)>,
+    Named((name, id)): Named<(String, String)>,
 ) -> Answer<dlq::Shown> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
@@ -399,6 +470,7 @@ struct Act {
     #[serde(default)]
     dry_run: bool,
     /// A purge that is not a dry run needs the queue's name here.
+    #[serde(default, deserialize_with = "given")]
     confirm: Option<String>,
 }
 
@@ -454,7 +526,7 @@ fn body(bytes: &[u8]) -> Result<Act, Failure> {
 async fn redrive<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
     bytes: axum::body::Bytes,
 ) -> Answer<dlq::Tally> {
     act(&api, &name, remote, Action::Redrive, body(&bytes)?).await
@@ -463,7 +535,7 @@ async fn redrive<B: Operate>(
 async fn purge<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
     bytes: axum::body::Bytes,
 ) -> Answer<dlq::Tally> {
     act(&api, &name, remote, Action::Purge, body(&bytes)?).await
@@ -472,7 +544,7 @@ async fn purge<B: Operate>(
 async fn pause<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
 ) -> impl IntoResponse {
     super::set_paused(&api.pauses, &name, true, remote)
 }
@@ -480,7 +552,7 @@ async fn pause<B: Operate>(
 async fn resume<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
 ) -> impl IntoResponse {
     super::set_paused(&api.pauses, &name, false, remote)
 }

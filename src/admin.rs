@@ -314,6 +314,10 @@ pub async fn serve(
             }
             drop(slot);
         });
+        // The connection's turn to read what it sent (busy once its head is in) before the
+        // next is accepted: in a flood of connections, one that sent a request at once is then
+        // never the longest-held idle one.
+        tokio::task::yield_now().await;
     }
 }
 

@@ -427,19 +427,51 @@ impl Filters {
     }
 }
 
+/// Dead letters a page holds unless the query's `limit` says otherwise.
+pub const PAGE: usize = 100;
+
+/// The most a page holds: what a browser shows at once, in an answer of a few hundred KiB.
+pub const MAX_PAGE: usize = 1000;
+
+/// A listing's query: the filters, `limit` the page's size, and where the page begins.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Listing {
+    #[serde(flatten)]
+    filters: Filters,
+    /// A page's `next_cursor`.
+    cursor: Option<String>,
+}
+
 async fn dead_letters<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     Named(name): Named<String>,
-    Queried(filters): Queried<Filters>,
+    Queried(listing): Queried<Listing>,
 ) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
-    let filter = filters.filter()?;
+    let mut filter = listing.filters.filter()?;
+    let size = filter.limit.unwrap_or(PAGE);
+    if !(1..=MAX_PAGE).contains(&size) {
+        return Err(Failure(StatusCode::BAD_REQUEST, format!("limit: a page holds 1 to {MAX_PAGE}, not {size}")));
+    }
+    filter.limit = Some(size);
+    let after = match listing.cursor.as_deref().filter(|c| !c.is_empty()) {
+        None => None,
+        Some(text) => Some(dlq::Cursor::parse(text).ok_or_else(|| {
+            Failure(StatusCode::BAD_REQUEST, format!("cursor: expected a page's next_cursor, found \"{text}\""))
+        })?),
+    };
     let broker = (api.connect)().await?;
-    let listed = dlq::list(&broker, &q.dead_letter, &filter).await;
+    let page = dlq::page(&broker, &q.dead_letter, &filter, after.as_ref()).await;
     broker.close().await;
-    let (entries, tally) = listed?;
-    Ok(Json(json!({ "dead_letter_queue": q.dead_letter, "entries": entries, "tally": tally })))
+    let page = page?;
+    Ok(Json(json!({
+        "dead_letter_queue": q.dead_letter,
+        "entries": page.entries,
+        "tally": page.tally,
+        "next_cursor": page.next.map(|c| c.to_string()),
+    })))
 }
 
 async fn dead_letter<B: Operate>(

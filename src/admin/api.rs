@@ -5,7 +5,13 @@
 //!
 //! The work is `ops`'s (`ops::status`, `ops::dlq`), as for the CLI; this only gathers what
 //! this runner knows beside it (its attempts, its breakers, the last reload) and answers in
-//! JSON. Writes are guarded by `admin` (the token, no foreign origin) before they get here;
+//! JSON.
+//!
+//! The data path comes first: what reads cost is bounded. The runner's own state is read as
+//! values (`runtime::attempts::Live`, the pauses), never by rendering its `/metrics`; the
+//! overview is built at most once per [`SNAPSHOT_TTL`], however many ask for it meanwhile
+//! (they wait for the one build and share it); and at most [`READS_AT_ONCE`] reads that read
+//! the broker or copy the attempts run at once, the others waiting their turn. Writes are guarded by `admin` (the token, no foreign origin) before they get here;
 //! each logs once what it did, naming the remote address. Secrets never leave: header and
 //! variable values whose names look secret are masked, and signing says only on or off.
 
@@ -14,6 +20,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Json;
@@ -22,7 +29,6 @@ use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, State};
 use axum::http::{Method, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
-use metrics_exporter_prometheus::PrometheusHandle;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -37,6 +43,12 @@ use crate::runtime::gate::Pauses;
 
 /// The OpenAPI document of every route below.
 pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// How long an overview, once built, answers every request for it.
+pub const SNAPSHOT_TTL: Duration = Duration::from_millis(300);
+
+/// Reads that read the broker or copy the attempts running at once.
+pub const READS_AT_ONCE: usize = 2;
 
 /// Opens a broker session for the API.
 pub type Connect<B> = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<B, BrokerError>> + Send>> + Send + Sync>;
@@ -65,22 +77,41 @@ pub struct Api<B: Operate> {
     pub current: Current,
     pub attempts: Attempts,
     pub pauses: Pauses,
-    pub metrics: PrometheusHandle,
     pub connect: Connect<B>,
     /// A session kept for the frequent reads (status, drift); replaced once it is lost.
     session: tokio::sync::Mutex<Option<B>>,
+    /// The last overview built, and when; locked while one is built.
+    overview: tokio::sync::Mutex<Option<(tokio::time::Instant, axum::body::Bytes)>>,
+    /// Overviews built so far.
+    built: AtomicU64,
+    /// Turns of the reads that cost ([`READS_AT_ONCE`]), in the order asked.
+    turns: tokio::sync::Semaphore,
 }
 
 impl<B: Operate> Api<B> {
-    pub fn new(
-        runner: Runner,
-        current: Current,
-        attempts: Attempts,
-        pauses: Pauses,
-        metrics: PrometheusHandle,
-        connect: Connect<B>,
-    ) -> Api<B> {
-        Api { runner, current, attempts, pauses, metrics, connect, session: tokio::sync::Mutex::new(None) }
+    pub fn new(runner: Runner, current: Current, attempts: Attempts, pauses: Pauses, connect: Connect<B>) -> Api<B> {
+        Api {
+            runner,
+            current,
+            attempts,
+            pauses,
+            connect,
+            session: tokio::sync::Mutex::new(None),
+            overview: tokio::sync::Mutex::new(None),
+            built: AtomicU64::new(0),
+            turns: tokio::sync::Semaphore::new(READS_AT_ONCE),
+        }
+    }
+
+    /// How many overviews were built so far.
+    pub fn overviews_built(&self) -> u64 {
+        self.built.load(Ordering::Relaxed)
+    }
+
+    /// A turn among the reads that cost: waits while [`READS_AT_ONCE`] run.
+    async fn turn(&self) -> tokio::sync::SemaphorePermit<'_> {
+        // Never closed: the semaphore lives as long as the API.
+        self.turns.acquire().await.unwrap_or_else(|_| unreachable!("the API's semaphore is never closed"))
     }
 
     /// The kept session, or a new one.
@@ -94,11 +125,15 @@ impl<B: Operate> Api<B> {
         Ok(session)
     }
 
-    /// What this runner's metrics say of each queue (held deliveries, breaker, pause, limit).
-    fn held(&self) -> BTreeMap<String, status::Held> {
-        let mut held = BTreeMap::new();
-        status::add_runner(&self.metrics.render(), &mut held);
-        held
+    /// What this runner is doing with `queue` (held deliveries, breaker, pause, limit).
+    fn held(&self, queue: &str) -> status::Held {
+        let live = self.attempts.get(queue).map(|log| log.live().clone()).unwrap_or_default();
+        status::Held {
+            in_flight: live.in_flight(),
+            circuit: live.circuit(),
+            paused: self.pauses.is_paused(queue),
+            concurrency_limit: live.concurrency_limit(),
+        }
     }
 }
 
@@ -219,9 +254,30 @@ struct Overview {
     last_reload: Option<crate::reload::loader::LastReload>,
 }
 
-async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> {
+/// The overview, as last built unless that was [`SNAPSHOT_TTL`] ago or more.
+async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Response {
+    let mut kept = api.overview.lock().await;
+    let body = match kept.as_ref().filter(|(at, _)| at.elapsed() < SNAPSHOT_TTL) {
+        Some((_, body)) => body.clone(),
+        None => {
+            let body = {
+                let _turn = api.turn().await;
+                api.built.fetch_add(1, Ordering::Relaxed);
+                // An overview always serializes: strings, numbers and options of them.
+                serde_json::to_vec(&overview(&api).await).unwrap_or_default()
+            };
+            let body = axum::body::Bytes::from(body);
+            *kept = Some((tokio::time::Instant::now(), body.clone()));
+            body
+        }
+    };
+    drop(kept);
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn overview<B: Operate>(api: &Api<B>) -> Overview {
     let running = api.current.get();
-    let held = api.held();
+    let held: BTreeMap<String, status::Held> = running.config.queues.keys().map(|q| (q.clone(), api.held(q))).collect();
     let read = async {
         let session = api.session().await?;
         status::read(&mut status::Session(&session), &running.config, Some(&held)).await
@@ -250,13 +306,7 @@ async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> 
             }
         })
         .collect();
-    Ok(Json(Overview {
-        runner: api.runner.clone(),
-        queues,
-        retries_waiting,
-        broker_error,
-        last_reload: running.last_reload,
-    }))
+    Overview { runner: api.runner.clone(), queues, retries_waiting, broker_error, last_reload: running.last_reload }
 }
 
 /// Header and variable names whose values are never shown.
@@ -320,7 +370,7 @@ fn retry_view(q: &Queue) -> Value {
 async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<String>) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
-    let held = api.held().get(&name).copied().unwrap_or_default();
+    let held = api.held(&name);
     Ok(Json(json!({
         "runner": api.runner,
         "name": q.name,
@@ -341,6 +391,7 @@ async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<St
 async fn attempts<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<String>) -> Answer<Value> {
     find(&api.current.get().config, &name)?;
     let log = api.attempts.of(&name);
+    let _turn = api.turn().await;
     Ok(Json(json!({ "capacity": log.capacity(), "attempts": log.recent() })))
 }
 
@@ -462,6 +513,7 @@ async fn dead_letters<B: Operate>(
             Failure(StatusCode::BAD_REQUEST, format!("cursor: expected a page's next_cursor, found \"{text}\""))
         })?),
     };
+    let _turn = api.turn().await;
     let broker = (api.connect)().await?;
     let page = dlq::page(&broker, &q.dead_letter, &filter, after.as_ref()).await;
     broker.close().await;
@@ -480,6 +532,7 @@ async fn dead_letter<B: Operate>(
 ) -> Answer<dlq::Shown> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
+    let _turn = api.turn().await;
     let broker = (api.connect)().await?;
     let shown = dlq::show(&broker, &q.dead_letter, &id).await;
     broker.close().await;
@@ -595,12 +648,14 @@ const DRIFT_TIMEOUT: Duration = Duration::from_secs(10);
 async fn topology<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
     let config = api.current.get().config;
     let plan = crate::topology::plan(&config);
+    let turn = api.turn().await;
     let drift = tokio::time::timeout(DRIFT_TIMEOUT, async { api.session().await?.drift(&plan).await }).await;
     let (drift, drift_error) = match drift {
         Ok(Ok(drift)) => (Some(drift), None),
         Ok(Err(e)) => (None, Some(e.to_string())),
         Err(_) => (None, Some(format!("the broker did not answer within {DRIFT_TIMEOUT:?}"))),
     };
+    drop(turn);
     let handlers: BTreeMap<&String, Value> = config
         .queues
         .iter()

@@ -1,7 +1,9 @@
 //! What the console shows of each queue's recent work, kept in memory: the last N attempts
 //! (a ring buffer per queue) and, per 10-second bucket over the last 15 minutes, how many
 //! messages were handled, retried and dead-lettered and how long the handler took (a coarse
-//! histogram, for p50 and p99).
+//! histogram, for p50 and p99); and what the runtime is doing with it now ([`Live`]: in
+//! flight, breaker, concurrency limit), as values the admin port reads without rendering and
+//! parsing the runner's own `/metrics`.
 //!
 //! Recorded where a delivery's outcome is emitted (`runtime::events`), read by the admin port.
 //! A record is one short lock of the queue's own log (no IO, no allocation beyond the attempt
@@ -14,6 +16,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -198,11 +201,52 @@ fn bounded(mut attempt: Attempt) -> (Attempt, usize) {
     (attempt, count.0)
 }
 
+/// What the runtime is doing with a queue now, set beside the gauges that say the same
+/// (`sluice_in_flight`, `sluice_circuit_state`, `sluice_concurrency_limit`), by whichever of
+/// its workers (an old one finishing beside its successor) as the gauges are.
+#[derive(Debug, Default)]
+pub struct Live {
+    in_flight: AtomicI64,
+    /// The breaker's gauge value (0 closed, 1 half-open, 2 open), as `f64` bits.
+    circuit: AtomicU64,
+    /// The concurrency limit, as `f64` bits.
+    concurrency_limit: AtomicU64,
+}
+
+impl Live {
+    /// A delivery arrived (`1`) or was settled (`-1`).
+    pub fn in_flight_by(&self, delta: i64) {
+        self.in_flight.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    pub fn set_circuit(&self, gauge: f64) {
+        self.circuit.store(gauge.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn set_concurrency_limit(&self, limit: f64) {
+        self.concurrency_limit.store(limit.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Deliveries received and not yet settled.
+    pub fn in_flight(&self) -> u64 {
+        u64::try_from(self.in_flight.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    pub fn circuit(&self) -> f64 {
+        f64::from_bits(self.circuit.load(Ordering::Relaxed))
+    }
+
+    pub fn concurrency_limit(&self) -> f64 {
+        f64::from_bits(self.concurrency_limit.load(Ordering::Relaxed))
+    }
+}
+
 /// One queue's log.
 #[derive(Debug)]
 pub struct QueueLog {
     capacity: usize,
     inner: Mutex<Inner>,
+    live: Arc<Live>,
 }
 
 fn now_ms() -> u64 {
@@ -211,11 +255,16 @@ fn now_ms() -> u64 {
 
 impl QueueLog {
     fn new(capacity: usize) -> QueueLog {
-        QueueLog { capacity, inner: Mutex::new(Inner::default()) }
+        QueueLog { capacity, inner: Mutex::new(Inner::default()), live: Arc::default() }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// What the runtime is doing with the queue now.
+    pub fn live(&self) -> &Arc<Live> {
+        &self.live
     }
 
     /// Whether attempts are kept (the admin port serves them): else only the series counts.

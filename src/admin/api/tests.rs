@@ -39,6 +39,11 @@ fn the_openapi_document_matches_the_routes() {
 
 /// A runner's port over the in-memory broker, one queue `work` running, with token `s3cret`.
 fn app() -> (Router, Pauses) {
+    app_on(Memory::new())
+}
+
+/// [`app`] over `broker`, on which nothing is declared.
+fn app_on(broker: Memory) -> (Router, Pauses) {
     let dir = tempfile::tempdir().expect("tempdir");
     let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\", headers: \
                 {Authorization: \"Bearer literal-secret\", X-Tenant: t1}}}\n    on_status: {\"404\": dead_letter}\n  \
@@ -46,14 +51,13 @@ fn app() -> (Router, Pauses) {
                 BUCKET: b}, on_exit: {\"75\": retry}}}\n";
     std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
     let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
-    let broker = Memory::new();
     let connect: Connect<Memory> = Arc::new(move || Box::pin(std::future::ready(Ok(broker.clone()))));
     let pauses = Pauses::default();
     pauses.keep(config.queues.keys());
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder().handle();
     let runner = Runner::this("test");
     let current = Current::new(Arc::new(config));
-    let api = Api::new(runner, current, Attempts::default(), pauses.clone(), metrics.clone(), connect);
+    let api = Api::new(runner, current, Attempts::default(), pauses.clone(), connect);
     let more = routes::<Memory>().router(Arc::new(api)).merge(super::super::console::routes());
     let token = crate::admin::token::Given { file: None, env: Some("s3cret".into()) }
         .for_runner(std::path::Path::new("/nonexistent"))
@@ -238,4 +242,82 @@ async fn refusals_are_json_and_the_api_takes_what_its_document_says() {
             assert_eq!(validator.is_valid(&value), status != 400, "{name}={text:?}: {status} {body}");
         }
     }
+}
+
+/// Lets every task spawned on this thread run until it waits.
+async fn settle() {
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Issue 31 item 9: 20 connections pipelining `GET /api/v1/queues` cut webhook calls from ~340/s
+/// to 200/s: each request read the broker and rendered and parsed the runner's own metrics.
+/// Now the reads that come while the overview is built wait for that one build, and those
+/// within [`SNAPSHOT_TTL`] of it share it: 50 reads at once read the broker once (once a build
+/// here: its first read fails, nothing being declared), and the next read past the interval
+/// builds it again.
+#[tokio::test]
+async fn concurrent_overview_reads_build_it_once_per_interval() {
+    tokio::task::LocalSet::new().run_until(overview_reads()).await;
+}
+
+async fn overview_reads() {
+    let broker = Memory::new();
+    let (app, _) = app_on(broker.clone());
+    broker.stall_stats(true);
+    let reads: Vec<_> = (0..50)
+        .map(|_| {
+            let app = app.clone();
+            tokio::task::spawn_local(async move { send(&app, "GET", "/api/v1/queues", &[]).await })
+        })
+        .collect();
+    settle().await;
+    let released = std::time::Instant::now();
+    broker.stall_stats(false);
+    let answers = futures_util::future::join_all(reads).await;
+    // A machine too loaded to answer the 50 within the interval may build once more per
+    // interval: the bound, not a timing.
+    let intervals = released.elapsed().as_nanos() / SNAPSHOT_TTL.as_nanos();
+    let (asked, _) = broker.stats_asked();
+    assert!(u128::from(asked) <= 1 + intervals, "50 reads at once read the broker {asked} times");
+    let first = answers[0].as_ref().expect("answered");
+    assert_eq!(first.0, 200, "{}", first.1);
+    assert!(answers.iter().all(|a| a.as_ref().is_ok_and(|a| a == first)), "the same overview for all");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while broker.stats_asked().0 == asked {
+        assert!(std::time::Instant::now() < deadline, "the overview not built again past the interval");
+        tokio::time::sleep(SNAPSHOT_TTL / 10).await;
+        assert_eq!(send(&app, "GET", "/api/v1/queues", &[]).await.0, 200);
+    }
+}
+
+/// Issue 31 item 9: reads that read the broker take turns, [`READS_AT_ONCE`] at a time, the
+/// others waiting (here behind a broker that does not answer until released); the probes and
+/// reads of the config alone still answer meanwhile.
+#[tokio::test]
+async fn reads_of_the_broker_take_turns() {
+    tokio::task::LocalSet::new().run_until(broker_reads()).await;
+}
+
+async fn broker_reads() {
+    let broker = Memory::new();
+    let (app, _) = app_on(broker.clone());
+    broker.stall_stats(true);
+    let reads: Vec<_> = (0..10)
+        .map(|_| {
+            let app = app.clone();
+            tokio::task::spawn_local(async move { send(&app, "GET", "/api/v1/queues/work/dead-letters", &[]).await })
+        })
+        .collect();
+    settle().await;
+    assert_eq!(broker.stats_asked(), (READS_AT_ONCE as u64, READS_AT_ONCE as u64), "10 reads of the broker at once");
+    assert_eq!(send(&app, "GET", "/healthz", &[]).await.0, 200);
+    assert_eq!(send(&app, "GET", "/api/v1/queues/work", &[]).await.0, 200, "a read of the config alone");
+    broker.stall_stats(false);
+    for read in futures_util::future::join_all(reads).await {
+        // Past the broker's turn: no dead-letter queue is declared.
+        assert_eq!(read.expect("answered").0, 502);
+    }
+    assert_eq!(broker.stats_asked(), (10, READS_AT_ONCE as u64), "each in its turn");
 }

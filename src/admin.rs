@@ -17,6 +17,9 @@
 //! a time, a keep-alive one waiting), of that address when it is the address's bound; when all
 //! are busy, the new one is closed. A connection that sends no complete request head within
 //! [`HEAD_TIMEOUT`] (idle ones included) is closed, and none lasts more than [`LIFETIME`].
+//! Requests of the console and its API start at most [`PACE`] a second (bursts of as many
+//! after a quiet second), in the order they came; the others wait their turn (what each costs
+//! is [`api`]'s to bound). `/metrics`, `/healthz` and `/readyz` are never held back.
 //!
 //! It only reports and describes the metrics (their `# HELP` lines); they are recorded where
 //! the events happen (`runtime::events`, `reload::loader`).
@@ -60,6 +63,9 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a connection may last at all, whatever it does (a body sent or an answer read
 /// slowly): every answer here is small and immediate.
 pub const LIFETIME: Duration = Duration::from_secs(30);
+
+/// Requests of the console and its API that start a second at most.
+pub const PACE: u32 = 50;
 
 /// How often a full admin port says so in the log.
 const CROWDED_EVERY: Duration = Duration::from_secs(60);
@@ -200,8 +206,43 @@ async fn guard_writes(
     response
 }
 
-/// The routes, `more` (the console and its API) among them, writes guarded, every answer with
-/// the console's security headers.
+/// When the next request of the console or its API may start; locked by the one waiting for
+/// its turn, so that they start in the order they came.
+#[derive(Clone)]
+struct Pace(Arc<tokio::sync::Mutex<tokio::time::Instant>>);
+
+impl Default for Pace {
+    fn default() -> Pace {
+        let now = tokio::time::Instant::now();
+        Pace(Arc::new(tokio::sync::Mutex::new(now.checked_sub(Duration::from_secs(1)).unwrap_or(now))))
+    }
+}
+
+impl Pace {
+    /// When a request asking `now` starts, `next_at` being when the next may; moves `next_at`
+    /// on. Turns not taken while quiet are kept, a second's worth at most.
+    fn take<I>(next_at: &mut I, now: I) -> I
+    where
+        I: Copy + Ord + std::ops::Add<Duration, Output = I> + std::ops::Sub<Duration, Output = I>,
+    {
+        let at = (*next_at).max(now - Duration::from_secs(1));
+        *next_at = at + Duration::from_secs(1) / PACE;
+        at
+    }
+}
+
+/// Starts `request` in its turn: [`PACE`] a second at most, a quiet second's worth at once.
+async fn paced(State(pace): State<Pace>, request: Request, next: Next) -> Response {
+    {
+        let mut next_at = pace.0.lock().await;
+        let at = Pace::take(&mut *next_at, tokio::time::Instant::now());
+        tokio::time::sleep_until(at).await;
+    }
+    next.run(request).await
+}
+
+/// The routes, `more` (the console and its API, paced) among them, writes guarded, every
+/// answer with the console's security headers.
 fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token: Token, more: Router) -> Router {
     let resumes = pauses.clone();
     Router::new()
@@ -228,7 +269,7 @@ fn routes(metrics: PrometheusHandle, readiness: Readiness, pauses: Pauses, token
                 std::future::ready(set_paused(&resumes, &name, false, remote))
             }),
         )
-        .merge(more)
+        .merge(more.layer(axum::middleware::from_fn_with_state(Pace::default(), paced)))
         .layer(axum::middleware::from_fn_with_state(token, guard_writes))
         .layer(axum::middleware::map_response(console::secure))
 }
@@ -456,6 +497,25 @@ mod tests {
 
     /// A request's headers, by name and value.
     type Headers = &'static [(&'static str, &'static str)];
+
+    /// Issue 31 item 9: requests of the console and its API start at most [`PACE`] a second:
+    /// after a quiet second, a second's worth at once, then one every 1/PACE s; a pause gives
+    /// its turns back, a second's worth at most.
+    #[test]
+    fn requests_start_at_the_pace() {
+        let spacing = Duration::from_secs(1) / PACE;
+        // Durations since an origin stand for instants.
+        let origin = Duration::from_secs(100);
+        let mut next_at = origin - Duration::from_secs(1);
+        let starts: Vec<Duration> = (0..PACE + 3).map(|_| Pace::take(&mut next_at, origin)).collect();
+        assert!(starts[..PACE as usize].iter().all(|s| *s <= origin), "a quiet second's worth at once");
+        assert_eq!(starts[PACE as usize..], [origin, origin + spacing, origin + spacing * 2]);
+        // Quiet for a long time: a second's worth again, no more.
+        let later = origin + Duration::from_secs(60);
+        let starts: Vec<Duration> = (0..=PACE).map(|_| Pace::take(&mut next_at, later)).collect();
+        assert_eq!(starts.iter().filter(|s| **s < later).count(), PACE as usize);
+        assert_eq!(starts[PACE as usize], later);
+    }
 
     /// Issue 31 item 10: past its bound, a peer's new connection takes the place of its own
     /// longest-held idle one, and past the port's bound, of the longest-held idle one of any

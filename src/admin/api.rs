@@ -5,15 +5,17 @@
 //!
 //! The work is `ops`'s (`ops::status`, `ops::dlq`), as for the CLI; this only gathers what
 //! this runner knows beside it (its attempts, its breakers, the last reload) and answers in
-//! JSON.
-//!
-//! The data path comes first: what reads cost is bounded. The runner's own state is read as
-//! values (`runtime::attempts::Live`, the pauses), never by rendering its `/metrics`; the
-//! overview is built at most once per [`SNAPSHOT_TTL`], however many ask for it meanwhile
-//! (they wait for the one build and share it); and at most [`READS_AT_ONCE`] reads that read
-//! the broker or copy the attempts run at once, the others waiting their turn. Writes are guarded by `admin` (the token, no foreign origin) before they get here;
+//! JSON. Writes are guarded by `admin` (the token, no foreign origin) before they get here;
 //! each logs once what it did, naming the remote address. Secrets never leave: header and
 //! variable values whose names look secret are masked, and signing says only on or off.
+//!
+//! The data path comes first: what reads cost is bounded (and how many start a second is,
+//! by `admin`). The runner's own state is read as values (`runtime::attempts::Live`, the
+//! pauses), never by rendering its `/metrics`; the overview is built at most once per
+//! [`SNAPSHOT_TTL`], however many ask for it meanwhile (they wait for the one build and share
+//! it); reads that read the broker or copy the attempts take turns, [`READS_AT_ONCE`] at a
+//! time, and each turn rests [`REST`] times as long as its read took before the next reader
+//! has it, so that they take a small share of the time however many ask.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -50,6 +52,13 @@ pub const SNAPSHOT_TTL: Duration = Duration::from_millis(300);
 /// Reads that read the broker or copy the attempts running at once.
 pub const READS_AT_ONCE: usize = 2;
 
+/// How many times as long as a read took its turn rests before the next reader has it: such
+/// reads take at most a tenth of the time per turn.
+pub const REST: u32 = 9;
+
+/// The longest a turn rests (after a read that waited long on the broker).
+const MAX_REST: Duration = Duration::from_secs(5);
+
 /// Opens a broker session for the API.
 pub type Connect<B> = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<B, BrokerError>> + Send>> + Send + Sync>;
 
@@ -85,7 +94,7 @@ pub struct Api<B: Operate> {
     /// Overviews built so far.
     built: AtomicU64,
     /// Turns of the reads that cost ([`READS_AT_ONCE`]), in the order asked.
-    turns: tokio::sync::Semaphore,
+    turns: Arc<tokio::sync::Semaphore>,
 }
 
 impl<B: Operate> Api<B> {
@@ -99,7 +108,7 @@ impl<B: Operate> Api<B> {
             session: tokio::sync::Mutex::new(None),
             overview: tokio::sync::Mutex::new(None),
             built: AtomicU64::new(0),
-            turns: tokio::sync::Semaphore::new(READS_AT_ONCE),
+            turns: Arc::new(tokio::sync::Semaphore::new(READS_AT_ONCE)),
         }
     }
 
@@ -108,10 +117,12 @@ impl<B: Operate> Api<B> {
         self.built.load(Ordering::Relaxed)
     }
 
-    /// A turn among the reads that cost: waits while [`READS_AT_ONCE`] run.
-    async fn turn(&self) -> tokio::sync::SemaphorePermit<'_> {
+    /// A turn among the reads that cost: waits while [`READS_AT_ONCE`] run or rest.
+    async fn turn(&self) -> Turn {
         // Never closed: the semaphore lives as long as the API.
-        self.turns.acquire().await.unwrap_or_else(|_| unreachable!("the API's semaphore is never closed"))
+        let permit = self.turns.clone().acquire_owned().await;
+        let permit = permit.unwrap_or_else(|_| unreachable!("the API's semaphore is never closed"));
+        Turn { permit: Some(permit), began: tokio::time::Instant::now() }
     }
 
     /// The kept session, or a new one.
@@ -133,6 +144,24 @@ impl<B: Operate> Api<B> {
             circuit: live.circuit(),
             paused: self.pauses.is_paused(queue),
             concurrency_limit: live.concurrency_limit(),
+        }
+    }
+}
+
+/// A read's turn: once dropped, it rests [`REST`] times as long as it was held, then passes.
+struct Turn {
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    began: tokio::time::Instant,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let rest = self.began.elapsed().saturating_mul(REST).min(MAX_REST);
+        if let Some(permit) = self.permit.take() {
+            tokio::spawn(async move {
+                tokio::time::sleep(rest).await;
+                drop(permit);
+            });
         }
     }
 }

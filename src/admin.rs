@@ -213,19 +213,21 @@ struct Pace(Arc<tokio::sync::Mutex<tokio::time::Instant>>);
 
 impl Default for Pace {
     fn default() -> Pace {
-        let now = tokio::time::Instant::now();
-        Pace(Arc::new(tokio::sync::Mutex::new(now.checked_sub(Duration::from_secs(1)).unwrap_or(now))))
+        Pace(Arc::new(tokio::sync::Mutex::new(Pace::a_second_ago())))
     }
 }
 
 impl Pace {
-    /// When a request asking `now` starts, `next_at` being when the next may; moves `next_at`
-    /// on. Turns not taken while quiet are kept, a second's worth at most.
-    fn take<I>(next_at: &mut I, now: I) -> I
-    where
-        I: Copy + Ord + std::ops::Add<Duration, Output = I> + std::ops::Sub<Duration, Output = I>,
-    {
-        let at = (*next_at).max(now - Duration::from_secs(1));
+    /// Now less a second: turns not taken while quiet are kept, a second's worth at most.
+    fn a_second_ago() -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        now.checked_sub(Duration::from_secs(1)).unwrap_or(now)
+    }
+
+    /// When a request starts, `next_at` being when the next may and `earliest` a second ago;
+    /// moves `next_at` on.
+    fn take<I: Copy + Ord + std::ops::Add<Duration, Output = I>>(next_at: &mut I, earliest: I) -> I {
+        let at = (*next_at).max(earliest);
         *next_at = at + Duration::from_secs(1) / PACE;
         at
     }
@@ -235,7 +237,7 @@ impl Pace {
 async fn paced(State(pace): State<Pace>, request: Request, next: Next) -> Response {
     {
         let mut next_at = pace.0.lock().await;
-        let at = Pace::take(&mut *next_at, tokio::time::Instant::now());
+        let at = Pace::take(&mut *next_at, Pace::a_second_ago());
         tokio::time::sleep_until(at).await;
     }
     next.run(request).await
@@ -507,12 +509,13 @@ mod tests {
         // Durations since an origin stand for instants.
         let origin = Duration::from_secs(100);
         let mut next_at = origin - Duration::from_secs(1);
-        let starts: Vec<Duration> = (0..PACE + 3).map(|_| Pace::take(&mut next_at, origin)).collect();
+        let second = Duration::from_secs(1);
+        let starts: Vec<Duration> = (0..PACE + 3).map(|_| Pace::take(&mut next_at, origin - second)).collect();
         assert!(starts[..PACE as usize].iter().all(|s| *s <= origin), "a quiet second's worth at once");
         assert_eq!(starts[PACE as usize..], [origin, origin + spacing, origin + spacing * 2]);
         // Quiet for a long time: a second's worth again, no more.
         let later = origin + Duration::from_secs(60);
-        let starts: Vec<Duration> = (0..=PACE).map(|_| Pace::take(&mut next_at, later)).collect();
+        let starts: Vec<Duration> = (0..=PACE).map(|_| Pace::take(&mut next_at, later - second)).collect();
         assert_eq!(starts.iter().filter(|s| **s < later).count(), PACE as usize);
         assert_eq!(starts[PACE as usize], later);
     }

@@ -16,9 +16,16 @@
 //! many more there were. No cookie is ever set or read, so a browser adds no credentials of its
 //! own.
 //!
-//! The port must never cost the data path its file descriptors or its time: it holds at most
-//! [`MAX_CONNECTIONS`] connections and closes more as they come, and a connection that sends
-//! no complete request head within [`HEAD_TIMEOUT`] (idle ones included) is closed.
+//! The port must never cost the data path its file descriptors or its time, and idle or slow
+//! clients must never keep a scrape out: it holds at most [`MAX_CONNECTIONS`] connections, at
+//! most [`PER_PEER`] from one address. A new connection past either bound takes the place of
+//! the longest-held idle one (no request under way: a slowloris one sending its head a byte at
+//! a time, a keep-alive one waiting), of that address when it is the address's bound; when all
+//! are busy, the new one is closed. A connection that sends no complete request head within
+//! [`HEAD_TIMEOUT`] (idle ones included) is closed, and none lasts more than [`LIFETIME`].
+//! Requests of the console and its API start at most [`PACE`] a second (bursts of as many
+//! after a quiet second), in the order they came; the others wait their turn (what each costs
+//! is [`api`]'s to bound). `/metrics`, `/healthz` and `/readyz` are never held back.
 //!
 //! It only reports and describes the metrics (their `# HELP` lines); they are recorded where
 //! the events happen (`runtime::events`, `reload::loader`).
@@ -27,8 +34,10 @@ pub mod api;
 pub mod console;
 pub mod token;
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -47,15 +56,22 @@ use crate::runtime::Readiness;
 use crate::runtime::gate::Pauses;
 use token::{Source, Token};
 
-/// At most this many admin connections are open at once; more are closed as they come.
+/// At most this many admin connections are open at once.
 pub const MAX_CONNECTIONS: usize = 64;
+
+/// At most this many of them from one address: below [`MAX_CONNECTIONS`], so that one client
+/// holding its share busy leaves room for the others.
+pub const PER_PEER: usize = 16;
 
 /// How long a connection may take to send a request's head, and may stay idle before one.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a connection may last at all, whatever it does (a body sent or an answer read
 /// slowly): every answer here is small and immediate.
-const LIFETIME: Duration = Duration::from_secs(30);
+pub const LIFETIME: Duration = Duration::from_secs(30);
+
+/// Requests of the console and its API that start a second at most.
+pub const PACE: u32 = 50;
 
 /// How often a full admin port says so in the log.
 const CROWDED_EVERY: Duration = Duration::from_secs(60);
@@ -318,8 +334,45 @@ async fn guard(
     response
 }
 
-/// The routes, `more` (the console and its API) among them, guarded, every answer with the
-/// console's security headers.
+/// When the next request of the console or its API may start; locked by the one waiting for
+/// its turn, so that they start in the order they came.
+#[derive(Clone)]
+struct Pace(Arc<tokio::sync::Mutex<tokio::time::Instant>>);
+
+impl Default for Pace {
+    fn default() -> Pace {
+        Pace(Arc::new(tokio::sync::Mutex::new(Pace::a_second_ago())))
+    }
+}
+
+impl Pace {
+    /// Now less a second: turns not taken while quiet are kept, a second's worth at most.
+    fn a_second_ago() -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        now.checked_sub(Duration::from_secs(1)).unwrap_or(now)
+    }
+
+    /// When a request starts, `next_at` being when the next may and `earliest` a second ago;
+    /// moves `next_at` on.
+    fn take<I: Copy + Ord + std::ops::Add<Duration, Output = I>>(next_at: &mut I, earliest: I) -> I {
+        let at = (*next_at).max(earliest);
+        *next_at = at + Duration::from_secs(1) / PACE;
+        at
+    }
+}
+
+/// Starts `request` in its turn: [`PACE`] a second at most, a quiet second's worth at once.
+async fn paced(State(pace): State<Pace>, request: Request, next: Next) -> Response {
+    {
+        let mut next_at = pace.0.lock().await;
+        let at = Pace::take(&mut *next_at, Pace::a_second_ago());
+        tokio::time::sleep_until(at).await;
+    }
+    next.run(request).await
+}
+
+/// The routes, `more` (the console and its API, paced) among them, guarded, every answer with
+/// the console's security headers.
 fn routes(
     metrics: PrometheusHandle,
     readiness: Readiness,
@@ -353,7 +406,7 @@ fn routes(
                 std::future::ready(set_paused(&resumes, &name, false, remote))
             }),
         )
-        .merge(more)
+        .merge(more.layer(axum::middleware::from_fn_with_state(Pace::default(), paced)))
         .layer(axum::middleware::from_fn_with_state(access, guard))
         .layer(axum::middleware::map_response(console::secure))
 }
@@ -390,10 +443,10 @@ pub async fn serve(
             tracing::info!(%addr, "the admin endpoint is open to the network: its metrics and health are open, the rest needs the token");
         }
     }
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let held = Held::default();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT);
-    let (mut crowded, mut warned) = (0u64, None::<Instant>);
+    let (mut crowded, mut warned) = (Crowded::default(), None::<Instant>);
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -411,30 +464,168 @@ pub async fn serve(
                 }
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            // Dropping the stream closes it.
-            crowded += 1;
-            if warned.is_none_or(|at| at.elapsed() >= CROWDED_EVERY) {
-                tracing::warn!(
-                    limit = MAX_CONNECTIONS,
-                    closed = crowded,
-                    "admin endpoint full: closing new connections until some end"
-                );
-                (crowded, warned) = (0, Some(Instant::now()));
-            }
-            continue;
-        };
+        let admitted = held.admit(remote.ip(), &mut crowded);
+        if crowded.any() && warned.is_none_or(|at| at.elapsed() >= CROWDED_EVERY) {
+            tracing::warn!(
+                limit = MAX_CONNECTIONS,
+                per_address = PER_PEER,
+                idle_closed = crowded.evicted,
+                refused = crowded.refused,
+                "admin endpoint full: closing the longest-held idle connections for new ones, and new ones while all are busy"
+            );
+            (crowded, warned) = (Crowded::default(), Some(Instant::now()));
+        }
+        // Dropping the stream closes it.
+        let Some(slot) = admitted else { continue };
         let app = app.clone();
+        let busy = slot.busy.clone();
         let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
             request.extensions_mut().insert(ConnectInfo(remote));
-            app.clone().oneshot(request.map(axum::body::Body::new))
+            let under_way = Busy::enter(&busy);
+            let response = app.clone().oneshot(request.map(axum::body::Body::new));
+            async move {
+                let response = response.await?;
+                // Busy until the answer is written (or the connection dropped).
+                Ok::<_, std::convert::Infallible>(response.map(|body| Answer { body, _busy: under_way }))
+            }
         });
         let connection = http.serve_connection(TokioIo::new(stream), service);
         tokio::spawn(async move {
-            let _slot = slot;
-            // Ended by the client, a timeout, or its lifetime: nothing to report.
-            let _ = tokio::time::timeout(LIFETIME, connection).await;
+            // Ended by the client, a timeout, its lifetime, or a new connection that took its
+            // place: nothing to report.
+            tokio::select! {
+                _ = tokio::time::timeout(LIFETIME, connection) => {}
+                () = slot.evicted.cancelled() => {}
+            }
+            drop(slot);
         });
+        // The connection's turn to read what it sent (busy once its head is in) before the
+        // next is accepted: in a flood of connections, one that sent a request at once is then
+        // never the longest-held idle one.
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The admin connections open, by the order they came in.
+#[derive(Clone, Default)]
+struct Held(Arc<Mutex<HeldInner>>);
+
+#[derive(Default)]
+struct HeldInner {
+    next: u64,
+    open: BTreeMap<u64, Open>,
+}
+
+/// An open connection as [`Held`] sees it.
+struct Open {
+    peer: IpAddr,
+    /// Requests under way on it (their answers not yet written).
+    busy: Arc<AtomicUsize>,
+    /// Closes it, to make room.
+    evict: CancellationToken,
+}
+
+/// A connection's place in [`Held`], given up when dropped.
+struct Slot {
+    held: Held,
+    id: u64,
+    busy: Arc<AtomicUsize>,
+    evicted: CancellationToken,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.held.lock().open.remove(&self.id);
+    }
+}
+
+/// What [`Held::admit`] did about a full port, counted until it is next logged.
+#[derive(Debug, Default)]
+struct Crowded {
+    /// Idle connections closed for new ones.
+    evicted: u64,
+    /// New connections closed, all others busy.
+    refused: u64,
+}
+
+impl Crowded {
+    fn any(&self) -> bool {
+        self.evicted + self.refused > 0
+    }
+}
+
+impl Held {
+    fn lock(&self) -> MutexGuard<'_, HeldInner> {
+        // Nothing panics while holding it; the map stays valid.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A place for a new connection from `peer`: past a bound, the longest-held idle
+    /// connection (of `peer`, when it is `peer`'s bound) is closed for it; None when all are
+    /// busy.
+    fn admit(&self, peer: IpAddr, crowded: &mut Crowded) -> Option<Slot> {
+        let peer = peer.to_canonical();
+        let mut inner = self.lock();
+        let of_peer = inner.open.values().filter(|o| o.peer == peer).count();
+        let full =
+            if of_peer >= PER_PEER { Some(Some(peer)) } else { (inner.open.len() >= MAX_CONNECTIONS).then_some(None) };
+        if let Some(among) = full {
+            let idle = |o: &Open| among.is_none_or(|p| o.peer == p) && o.busy.load(Ordering::SeqCst) == 0;
+            let Some(oldest) = inner.open.iter().find(|(_, o)| idle(o)).map(|(id, _)| *id) else {
+                crowded.refused += 1;
+                return None;
+            };
+            if let Some(open) = inner.open.remove(&oldest) {
+                open.evict.cancel();
+                crowded.evicted += 1;
+            }
+        }
+        inner.next += 1;
+        let (id, busy, evicted) = (inner.next, Arc::new(AtomicUsize::new(0)), CancellationToken::new());
+        inner.open.insert(id, Open { peer, busy: busy.clone(), evict: evicted.clone() });
+        Some(Slot { held: self.clone(), id, busy, evicted })
+    }
+}
+
+/// One request under way on a connection, from its head to the end of its answer.
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn enter(busy: &Arc<AtomicUsize>) -> Busy {
+        busy.fetch_add(1, Ordering::SeqCst);
+        Busy(busy.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// An answer's body, its request [`Busy`] until it is written whole or dropped.
+struct Answer {
+    body: axum::body::Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for Answer {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -450,6 +641,57 @@ mod tests {
 
     /// A request's headers, by name and value.
     type Headers = &'static [(&'static str, &'static str)];
+
+    /// Issue 31 item 9: requests of the console and its API start at most [`PACE`] a second:
+    /// after a quiet second, a second's worth at once, then one every 1/PACE s; a pause gives
+    /// its turns back, a second's worth at most.
+    #[test]
+    fn requests_start_at_the_pace() {
+        let spacing = Duration::from_secs(1) / PACE;
+        // Durations since an origin stand for instants.
+        let origin = Duration::from_secs(100);
+        let mut next_at = origin - Duration::from_secs(1);
+        let second = Duration::from_secs(1);
+        let starts: Vec<Duration> = (0..PACE + 3).map(|_| Pace::take(&mut next_at, origin - second)).collect();
+        assert!(starts[..PACE as usize].iter().all(|s| *s <= origin), "a quiet second's worth at once");
+        assert_eq!(starts[PACE as usize..], [origin, origin + spacing, origin + spacing * 2]);
+        // Quiet for a long time: a second's worth again, no more.
+        let later = origin + Duration::from_secs(60);
+        let starts: Vec<Duration> = (0..=PACE).map(|_| Pace::take(&mut next_at, later - second)).collect();
+        assert_eq!(starts.iter().filter(|s| **s < later).count(), PACE as usize);
+        assert_eq!(starts[PACE as usize], later);
+    }
+
+    /// Issue 31 item 10: past its bound, a peer's new connection takes the place of its own
+    /// longest-held idle one, and past the port's bound, of the longest-held idle one of any
+    /// peer; busy ones are never closed for it.
+    #[test]
+    fn a_new_connection_takes_the_place_of_the_longest_held_idle_one() {
+        let held = Held::default();
+        let mut crowded = Crowded::default();
+        let peer = |n: u8| IpAddr::from([10, 0, 0, n]);
+        let mut admit = |n: u8| held.admit(peer(n), &mut crowded);
+        let first: Vec<Slot> = (0..PER_PEER).map(|_| admit(1).expect("room")).collect();
+        first[0].busy.store(1, Ordering::SeqCst);
+        let next = admit(1).expect("room made");
+        assert!(!first[0].evicted.is_cancelled(), "busy: kept");
+        assert!(first[1].evicted.is_cancelled(), "the longest-held idle one of the peer made room");
+        assert!(first[2..].iter().all(|s| !s.evicted.is_cancelled()));
+        for slot in first.iter().chain([&next]) {
+            slot.busy.store(1, Ordering::SeqCst);
+        }
+        assert!(admit(1).is_none(), "all busy: the new one is refused");
+        // Other peers fill the port; then a new one closes the longest-held idle one of any.
+        let others: Vec<Slot> =
+            (2..).take(3).flat_map(|n| (0..PER_PEER).map(move |_| n)).map(|n| admit(n).expect("room")).collect();
+        assert_eq!(held.lock().open.len(), MAX_CONNECTIONS);
+        let _late = admit(9).expect("room made");
+        assert!(others[0].evicted.is_cancelled(), "the longest-held idle one made room");
+        assert_eq!(held.lock().open.len(), MAX_CONNECTIONS);
+        drop(next);
+        assert_eq!(held.lock().open.len(), MAX_CONNECTIONS - 1, "a connection ended gives its place up");
+        assert_eq!((crowded.evicted, crowded.refused), (2, 1));
+    }
 
     #[test]
     fn writes_need_the_token_and_no_foreign_origin() {

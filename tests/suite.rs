@@ -13,6 +13,7 @@ mod util;
 mod admin;
 mod admin_exposure;
 mod admin_guard;
+mod admin_load;
 mod broker_arguments;
 mod capabilities;
 mod channels;

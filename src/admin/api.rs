@@ -10,21 +10,30 @@
 //! shown as its file writes it (`${VAR}` and `{{env.X}}` as written, never their values), URL
 //! passwords and query values masked, so are header, variable and flag values whose names look
 //! secret; signing says only on or off.
+//!
+//! The data path comes first: what reads cost is bounded (and how many start a second is,
+//! by `admin`). The runner's own state is read as values (`runtime::attempts::Live`, the
+//! pauses), never by rendering its `/metrics`; the overview is built at most once per
+//! [`SNAPSHOT_TTL`], however many ask for it meanwhile (they wait for the one build and share
+//! it); reads that read the broker or copy the attempts take turns, [`READS_AT_ONCE`] at a
+//! time, and each turn rests [`REST`] times as long as its read took before the next reader
+//! has it, so that they take a small share of the time however many ask.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{ConnectInfo, Path, Query, State};
-use axum::http::{Method, StatusCode};
+use axum::extract::{ConnectInfo, FromRequestParts, Path, Query, State};
+use axum::http::{Method, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
-use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -39,6 +48,19 @@ use crate::secret::MASK;
 
 /// The OpenAPI document of every route below.
 pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// How long an overview, once built, answers every request for it.
+pub const SNAPSHOT_TTL: Duration = Duration::from_millis(300);
+
+/// Reads that read the broker or copy the attempts running at once.
+pub const READS_AT_ONCE: usize = 2;
+
+/// How many times as long as a read took its turn rests before the next reader has it: such
+/// reads take at most a tenth of the time per turn.
+pub const REST: u32 = 9;
+
+/// The longest a turn rests (after a read that waited long on the broker).
+const MAX_REST: Duration = Duration::from_secs(5);
 
 /// Opens a broker session for the API.
 pub type Connect<B> = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<B, BrokerError>> + Send>> + Send + Sync>;
@@ -67,22 +89,43 @@ pub struct Api<B: Operate> {
     pub current: Current,
     pub attempts: Attempts,
     pub pauses: Pauses,
-    pub metrics: PrometheusHandle,
     pub connect: Connect<B>,
     /// A session kept for the frequent reads (status, drift); replaced once it is lost.
     session: tokio::sync::Mutex<Option<B>>,
+    /// The last overview built, and when; locked while one is built.
+    overview: tokio::sync::Mutex<Option<(tokio::time::Instant, axum::body::Bytes)>>,
+    /// Overviews built so far.
+    built: AtomicU64,
+    /// Turns of the reads that cost ([`READS_AT_ONCE`]), in the order asked.
+    turns: Arc<tokio::sync::Semaphore>,
 }
 
 impl<B: Operate> Api<B> {
-    pub fn new(
-        runner: Runner,
-        current: Current,
-        attempts: Attempts,
-        pauses: Pauses,
-        metrics: PrometheusHandle,
-        connect: Connect<B>,
-    ) -> Api<B> {
-        Api { runner, current, attempts, pauses, metrics, connect, session: tokio::sync::Mutex::new(None) }
+    pub fn new(runner: Runner, current: Current, attempts: Attempts, pauses: Pauses, connect: Connect<B>) -> Api<B> {
+        Api {
+            runner,
+            current,
+            attempts,
+            pauses,
+            connect,
+            session: tokio::sync::Mutex::new(None),
+            overview: tokio::sync::Mutex::new(None),
+            built: AtomicU64::new(0),
+            turns: Arc::new(tokio::sync::Semaphore::new(READS_AT_ONCE)),
+        }
+    }
+
+    /// How many overviews were built so far.
+    pub fn overviews_built(&self) -> u64 {
+        self.built.load(Ordering::Relaxed)
+    }
+
+    /// A turn among the reads that cost: waits while [`READS_AT_ONCE`] run or rest.
+    async fn turn(&self) -> Turn {
+        // Never closed: the semaphore lives as long as the API.
+        let permit = self.turns.clone().acquire_owned().await;
+        let permit = permit.unwrap_or_else(|_| unreachable!("the API's semaphore is never closed"));
+        Turn { permit: Some(permit), began: tokio::time::Instant::now() }
     }
 
     /// The kept session, or a new one.
@@ -96,11 +139,33 @@ impl<B: Operate> Api<B> {
         Ok(session)
     }
 
-    /// What this runner's metrics say of each queue (held deliveries, breaker, pause, limit).
-    fn held(&self) -> BTreeMap<String, status::Held> {
-        let mut held = BTreeMap::new();
-        status::add_runner(&self.metrics.render(), &mut held);
-        held
+    /// What this runner is doing with `queue` (held deliveries, breaker, pause, limit).
+    fn held(&self, queue: &str) -> status::Held {
+        let live = self.attempts.get(queue).map(|log| log.live().clone()).unwrap_or_default();
+        status::Held {
+            in_flight: live.in_flight(),
+            circuit: live.circuit(),
+            paused: self.pauses.is_paused(queue),
+            concurrency_limit: live.concurrency_limit(),
+        }
+    }
+}
+
+/// A read's turn: once dropped, it rests [`REST`] times as long as it was held, then passes.
+struct Turn {
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    began: tokio::time::Instant,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let rest = self.began.elapsed().saturating_mul(REST).min(MAX_REST);
+        if let Some(permit) = self.permit.take() {
+            tokio::spawn(async move {
+                tokio::time::sleep(rest).await;
+                drop(permit);
+            });
+        }
     }
 }
 
@@ -161,6 +226,34 @@ impl From<BrokerError> for Failure {
 
 type Answer<T> = Result<Json<T>, Failure>;
 
+/// The query, refused as every error here is: in JSON.
+struct Queried<T>(T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for Queried<T> {
+    type Rejection = Failure;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Failure> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(value)) => Ok(Queried(value)),
+            Err(e) => Err(Failure(e.status(), e.body_text())),
+        }
+    }
+}
+
+/// The path's parameters, refused (not UTF-8 once decoded) in JSON too.
+struct Named<T>(T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for Named<T> {
+    type Rejection = Failure;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Failure> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(value)) => Ok(Named(value)),
+            Err(e) => Err(Failure(e.status(), e.body_text())),
+        }
+    }
+}
+
 /// The queue `name` of the running config.
 fn find<'a>(config: &'a Config, name: &str) -> Result<&'a Queue, Failure> {
     config.queues.get(name).ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no queue \"{name}\" runs here")))
@@ -193,9 +286,30 @@ struct Overview {
     last_reload: Option<crate::reload::loader::LastReload>,
 }
 
-async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> {
+/// The overview, as last built unless that was [`SNAPSHOT_TTL`] ago or more.
+async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Response {
+    let mut kept = api.overview.lock().await;
+    let body = match kept.as_ref().filter(|(at, _)| at.elapsed() < SNAPSHOT_TTL) {
+        Some((_, body)) => body.clone(),
+        None => {
+            let body = {
+                let _turn = api.turn().await;
+                api.built.fetch_add(1, Ordering::Relaxed);
+                // An overview always serializes: strings, numbers and options of them.
+                serde_json::to_vec(&overview(&api).await).unwrap_or_default()
+            };
+            let body = axum::body::Bytes::from(body);
+            *kept = Some((tokio::time::Instant::now(), body.clone()));
+            body
+        }
+    };
+    drop(kept);
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn overview<B: Operate>(api: &Api<B>) -> Overview {
     let running = api.current.get();
-    let held = api.held();
+    let held: BTreeMap<String, status::Held> = running.config.queues.keys().map(|q| (q.clone(), api.held(q))).collect();
     let read = async {
         let session = api.session().await?;
         status::read(&mut status::Session(&session), &running.config, Some(&held)).await
@@ -224,13 +338,7 @@ async fn queues<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Overview> 
             }
         })
         .collect();
-    Ok(Json(Overview {
-        runner: api.runner.clone(),
-        queues,
-        retries_waiting,
-        broker_error,
-        last_reload: running.last_reload,
-    }))
+    Overview { runner: api.runner.clone(), queues, retries_waiting, broker_error, last_reload: running.last_reload }
 }
 
 /// Header, variable and flag names whose values are never shown.
@@ -351,10 +459,10 @@ fn retry_view(q: &Queue) -> Value {
     })
 }
 
-async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<String>) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
-    let held = api.held().get(&name).copied().unwrap_or_default();
+    let held = api.held(&name);
     Ok(Json(json!({
         "runner": api.runner,
         "name": q.name,
@@ -372,23 +480,58 @@ async fn queue<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<Stri
     })))
 }
 
-async fn attempts<B: Operate>(State(api): State<Arc<Api<B>>>, Path(name): Path<String>) -> Answer<Value> {
+async fn attempts<B: Operate>(State(api): State<Arc<Api<B>>>, Named(name): Named<String>) -> Answer<Value> {
     find(&api.current.get().config, &name)?;
     let log = api.attempts.of(&name);
+    let _turn = api.turn().await;
     Ok(Json(json!({ "capacity": log.capacity(), "attempts": log.recent() })))
 }
 
-/// The dead-letter filters, as query parameters or in a write's body.
+/// The dead-letter filters, as query parameters or in a write's body. As the OpenAPI document
+/// has them: a field may be absent, never null.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Filters {
+    #[serde(default, deserialize_with = "given")]
     reason: Option<String>,
     /// A duration such as `1h`.
+    #[serde(default, deserialize_with = "given")]
     since: Option<String>,
     /// Message ids, comma-separated in a query.
     #[serde(default, deserialize_with = "ids")]
     id: Vec<String>,
+    #[serde(default, deserialize_with = "count")]
     limit: Option<usize>,
+}
+
+/// A field that is there, not null (absent is the field's default).
+fn given<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
+/// A count of messages: a whole number, 0 or more, as JSON Schema's `integer` has it (`230.0`
+/// is one) and as text in a query. Past what fits, as many as there can be.
+fn count<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Number {
+        Whole(u64),
+        Real(f64),
+        Text(String),
+    }
+    let real = match Number::deserialize(d)? {
+        Number::Whole(n) => return Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+        Number::Real(r) => Some(r),
+        Number::Text(text) => match text.trim().parse::<u64>() {
+            Ok(n) => return Ok(Some(usize::try_from(n).unwrap_or(usize::MAX))),
+            Err(_) => text.trim().parse::<f64>().ok(),
+        },
+    };
+    match real {
+        // A float past usize's range saturates in the cast: as many as there can be.
+        Some(r) if r.is_finite() && r >= 0.0 && r.fract() == 0.0 => Ok(Some(r as usize)),
+        _ => Err(serde::de::Error::custom("expected a whole number of messages, 0 or more")),
+    }
 }
 
 /// Ids as a list, or as one comma-separated string.
@@ -405,12 +548,20 @@ fn ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> 
     })
 }
 
+/// Whether `text` is a duration by the OpenAPI document's pattern, too long to be held: any
+/// age, then.
+fn too_long(text: &str) -> bool {
+    let digits = ["ms", "s", "m", "h", "d"].iter().find_map(|unit| text.strip_suffix(unit));
+    digits.is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
 impl Filters {
     fn filter(self) -> Result<Filter, Failure> {
         let since = match self.since.as_deref().filter(|s| !s.is_empty()) {
             None => None,
             Some(text) => Some(
                 crate::config::parse_duration(text)
+                    .or_else(|| too_long(text).then_some(Duration::MAX))
                     .ok_or_else(|| Failure(StatusCode::BAD_REQUEST, crate::config::duration_problem(text)))?,
             ),
         };
@@ -419,27 +570,61 @@ impl Filters {
     }
 }
 
+/// Dead letters a page holds unless the query's `limit` says otherwise.
+pub const PAGE: usize = 100;
+
+/// The most a page holds: what a browser shows at once, in an answer of a few hundred KiB.
+pub const MAX_PAGE: usize = 1000;
+
+/// A listing's query: the filters, `limit` the page's size, and where the page begins.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Listing {
+    #[serde(flatten)]
+    filters: Filters,
+    /// A page's `next_cursor`.
+    cursor: Option<String>,
+}
+
 async fn dead_letters<B: Operate>(
     State(api): State<Arc<Api<B>>>,
-    Path(name): Path<String>,
-    Query(filters): Query<Filters>,
+    Named(name): Named<String>,
+    Queried(listing): Queried<Listing>,
 ) -> Answer<Value> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
-    let filter = filters.filter()?;
+    let mut filter = listing.filters.filter()?;
+    let size = filter.limit.unwrap_or(PAGE);
+    if !(1..=MAX_PAGE).contains(&size) {
+        return Err(Failure(StatusCode::BAD_REQUEST, format!("limit: a page holds 1 to {MAX_PAGE}, not {size}")));
+    }
+    filter.limit = Some(size);
+    let after = match listing.cursor.as_deref().filter(|c| !c.is_empty()) {
+        None => None,
+        Some(text) => Some(dlq::Cursor::parse(text).ok_or_else(|| {
+            Failure(StatusCode::BAD_REQUEST, format!("cursor: expected a page's next_cursor, found \"{text}\""))
+        })?),
+    };
+    let _turn = api.turn().await;
     let broker = (api.connect)().await?;
-    let listed = dlq::list(&broker, &q.dead_letter, &filter).await;
+    let page = dlq::page(&broker, &q.dead_letter, &filter, after.as_ref()).await;
     broker.close().await;
-    let (entries, tally) = listed?;
-    Ok(Json(json!({ "dead_letter_queue": q.dead_letter, "entries": entries, "tally": tally })))
+    let page = page?;
+    Ok(Json(json!({
+        "dead_letter_queue": q.dead_letter,
+        "entries": page.entries,
+        "tally": page.tally,
+        "next_cursor": page.next.map(|c| c.to_string()),
+    })))
 }
 
 async fn dead_letter<B: Operate>(
     State(api): State<Arc<Api<B>>>,
-    Path((name, id)): Path<(String, String)>,
+    Named((name, id)): Named<(String, String)>,
 ) -> Answer<dlq::Shown> {
     let running = api.current.get();
     let q = find(&running.config, &name)?;
+    let _turn = api.turn().await;
     let broker = (api.connect)().await?;
     let shown = dlq::show(&broker, &q.dead_letter, &id).await;
     broker.close().await;
@@ -462,6 +647,7 @@ struct Act {
     #[serde(default)]
     dry_run: bool,
     /// A purge that is not a dry run needs the queue's name here.
+    #[serde(default, deserialize_with = "given")]
     confirm: Option<String>,
 }
 
@@ -517,7 +703,7 @@ fn body(bytes: &[u8]) -> Result<Act, Failure> {
 async fn redrive<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
     bytes: axum::body::Bytes,
 ) -> Answer<dlq::Tally> {
     act(&api, &name, remote, Action::Redrive, body(&bytes)?).await
@@ -526,7 +712,7 @@ async fn redrive<B: Operate>(
 async fn purge<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
     bytes: axum::body::Bytes,
 ) -> Answer<dlq::Tally> {
     act(&api, &name, remote, Action::Purge, body(&bytes)?).await
@@ -535,7 +721,7 @@ async fn purge<B: Operate>(
 async fn pause<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
 ) -> impl IntoResponse {
     super::set_paused(&api.pauses, &name, true, remote)
 }
@@ -543,7 +729,7 @@ async fn pause<B: Operate>(
 async fn resume<B: Operate>(
     State(api): State<Arc<Api<B>>>,
     ConnectInfo(remote): ConnectInfo<SocketAddr>,
-    Path(name): Path<String>,
+    Named(name): Named<String>,
 ) -> impl IntoResponse {
     super::set_paused(&api.pauses, &name, false, remote)
 }
@@ -554,12 +740,14 @@ const DRIFT_TIMEOUT: Duration = Duration::from_secs(10);
 async fn topology<B: Operate>(State(api): State<Arc<Api<B>>>) -> Answer<Value> {
     let config = api.current.get().config;
     let plan = crate::topology::plan(&config);
+    let turn = api.turn().await;
     let drift = tokio::time::timeout(DRIFT_TIMEOUT, async { api.session().await?.drift(&plan).await }).await;
     let (drift, drift_error) = match drift {
         Ok(Ok(drift)) => (Some(drift), None),
         Ok(Err(e)) => (None, Some(e.to_string())),
         Err(_) => (None, Some(format!("the broker did not answer within {DRIFT_TIMEOUT:?}"))),
     };
+    drop(turn);
     let handlers: BTreeMap<&String, Value> = config
         .queues
         .iter()

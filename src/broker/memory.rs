@@ -62,8 +62,13 @@ struct State {
     refuse_next_unbind: Option<BrokerError>,
     /// While set, acks fail and change nothing.
     refuse_acks: bool,
-    /// While set, `stats` never answers.
+    /// While set, `stats` does not answer; unset, those waiting answer.
     stall_stats: bool,
+    stats_released: Arc<tokio::sync::Notify>,
+    /// `stats` calls so far, those under way, and the most under way at once.
+    stats_asked: u64,
+    stats_now: u64,
+    stats_most: u64,
 }
 
 struct ConsumerState {
@@ -149,10 +154,21 @@ impl Memory {
         lock(&self.state).refuse_acks = refuse;
     }
 
-    /// `stats` never answers (as a frozen node that never answers a passive declaration)
-    /// while `stall`.
+    /// `stats` does not answer (as a frozen node that never answers a passive declaration)
+    /// while `stall`; once unset, the calls waiting answer.
     pub fn stall_stats(&self, stall: bool) {
-        lock(&self.state).stall_stats = stall;
+        let mut state = lock(&self.state);
+        state.stall_stats = stall;
+        if !stall {
+            state.stats_released.notify_waiters();
+        }
+    }
+
+    /// `stats` calls so far (answered or not), and the most under way at once: what reading
+    /// the broker costs.
+    pub fn stats_asked(&self) -> (u64, u64) {
+        let state = lock(&self.state);
+        (state.stats_asked, state.stats_most)
     }
 
     fn push(&self, queue: &str, message: Message) -> Result<(), BrokerError> {
@@ -429,9 +445,28 @@ impl Broker for Memory {
     }
 
     async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
-        let stalled = lock(&self.state).stall_stats;
-        if stalled {
-            std::future::pending::<()>().await;
+        /// A call under way, counted out however it ends.
+        struct Asking<'a>(&'a Mutex<State>);
+        impl Drop for Asking<'_> {
+            fn drop(&mut self) {
+                lock(self.0).stats_now -= 1;
+            }
+        }
+        let released = {
+            let mut state = lock(&self.state);
+            state.stats_asked += 1;
+            state.stats_now += 1;
+            state.stats_most = state.stats_most.max(state.stats_now);
+            state.stats_released.clone()
+        };
+        let _asking = Asking(&self.state);
+        loop {
+            // Made before the flag is read: a release in between still wakes it.
+            let notified = released.notified();
+            if !lock(&self.state).stall_stats {
+                break;
+            }
+            notified.await;
         }
         let state = lock(&self.state);
         let (_, ready) =

@@ -1063,7 +1063,6 @@ impl AdminPort {
             current,
             options.attempts.clone(),
             options.pauses.clone(),
-            self.metrics.clone(),
             connect,
         );
         let more = crate::admin::api::routes::<B>().router(Arc::new(api)).merge(crate::admin::console::routes());

@@ -331,24 +331,105 @@ pub async fn list_read_only(
     dlq: &str,
     filter: &Filter,
 ) -> Result<(Vec<Entry>, Tally), BrokerError> {
-    list_in(file.messages(dlq, u32::from(MAX_HELD))?, filter).await
+    list_in(file.messages(dlq, u32::from(MAX_HELD))?, filter, None).await.map(|page| (page.entries, page.tally))
 }
 
 /// The dead-lettered messages `filter` selects, in queue order.
 pub async fn list<B: Operate>(broker: &B, dlq: &str, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
     let browse = Browse::open(broker, dlq).await?;
     let leased = browse.leased;
-    list_in(browse, filter).await.map(|(entries, tally)| (entries, Tally { leased, ..tally }))
+    list_in(browse, filter, None).await.map(|page| (page.entries, Tally { leased, ..page.tally }))
 }
 
-async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entry>, Tally), BrokerError> {
+/// Where a page of a listing begins: after the first `read` messages of the dead-letter queue,
+/// the last of which had the id `last`. Messages removed from before it since (redriven from
+/// the page before, say) move it towards the head: the page begins after the last message
+/// with that id among the first `read`, or, with none, after `read` messages (then as many as
+/// were removed are passed over). As text, `READ` or `READ:ID`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    pub read: u32,
+    pub last: Option<String>,
+}
+
+impl Cursor {
+    /// A cursor from its text; a `READ` too large to hold is past every message.
+    pub fn parse(text: &str) -> Option<Cursor> {
+        let (read, last) = match text.split_once(':') {
+            Some((read, last)) => (read, Some(last.to_string())),
+            None => (text, None),
+        };
+        if read.is_empty() || !read.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        Some(Cursor { read: read.parse().unwrap_or(u32::MAX), last })
+    }
+}
+
+impl std::fmt::Display for Cursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.last {
+            Some(last) => write!(f, "{}:{last}", self.read),
+            None => write!(f, "{}", self.read),
+        }
+    }
+}
+
+/// One page of a listing: at most the filter's limit of entries, and where the next page
+/// begins while more may follow.
+#[derive(Debug)]
+pub struct Page {
+    pub entries: Vec<Entry>,
+    pub tally: Tally,
+    pub next: Option<Cursor>,
+}
+
+/// The page of the dead-lettered messages `filter` selects that begins at `after` (at the head
+/// without it), in queue order, `filter.limit` at most. Each page reads from the head of the
+/// queue: the messages before it cost their reading, and it stops, as every pass does, past
+/// [`MAX_HELD`] messages.
+pub async fn page<B: Operate>(
+    broker: &B,
+    dlq: &str,
+    filter: &Filter,
+    after: Option<&Cursor>,
+) -> Result<Page, BrokerError> {
+    list_in(Browse::open(broker, dlq).await?, filter, after).await
+}
+
+async fn list_in<R: Reading>(mut browse: R, filter: &Filter, after: Option<&Cursor>) -> Result<Page, BrokerError> {
     let (mut entries, mut tally, now) = (Vec::new(), Tally::default(), now());
+    // Where the last entry was read, and its id: where the next page begins.
+    let mut last: Option<Cursor> = None;
+    let position = |tally: &Tally| u32::try_from(tally.read).unwrap_or(u32::MAX);
     let result = async {
+        if let Some(cursor) = after {
+            // Read up to the cursor, keeping what the page would hold from after the last
+            // message with the cursor's id: those moved up if messages before it went.
+            let mut found = false;
+            while position(&tally) < cursor.read {
+                let Some(delivery) = browse.next().await? else { break };
+                tally.read += 1;
+                let entry = describe(&delivery, now);
+                if cursor.last.is_some() && entry.id == cursor.last {
+                    (found, last) = (true, None);
+                    entries.clear();
+                } else if found && !filter.is_full(entries.len()) && filter.selects(&entry, now) {
+                    last = Some(Cursor { read: position(&tally), last: entry.id.clone() });
+                    entries.push(entry);
+                }
+            }
+            if !found {
+                last = None;
+                entries.clear();
+            }
+        }
         while !filter.is_full(entries.len()) {
             let Some(delivery) = browse.next().await? else { break };
             tally.read += 1;
             let entry = describe(&delivery, now);
             if filter.selects(&entry, now) {
+                last = Some(Cursor { read: position(&tally), last: entry.id.clone() });
                 entries.push(entry);
             }
         }
@@ -360,7 +441,10 @@ async fn list_in<R: Reading>(mut browse: R, filter: &Filter) -> Result<(Vec<Entr
     if tally.unread > 0 && filter.is_full(entries.len()) {
         tally.unread_because = Some(Unread::Limit);
     }
-    result.map(|()| (entries, tally))
+    // A full page with messages after it, unread or read past it: they are the next page's.
+    let after_page = |last: &Cursor| tally.unread > 0 || last.read < position(&tally);
+    let next = last.filter(|last| filter.is_full(entries.len()) && after_page(last));
+    result.map(|()| Page { entries, tally, next })
 }
 
 /// The message at the head of a dead-letter queue (the oldest): read where the broker reads

@@ -1,14 +1,22 @@
 //! What the console shows of each queue's recent work, kept in memory: the last N attempts
 //! (a ring buffer per queue) and, per 10-second bucket over the last 15 minutes, how many
 //! messages were handled, skipped as duplicates, retried and dead-lettered and how long the
-//! handler took (a coarse histogram, for p50 and p99).
+//! handler took (a coarse histogram, for p50 and p99); and what the runtime is doing with it
+//! now ([`Live`]: in flight, breaker, concurrency limit), as values the admin port reads
+//! without rendering and parsing the runner's own `/metrics`.
 //!
 //! Recorded where a delivery's outcome is emitted (`runtime::events`), read by the admin port.
 //! A record is one short lock of the queue's own log (no IO, no allocation beyond the attempt
 //! itself); reads copy out under the same lock. Nothing here is persisted: a restart starts
 //! empty, and another runner has its own.
+//!
+//! What an attempt keeps comes from outside (ids, keys, receivers' answers), so it is bounded:
+//! texts longer than [`ID_BYTES`] or [`TEXT_BYTES`] are cut and say so, and a queue's attempts
+//! take at most [`RING_BYTES`] as the API serves them, the oldest let go first.
 
 use std::collections::{HashMap, VecDeque};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -16,6 +24,17 @@ use serde::Serialize;
 
 /// Attempts kept per queue unless `--admin-attempts` says otherwise.
 pub const DEFAULT_CAPACITY: usize = 200;
+
+/// The most bytes of a message id, an idempotency key or a trace id an attempt keeps.
+pub const ID_BYTES: usize = 256;
+
+/// The most bytes of an error or of an excerpt (invalid UTF-8 of a response replaced, which
+/// can triple its [`Observed::BYTES`](crate::handler::Observed::BYTES)) an attempt keeps.
+pub const TEXT_BYTES: usize = 4096;
+
+/// The most bytes a queue's attempts take as JSON (what `/attempts` answers, and more than they
+/// hold in memory): the oldest are let go first, even while fewer than the capacity are kept.
+pub const RING_BYTES: usize = 2 << 20;
 
 /// The width of one bucket of the series.
 pub const BUCKET: Duration = Duration::from_secs(10);
@@ -132,8 +151,99 @@ pub struct Point {
 #[derive(Debug, Default)]
 struct Inner {
     next_seq: u64,
-    ring: VecDeque<Attempt>,
+    /// Each attempt with its size as JSON.
+    ring: VecDeque<(Attempt, usize)>,
+    /// The sizes in `ring`, summed.
+    ring_bytes: usize,
     buckets: VecDeque<Bucket>,
+}
+
+/// Cuts `text` to at most `limit` bytes (at a character boundary), ending it with how long it
+/// was, and lets go of the rest of its memory.
+fn cut(text: &mut String, limit: usize) {
+    let len = text.len();
+    if len <= limit {
+        return;
+    }
+    text.truncate(text.floor_char_boundary(limit));
+    // Writing to a String cannot fail.
+    let _ = write!(text, "…(cut from {len} bytes)");
+    text.shrink_to_fit();
+}
+
+/// Counts what is written to it.
+struct Count(usize);
+
+impl std::io::Write for Count {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0 += bytes.len();
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `attempt` as it is kept: long texts cut; and its size as JSON.
+fn bounded(mut attempt: Attempt) -> (Attempt, usize) {
+    for (text, limit) in [
+        (&mut attempt.message_id, ID_BYTES),
+        (&mut attempt.idempotency_key, ID_BYTES),
+        (&mut attempt.trace_id, ID_BYTES),
+        (&mut attempt.error, TEXT_BYTES),
+        (&mut attempt.excerpt, TEXT_BYTES),
+    ] {
+        if let Some(text) = text {
+            cut(text, limit);
+        }
+    }
+    // Measured before the lock is taken, with the widest sequence number (the lock sets it).
+    attempt.seq = u64::MAX;
+    let mut count = Count(0);
+    // An attempt always serializes (serde_json writes a non-finite latency as null).
+    let _ = serde_json::to_writer(&mut count, &attempt);
+    (attempt, count.0)
+}
+
+/// What the runtime is doing with a queue now, set beside the gauges that say the same
+/// (`sluice_in_flight`, `sluice_circuit_state`, `sluice_concurrency_limit`), by whichever of
+/// its workers (an old one finishing beside its successor) as the gauges are.
+#[derive(Debug, Default)]
+pub struct Live {
+    in_flight: AtomicI64,
+    /// The breaker's gauge value (0 closed, 1 half-open, 2 open), as `f64` bits.
+    circuit: AtomicU64,
+    /// The concurrency limit, as `f64` bits.
+    concurrency_limit: AtomicU64,
+}
+
+impl Live {
+    /// A delivery arrived (`1`) or was settled (`-1`).
+    pub fn in_flight_by(&self, delta: i64) {
+        self.in_flight.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    pub fn set_circuit(&self, gauge: f64) {
+        self.circuit.store(gauge.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn set_concurrency_limit(&self, limit: f64) {
+        self.concurrency_limit.store(limit.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Deliveries received and not yet settled.
+    pub fn in_flight(&self) -> u64 {
+        u64::try_from(self.in_flight.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    pub fn circuit(&self) -> f64 {
+        f64::from_bits(self.circuit.load(Ordering::Relaxed))
+    }
+
+    pub fn concurrency_limit(&self) -> f64 {
+        f64::from_bits(self.concurrency_limit.load(Ordering::Relaxed))
+    }
 }
 
 /// One queue's log.
@@ -141,6 +251,7 @@ struct Inner {
 pub struct QueueLog {
     capacity: usize,
     inner: Mutex<Inner>,
+    live: Arc<Live>,
 }
 
 fn now_ms() -> u64 {
@@ -149,11 +260,16 @@ fn now_ms() -> u64 {
 
 impl QueueLog {
     fn new(capacity: usize) -> QueueLog {
-        QueueLog { capacity, inner: Mutex::new(Inner::default()) }
+        QueueLog { capacity, inner: Mutex::new(Inner::default()), live: Arc::default() }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// What the runtime is doing with the queue now.
+    pub fn live(&self) -> &Arc<Live> {
+        &self.live
     }
 
     /// Whether attempts are kept (the admin port serves them): else only the series counts.
@@ -161,10 +277,12 @@ impl QueueLog {
         self.capacity > 0
     }
 
-    /// Records `attempt` (its `seq` and `at_ms` are set here) in the ring and the series.
+    /// Records `attempt` (its `seq` and `at_ms` are set here) in the ring, its long texts cut,
+    /// and in the series.
     pub fn record(&self, mut attempt: Attempt) {
         attempt.at_ms = now_ms();
         let start = attempt.at_ms / 1000 / BUCKET.as_secs() * BUCKET.as_secs();
+        let (mut attempt, bytes) = if self.keeps() { bounded(attempt) } else { (attempt, 0) };
         let mut inner = self.lock();
         inner.next_seq += 1;
         attempt.seq = inner.next_seq;
@@ -189,15 +307,18 @@ impl QueueLog {
         if self.capacity == 0 {
             return;
         }
-        if inner.ring.len() == self.capacity {
-            inner.ring.pop_front();
+        inner.ring_bytes += bytes;
+        inner.ring.push_back((attempt, bytes));
+        while inner.ring.len() > self.capacity || inner.ring_bytes > RING_BYTES {
+            if let Some((_, bytes)) = inner.ring.pop_front() {
+                inner.ring_bytes -= bytes;
+            }
         }
-        inner.ring.push_back(attempt);
     }
 
     /// The attempts kept, newest first.
     pub fn recent(&self) -> Vec<Attempt> {
-        self.lock().ring.iter().rev().cloned().collect()
+        self.lock().ring.iter().rev().map(|(attempt, _)| attempt.clone()).collect()
     }
 
     /// How many attempts it keeps.
@@ -361,6 +482,59 @@ mod tests {
         let summary = log.summary();
         assert_eq!((summary.handled_per_minute, summary.duplicates_per_minute, summary.retried_per_minute), (3, 2, 1));
         assert_eq!(summary.series.iter().map(|p| p.settled).sum::<u32>(), 6, "each settled once");
+    }
+
+    /// Issue 31 item 7: ids and keys were kept whole (250 messages with 256 KiB ids and keys
+    /// took 118 MB). Each long text is cut, saying from how long, and lets go of its memory; the
+    /// ring's JSON stays within [`RING_BYTES`], the newest attempts kept.
+    #[test]
+    fn long_texts_are_cut_and_the_ring_stays_within_its_bytes() {
+        let huge = |c: char| Some(c.to_string().repeat(256 << 10));
+        let log = QueueLog::new(250);
+        for _ in 0..250 {
+            let mut a = attempt("dead_lettered", Some(1.0));
+            (a.message_id, a.idempotency_key, a.trace_id) = (huge('i'), huge('k'), huge('t'));
+            (a.error, a.excerpt) = (huge('e'), huge('\u{1}'));
+            log.record(a);
+        }
+        let recent = log.recent();
+        let json = serde_json::to_vec(&recent).expect("JSON");
+        assert!(json.len() <= RING_BYTES, "{} bytes of attempts served", json.len());
+        assert!(!recent.is_empty() && recent.len() < 250, "{} kept: the bytes decide", recent.len());
+        assert_eq!(recent[0].seq, 250, "the newest kept");
+        let marker = format!("…(cut from {} bytes)", 256 << 10);
+        for a in &recent {
+            for (text, limit) in [
+                (&a.message_id, ID_BYTES),
+                (&a.idempotency_key, ID_BYTES),
+                (&a.trace_id, ID_BYTES),
+                (&a.error, TEXT_BYTES),
+                (&a.excerpt, TEXT_BYTES),
+            ] {
+                let text = text.as_ref().expect("kept");
+                assert!(text.ends_with(&marker), "{text:?}");
+                assert!(text.capacity() <= limit + marker.len(), "{} bytes held", text.capacity());
+            }
+        }
+
+        // Short texts are kept whole; many small attempts are bounded by the capacity alone,
+        // many more by the bytes.
+        let log = QueueLog::new(100_000);
+        for i in 0..20_000 {
+            let mut a = attempt("success", Some(1.0));
+            a.message_id = Some(format!("{i:0200}"));
+            log.record(a);
+        }
+        let recent = log.recent();
+        assert_eq!(recent[0].message_id, Some(format!("{:0200}", 19_999)), "kept whole");
+        let json = serde_json::to_vec(&recent).expect("JSON");
+        assert!(json.len() <= RING_BYTES, "{} bytes of attempts served", json.len());
+        assert!(
+            recent.len() < 20_000 && json.len() > RING_BYTES * 9 / 10,
+            "{} kept, {} bytes",
+            recent.len(),
+            json.len()
+        );
     }
 
     #[test]

@@ -150,6 +150,7 @@ impl QueueEvents {
     /// A delivery arrived; `timestamp` is its AMQP timestamp (seconds since the epoch).
     pub fn received(&self, timestamp: Option<u64>) {
         self.in_flight.increment(1.0);
+        self.log.live().in_flight_by(1);
         if let Some(ts) = timestamp {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default();
             self.lag.set((now - ts as f64).max(0.0));
@@ -159,6 +160,7 @@ impl QueueEvents {
     /// A delivery is settled (acked, or left to the broker to redeliver).
     pub fn settled(&self) {
         self.in_flight.decrement(1.0);
+        self.log.live().in_flight_by(-1);
     }
 
     /// The handler ran for `elapsed`.

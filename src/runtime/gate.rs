@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::aimd::Aimd;
+use super::attempts::Live;
 use super::breaker::{Admit, Breaker, State, Verdict};
 use crate::config::Queue;
 
@@ -72,6 +73,11 @@ impl Pauses {
                 flags.removed.insert(name);
             }
         }
+    }
+
+    /// Whether `queue` runs here paused.
+    pub fn is_paused(&self, queue: &str) -> bool {
+        self.lock().running.get(queue).is_some_and(|flag| *flag.borrow())
     }
 
     fn subscribe(&self, queue: &str) -> watch::Receiver<bool> {
@@ -222,12 +228,14 @@ pub struct Gate {
     transitions: watch::Sender<()>,
     circuit: Gauge,
     limit_gauge: Gauge,
+    /// What the gauges say, as values for the admin port.
+    live: Arc<Live>,
 }
 
 impl Gate {
     /// The gate of `queue`, paused as `pauses` says, its calls counted in `slots` with those
-    /// of the queue's other gates.
-    pub fn new(queue: &Queue, pauses: &Pauses, slots: &Slots) -> Gate {
+    /// of the queue's other gates, its breaker and limit shown in `live` as in their gauges.
+    pub fn new(queue: &Queue, pauses: &Pauses, slots: &Slots, live: Arc<Live>) -> Gate {
         let prefetch = queue.concurrency.get();
         let limit = if queue.adaptive {
             Limit::Adaptive(Aimd::new(prefetch, Instant::now().into_std()))
@@ -236,8 +244,10 @@ impl Gate {
         };
         let circuit = gauge!("sluice_circuit_state", "queue" => queue.name.clone());
         circuit.set(State::Closed.gauge());
+        live.set_circuit(State::Closed.gauge());
         let limit_gauge = gauge!("sluice_concurrency_limit", "queue" => queue.name.clone());
         limit_gauge.set(limit.get() as f64);
+        live.set_concurrency_limit(limit.get() as f64);
         Gate {
             queue: queue.name.clone(),
             prefetch,
@@ -247,6 +257,7 @@ impl Gate {
             transitions: watch::Sender::new(()),
             circuit,
             limit_gauge,
+            live,
         }
     }
 
@@ -342,6 +353,7 @@ impl Gate {
     /// A breaker transition: its one log line, its gauge, and whoever waits on it.
     fn transition(&self, state: State, now: std::time::Instant) {
         self.circuit.set(state.gauge());
+        self.live.set_circuit(state.gauge());
         let queue = self.queue.as_str();
         match state {
             State::Open { until } => {
@@ -420,6 +432,7 @@ impl Permit<'_> {
         drop(inner);
         if let Some(limit) = limit {
             self.gate.limit_gauge.set(limit as f64);
+            self.gate.live.set_concurrency_limit(limit as f64);
         }
         match transition {
             Some(state) => self.gate.transition(state, now),

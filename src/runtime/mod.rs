@@ -253,7 +253,8 @@ impl<B: Broker> Running<B> {
         self.shared.slots.prune();
         for name in diff.to_start() {
             // Diffs only name queues of their configs.
-            let gate = Gate::new(&new.queues[name], &self.shared.pauses, &self.shared.slots);
+            let live = self.shared.activity.attempts.of(name).live().clone();
+            let gate = Gate::new(&new.queues[name], &self.shared.pauses, &self.shared.slots, live);
             let worker = Arc::new(Worker::new(
                 new.clone(),
                 name,

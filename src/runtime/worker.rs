@@ -613,7 +613,7 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
         let client = crate::handler::webhook::client().expect("client");
-        let gate = Gate::new(&config.queues["work"], &Default::default(), &Default::default());
+        let gate = Gate::new(&config.queues["work"], &Default::default(), &Default::default(), Arc::default());
         let worker = Worker::new(Arc::new(config), "work", gate, client, Arc::default(), None, Readiness::default());
         let disposition = worker.decide(&Panicking, &tracing::Span::none(), &mut Seen::default()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {

@@ -593,9 +593,20 @@ pub async fn run_with_admin(dir: &Path, url: &str, queue: &str) -> (Sluice, Stri
 
 /// [`run_with_admin`] with extra args.
 pub async fn run_with_admin_and(dir: &Path, url: &str, queue: &str, extra: &[&str]) -> (Sluice, String) {
+    run_with_admin_env(dir, url, queue, extra, &[]).await
+}
+
+/// [`run_with_admin_and`] with extra environment variables (as [`Sluice::run_with_env`]).
+pub async fn run_with_admin_env(
+    dir: &Path,
+    url: &str,
+    queue: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Sluice, String) {
     let admin = format!("127.0.0.1:{}", free_port());
     let args: Vec<&str> = ["--admin", admin.as_str()].into_iter().chain(extra.iter().copied()).collect();
-    let sluice = Sluice::run(dir, url, &args);
+    let sluice = Sluice::run_with_env(dir, url, &args, env);
     wait_until(Duration::from_secs(30), &format!("the breaker gauge of {queue}"), || async {
         gauge(&admin, "sluice_circuit_state", queue).await.is_some()
     })

@@ -311,12 +311,15 @@ async function queuePage(name) {
       el('tbody', {}, rows)));
 }
 
-// The dead-letters page's filters and selection, kept while it is polled.
-const dlq = { queue: null, reason: '', since: '', id: '', selected: new Set(), shown: null };
+// The dead-letters page's filters, selection and page, kept while it is shown. A page is the
+// API's (100 messages); `cursor` is where the shown one begins, `back` the cursors of the pages
+// before it.
+const dlq = { queue: null, reason: '', since: '', id: '', selected: new Set(), shown: null, cursor: '', back: [] };
 
 function filterQuery() {
   const params = new URLSearchParams();
   for (const key of ['reason', 'since', 'id']) if (dlq[key]) params.set(key, dlq[key]);
+  if (dlq.cursor) params.set('cursor', dlq.cursor);
   return params;
 }
 
@@ -342,7 +345,9 @@ async function showMessage(name, id) {
 }
 
 async function deadLettersPage(name) {
-  if (dlq.queue !== name) Object.assign(dlq, { queue: name, reason: '', since: '', id: '', selected: new Set(), shown: null });
+  if (dlq.queue !== name) {
+    Object.assign(dlq, { queue: name, reason: '', since: '', id: '', selected: new Set(), shown: null, cursor: '', back: [] });
+  }
   const base = '/api/v1/queues/' + encodeURIComponent(name) + '/dead-letters';
   const [q, data] = await Promise.all([read('/api/v1/queues/' + encodeURIComponent(name)), read(base + '?' + filterQuery())]);
   runner(q.runner);
@@ -352,8 +357,16 @@ async function deadLettersPage(name) {
     el('input', { id: 'filter-' + key, value: dlq[key], placeholder }));
   const apply = () => {
     for (const key of ['reason', 'since', 'id']) dlq[key] = document.getElementById('filter-' + key).value.trim();
+    Object.assign(dlq, { cursor: '', back: [] });
     route();
   };
+  const turn = (cursor, back) => { Object.assign(dlq, { cursor, back }); dlq.selected.clear(); route(); };
+  const pages = el('div', { className: 'actions', id: 'pages' },
+    el('button', { type: 'button', id: 'first-page', disabled: !dlq.cursor, onclick: () => turn('', []) }, 'First page'),
+    el('button', { type: 'button', id: 'previous-page', disabled: !dlq.cursor,
+      onclick: () => turn(dlq.back[dlq.back.length - 1] || '', dlq.back.slice(0, -1)) }, 'Previous page'),
+    el('button', { type: 'button', id: 'next-page', disabled: !data.next_cursor,
+      onclick: () => turn(data.next_cursor, [...dlq.back, dlq.cursor]) }, 'Next page'));
   const confirmRow = document.createElement('div');
   confirmRow.className = 'actions';
   confirmRow.id = 'confirm';
@@ -409,8 +422,11 @@ async function deadLettersPage(name) {
       pauseButton(q),
       el('a', { href: '#/queue/' + encodeURIComponent(name) }, 'Queue and attempts')),
     confirmRow,
-    el('p', { className: 'muted', id: 'dlq-count' }, data.entries.length + ' message(s) shown; ' + data.tally.read +
-      ' read from the dead-letter queue' + (data.tally.unread ? ', ' + data.tally.unread + ' not read' : '') + '.'),
+    el('p', { className: 'muted', id: 'dlq-count' }, data.entries.length + ' message(s) shown, page ' +
+      (dlq.back.length + 1) + (data.next_cursor ? '' : ' (the last)') + '; ' + data.tally.queued +
+      ' in the dead-letter queue, ' + data.tally.read + ' read for this page. "Redrive all matching" and ' +
+      '"Purge matching" take every page.'),
+    pages,
     el('table', { id: 'dead-letters' },
       el('thead', {}, el('tr', {}, ['', 'Id', 'Type', 'Reason', 'Attempts', 'Failed at', 'Age', 'Idempotency key', 'Error']
         .map((t) => el('th', {}, t)))),

@@ -237,3 +237,75 @@ async fn a_pass_after_a_lost_session_waits_for_what_it_held() {
     let gave_up = tokio::time::timeout(within, handed_back(&broker, "work.dlq", 1, Duration::from_millis(300))).await;
     assert!(matches!(gave_up, Ok(Ok(()))), "gives up waiting after `within`");
 }
+
+/// The ids of a page.
+fn page_ids(page: &Page) -> Vec<&str> {
+    page.entries.iter().filter_map(|e| e.id.as_deref()).collect()
+}
+
+/// Issue 31 item 8: pages follow their cursors through every message once, in order; a page
+/// that ends at the last message says there is no next one; messages removed from before a
+/// cursor move nothing past it, unless the cursor's own message went (then as many as were
+/// removed are passed over, as documented).
+#[tokio::test]
+async fn pages_follow_their_cursors() {
+    let broker = broker().await;
+    for n in 0..10 {
+        dead(&broker, n, "exhausted", Duration::from_secs(60)).await;
+    }
+    let three = Filter { limit: Some(3), ..Filter::default() };
+    let (mut seen, mut after) = (Vec::new(), None);
+    loop {
+        let page = page(&broker, "work.dlq", &three, after.as_ref()).await.expect("page");
+        seen.push(page_ids(&page).join(","));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["m0,m1,m2", "m3,m4,m5", "m6,m7,m8", "m9"]);
+    let nine = Filter { limit: Some(9), ..Filter::default() };
+    let first = page(&broker, "work.dlq", &nine, None).await.expect("page");
+    let next = first.next.expect("one more");
+    let last =
+        page(&broker, "work.dlq", &Filter { limit: Some(1), ..Filter::default() }, Some(&next)).await.expect("page");
+    assert_eq!((page_ids(&last), &last.next), (vec!["m9"], &None), "full, and the last: no next page");
+
+    let first = page(&broker, "work.dlq", &three, None).await.expect("page");
+    let cursor = first.next.expect("a next page");
+    assert_eq!(cursor.to_string(), "3:m2");
+    let remove = |ids: &[&str]| {
+        let filter = Filter { ids: ids.iter().map(|s| s.to_string()).collect(), ..Filter::default() };
+        let broker = broker.clone();
+        async move {
+            let job = Job { queue: "work", dlq: "work.dlq", action: Action::Purge, filter, dry_run: false, rate: None };
+            apply(&broker, &job, &no_progress).await.expect("purge");
+        }
+    };
+    remove(&["m0", "m1"]).await;
+    let next = page(&broker, "work.dlq", &three, Some(&cursor)).await.expect("page");
+    assert_eq!(page_ids(&next), ["m3", "m4", "m5"], "nothing passed over");
+    remove(&["m2"]).await;
+    let next = page(&broker, "work.dlq", &three, Some(&cursor)).await.expect("page");
+    assert_eq!(page_ids(&next), ["m6", "m7", "m8"], "the cursor's own message gone: three read past");
+}
+
+#[test]
+fn cursors_read_back_what_they_write() {
+    for (text, cursor) in [
+        ("3", Some(Cursor { read: 3, last: None })),
+        ("3:m2", Some(Cursor { read: 3, last: Some("m2".into()) })),
+        ("0:a:b", Some(Cursor { read: 0, last: Some("a:b".into()) })),
+        ("12:", Some(Cursor { read: 12, last: Some(String::new()) })),
+        ("99999999999:x", Some(Cursor { read: u32::MAX, last: Some("x".into()) })),
+        ("", None),
+        (":m2", None),
+        ("-1", None),
+        ("x:3", None),
+    ] {
+        assert_eq!(Cursor::parse(text), cursor, "{text:?}");
+        if let Some(cursor) = cursor.filter(|c| c.read != u32::MAX) {
+            assert_eq!(cursor.to_string(), text);
+        }
+    }
+}

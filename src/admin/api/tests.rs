@@ -77,6 +77,9 @@ fn app_with(broker: Memory, policy: crate::admin::Policy) -> (Router, Pauses) {
     (super::super::routes(metrics, Default::default(), pauses.clone(), (token, policy), more), pauses)
 }
 
+/// What a read sends (issue 31 item 2: reads need the token).
+const READER: [(&str, &str); 1] = [("authorization", "Bearer s3cret")];
+
 /// Sends a request for host `127.0.0.1:9464` unless `headers` name another.
 async fn send(app: &Router, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
     let (status, _, body) = exchange(app, method, path, headers, "").await;
@@ -91,8 +94,7 @@ async fn exchange(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, String, String) {
-    let mut request =
-        Request::builder().method(method).uri(path).body(Body::from(body.to_string())).expect("request");
+    let mut request = Request::builder().method(method).uri(path).body(Body::from(body.to_string())).expect("request");
     request.headers_mut().insert("host", axum::http::HeaderValue::from_static("127.0.0.1:9464"));
     for (name, value) in headers {
         let name = axum::http::HeaderName::from_bytes(name.as_bytes()).expect("a header name");
@@ -232,13 +234,13 @@ async fn open_reads_leave_writes_and_hosts_guarded() {
 async fn refusals_are_json_and_the_api_takes_what_its_document_says() {
     let (app, _) = app();
     let list = "/api/v1/queues/work/dead-letters";
+    let token = [("authorization", "Bearer s3cret")];
     for query in ["bogus=1", "limit=abc", "limit=1.5", "limit=0", "limit=29790531.0", "since=soon", "cursor=x"] {
-        let (status, content_type, body) = exchange(&app, "GET", &format!("{list}?{query}"), &[], "").await;
+        let (status, content_type, body) = exchange(&app, "GET", &format!("{list}?{query}"), &token, "").await;
         assert_eq!((status, content_type.as_str()), (400, "application/json"), "{query}: {body}");
         let error: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{query}: {e}: {body}"));
         assert!(error["error"].is_string(), "{query}: {body}");
     }
-    let token = [("authorization", "Bearer s3cret")];
     let purge = "/api/v1/queues/work/dead-letters/purge";
     for refused in [
         r#"{"confirm": null}"#,
@@ -280,7 +282,7 @@ async fn refusals_are_json_and_the_api_takes_what_its_document_says() {
         let validator = jsonschema::validator_for(schema(name)).expect("a schema");
         for text in texts {
             let encoded = percent_encoding::utf8_percent_encode(text, percent_encoding::NON_ALPHANUMERIC);
-            let (status, _, body) = exchange(&app, "GET", &format!("{list}?{name}={encoded}"), &[], "").await;
+            let (status, _, body) = exchange(&app, "GET", &format!("{list}?{name}={encoded}"), &READER, "").await;
             // A query value is text: the document's integer is the text of one.
             let value =
                 if name == "limit" { text.parse::<f64>().map_or(json!(text), |n| json!(n)) } else { json!(text) };
@@ -314,7 +316,7 @@ async fn overview_reads() {
     let reads: Vec<_> = (0..50)
         .map(|_| {
             let app = app.clone();
-            tokio::task::spawn_local(async move { send(&app, "GET", "/api/v1/queues", &[]).await })
+            tokio::task::spawn_local(async move { send(&app, "GET", "/api/v1/queues", &READER).await })
         })
         .collect();
     settle().await;
@@ -333,7 +335,7 @@ async fn overview_reads() {
     while broker.stats_asked().0 == asked {
         assert!(std::time::Instant::now() < deadline, "the overview not built again past the interval");
         tokio::time::sleep(SNAPSHOT_TTL / 10).await;
-        assert_eq!(send(&app, "GET", "/api/v1/queues", &[]).await.0, 200);
+        assert_eq!(send(&app, "GET", "/api/v1/queues", &READER).await.0, 200);
     }
 }
 
@@ -352,13 +354,15 @@ async fn broker_reads() {
     let reads: Vec<_> = (0..10)
         .map(|_| {
             let app = app.clone();
-            tokio::task::spawn_local(async move { send(&app, "GET", "/api/v1/queues/work/dead-letters", &[]).await })
+            tokio::task::spawn_local(
+                async move { send(&app, "GET", "/api/v1/queues/work/dead-letters", &READER).await },
+            )
         })
         .collect();
     settle().await;
     assert_eq!(broker.stats_asked(), (READS_AT_ONCE as u64, READS_AT_ONCE as u64), "10 reads of the broker at once");
     assert_eq!(send(&app, "GET", "/healthz", &[]).await.0, 200);
-    assert_eq!(send(&app, "GET", "/api/v1/queues/work", &[]).await.0, 200, "a read of the config alone");
+    assert_eq!(send(&app, "GET", "/api/v1/queues/work", &READER).await.0, 200, "a read of the config alone");
     broker.stall_stats(false);
     for read in futures_util::future::join_all(reads).await {
         // Past the broker's turn: no dead-letter queue is declared.

@@ -147,3 +147,86 @@ tests:
         format!("{}:8:45: error: /queues/work/handler/command/args/0: ", dir.path().join("pipeline.yaml").display());
     assert!(stdout(&out).contains(&at), "{}", stdout(&out));
 }
+
+/// The `error:` lines `sluice validate DIR` prints with `env` set, each without its file name.
+fn validate_errors(dir: &std::path::Path, env: &[(&str, &str)]) -> Vec<String> {
+    let out = util::sluice().arg("validate").arg(dir).envs(env.iter().copied()).output().expect("sluice runs");
+    let prefix = format!("{}:", dir.join("pipeline.yaml").display());
+    stdout(&out).lines().filter(|l| l.contains(": error: ")).map(|l| l.replacen(&prefix, "", 1)).collect()
+}
+
+// Issue 31: `${Y}` set to `~` or `null` said "`${Y is not a finite number`". YAML reads the
+// substituted text as it would the same text in the file: `~` is null, which is not a number,
+// and the message says where the null came from; `1e400` is refused as past a float.
+#[test]
+fn a_variable_set_to_null_or_past_a_float_is_named_in_the_message() {
+    let dir = pipeline(concat!(
+        "version: 1\n",
+        "exchanges:\n",
+        "  ev: {type: topic}\n",
+        "queues:\n",
+        "  work:\n",
+        "    max_length: ${SLUICE_T31_Y}\n",
+        "    bind:\n",
+        "      - exchange: ev\n",
+        "        filter:\n",
+        "          field: payload.amount\n",
+        "          gte: ${SLUICE_T31_Y}\n",
+        "    handler: {command: {program: /bin/true}}\n",
+    ));
+    for value in ["~", "null"] {
+        let because = format!("(${{SLUICE_T31_Y}} is \"{value}\" here, which YAML reads as null)");
+        assert_eq!(
+            validate_errors(dir.path(), &[("SLUICE_T31_Y", value)]),
+            [
+                format!("6:17: error: /queues/work/max_length: null is not of type \"integer\" {because}"),
+                format!("11:16: error: /queues/work/bind/0/filter/gte: null is not of type \"number\" {because}"),
+            ],
+            "{value}"
+        );
+    }
+    let past = "1e400 (${SLUICE_T31_Y} here) is not a finite number (at most about 1.8e308 either way)";
+    assert_eq!(
+        validate_errors(dir.path(), &[("SLUICE_T31_Y", "1e400")]),
+        [
+            format!("6:17: error: /queues/work/max_length: {past}"),
+            format!("11:16: error: /queues/work/bind/0/filter/gte: {past}"),
+        ]
+    );
+    assert_eq!(validate_errors(dir.path(), &[("SLUICE_T31_Y", "100")]), Vec::<String>::new());
+}
+
+// Issue 31: the error for the environment adding more than a MiB to a file named whichever
+// variable came next, and every one after it, however small. It names the variable that fills
+// the file; a small one after the limit still fits and is substituted.
+#[test]
+fn the_mib_the_environment_may_add_is_blamed_on_the_variable_that_fills_it() {
+    let big = "b".repeat(70 << 10);
+    let medium = "m".repeat(50 << 10);
+    let env = [("SLUICE_T31_BIG", big.as_str()), ("SLUICE_T31_MEDIUM", medium.as_str()), ("SLUICE_T31_SMALL", "s")];
+    let args = |list: &[&str]| {
+        let quoted: Vec<String> = list.iter().map(|name| format!("\"${{{name}}}\"")).collect();
+        format!("    handler:\n      command:\n        program: /bin/true\n        args: [{}]\n", quoted.join(", "))
+    };
+    // The strings are substituted from the last to the first: 14 BIGs (1,003,520 bytes) fit,
+    // then MEDIUM would pass the limit.
+    let mut list = vec!["SLUICE_T31_MEDIUM"];
+    list.extend(["SLUICE_T31_BIG"; 14]);
+    let dir = work_pipeline(&args(&list));
+    assert_eq!(
+        validate_errors(dir.path(), &env),
+        ["10:17: error: /queues/work/handler/command/args/0: substituting SLUICE_T31_MEDIUM here makes the \
+          environment's values add more than 1024 KiB to this file, the most allowed: most of them come from \
+          SLUICE_T31_BIG (1003520 bytes in 14 uses)"]
+    );
+    // The 15th BIG passes the limit; SMALL, substituted after it, still fits.
+    let mut list = vec!["SLUICE_T31_SMALL"];
+    list.extend(["SLUICE_T31_BIG"; 15]);
+    let dir = work_pipeline(&args(&list));
+    assert_eq!(
+        validate_errors(dir.path(), &env),
+        ["10:40: error: /queues/work/handler/command/args/1: substituting SLUICE_T31_BIG here makes the \
+          environment's values add more than 1024 KiB to this file, the most allowed: SLUICE_T31_BIG would add \
+          1075200 bytes in 15 uses"]
+    );
+}

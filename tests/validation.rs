@@ -318,3 +318,38 @@ fn valid_fixtures_use_every_key_and_enum_value_of_the_schema() {
     let unknown: Vec<&String> = used.difference(&all).collect();
     assert!(unknown.is_empty(), "the walk went astray:\n{unknown:#?}");
 }
+
+/// Issue 31: 1,400 signing secrets (a 64 KiB file) made every call carry a 67 KB
+/// `webhook-signature` header, which receivers refuse. Past 8 KiB (171 secrets, 48 bytes each
+/// in the header) `validate` warns, at the secrets file; 170 pass quietly.
+#[test]
+fn a_signature_header_past_8_kib_is_a_warning() {
+    use base64::Engine as _;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = "version: 1\nqueues:\n  work:\n    handler:\n      webhook:\n        url: https://h.example/x\n        \
+                signing: {secret_file: webhook.secrets}\n";
+    std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+    let secrets = |n: usize| -> String {
+        let engine = base64::engine::general_purpose::STANDARD;
+        (0..n).map(|i| format!("whsec_{}\n", engine.encode(format!("secret number {i:04}")))).collect()
+    };
+    let diagnostics = |n: usize| {
+        std::fs::write(dir.path().join("webhook.secrets"), secrets(n)).expect("write");
+        let validation = config::load(&[dir.path().to_path_buf()]);
+        assert!(validation.config.is_some(), "a warning only: {:?}", validation.diagnostics);
+        validation.diagnostics.iter().map(|d| (d.line, d.column, d.severity, d.message.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(diagnostics(170), []);
+    assert_eq!(
+        diagnostics(171),
+        [(
+            7,
+            32,
+            Severity::Warning,
+            "171 signing secrets make each call's webhook-signature header 8207 bytes (48 a secret): receivers and \
+             proxies commonly refuse a header over 8 KiB (nginx's default), so every call would fail; sign with the \
+             secrets in rotation only (at most 170)"
+                .to_string()
+        )]
+    );
+}

@@ -2,7 +2,7 @@
 //! semantic checks, templates, referenced files. Every problem is collected; nothing stops at
 //! the first.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::num::{NonZeroU16, NonZeroU32};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,8 +14,8 @@ use super::interpolate::{Env, interpolate};
 use super::source::{self, SourceFile, escape_token};
 use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
-    Jitter, MAX_RETRY_DELAY, PayloadSchema, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing, StdinMode,
-    Tls, Validation, Webhook, raw,
+    Jitter, MAX_RETRY_DELAY, PayloadSchema, Progress, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing,
+    StdinMode, Tls, Validation, Webhook, raw,
 };
 use crate::file::{ReadError, read_regular};
 use crate::handler::auth::{OAuth2, SecretSource};
@@ -30,11 +30,16 @@ pub(crate) const MAX_PEM_BYTES: u64 = 1 << 20;
 /// without end (a link to a device) must not be read to the end.
 const MAX_SCHEMA_BYTES: u64 = 8 << 20;
 
+/// The largest header a webhook's receiver is likely to take: many servers and proxies refuse
+/// more (nginx's default buffer for one header line is 8 KiB).
+const MAX_HEADER_BYTES: usize = 8 << 10;
+
 /// The longest `message_ttl` RabbitMQ takes: 2^32 - 1 ms.
 const MAX_MESSAGE_TTL: Duration = Duration::from_millis(u32::MAX as u64);
 
-pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
+pub(super) fn load(paths: &[PathBuf], env: &Env, progress: &Progress) -> Validation {
     let discovery = source::discover(paths);
+    progress.files(discovery.files.len());
     let mut diags = discovery.diagnostics;
     let mut complete = !diags.iter().any(|d| d.severity == Severity::Error);
     if discovery.files.is_empty() && complete {
@@ -49,10 +54,10 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
     let mut sources = BTreeMap::new();
     let mut skipped = 0;
     // Nodes the schema refused, left out of the semantic checks, by file.
-    let mut pruned: Vec<(PathBuf, String)> = Vec::new();
+    let mut pruned = Nodes::default();
     // What `${VAR}` substitution said, and the strings it left as written, by file.
     let mut substitution = Vec::new();
-    let mut unresolved: Vec<(PathBuf, String)> = Vec::new();
+    let mut unresolved = Nodes::default();
     let mut unset = Vec::new();
     for path in &discovery.files {
         let loaded = source::read(path).and_then(|text| {
@@ -68,7 +73,7 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
             Ok(mut file) => {
                 let interpolated = interpolate(&mut file, env);
                 substitution.extend(interpolated.diagnostics);
-                unresolved.extend(interpolated.unresolved.into_iter().map(|p| (file.path.clone(), p)));
+                unresolved.extend(&file.path, interpolated.unresolved);
                 unset.extend(interpolated.unset.into_iter().map(|(pointer, name)| super::UnsetVar {
                     file: file.path.clone(),
                     pointer,
@@ -90,7 +95,7 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
                     diags.extend(schema_errors);
                     match lenient(&file, &invalid) {
                         Some(raw) => {
-                            pruned.extend(invalid.into_iter().map(|p| (file.path.clone(), p)));
+                            pruned.extend(&file.path, invalid);
                             parsed.push((file, raw));
                         }
                         None => complete = false,
@@ -102,6 +107,7 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
                 complete = false;
             }
         }
+        progress.file_read();
     }
     if skipped > 0 && skipped == discovery.files.len() && complete {
         let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
@@ -111,28 +117,58 @@ pub(super) fn load(paths: &[PathBuf], env: &Env) -> Validation {
         ));
     }
     let before = diags.len();
-    let mut compiler = Compiler { diags: &mut diags, cluster: Vec::new(), complete, unresolved: &unresolved };
+    let mut compiler =
+        Compiler { diags: &mut diags, cluster: Vec::new(), complete, unresolved: &unresolved, progress, schema: None };
     let config = compiler.compile(parsed);
     let cluster = compiler.cluster;
     // What the semantic checks say about a refused node (or a handler that lost its refused
     // part) is already said by the schema.
     let semantic = diags.split_off(before);
-    diags.extend(semantic.into_iter().filter(|d| {
-        !pruned.iter().any(|(file, node)| {
-            let related = d.pointer == *node
-                || d.pointer.starts_with(&format!("{node}/"))
-                || (node.starts_with(&format!("{}/", d.pointer)) && d.pointer.matches('/').count() > 2);
-            *file == d.file && related
-        })
-    }));
+    diags.extend(semantic.into_iter().filter(|d| !pruned.related(&d.file, &d.pointer)));
     // A string left as written is explained by its substitution's diagnostic; what the other
     // checks make of its `${...}` would only repeat it.
-    diags.retain(|d| !about_unresolved(&unresolved, d));
+    diags.retain(|d| !unresolved.explains(d));
     diags.extend(substitution);
     let mut diags = once_per_anchor(diags);
     diags.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
     let has_errors = diags.iter().any(|d| d.severity == Severity::Error);
     Validation { config: (!has_errors).then_some(config), diagnostics: diags, sources, cluster, unset }
+}
+
+/// JSON pointers by file: the nodes the schema refused, or the strings substitution left as
+/// written. Looked up per diagnostic, so a set, not a list: a file can have thousands of each.
+#[derive(Debug, Default)]
+struct Nodes(HashMap<PathBuf, BTreeSet<String>>);
+
+impl Nodes {
+    fn extend(&mut self, file: &Path, pointers: Vec<String>) {
+        if !pointers.is_empty() {
+            self.0.entry(file.to_path_buf()).or_default().extend(pointers);
+        }
+    }
+
+    /// Whether a diagnostic at `pointer` in `file` is about one of the nodes: the node, a node
+    /// inside it, or (below a queue's own keys) a node holding one, such as a handler that
+    /// lost its refused part.
+    fn related(&self, file: &Path, pointer: &str) -> bool {
+        let Some(nodes) = self.0.get(file) else { return false };
+        let mut at = pointer;
+        loop {
+            if nodes.contains(at) {
+                return true;
+            }
+            let Some(parent) = at.rfind('/') else { break };
+            at = &at[..parent];
+        }
+        let inside = format!("{pointer}/");
+        pointer.matches('/').count() > 2 && nodes.range(inside.clone()..).next().is_some_and(|n| n.starts_with(&inside))
+    }
+
+    /// Whether `d` is an error about a string substitution left as written (by file and
+    /// pointer), which that substitution's own diagnostic explains.
+    fn explains(&self, d: &Diagnostic) -> bool {
+        d.severity == Severity::Error && self.0.get(&d.file).is_some_and(|nodes| nodes.contains(&d.pointer))
+    }
 }
 
 /// The raw file without the nodes at `invalid` (JSON pointers), for checking the rest of a
@@ -260,13 +296,11 @@ struct Compiler<'a> {
     /// False when some file could not be read: cross-file references are then not checked.
     complete: bool,
     /// Strings `${...}` substitution left as written: errors there do not count.
-    unresolved: &'a [(PathBuf, String)],
-}
-
-/// Whether `d` is an error about a string substitution left as written (by file and pointer),
-/// which that substitution's own diagnostic explains.
-fn about_unresolved(unresolved: &[(PathBuf, String)], d: &Diagnostic) -> bool {
-    d.severity == Severity::Error && unresolved.iter().any(|(file, node)| *file == d.file && d.pointer == *node)
+    unresolved: &'a Nodes,
+    progress: &'a Progress,
+    /// The payload schema of the queue being compiled, which its templates' paths are checked
+    /// against as its filters' fields are.
+    schema: Option<PayloadSchema>,
 }
 
 /// Where a name was first defined: file and position, for "defined twice" messages.
@@ -303,6 +337,7 @@ impl Compiler<'_> {
             }
         }
         let mut files = files;
+        self.progress.queues(queue_sites.len());
         for (index, name) in queue_sites {
             let (file, raw) = &mut files[index];
             if let Some(q) = raw.queues.remove(&name)
@@ -310,6 +345,7 @@ impl Compiler<'_> {
             {
                 config.queues.insert(name, queue);
             }
+            self.progress.queue_compiled();
         }
         self.dead_letter_collisions(&files, &config);
         config
@@ -385,6 +421,7 @@ impl Compiler<'_> {
                         self.diags.push(file.diag(Severity::Warning, pointer, message));
                     }
                 }
+                self.payload_paths(file, pointer, &t);
                 Some(t)
             }
             Err(e) => {
@@ -398,6 +435,20 @@ impl Compiler<'_> {
         }
     }
 
+    /// Errors for the paths of template `t` (at `pointer`) that no payload the queue's schema
+    /// accepts has: rendering one fails for every message, which is dead-lettered (`template`).
+    fn payload_paths(&mut self, file: &SourceFile, pointer: &str, t: &Template) {
+        let Some(schema) = &self.schema else { return };
+        for path in t.payload_paths() {
+            let steps: Vec<&str> = path.steps.iter().map(String::as_str).collect();
+            if let Some(why) = super::filter::ruled_out(&schema.schema, &steps) {
+                let message = format!("{} cannot be in a payload of this queue: {why}", path.text);
+                let pos = file.offset_pos(pointer, t.source(), path.offset);
+                self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
+            }
+        }
+    }
+
     fn queue(
         &mut self,
         file: &SourceFile,
@@ -406,7 +457,7 @@ impl Compiler<'_> {
         exchanges: &BTreeMap<String, Exchange>,
     ) -> Option<Queue> {
         let base = format!("/queues/{}", escape_token(name));
-        let errors_before = self.error_count();
+        let diags_before = self.diags.len();
 
         let max_message_bytes = self.max_message_bytes(file, &format!("{base}/max_message_bytes"), q.max_message_bytes);
         let payload_schema =
@@ -475,16 +526,15 @@ impl Compiler<'_> {
             ));
         }
         let on_status = super::rules::on_status(file, &on_status_pointer, &q.on_status, self.diags);
-        let handler = self.handler(file, &format!("{base}/handler"), q.handler, on_status)?;
+        // The handler's and the idempotency key's templates are checked against the schema.
+        self.schema = payload_schema;
+        let Some(handler) = self.handler(file, &format!("{base}/handler"), q.handler, on_status) else {
+            self.schema = None;
+            return None;
+        };
         if let Handler::Webhook(Webhook { body: Some(body), .. }) = &handler {
-            self.bare_json_values(
-                file,
-                &format!("{base}/handler/webhook/body"),
-                body.source(),
-                payload_schema.as_ref(),
-            );
+            self.bare_json_values(file, &format!("{base}/handler/webhook/body"), body.source());
         }
-        let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let program_source = match &handler {
             Handler::Command(c) => Some(c.program.display().to_string()),
             Handler::Webhook(_) => None,
@@ -497,6 +547,8 @@ impl Compiler<'_> {
         let timeout = handler.timeout();
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
+        let payload_schema = self.schema.take();
+        let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let dead_letter = q.dead_letter.queue.unwrap_or_else(|| format!("{name}.dlq"));
         if let Some(message) = reserved("dead-letter queue", &dead_letter) {
             self.error(file, &format!("{base}/dead_letter/queue"), message);
@@ -513,7 +565,7 @@ impl Compiler<'_> {
             );
             self.cluster.push(file.diag(Severity::Warning, &format!("{base}/type"), message));
         }
-        (self.error_count() == errors_before).then(|| Queue {
+        (self.errors_since(diags_before) == 0).then(|| Queue {
             name: name.to_string(),
             kind,
             bindings,
@@ -634,11 +686,11 @@ impl Compiler<'_> {
     /// Warns of each `{{x}}` standing bare in a JSON body where `x` may be a string: the body
     /// would not be JSON. Numbers and booleans (by the payload schema, or `attempt` and
     /// `version`) are fine bare.
-    fn bare_json_values(&mut self, file: &SourceFile, pointer: &str, body: &str, schema: Option<&PayloadSchema>) {
+    fn bare_json_values(&mut self, file: &SourceFile, pointer: &str, body: &str) {
         for (offset, path) in crate::handler::template::bare_in_json(body) {
             let scalar = match path.split_once('.') {
                 None => matches!(path.as_str(), "attempt" | "version"),
-                Some(("payload", rest)) => schema.is_some_and(|s| is_number_or_bool(&s.schema, rest)),
+                Some(("payload", rest)) => self.schema.as_ref().is_some_and(|s| is_number_or_bool(&s.schema, rest)),
                 Some(_) => false,
             };
             if !scalar {
@@ -669,8 +721,11 @@ impl Compiler<'_> {
         }
     }
 
-    fn error_count(&self) -> usize {
-        self.diags.iter().filter(|d| d.severity == Severity::Error && !about_unresolved(self.unresolved, d)).count()
+    /// The errors among the diagnostics from `start` on (a queue's own, counted once: all of
+    /// them each time would make many queues quadratic).
+    fn errors_since(&self, start: usize) -> usize {
+        let own = self.diags.get(start..).unwrap_or_default();
+        own.iter().filter(|d| d.severity == Severity::Error && !self.unresolved.explains(d)).count()
     }
 
     fn payload_schema(&mut self, file: &SourceFile, pointer: &str, relative: &str) -> Option<PayloadSchema> {
@@ -768,6 +823,18 @@ impl Compiler<'_> {
         if signing.secret_env.is_empty() && signing.secret_file.is_none() {
             self.error(file, base, "signing needs secret_env, secret_file or both");
             return None;
+        }
+        let (signatures, header) = signing.signature_header();
+        if header > MAX_HEADER_BYTES {
+            let field = if signing.secret_file.is_some() { "secret_file" } else { "secret_env" };
+            let message = format!(
+                "{signatures} signing secrets make each call's webhook-signature header {header} bytes (48 a secret): \
+                 receivers and proxies commonly refuse a header over {} KiB (nginx's default), so every call would fail; \
+                 sign with the secrets in rotation only (at most {})",
+                MAX_HEADER_BYTES >> 10,
+                (MAX_HEADER_BYTES + 1) / 48
+            );
+            self.diags.push(file.diag(Severity::Warning, &format!("{base}/{field}"), message));
         }
         for error in signing.load().err().unwrap_or_default() {
             let message = match &error {
@@ -1065,8 +1132,9 @@ impl Compiler<'_> {
 
     fn dead_letter_collisions(&mut self, files: &[(SourceFile, raw::File)], config: &Config) {
         let mut owners: BTreeMap<&str, &str> = BTreeMap::new();
+        let by_path: HashMap<&Path, &SourceFile> = files.iter().map(|(f, _)| (f.path.as_path(), f)).collect();
         for queue in config.queues.values() {
-            let Some((file, _)) = files.iter().find(|(f, _)| f.path == queue.file) else {
+            let Some(file) = by_path.get(queue.file.as_path()) else {
                 continue;
             };
             let base = format!("/queues/{}", escape_token(&queue.name));

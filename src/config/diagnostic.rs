@@ -95,10 +95,18 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
             }
         }
         Format::Human => {
+            // Diagnostics come by file: each file is fetched and split into lines once, not
+            // once per diagnostic (a file can have thousands).
+            let mut file: Option<(&Path, Option<Lines>)> = None;
             for d in diagnostics {
                 let _ = writeln!(out, "{}", d.headline());
-                if let Some(text) = source(&d.file) {
-                    out.push_str(&snippet(&text, d.line, d.column));
+                if file.as_ref().is_none_or(|(path, _)| *path != d.file) {
+                    file = Some((&d.file, source(&d.file).map(Lines::new)));
+                }
+                if let Some((_, Some(lines))) = &file
+                    && let Some(line) = lines.line(d.line)
+                {
+                    out.push_str(&snippet(line, d.line, d.column));
                 }
             }
         }
@@ -106,19 +114,68 @@ pub fn render(diagnostics: &[Diagnostic], format: Format, source: &dyn Fn(&Path)
     out
 }
 
-/// The offending line with its number and a caret under the column. A line holding control
-/// characters is not shown: it is not pipeline text (a link to `/proc/self/environ` holds NULs),
-/// and escape sequences would reach the terminal.
-fn snippet(text: &str, line: usize, column: usize) -> String {
-    let Some(src) = lines(text).nth(line.saturating_sub(1)) else {
-        return String::new();
+/// A file's text by line, split once.
+struct Lines {
+    text: String,
+    /// Each line's byte range, and whether it is ASCII (so that a column is a byte offset).
+    lines: Vec<(usize, usize, bool)>,
+}
+
+impl Lines {
+    fn new(text: String) -> Lines {
+        let mut start = 0;
+        let lines = lines(&text)
+            .map(|line| {
+                let end = start + line.len();
+                let rest = &text[end..];
+                let ending = if rest.starts_with("\r\n") { 2 } else { usize::from(!rest.is_empty()) };
+                let range = (start, end, line.is_ascii());
+                start = end + ending;
+                range
+            })
+            .collect();
+        Lines { text, lines }
+    }
+
+    /// Line `n` (1-based), and whether it is ASCII.
+    fn line(&self, n: usize) -> Option<(&str, bool)> {
+        let &(start, end, ascii) = self.lines.get(n.checked_sub(1)?)?;
+        Some((&self.text[start..end], ascii))
+    }
+}
+
+/// The longest line a snippet shows whole; of a longer one (a flow list of thousands of values
+/// is one line, which each of its diagnostics would print) it shows [`SNIPPET_REACH`]
+/// characters either side of the column.
+const SNIPPET_WIDTH: usize = 200;
+const SNIPPET_REACH: usize = 80;
+
+/// The offending line with its number and a caret under the column; of a long line, the part
+/// around the column, cut with `...`. A line holding control characters is not shown: it is not
+/// pipeline text (a link to `/proc/self/environ` holds NULs), and escape sequences would reach
+/// the terminal.
+fn snippet((src, ascii): (&str, bool), line: usize, column: usize) -> String {
+    let before = column.saturating_sub(1);
+    let length = if ascii { src.len() } else { src.chars().count() };
+    let (from, to) = if length <= SNIPPET_WIDTH {
+        (0, length)
+    } else {
+        (before.saturating_sub(SNIPPET_REACH), before.saturating_add(SNIPPET_REACH))
     };
-    if src.chars().any(|c| c != '\t' && terminal::is_hidden(c)) {
+    // By bytes where they are characters: the cut costs the part shown, not the whole line.
+    let byte = |chars: usize| {
+        if ascii { chars.min(src.len()) } else { src.char_indices().nth(chars).map_or(src.len(), |(i, _)| i) }
+    };
+    let (start, end) = (byte(from), byte(to));
+    let shown = &src[start..end];
+    if shown.chars().any(|c| c != '\t' && terminal::is_hidden(c)) {
         return String::new();
     }
+    let (head, tail) = (if start > 0 { "..." } else { "" }, if end < src.len() { "..." } else { "" });
     let gutter = line.to_string().len();
-    let pad: String = src.chars().take(column.saturating_sub(1)).map(|c| if c == '\t' { '\t' } else { ' ' }).collect();
-    format!("{:gutter$} |\n{line} | {src}\n{:gutter$} | {pad}^\n", "", "")
+    let pad: String =
+        head.chars().chain(shown.chars().take(before - from)).map(|c| if c == '\t' { '\t' } else { ' ' }).collect();
+    format!("{:gutter$} |\n{line} | {head}{shown}{tail}\n{:gutter$} | {pad}^\n", "", "")
 }
 
 /// A workflow command's message ends at a line break, and `%` starts an escape
@@ -198,6 +255,25 @@ mod tests {
             out,
             "pipelines/orders.yaml:2:5: error: /queues/a/concurrency: 0 is less than the minimum of 1\n  |\n2 | foo: bar\n  |     ^\n"
         );
+    }
+
+    /// Issue 31 item 6: each of thousands of diagnostics on one long line (a flow list) printed
+    /// the whole line. A long line is shown around the column, the caret under it.
+    #[test]
+    fn a_long_line_is_shown_around_the_column() {
+        let line = format!("in: [{}]", (0..1000).map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
+        let column = line.find("500,").expect("in the list") + 1;
+        let d = Diagnostic { line: 1, column, ..diag() };
+        let out = render(&[d], Format::Human, &|_| Some(line.clone()));
+        let shown: Vec<&str> = out.lines().collect();
+        let (text, caret) = (shown[2], shown[3]);
+        assert!(text.starts_with("1 | ...") && text.ends_with("..."), "{text}");
+        assert_eq!(text.len(), "1 | ...".len() + 2 * SNIPPET_REACH + "...".len(), "{text}");
+        assert_eq!(&text[caret.len() - 1..caret.len() + 3], "500,", "{text}\n{caret}");
+        // A short line, and the start or end of a long one, are shown as they are.
+        let d = Diagnostic { line: 1, column: 2, ..diag() };
+        let out = render(&[d], Format::Human, &|_| Some(line.clone()));
+        assert!(out.lines().nth(2).is_some_and(|t| t.starts_with("1 | in: [0, 1") && t.ends_with("...")), "{out}");
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! The JSON Schema checks the keys and the value types first (for editors too); this module
 //! adds what a schema cannot say. Evaluation is the runtime's (`runtime::filter`).
 
+use std::collections::HashSet;
+
 use serde_json::{Map, Value};
 
 use super::diagnostic::{Diagnostic, Severity};
@@ -57,13 +59,96 @@ const ROOTS: [(&str, Root); 6] = [
 pub enum Op {
     /// Equal as JSON (numbers by value: `1` equals `1.0`).
     Eq(Value),
-    In(Vec<Value>),
+    /// Equal to one of the values, as `Eq`.
+    In(Values),
     Gt(serde_json::Number),
     Gte(serde_json::Number),
     Lt(serde_json::Number),
     Lte(serde_json::Number),
     Exists(bool),
     Prefix(String),
+}
+
+/// The values of an `in:` list, held as sets: a message is looked up once, whatever the
+/// length of the list (a list of 40,000 customer ids is one lookup, not 40,000 comparisons).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Values {
+    /// As written, in order: for messages.
+    listed: Vec<Value>,
+    strings: HashSet<String>,
+    numbers: HashSet<NumberKey>,
+    booleans: [bool; 2],
+    null: bool,
+}
+
+/// A number by value, so that equal numbers are one key (`1` and `1.0`, as [`Op::Eq`] compares
+/// them): an integral float within 64 bits is its integer, any other float its bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum NumberKey {
+    Integer(i128),
+    Float(u64),
+}
+
+impl NumberKey {
+    fn of(n: &serde_json::Number) -> Option<NumberKey> {
+        if let Some(i) = n.as_i64() {
+            return Some(NumberKey::Integer(i.into()));
+        }
+        if let Some(u) = n.as_u64() {
+            return Some(NumberKey::Integer(u.into()));
+        }
+        let f = n.as_f64()?;
+        // Integral and within ±2^64: exactly an integer (JSON holds no NaN or infinity).
+        Some(if f.fract() == 0.0 && f.abs() < 18_446_744_073_709_551_616.0 {
+            NumberKey::Integer(f as i128)
+        } else {
+            NumberKey::Float(f.to_bits())
+        })
+    }
+}
+
+impl Values {
+    /// The scalars of a list (arrays and objects are never equal to a field's value here).
+    pub fn new(listed: Vec<Value>) -> Values {
+        let mut values = Values::default();
+        for value in &listed {
+            match value {
+                Value::String(s) => {
+                    values.strings.insert(s.clone());
+                }
+                Value::Number(n) => values.numbers.extend(NumberKey::of(n)),
+                Value::Bool(b) => values.booleans[usize::from(*b)] = true,
+                Value::Null => values.null = true,
+                Value::Array(_) | Value::Object(_) => {}
+            }
+        }
+        values.listed = listed;
+        values
+    }
+
+    /// The values as written.
+    pub fn listed(&self) -> &[Value] {
+        &self.listed
+    }
+
+    /// Whether `value` is one of them (numbers by value).
+    pub fn contains(&self, value: &Value) -> bool {
+        match value {
+            Value::String(s) => self.contains_str(s),
+            Value::Number(n) => self.contains_number(n),
+            Value::Bool(b) => self.booleans[usize::from(*b)],
+            Value::Null => self.null,
+            Value::Array(_) | Value::Object(_) => false,
+        }
+    }
+
+    pub fn contains_str(&self, s: &str) -> bool {
+        self.strings.contains(s)
+    }
+
+    pub fn contains_number(&self, n: &serde_json::Number) -> bool {
+        NumberKey::of(n).is_some_and(|key| self.numbers.contains(&key))
+    }
 }
 
 /// The operators, as written.
@@ -250,7 +335,7 @@ impl Checker<'_> {
                 };
                 let values: Vec<Option<Value>> =
                     items.iter().enumerate().map(|(i, v)| self.scalar(&format!("{pointer}/{i}"), v)).collect();
-                Op::In(values.into_iter().collect::<Option<Vec<Value>>>()?)
+                Op::In(Values::new(values.into_iter().collect::<Option<Vec<Value>>>()?))
             }
             "gt" => Op::Gt(number(self, value)?),
             "gte" => Op::Gte(number(self, value)?),
@@ -285,16 +370,16 @@ impl Checker<'_> {
                 None
             }
             Value::Number(n) => self.exact(pointer, n).then(|| value.clone()),
-            _ => self.not_out_of_range(pointer).then(|| value.clone()),
+            _ => self.not_out_of_range(pointer, value).then(|| value.clone()),
         }
     }
 
     /// YAML reads a number too large for a float as infinity (`.inf`), which JSON holds as
     /// null, or as a string (`1e400`).
-    fn not_out_of_range(&mut self, pointer: &str) -> bool {
-        match self.file.infinite_number(pointer) {
+    fn not_out_of_range(&mut self, pointer: &str, value: &Value) -> bool {
+        match self.file.infinite_number(pointer, value) {
             Some(text) => {
-                self.error(pointer, infinite(text));
+                self.error(pointer, infinite(&text));
                 false
             }
             None => true,
@@ -332,7 +417,7 @@ impl Checker<'_> {
         }
         let Some(schema) = self.schema else { return Some(None) };
         let steps: Vec<&str> = field.path.iter().map(String::as_str).collect();
-        match reach(schema, schema, &steps, "payload", 0) {
+        match reach(schema, schema, &steps, "payload", Steps::Fields, 0) {
             Ok(leaves) => Some(declared_types(schema, &leaves)),
             Err(why) => {
                 self.error(pointer, format!("{text} cannot be in a payload of this queue: {why}"));
@@ -345,6 +430,22 @@ impl Checker<'_> {
 /// Local `$ref`s are followed at most this deep (a schema may refer to itself).
 const MAX_REF_DEPTH: usize = 32;
 
+/// Why no payload the queue's `schema` accepts has anything at `steps` (`["order", "id"]` for
+/// `payload.order.id`), if so: for a template's path, where a step may also index a list
+/// (`payload.items.0.sku`), as templates read them.
+pub(super) fn ruled_out(schema: &Value, steps: &[&str]) -> Option<String> {
+    reach(schema, schema, steps, "payload", Steps::FieldsAndIndexes, 0).err()
+}
+
+/// What a step of a path reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Steps {
+    /// An object's field only: a filter's path.
+    Fields,
+    /// A field, or a list's item by its index (`0`): a template's path.
+    FieldsAndIndexes,
+}
+
 /// The schema nodes that apply to the value at `path` below `node` (`at` names the node, for
 /// messages): empty when the schema says nothing of it. `Err(why)` when no value the schema
 /// accepts has anything there. Where the schema branches (`anyOf`, `oneOf`), a path any
@@ -354,6 +455,7 @@ fn reach<'a>(
     node: &'a Value,
     path: &[&str],
     at: &str,
+    steps: Steps,
     depth: usize,
 ) -> Result<Vec<&'a Value>, String> {
     if depth > MAX_REF_DEPTH {
@@ -361,7 +463,7 @@ fn reach<'a>(
     }
     let node = match node.get("$ref").and_then(Value::as_str).and_then(|r| r.strip_prefix('#')) {
         Some(target) => match root.pointer(target) {
-            Some(target) => return reach(root, target, path, at, depth + 1),
+            Some(target) => return reach(root, target, path, at, steps, depth + 1),
             None => return Ok(Vec::new()),
         },
         None => node,
@@ -373,12 +475,12 @@ fn reach<'a>(
     };
     let mut leaves = Vec::new();
     for branch in map.get("allOf").and_then(Value::as_array).into_iter().flatten() {
-        leaves.extend(reach(root, branch, path, at, depth + 1)?);
+        leaves.extend(reach(root, branch, path, at, steps, depth + 1)?);
     }
     for key in ["anyOf", "oneOf"] {
         if let Some(branches) = map.get(key).and_then(Value::as_array) {
             let reached: Vec<Result<Vec<&Value>, String>> =
-                branches.iter().map(|b| reach(root, b, path, at, depth + 1)).collect();
+                branches.iter().map(|b| reach(root, b, path, at, steps, depth + 1)).collect();
             if let Some(Err(why)) = reached.iter().find(|r| r.is_err()).filter(|_| reached.iter().all(Result::is_err)) {
                 return Err(why.clone());
             }
@@ -388,15 +490,30 @@ fn reach<'a>(
         leaves.push(node);
         return Ok(leaves);
     };
-    if let Some(types) = map.get("type").map(type_names)
-        && !types.iter().any(|t| t == "object")
-    {
-        return Err(format!("{at} is {}, which has no field \"{step}\"", shown_types(&types)));
-    }
     let here = format!("{at}.{step}");
+    let types = map.get("type").map(type_names);
+    let has = |t: &str| types.as_ref().is_some_and(|types| types.iter().any(|x| x == t));
+    // A list's item, when the step is an index and the node is a list rather than an object.
+    let items = map.contains_key("items") || map.contains_key("prefixItems");
+    if steps == Steps::FieldsAndIndexes
+        && let Ok(index) = step.parse::<usize>()
+        && (has("array") || (types.is_none() && items && !map.contains_key("properties")))
+        && !has("object")
+    {
+        let item = map.get("prefixItems").and_then(|p| p.get(index)).or_else(|| map.get("items"));
+        if let Some(item) = item {
+            leaves.extend(reach(root, item, rest, &here, steps, depth + 1)?);
+        }
+        return Ok(leaves);
+    }
+    if let Some(types) = &types
+        && !has("object")
+    {
+        return Err(format!("{at} is {}, which has no field \"{step}\"", shown_types(types)));
+    }
     let properties = map.get("properties").and_then(Value::as_object);
     if let Some(child) = properties.and_then(|p| p.get(*step)) {
-        leaves.extend(reach(root, child, rest, &here, depth + 1)?);
+        leaves.extend(reach(root, child, rest, &here, steps, depth + 1)?);
         return Ok(leaves);
     }
     if map.get("patternProperties").is_some() {
@@ -406,7 +523,7 @@ fn reach<'a>(
     match map.get("additionalProperties") {
         Some(Value::Bool(false)) => Err(no_such_property(at, step, properties)),
         Some(extra @ Value::Object(_)) => {
-            leaves.extend(reach(root, extra, rest, &here, depth + 1)?);
+            leaves.extend(reach(root, extra, rest, &here, steps, depth + 1)?);
             Ok(leaves)
         }
         _ => Ok(leaves),
@@ -483,13 +600,26 @@ fn mismatch(op: &Op, types: &[String]) -> Option<String> {
         }
         Op::Prefix(_) if !has("string") => Some("prefix tests strings, so this condition never holds".into()),
         Op::Eq(v) if !admits(v) => Some(format!("it never equals {v}")),
-        Op::In(values) if !values.iter().any(admits) => {
-            Some(format!("it never equals any of {}", Value::Array(values.clone())))
+        Op::In(values) if !values.listed().iter().any(admits) => {
+            Some(format!("it never equals any of {}", shown(values)))
         }
-        Op::In(values) => {
-            values.iter().find(|v| !admits(v)).map(|v| format!("{v} in the list is never equal to it; leave it out"))
-        }
+        Op::In(values) => values
+            .listed()
+            .iter()
+            .find(|v| !admits(v))
+            .map(|v| format!("{v} in the list is never equal to it; leave it out")),
         _ => None,
+    }
+}
+
+/// An `in:` list for a message: the first few values, and how many more.
+fn shown(values: &Values) -> String {
+    const SHOWN: usize = 5;
+    let listed = values.listed();
+    let first: Vec<String> = listed.iter().take(SHOWN).map(Value::to_string).collect();
+    match listed.len().saturating_sub(SHOWN) {
+        0 => format!("[{}]", first.join(",")),
+        more => format!("[{}, ...] ({more} more)", first.join(",")),
     }
 }
 
@@ -498,7 +628,8 @@ pub(super) fn infinite(text: &str) -> String {
     format!("{text} is not a finite number (at most about 1.8e308 either way)")
 }
 
-fn kind_of(value: &Value) -> &'static str {
+/// What a value is, in words (`a number`, `null`).
+pub(super) fn kind_of(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -512,6 +643,8 @@ fn kind_of(value: &Value) -> &'static str {
 #[cfg(test)]
 mod tests {
     use serde_json::json;
+
+    use super::{Filter, Op};
 
     /// The diagnostics of one pipeline file whose queue `q` binds with `filter` (YAML, written
     /// from column 15 of line 7), beside a payload schema.
@@ -540,6 +673,38 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let validation = super::super::load(&[dir.path().to_path_buf()]);
         validation.diagnostics.into_iter().map(|d| (d.line, d.column, d.message)).collect()
+    }
+
+    /// Issue 31 item 6: validation grew with the square of an `in:` list (47.8 s at 20,000
+    /// values, 114 s at 40,000): each value's text was found by reading the file from its start
+    /// to the value's line, then along the line. 40,000 values on one line, and as many one a
+    /// line, numbers and strings, are loaded here (the suite's timeout bounds how long).
+    #[test]
+    fn filters_of_40000_values_load() {
+        const N: usize = 40_000;
+        let value = |i: usize| if i.is_multiple_of(2) { i.to_string() } else { format!("c{i}") };
+        let flow: Vec<String> = (0..N).map(value).collect();
+        let block: String = (0..N).map(|i| format!("          - {}\n", value(i))).collect();
+        let queue = |name: &str, list: &str| {
+            format!(
+                "version: 1\nqueues:\n  {name}:\n    bind:\n      - exchange: amq.topic\n        filter:\n          \
+                 field: payload.customer\n          in:{list}\n    handler: {{webhook: {{url: \"http://h/x\"}}}}\n"
+            )
+        };
+        // Two files: a pipeline file holds at most a MiB.
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("flow.yaml"), queue("flow", &format!(" [{}]", flow.join(", ")))).expect("write");
+        std::fs::write(dir.path().join("block.yaml"), queue("block", &format!("\n{}", block.trim_end())))
+            .expect("write");
+        let validation = super::super::load(&[dir.path().to_path_buf()]);
+        let config = validation.config.unwrap_or_else(|| panic!("{:?}", validation.diagnostics));
+        assert_eq!(config.queues.len(), 2);
+        for binding in config.queues.values().flat_map(|q| &q.bindings) {
+            let Some(Filter::Test { op: Op::In(values), .. }) = &binding.filter else { panic!("{binding:?}") };
+            assert_eq!(values.listed().len(), N);
+            assert!(values.contains(&json!(39_998)) && values.contains(&json!("c39999")));
+            assert!(!values.contains(&json!("39998")) && !values.contains(&json!(N)));
+        }
     }
 
     #[test]

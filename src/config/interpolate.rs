@@ -10,10 +10,11 @@
 //!
 //! This module never reads the environment itself: [`Env`] brings the lookup.
 
+use std::collections::HashMap;
 use std::env::VarError;
 
 use super::diagnostic::{Diagnostic, Severity};
-use super::source::{MAX_FILE_BYTES, SourceFile, escape_token};
+use super::source::{MAX_FILE_BYTES, SourceFile, Substitution, escape_token, is_null};
 
 /// How loading treats a variable that is unset and has no default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,7 +63,7 @@ pub struct Interpolated {
 pub fn interpolate(file: &mut SourceFile, env: &Env) -> Interpolated {
     let mut value = std::mem::take(&mut file.value);
     let mut out = Interpolated::default();
-    let mut scan = Scan { env, added: 0 };
+    let mut scan = Scan::new(env);
     // An explicit stack: no recursion, however deep the document.
     let mut stack: Vec<(String, &mut serde_json::Value)> = vec![(String::new(), &mut value)];
     while let Some((pointer, node)) = stack.pop() {
@@ -76,7 +77,13 @@ pub fn interpolate(file: &mut SourceFile, env: &Env) -> Interpolated {
             serde_json::Value::String(text) if text.contains('$') => {
                 let (substituted, faults) = scan.string(text);
                 if faults.is_empty() {
-                    *node = if file.typed(&pointer) { typed(substituted) } else { substituted.into() };
+                    *node = if file.typed(&pointer) {
+                        let value = typed(substituted.clone());
+                        file.substituted(pointer, Substitution { written: text.clone(), value: substituted });
+                        value
+                    } else {
+                        substituted.into()
+                    };
                     continue;
                 }
                 for fault in faults {
@@ -110,13 +117,31 @@ struct Fault {
 enum Kind {
     Unclosed,
     BadName,
-    BadOperator { name: String },
-    Nested { name: String },
-    Unset { name: String },
-    Required { name: String, message: String },
-    LineBreak { name: String },
-    NotUnicode { name: String },
-    TooLarge { name: String },
+    BadOperator {
+        name: String,
+    },
+    Nested {
+        name: String,
+    },
+    Unset {
+        name: String,
+    },
+    Required {
+        name: String,
+        message: String,
+    },
+    LineBreak {
+        name: String,
+    },
+    NotUnicode {
+        name: String,
+    },
+    /// `name` would take the bytes the environment adds to the file past the limit; `most` is
+    /// the variable that adds the most, counting this use: its bytes in all and its uses.
+    TooLarge {
+        name: String,
+        most: (String, usize, usize),
+    },
 }
 
 impl Kind {
@@ -149,11 +174,18 @@ impl Kind {
                 format!("environment variable {name} holds a line break; values with line breaks are refused")
             }
             Kind::NotUnicode { name } => format!("environment variable {name} is not UTF-8 text"),
-            Kind::TooLarge { name } => format!(
-                "substituting {name} makes the environment's values add more than {} KiB to this file, \
-                 the most allowed",
-                MAX_ADDED_BYTES >> 10
-            ),
+            Kind::TooLarge { name, most: (most, bytes, uses) } => {
+                let whose = if most == name {
+                    format!("{name} would add {bytes} bytes in {uses} uses")
+                } else {
+                    format!("most of them come from {most} ({bytes} bytes in {uses} uses)")
+                };
+                format!(
+                    "substituting {name} here makes the environment's values add more than {} KiB to this file, \
+                     the most allowed: {whose}",
+                    MAX_ADDED_BYTES >> 10
+                )
+            }
         }
     }
 }
@@ -163,9 +195,16 @@ struct Scan<'a> {
     env: &'a Env,
     /// Bytes the environment's values added to the file so far.
     added: usize,
+    /// Per variable, the bytes it added and how many times it was substituted, to name the
+    /// one that fills the file when the limit is reached.
+    uses: HashMap<String, (usize, usize)>,
 }
 
-impl Scan<'_> {
+impl<'a> Scan<'a> {
+    fn new(env: &'a Env) -> Scan<'a> {
+        Scan { env, added: 0, uses: HashMap::new() }
+    }
+
     /// `text` with every `${...}` substituted and `$$` made `$`, and what went wrong where
     /// (when anything did, the text is of no use).
     fn string(&mut self, text: &str) -> (String, Vec<Fault>) {
@@ -242,10 +281,23 @@ impl Scan<'_> {
         if value.contains(['\n', '\r']) {
             return Err(Kind::LineBreak { name: owned() });
         }
-        self.added = self.added.saturating_add(value.len());
-        if self.added > MAX_ADDED_BYTES {
-            return Err(Kind::TooLarge { name: owned() });
+        let (bytes, uses) = self.uses.get(name).copied().unwrap_or_default();
+        let (bytes, uses) = (bytes.saturating_add(value.len()), uses + 1);
+        let added = self.added.saturating_add(value.len());
+        if added > MAX_ADDED_BYTES {
+            // Refused, so not counted: what a later, smaller value adds may still fit.
+            let most = self
+                .uses
+                .iter()
+                .map(|(n, &(b, u))| (n.as_str(), b, u))
+                .chain([(name, bytes, uses)])
+                .max_by_key(|&(n, b, _)| (b, std::cmp::Reverse(n)))
+                .map(|(n, b, u)| (n.to_string(), b, u))
+                .unwrap_or_default();
+            return Err(Kind::TooLarge { name: owned(), most });
         }
+        self.added = added;
+        self.uses.insert(owned(), (bytes, uses));
         Ok(value)
     }
 }
@@ -255,7 +307,7 @@ impl Scan<'_> {
 /// never becomes a list or a mapping.
 fn typed(text: String) -> serde_json::Value {
     match text.as_str() {
-        "" | "~" | "null" | "Null" | "NULL" => serde_json::Value::Null,
+        t if is_null(t) => serde_json::Value::Null,
         "true" | "True" | "TRUE" => true.into(),
         "false" | "False" | "FALSE" => false.into(),
         t if is_number(t) => {
@@ -318,7 +370,7 @@ mod tests {
     type Faults = Vec<(usize, Kind)>;
 
     fn substitute(text: &str) -> Result<String, Faults> {
-        let (out, faults) = Scan { env: &ENV, added: 0 }.string(text);
+        let (out, faults) = Scan::new(&ENV).string(text);
         if faults.is_empty() { Ok(out) } else { Err(faults.into_iter().map(|f| (f.offset, f.kind)).collect()) }
     }
 
@@ -409,13 +461,14 @@ mod tests {
     #[test]
     fn the_environment_adds_at_most_a_mib_to_a_file() {
         assert_eq!(substitute("${BIG}").map(|v| v.len()), Ok(70 * 1024));
-        let mut scan = Scan { env: &ENV, added: 0 };
+        let mut scan = Scan::new(&ENV);
         let per_string = "${BIG}".repeat(5);
         let results: Vec<bool> = (0..4).map(|_| scan.string(&per_string).1.is_empty()).collect();
         // 14 values fit in a MiB; the 15th is refused, in the third string.
         assert_eq!(results, [true, true, false, false]);
-        let (_, faults) = Scan { env: &ENV, added: 0 }.string(&"${BIG}".repeat(20));
-        assert_eq!(faults.first(), Some(&Fault { offset: 14 * 6, kind: Kind::TooLarge { name: name("BIG") } }));
+        let (_, faults) = Scan::new(&ENV).string(&"${BIG}".repeat(20));
+        let most = (name("BIG"), 15 * 70 * 1024, 15);
+        assert_eq!(faults.first(), Some(&Fault { offset: 14 * 6, kind: Kind::TooLarge { name: name("BIG"), most } }));
     }
 
     #[test]
@@ -583,7 +636,8 @@ queues:
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         for (unset, severity) in [(Unset::Error, Severity::Error), (Unset::Warning, Severity::Warning)] {
-            let validation = super::super::compile::load(&[dir.path().to_path_buf()], &Env { lookup, unset });
+            let validation =
+                super::super::compile::load(&[dir.path().to_path_buf()], &Env { lookup, unset }, &Default::default());
             let got: Vec<(usize, usize, Severity)> =
                 validation.diagnostics.iter().map(|d| (d.line, d.column, d.severity)).collect();
             assert_eq!(got, [(4, 18, severity), (7, 14, severity)], "{:?}", validation.diagnostics);

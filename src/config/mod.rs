@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use std::num::{NonZeroU16, NonZeroU32};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 pub use diagnostic::{Diagnostic, Format, Severity};
@@ -294,6 +295,12 @@ impl Signing {
     /// Reads every secret now, the variables' first, then the file's in line order. Every
     /// problem is reported; none quotes a secret.
     pub fn load(&self) -> Result<Vec<SigningKey>, Vec<SecretError>> {
+        let (keys, errors) = self.read();
+        if errors.is_empty() { Ok(keys) } else { Err(errors) }
+    }
+
+    /// Every secret that can be read now, and every problem (see [`Signing::load`]).
+    fn read(&self) -> (Vec<SigningKey>, Vec<SecretError>) {
         let mut keys = Vec::new();
         let mut errors = Vec::new();
         for var in &self.secret_env {
@@ -322,7 +329,20 @@ impl Signing {
                 Err(error) => errors.push(SecretError::Unreadable { path: path.clone(), error }),
             }
         }
-        if errors.is_empty() { Ok(keys) } else { Err(errors) }
+        (keys, errors)
+    }
+
+    /// How many signatures each call carries: one a secret, counting those that cannot be
+    /// read here (an unset variable is set where it runs), and the `webhook-signature` header
+    /// they make, in bytes.
+    fn signature_header(&self) -> (usize, usize) {
+        let (keys, errors) = self.read();
+        let unread = errors
+            .iter()
+            .filter(|e| matches!(e, SecretError::Unset { .. } | SecretError::Env { .. } | SecretError::Line { .. }));
+        let signatures = keys.len() + unread.count();
+        // `v1,` and the base64 of a 32-byte HMAC-SHA256 (44 characters) each, space-separated.
+        (signatures, (signatures * 48).saturating_sub(1))
     }
 }
 
@@ -737,7 +757,54 @@ pub fn load(paths: &[PathBuf]) -> Validation {
 /// [`load`], with unset variables without a default as `unset` says: `validate` warns of them,
 /// and its config is then not fit to run (the strings that read them are left as written).
 pub fn load_with(paths: &[PathBuf], unset: Unset) -> Validation {
-    compile::load(paths, &interpolate::Env::process(unset))
+    compile::load(paths, &interpolate::Env::process(unset), &Progress::default())
+}
+
+/// [`load`], counting in `progress` how far it has got, for a reload that says so when it takes
+/// long (it reads `progress` from another thread).
+pub fn load_counting(paths: &[PathBuf], progress: &Progress) -> Validation {
+    compile::load(paths, &interpolate::Env::process(Unset::Error), progress)
+}
+
+/// How far a load has got: files read (parsed and checked against the schema) and queues
+/// compiled, each of how many.
+#[derive(Debug, Default)]
+pub struct Progress {
+    files: AtomicUsize,
+    files_read: AtomicUsize,
+    queues: AtomicUsize,
+    queues_compiled: AtomicUsize,
+}
+
+impl Progress {
+    fn files(&self, total: usize) {
+        self.files.store(total, Ordering::Relaxed);
+    }
+
+    fn file_read(&self) {
+        self.files_read.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn queues(&self, total: usize) {
+        self.queues.store(total, Ordering::Relaxed);
+    }
+
+    fn queue_compiled(&self) {
+        self.queues_compiled.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Display for Progress {
+    /// `2 of 3 files read`, then `3 of 3 files read, 5 of 12 queues compiled`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [files, read, queues, compiled] =
+            [&self.files, &self.files_read, &self.queues, &self.queues_compiled].map(|n| n.load(Ordering::Relaxed));
+        write!(f, "{read} of {files} files read")?;
+        if read == files {
+            write!(f, ", {compiled} of {queues} queues compiled")?;
+        }
+        Ok(())
+    }
 }
 
 /// The default `max_message_bytes`.
@@ -874,6 +941,23 @@ mod tests {
                 not_unicode: false
             }]
         );
+    }
+
+    /// Issue 31: the `webhook-signature` length `validate` warns of is what signing sends.
+    #[test]
+    fn the_signature_header_length_is_what_signing_sends() {
+        use base64::Engine as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("secrets");
+        for n in [1, 2, 171] {
+            let engine = base64::engine::general_purpose::STANDARD;
+            let secrets: String = (0..n).map(|i| format!("whsec_{}\n", engine.encode(format!("key {i}")))).collect();
+            std::fs::write(&path, secrets).expect("write");
+            let signing = Signing { secret_env: Vec::new(), secret_file: Some(path.clone()), keys: None };
+            let keys = signing.load().expect("valid secrets");
+            let [_, _, (_, sent)] = crate::handler::webhook::signature_headers(&keys, "msg_1", 1_614_265_330, b"{}");
+            assert_eq!(signing.signature_header(), (n, sent.len()), "{n} secrets");
+        }
     }
 
     #[test]

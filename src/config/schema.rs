@@ -154,8 +154,17 @@ fn diagnostics(schema: &Value, file: &SourceFile, error: &ValidationError<'_>) -
             let message = format!("{} is not a percentage from 1% to 100%", error.instance());
             vec![file.diag(Severity::Error, &pointer, message)]
         }
-        ValidationErrorKind::Type { .. } if let Some(text) = file.infinite_number(&pointer) => {
-            vec![file.diag(Severity::Error, &pointer, super::filter::infinite(text))]
+        ValidationErrorKind::Type { .. } if let Some(text) = file.infinite_number(&pointer, error.instance()) => {
+            vec![file.diag(Severity::Error, &pointer, super::filter::infinite(&text))]
+        }
+        // `${Y}` set to `~` is null, as `~` written there would be: say where the null came from.
+        ValidationErrorKind::Type { .. }
+            if let Some(s) = file.substitution(&pointer)
+                && !error.instance().is_string() =>
+        {
+            let reads = super::filter::kind_of(error.instance());
+            let message = format!("{error} ({} is \"{}\" here, which YAML reads as {reads})", s.written, s.value);
+            vec![file.diag(Severity::Error, &pointer, message)]
         }
         ValidationErrorKind::Required { property } => {
             let message = format!("missing required key {property}");

@@ -39,6 +39,16 @@ pub struct SourceFile {
     spans: SpanMap,
     /// Where the text ends (see [`end_of`]), found once: positions are clamped to it.
     end: Option<Pos>,
+    /// The plain scalars `${VAR}` substitution changed, by pointer (see [`super::interpolate`]).
+    substituted: HashMap<String, Substitution>,
+}
+
+/// A plain scalar as written (`${Y}`) and as `${VAR}` substitution made it (`~`), which YAML
+/// types as it would the same text written in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Substitution {
+    pub written: String,
+    pub value: String,
 }
 
 impl SourceFile {
@@ -60,11 +70,13 @@ impl SourceFile {
     pub fn offset_pos(&self, pointer: &str, text: &str, offset: usize) -> Pos {
         let start = self.pos(pointer);
         let before = &text[..text.floor_char_boundary(offset)];
-        let column = lines(&self.text).nth(start.line.saturating_sub(1)).and_then(|line| {
-            let rest: String = line.chars().skip(start.column.saturating_sub(1)).collect();
+        // Read from where the node starts, never the whole line: a flow list of thousands of
+        // values is one line, and each of its values may be asked about.
+        let column = self.spans.value_node(pointer).and_then(|node| {
+            let rest = self.text.get(node.offset..)?;
             let quote = usize::from(rest.starts_with(['"', '\'']));
             let written = rest.get(quote..)?;
-            (!before.contains('\n') && written.starts_with(before))
+            (!before.contains(['\n', '\r']) && written.starts_with(before))
                 .then(|| start.column + quote + before.chars().count())
         });
         column.map_or(start, |column| Pos { line: start.line, column })
@@ -79,25 +91,46 @@ impl SourceFile {
     /// The text of the plain scalar at `pointer` as written (`1e400`), when it is written on
     /// its own in this file (not through an alias or a merge): the value alone may not say
     /// what was written (YAML reads `1e400` as infinity, which JSON holds as null).
+    ///
+    /// A scalar `${VAR}` substitution changed is the text it substituted (`${Y}` set to `~`
+    /// reads `~`), which is what YAML typed.
     pub fn scalar_text(&self, pointer: &str) -> Option<&str> {
-        let pos = self.spans.values.get(pointer)?.pos;
-        let line = lines(&self.text).nth(pos.line.checked_sub(1)?)?;
-        let start = line.char_indices().nth(pos.column.checked_sub(1)?).map(|(i, _)| i)?;
-        let rest = &line[start..];
-        let end = rest.find([' ', '\t', ',', ']', '}', '#']).unwrap_or(rest.len());
+        if let Some(substitution) = self.substituted.get(pointer) {
+            return Some(&substitution.value);
+        }
+        // From where the node starts, never the whole line (see `offset_pos`).
+        let rest = self.text.get(self.spans.values.get(pointer)?.offset..)?;
+        let end = rest.find([' ', '\t', ',', ']', '}', '#', '\n', '\r']).unwrap_or(rest.len());
         Some(&rest[..end])
     }
 
-    /// The text of a number too large for a float (`1e400`, `.inf`) at `pointer`: YAML reads
-    /// `.inf` as infinity, which JSON holds as null, and `1e400` as a string.
-    pub fn infinite_number(&self, pointer: &str) -> Option<&str> {
-        let written = self.scalar_text(pointer)?;
-        let infinite = match self.value.pointer(pointer)? {
-            serde_json::Value::Null => !matches!(written, "" | "~" | "null" | "Null" | "NULL"),
-            serde_json::Value::String(_) => written.parse::<f64>().is_ok_and(f64::is_infinite),
+    /// The text of a number too large for a float (`1e400`, `.inf`) at `pointer`, whose value
+    /// is `value`, for a message: YAML reads `.inf` as infinity, which JSON holds as null, and
+    /// `1e400` as a string. A value `${VAR}` substitution gave says so (`1e400 (${Y} here)`).
+    pub fn infinite_number(&self, pointer: &str, value: &serde_json::Value) -> Option<String> {
+        let infinite = match value {
+            serde_json::Value::Null => !is_null(self.scalar_text(pointer)?),
+            serde_json::Value::String(_) => self.scalar_text(pointer)?.parse::<f64>().is_ok_and(f64::is_infinite),
             _ => false,
         };
-        infinite.then_some(written)
+        if !infinite {
+            return None;
+        }
+        let written = self.scalar_text(pointer)?;
+        Some(match self.substituted.get(pointer) {
+            Some(s) => format!("{written} ({} here)", s.written),
+            None => written.to_string(),
+        })
+    }
+
+    /// How `${VAR}` substitution changed the plain scalar at `pointer`, if it did.
+    pub fn substitution(&self, pointer: &str) -> Option<&Substitution> {
+        self.substituted.get(pointer)
+    }
+
+    /// Records that `${VAR}` substitution changed the plain scalar at `pointer`.
+    pub(super) fn substituted(&mut self, pointer: String, substitution: Substitution) {
+        self.substituted.insert(pointer, substitution);
     }
 
     /// A diagnostic at the value of `pointer`.
@@ -383,7 +416,20 @@ pub fn parse(path: &Path, text: String) -> Result<SourceFile, Diagnostic> {
             .map_err(|e| at(Pos { line: 1, column: 1 }, format!("not representable as JSON: {e}")))?,
     };
     let end = end_of(&text);
-    Ok(SourceFile { path: path.to_path_buf(), text, written: value.clone(), value, spans, end })
+    Ok(SourceFile {
+        path: path.to_path_buf(),
+        text,
+        written: value.clone(),
+        value,
+        spans,
+        end,
+        substituted: HashMap::new(),
+    })
+}
+
+/// The texts YAML reads as null.
+pub(super) fn is_null(text: &str) -> bool {
+    matches!(text, "" | "~" | "null" | "Null" | "NULL")
 }
 
 /// Parsers report the end of the input on the line after the last one, or past trailing blank
@@ -482,6 +528,8 @@ struct SpanMap {
 #[derive(Debug, Clone, Copy)]
 struct Node {
     pos: Pos,
+    /// The byte offset of `pos` in the text.
+    offset: usize,
     /// A plain scalar without a tag that holds a `$`: YAML typed it from its text (`8` is a
     /// number), and so does `${}` substitution once the text is substituted.
     typed: bool,
@@ -506,15 +554,17 @@ enum Frame {
 
 impl SpanMap {
     fn value_pos(&self, pointer: &str) -> Pos {
+        self.value_node(pointer).map_or(Pos { line: 1, column: 1 }, |node| node.pos)
+    }
+
+    /// The node at `pointer`, else its nearest ancestor that has one.
+    fn value_node(&self, pointer: &str) -> Option<&Node> {
         let mut p = pointer;
         loop {
             if let Some(node) = self.values.get(p) {
-                return node.pos;
+                return Some(node);
             }
-            match p.rfind('/') {
-                Some(i) => p = &p[..i],
-                None => return Pos { line: 1, column: 1 },
-            }
+            p = &p[..p.rfind('/')?];
         }
     }
 
@@ -524,12 +574,14 @@ impl SpanMap {
         let mut anchors: HashMap<usize, String> = HashMap::new();
         let mut documents = 0;
         let mut expansion = Expansion::default();
+        let mut offsets = Offsets { text, chars: 0, bytes: 0 };
         for event in Parser::new_from_str(text) {
             let (event, span) = event.map_err(|e| {
                 let m = e.marker();
                 (Pos { line: m.line(), column: m.col() + 1 }, format!("YAML syntax error: {}", e.info()))
             })?;
             let pos = pos_of(span);
+            let node = Node { pos, offset: offsets.byte(span.start.index()), typed: false };
             if !expansion.event(&event) {
                 let message = if matches!(event, Event::Alias(_)) {
                     format!(
@@ -575,9 +627,9 @@ impl SpanMap {
                         *key = Some(value.into_owned());
                         continue;
                     }
-                    if let Some(path) = map.place(&mut stack, pos) {
+                    if let Some(path) = map.place(&mut stack, node) {
                         if style == ScalarStyle::Plain && tag.is_none() && value.contains('$') {
-                            map.values.insert(path.clone(), Node { pos, typed: true });
+                            map.values.insert(path.clone(), Node { typed: true, ..node });
                         }
                         if anchor > 0 {
                             anchors.insert(anchor, path);
@@ -589,7 +641,7 @@ impl SpanMap {
                         stack.push(Frame::Skip { depth: 0 });
                         continue;
                     }
-                    let path = map.place(&mut stack, pos).unwrap_or_default();
+                    let path = map.place(&mut stack, node).unwrap_or_default();
                     if anchor > 0 {
                         anchors.insert(anchor, path.clone());
                     }
@@ -613,11 +665,11 @@ impl SpanMap {
                         if let Some(Frame::Seq { index, .. }) = stack.last_mut() {
                             *index += 1;
                         } else {
-                            map.place(&mut stack, pos);
+                            map.place(&mut stack, node);
                         }
                         parent
                     } else {
-                        map.place(&mut stack, pos)
+                        map.place(&mut stack, node)
                     };
                     if let (Some(target), Some(base)) = (target, anchors.get(&id)) {
                         map.copy_subtree(base, &target, merge);
@@ -631,7 +683,7 @@ impl SpanMap {
 
     /// Records a value at the current position of the innermost container and advances it;
     /// returns the value's pointer.
-    fn place(&mut self, stack: &mut [Frame], pos: Pos) -> Option<String> {
+    fn place(&mut self, stack: &mut [Frame], node: Node) -> Option<String> {
         let pointer = match stack.last_mut() {
             None => String::new(),
             Some(Frame::Map { path, key, .. }) => {
@@ -645,7 +697,7 @@ impl SpanMap {
             Some(Frame::Skip { .. }) => return None,
         };
         // An explicit value overrides one a `<<` merge earlier in the same mapping recorded.
-        self.values.insert(pointer.clone(), Node { pos, typed: false });
+        self.values.insert(pointer.clone(), node);
         Some(pointer)
     }
 
@@ -674,6 +726,29 @@ fn copy_subtree<V: Copy>(table: &mut BTreeMap<String, V>, copied: &mut usize, ba
     *copied += copies.len();
     for (k, v) in copies {
         table.entry(k).or_insert(v);
+    }
+}
+
+/// Byte offsets of the parser's positions, which count characters: the text is walked once,
+/// as the parser's events come in its order.
+struct Offsets<'t> {
+    text: &'t str,
+    /// The character index and the byte offset of the last position asked for.
+    chars: usize,
+    bytes: usize,
+}
+
+impl Offsets<'_> {
+    /// The byte offset of character `index` (the end of the text past it).
+    fn byte(&mut self, index: usize) -> usize {
+        if index < self.chars {
+            // Events never go back; were one to, this walks again from the start.
+            (self.chars, self.bytes) = (0, 0);
+        }
+        let rest = &self.text[self.bytes..];
+        let step = rest.char_indices().nth(index - self.chars).map_or(rest.len(), |(i, _)| i);
+        (self.chars, self.bytes) = (index, self.bytes + step);
+        self.bytes
     }
 }
 

@@ -60,8 +60,22 @@ pub struct Template {
     escape: Escape,
     compiled: handlebars::Template,
     env: Vec<String>,
+    /// The paths into the payload it reads from the root (not those relative to an `each` or
+    /// `with` block), for checking against the queue's payload schema.
+    payload: Vec<PayloadPath>,
     /// The output of a template with no expression, which every render returns.
     literal: Option<String>,
+}
+
+/// A path into the payload that a template reads, and where it is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayloadPath {
+    /// Where the path starts in the template, in bytes.
+    pub offset: usize,
+    /// The path as written (`payload.order.id`).
+    pub text: String,
+    /// Its steps below `payload`, up to the first that is not a name (`this`, `..`).
+    pub steps: Vec<String>,
 }
 
 /// Why a template cannot be used.
@@ -86,8 +100,9 @@ impl Template {
     /// Compiles `source` and checks every variable it names.
     pub fn compile(source: &str, escape: Escape) -> Result<Template, TemplateError> {
         let compiled = handlebars::Template::compile(source).map_err(|e| syntax_error(source, &e))?;
-        let mut env = Vec::new();
-        check_elements(&compiled.elements, escape, true, &mut env)?;
+        let mut reads = Reads { source, env: Vec::new(), payload: Vec::new() };
+        reads.template(&compiled, escape, true)?;
+        let Reads { mut env, payload, .. } = reads;
         env.sort();
         env.dedup();
         let literal = compiled
@@ -99,7 +114,7 @@ impl Template {
                 _ => None,
             })
             .collect::<Option<String>>();
-        Ok(Template { source: source.to_string(), escape, compiled, env, literal })
+        Ok(Template { source: source.to_string(), escape, compiled, env, payload, literal })
     }
 
     /// The template's text as written.
@@ -110,6 +125,12 @@ impl Template {
     /// Environment variables the template reads (`{{env.NAME}}`).
     pub fn env_vars(&self) -> &[String] {
         &self.env
+    }
+
+    /// The paths into the payload the template reads (`{{payload.order.id}}`), each where it
+    /// is written.
+    pub fn payload_paths(&self) -> &[PayloadPath] {
+        &self.payload
     }
 
     /// What every render returns, when the template is plain text with no expression.
@@ -312,13 +333,33 @@ fn check_arity(helper: &str, given: usize) -> Result<(), TemplateError> {
     }
 }
 
-fn check_elements(
-    elements: &[TemplateElement],
-    escape: Escape,
-    roots: bool,
-    env: &mut Vec<String>,
-) -> Result<(), TemplateError> {
-    for element in elements {
+/// What a template reads, gathered while its elements are checked.
+struct Reads<'s> {
+    source: &'s str,
+    /// `{{env.NAME}}`.
+    env: Vec<String>,
+    payload: Vec<PayloadPath>,
+}
+
+impl Reads<'_> {
+    /// Checks the elements of `template` (the whole, or a block's), each found from where the
+    /// parser says it starts.
+    fn template(&mut self, template: &handlebars::Template, escape: Escape, roots: bool) -> Result<(), TemplateError> {
+        for (i, element) in template.elements.iter().enumerate() {
+            // 1-based line and column.
+            let at = template.mapping.get(i).map_or(0, |m| offset_of(self.source, m.0, m.1.saturating_sub(1)));
+            self.element(element, escape, roots, at)?;
+        }
+        Ok(())
+    }
+
+    fn element(
+        &mut self,
+        element: &TemplateElement,
+        escape: Escape,
+        roots: bool,
+        at: usize,
+    ) -> Result<(), TemplateError> {
         match element {
             TemplateElement::RawString(_) | TemplateElement::Comment(_) => {}
             TemplateElement::HtmlExpression(_) if escape == Escape::Url => {
@@ -327,13 +368,13 @@ fn check_elements(
             TemplateElement::Expression(h) | TemplateElement::HtmlExpression(h) => {
                 let name = h.name.as_name().unwrap_or_default();
                 if h.params.is_empty() && h.hash.is_empty() && !HELPERS.contains(&name) {
-                    check_param(&h.name, roots, env)?;
+                    self.param(&h.name, roots, at)?;
                 } else {
                     check_helper(name)?;
                     check_arity(name, h.params.len())?;
                 }
                 for p in h.params.iter().chain(h.hash.values()) {
-                    check_param(p, roots, env)?;
+                    self.param(p, roots, at)?;
                 }
             }
             TemplateElement::HelperBlock(h) => {
@@ -341,50 +382,56 @@ fn check_elements(
                 check_helper(name)?;
                 check_arity(name, h.params.len())?;
                 for p in h.params.iter().chain(h.hash.values()) {
-                    check_param(p, roots, env)?;
+                    self.param(p, roots, at)?;
                 }
                 // Inside each/with, names are relative to the block's value, not the root.
                 let inner_roots = roots && !matches!(name, "each" | "with");
                 for t in [&h.template, &h.inverse].into_iter().flatten() {
-                    check_elements(&t.elements, escape, inner_roots, env)?;
+                    self.template(t, escape, inner_roots)?;
                 }
             }
             _ => return Err(TemplateError::Partial),
         }
+        Ok(())
     }
-    Ok(())
+
+    /// A value an expression reads, in the expression starting at byte `at`.
+    fn param(&mut self, param: &Parameter, roots: bool, at: usize) -> Result<(), TemplateError> {
+        match param {
+            Parameter::Path(handlebars::Path::Relative((segs, raw))) if roots => {
+                let mut names = segs.iter().map(|s| match s {
+                    PathSeg::Named(n) => Some(n.as_str()),
+                    _ => None,
+                });
+                match names.next().flatten() {
+                    Some("env") => {
+                        if let Some(Some(var)) = names.next() {
+                            self.env.push(var.to_string());
+                        }
+                        Ok(())
+                    }
+                    Some("payload") => {
+                        let steps = names.map_while(|n| n.map(str::to_string)).collect();
+                        // The expression's text from its start holds the path as written.
+                        let offset =
+                            self.source.get(at..).and_then(|rest| rest.find(raw.as_str())).map_or(at, |i| at + i);
+                        self.payload.push(PayloadPath { offset, text: raw.clone(), steps });
+                        Ok(())
+                    }
+                    Some(root) if ROOTS.contains(&root) => Ok(()),
+                    Some(root) => Err(TemplateError::UnknownRoot(root.to_string())),
+                    None if raw.is_empty() || raw == "this" => Ok(()),
+                    None => Err(TemplateError::UnknownRoot(raw.clone())),
+                }
+            }
+            Parameter::Subexpression(sub) => self.element(sub.as_element(), Escape::Plain, roots, at),
+            _ => Ok(()),
+        }
+    }
 }
 
 fn check_helper(name: &str) -> Result<(), TemplateError> {
     if HELPERS.contains(&name) { Ok(()) } else { Err(TemplateError::UnknownHelper(name.to_string())) }
-}
-
-fn check_param(param: &Parameter, roots: bool, env: &mut Vec<String>) -> Result<(), TemplateError> {
-    match param {
-        Parameter::Path(handlebars::Path::Relative((segs, raw))) if roots => {
-            let mut names = segs.iter().map(|s| match s {
-                PathSeg::Named(n) => Some(n.as_str()),
-                _ => None,
-            });
-            match names.next().flatten() {
-                Some(root) if ROOTS.contains(&root) => {
-                    if root == "env"
-                        && let Some(Some(var)) = names.next()
-                    {
-                        env.push(var.to_string());
-                    }
-                    Ok(())
-                }
-                Some(root) => Err(TemplateError::UnknownRoot(root.to_string())),
-                None if raw.is_empty() || raw == "this" => Ok(()),
-                None => Err(TemplateError::UnknownRoot(raw.clone())),
-            }
-        }
-        Parameter::Subexpression(sub) => {
-            check_elements(std::slice::from_ref(sub.as_element()), Escape::Plain, roots, env)
-        }
-        _ => Ok(()),
-    }
 }
 
 static URL: LazyLock<Handlebars<'static>> =
@@ -611,6 +658,35 @@ mod tests {
                 (Ok(_), None) => {}
                 (Err(e), Some(want)) => assert!(e.to_string().starts_with(want), "{source}: {e}"),
                 (got, want) => panic!("{source}: expected {want:?}, got {got:?}"),
+            }
+        }
+    }
+
+    /// Issue 31 item 19: the payload paths a template reads, where each is written, for the
+    /// check against the queue's payload schema; not those relative to `each` or `with`.
+    #[test]
+    fn payload_paths_are_collected_where_they_are_written() {
+        /// Where a path starts, as written, and its steps below `payload`.
+        type Read<'a> = (usize, &'a str, &'a [&'a str]);
+        let cases: &[(&str, &[Read])] = &[
+            ("https://h/x/{{payload.order_idd}}", &[(14, "payload.order_idd", &["order_idd"])]),
+            ("{{#if payload.a}}{{payload.b.c}}{{/if}}", &[(6, "payload.a", &["a"]), (19, "payload.b.c", &["b", "c"])]),
+            ("{{json payload.items.0.sku}}", &[(7, "payload.items.0.sku", &["items", "0", "sku"])]),
+            ("{{#each payload.items}}{{sku}}{{payload.x}}{{/each}}", &[(8, "payload.items", &["items"])]),
+            ("{{#if (eq payload.a 1)}}x{{else}}{{payload}}{{/if}}", &[(10, "payload.a", &["a"]), (35, "payload", &[])]),
+            ("a\n  {{ payload.x }} {{env.E}} {{id}}", &[(7, "payload.x", &["x"])]),
+        ];
+        for (source, want) in cases {
+            let t = Template::compile(source, Escape::Plain).expect("compiles");
+            let got: Vec<(usize, &str, Vec<&str>)> = t
+                .payload_paths()
+                .iter()
+                .map(|p| (p.offset, p.text.as_str(), p.steps.iter().map(String::as_str).collect()))
+                .collect();
+            let want: Vec<(usize, &str, Vec<&str>)> = want.iter().map(|(o, t, s)| (*o, *t, s.to_vec())).collect();
+            assert_eq!(got, want, "{source}");
+            for (offset, text, _) in &got {
+                assert_eq!(&source[*offset..*offset + text.len()], *text, "{source}");
             }
         }
     }

@@ -144,7 +144,11 @@ fn test(op: &Op, found: Option<Found<'_>>) -> bool {
     };
     match op {
         Op::Eq(want) => found.equals(want),
-        Op::In(wanted) => wanted.iter().any(|w| found.equals(w)),
+        Op::In(wanted) => match &found {
+            Found::Str(s) => wanted.contains_str(s),
+            Found::Num(n) => wanted.contains_number(n),
+            Found::Json(value) => wanted.contains(value),
+        },
         Op::Gt(b) => number(b, &[Ordering::Greater]),
         Op::Gte(b) => number(b, &[Ordering::Greater, Ordering::Equal]),
         Op::Lt(b) => number(b, &[Ordering::Less]),
@@ -196,6 +200,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::config::filter::Values;
 
     fn n(v: Value) -> Number {
         match v {
@@ -222,6 +227,49 @@ mod tests {
         }
     }
 
+    /// Issue 31 item 6: `in:` is a set; it must say what `eq` says of every value, numbers by
+    /// value across integers and floats included.
+    #[test]
+    fn in_agrees_with_eq_for_every_pair() {
+        let values = [
+            json!(1),
+            json!(1.0),
+            json!(-1),
+            json!(-0.0),
+            json!(0),
+            json!(2.5),
+            json!(9007199254740993u64),
+            json!(9007199254740992.0),
+            json!(u64::MAX),
+            json!(1.8446744073709552e19),
+            json!(i64::MIN),
+            json!(-9.223372036854776e18),
+            json!(1e300),
+            json!("1"),
+            json!("a"),
+            json!(true),
+            json!(false),
+            json!(null),
+            json!([1]),
+            json!({"a": 1}),
+        ];
+        // A filter lists scalars only (validation refuses lists and objects).
+        for listed in values.iter().filter(|v| !v.is_array() && !v.is_object()) {
+            let set = Values::new(vec![listed.clone()]);
+            for found in &values {
+                let by_eq = test(&Op::Eq(listed.clone()), Some(Found::Json(found)));
+                let by_in = test(&Op::In(set.clone()), Some(Found::Json(found)));
+                assert_eq!(by_in, by_eq, "{found} in [{listed}]");
+                if let Value::Number(n) = found {
+                    assert_eq!(test(&Op::In(set.clone()), Some(Found::Num(n.clone()))), by_eq, "{found} in [{listed}]");
+                }
+                if let Value::String(s) = found {
+                    assert_eq!(test(&Op::In(set.clone()), Some(Found::Str(s))), by_eq, "{found} in [{listed}]");
+                }
+            }
+        }
+    }
+
     fn message_test(op: Op, payload: Value) -> bool {
         let body = json!({"id": "m-1", "type": "order.created", "payload": payload}).to_string();
         let envelope = Envelope::decode(body.as_bytes()).expect("an envelope");
@@ -238,8 +286,8 @@ mod tests {
             (Op::Eq(json!(1)), json!({"x": 1.0}), true),
             (Op::Eq(json!(null)), json!({"x": null}), true),
             (Op::Eq(json!(null)), json!({}), false),
-            (Op::In(vec![json!("a"), json!(2)]), json!({"x": 2}), true),
-            (Op::In(vec![json!("a"), json!(2)]), json!({"x": "2"}), false),
+            (Op::In(Values::new(vec![json!("a"), json!(2)])), json!({"x": 2}), true),
+            (Op::In(Values::new(vec![json!("a"), json!(2)])), json!({"x": "2"}), false),
             (Op::Gte(n(json!(100))), json!({"x": 100}), true),
             (Op::Gt(n(json!(100))), json!({"x": 100}), false),
             (Op::Lt(n(json!(100))), json!({"x": "50"}), false),
@@ -264,7 +312,7 @@ mod tests {
         let holds =
             |root: Root, op: Op| matches(&Filter::Test { field: Field { root, path: Vec::new() }, op }, &message);
         assert!(holds(Root::Type, Op::Prefix("order.".into())));
-        assert!(holds(Root::Type, Op::In(vec![json!("x"), json!("order.created")])));
+        assert!(holds(Root::Type, Op::In(Values::new(vec![json!("x"), json!("order.created")]))));
         assert!(holds(Root::Id, Op::Eq(json!("m-1"))));
         assert!(holds(Root::Version, Op::Gte(n(json!(2)))));
         assert!(holds(Root::Version, Op::Eq(json!(2.0))));

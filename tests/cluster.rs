@@ -22,7 +22,7 @@ use crate::support::*;
 use futures_util::StreamExt as _;
 use serde_json::json;
 use sluice::broker::amqp::{Amqp, Timeouts};
-use sluice::broker::{Broker as _, Operate as _};
+use sluice::broker::{Broker as _, Credit, Operate as _, Publish as _};
 
 /// A quorum queue `work` bound to `ev`, calling the receiver, idempotency on.
 fn cluster_pipeline(receiver: &Receiver) -> tempfile::TempDir {
@@ -461,7 +461,7 @@ async fn ids_in(url: &str, queue: &str) -> Vec<String> {
     use sluice::broker::{Consumer as _, Delivery as _};
     let session = Amqp::connect(url, Timeouts::default()).await.expect("connect");
     let depth = session.depth(queue).await.expect("depth");
-    let (mut deliveries, consumer) = session.browse(queue, u16::MAX).await.expect("browse");
+    let (mut deliveries, consumer) = session.browse(queue, Credit::at_most(u16::MAX)).await.expect("browse");
     let mut ids = Vec::new();
     while ids.len() < depth as usize {
         let next = tokio::time::timeout(Duration::from_secs(10), deliveries.next()).await;

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::json;
-use sluice::broker::{Broker as _, HeaderValue, Headers, Outgoing};
+use sluice::broker::{Broker as _, HeaderValue, Headers, Outgoing, Publish as _};
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(60);

@@ -34,14 +34,14 @@ fn ok(finished: &Finished) -> &str {
 
 /// A dead-letter copy as the runner writes it, published straight into `work.dlq`.
 /// [`plant`] with a payload of about `size` bytes.
-async fn plant_sized<B: sluice::broker::Broker>(broker: &B, key: &str, size: usize) {
+async fn plant_sized<B: sluice::broker::Publish>(broker: &B, key: &str, size: usize) {
     let envelope = Envelope::new("test.event", &json!({"pad": "x".repeat(size)}), Some(key.to_string()));
     let headers = Headers::from([(envelope::REASON_HEADER.to_string(), HeaderValue::Str("exhausted".into()))]);
     let message = sluice::broker::Outgoing { body: envelope.encode(), headers, ..Default::default() };
     broker.publish("", "work.dlq", message).await.expect("plant");
 }
 
-pub async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str, reason: &str, failed: Duration) -> String {
+pub async fn plant<B: sluice::broker::Publish>(broker: &B, key: &str, reason: &str, failed: Duration) -> String {
     let envelope = Envelope::new("test.event", &json!({"n": key}), Some(key.to_string()));
     let failed_at = humantime::format_rfc3339_seconds(SystemTime::now() - failed).to_string();
     let headers = Headers::from([

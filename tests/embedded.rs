@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use sluice::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
+use sluice::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Publish as _};
 use sluice::envelope::Envelope;
 use support::*;
 

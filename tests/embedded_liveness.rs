@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::broker::{Broker, HeaderValue, Headers, Outgoing};
+use sluice::broker::{Broker, HeaderValue, Headers, Outgoing, Publish};
 use sluice::envelope::{self, Envelope};
 use support::*;
 
@@ -144,7 +144,7 @@ async fn acks_failing_past_the_bound_end_the_session_and_nothing_stays_leased() 
 /// Writes `n` dead letters of about `size` bytes each into `work.dlq`; their ids, in order.
 /// The padding is copied into each encoded envelope, not serialized with it: serializing
 /// 1 MiB strings byte by byte in a test build took a third of the test's time.
-async fn plant_large<B: Broker>(broker: &B, n: usize, size: usize) -> Vec<String> {
+async fn plant_large<B: Publish>(broker: &B, n: usize, size: usize) -> Vec<String> {
     const EMPTY_PAD: &[u8] = br#""pad":"""#;
     let pad = "x".repeat(size);
     let mut ids = Vec::new();

@@ -8,7 +8,7 @@ use crate::support;
 use std::time::Duration;
 
 use serde_json::json;
-use sluice::broker::{Broker as _, HeaderValue, Headers, Outgoing};
+use sluice::broker::{Broker as _, HeaderValue, Headers, Outgoing, Publish as _};
 use sluice::envelope;
 use support::{EmbeddedDir, Finished, Place, Receiver, Sluice};
 

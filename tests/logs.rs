@@ -10,7 +10,7 @@ use crate::support;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::broker::{Broker as _, Outgoing};
+use sluice::broker::{Outgoing, Publish as _};
 use support::*;
 
 /// Each line of a `--log-format json` log, parsed (a line that is not JSON fails the test).

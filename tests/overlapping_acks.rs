@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use rand::seq::SliceRandom as _;
-use sluice::broker::{Broker, Consumer as _};
+use sluice::broker::{Broker, Consumer as _, Credit};
 
 use support::{Vhost, declare, publish, wait_until, work_pipeline};
 
@@ -25,7 +25,7 @@ async fn overlapping_acks_on_one_consumer_keep_its_channel_and_ack_each_message_
         publish(&broker, "ev", "k", &format!("key-{i}"), serde_json::json!({ "i": i })).await;
     }
     let prefetch = u16::try_from(N).expect("fits");
-    let (mut deliveries, consumer) = broker.consume("work", prefetch).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(prefetch)).await.expect("consume");
     let mut held = Vec::new();
     while held.len() < N {
         let next = tokio::time::timeout(Duration::from_secs(10), deliveries.next()).await;

@@ -11,11 +11,11 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::broker::Broker as _;
+use sluice::broker::{Broker as _, Credit};
 use support::{EmbeddedDir, Place};
 
 /// A dead letter of 90 s ago, reason `exhausted`, after 3 attempts, in `work.dlq`.
-async fn plant<B: sluice::broker::Broker>(broker: &B, key: &str) -> String {
+async fn plant<B: sluice::broker::Publish>(broker: &B, key: &str) -> String {
     crate::dlq::plant(broker, key, "exhausted", Duration::from_secs(90)).await
 }
 
@@ -153,7 +153,7 @@ async fn dlq_list_on_a_live_broker_takes_no_lease_and_writes_nothing() {
     assert_eq!(rows(), rows_before, "order, visibility, leases and headers untouched");
     assert!(std::fs::read(&wal).expect("the write-ahead log") == wal_before, "nothing written");
     // The live broker goes on: its consumer gets the dead letters in order.
-    let (mut deliveries, consumer) = broker.consume("work.dlq", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work.dlq", Credit::at_most(10)).await.expect("consume");
     for id in &ids {
         use futures_util::StreamExt as _;
         use sluice::broker::Delivery as _;

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use futures_util::{FutureExt as _, StreamExt as _};
 use serde_json::json;
-use sluice::broker::{Broker, BrokerError, Consumer as _, Delivery as _, HeaderValue, Headers, Operate as _, Outgoing};
+use sluice::broker::{
+    Broker, BrokerError, Consumer as _, Credit, Delivery as _, Edits, HeaderValue, Headers, Operate as _, Outgoing,
+    Publish, Target,
+};
 use support::*;
 
 /// An outgoing message whose body is `text`.
@@ -112,7 +115,7 @@ async fn close_hands_back_in_order() {
     for i in 0..6 {
         broker.publish("ev", "a.x", message(&i.to_string())).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.browse("a", 3).await.expect("browse");
+    let (mut deliveries, consumer) = broker.browse("a", Credit::at_most(3)).await.expect("browse");
     let first = take(&mut deliveries, 3).await;
     assert_eq!(first.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "1", "2"]);
     let second = first.into_iter().nth(1).map(|(_, d)| d.expect("delivery")).expect("second");
@@ -126,7 +129,7 @@ async fn close_hands_back_in_order() {
     assert_eq!(broker.stats("a").await.expect("stats").ready, 5, "the 3 held handed back");
     assert!(!second.is_live());
     assert_eq!(place.depth("a").await, 5);
-    let (mut deliveries, consumer) = broker.browse("a", 10).await.expect("browse again");
+    let (mut deliveries, consumer) = broker.browse("a", Credit::at_most(10)).await.expect("browse again");
     let all = take(&mut deliveries, 5).await;
     assert_eq!(all.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "2", "3", "4", "5"]);
     consumer.close().await;
@@ -145,7 +148,7 @@ async fn a_move_copies_and_removes_in_one_step_and_only_once() {
         let headers = Headers::from([("x-sluice-attempt".to_string(), HeaderValue::Int(5))]);
         broker.publish("ev", "a.x", Outgoing { headers, ..message(&i.to_string()) }).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.browse("a", 10).await.expect("browse");
+    let (mut deliveries, consumer) = broker.browse("a", Credit::at_most(10)).await.expect("browse");
     let read: Vec<_> = take(&mut deliveries, 3).await.into_iter().map(|(_, d)| d.expect("delivery")).collect();
     let edits = sluice::ops::dlq::redrive_edits();
     let moved = broker.copy_and_remove("b", &consumer, &read[0], &edits).await.expect("move");
@@ -159,7 +162,7 @@ async fn a_move_copies_and_removes_in_one_step_and_only_once() {
     assert!(matches!(full, Err(BrokerError::Rejected { .. })), "b holds its max_length: {full:?}");
     consumer.close().await;
     assert_eq!(broker.stats("a").await.expect("stats").ready, 1, "the refused one handed back");
-    let (mut copies, reader) = broker.browse("b", 10).await.expect("browse b");
+    let (mut copies, reader) = broker.browse("b", Credit::at_most(10)).await.expect("browse b");
     let copies = take(&mut copies, 2).await;
     assert_eq!(copies.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>(), ["0", "1"]);
     let attempt = copies[0].1.as_ref().expect("delivery").header("x-sluice-attempt");
@@ -177,14 +180,17 @@ async fn delays_are_exact_without_head_of_line_blocking() {
     declare(dir.path(), &broker).await;
     broker.publish("ev", "a.x", message("long")).await.expect("publish");
     broker.publish("ev", "a.x", message("short")).await.expect("publish");
-    let (mut deliveries, consumer) = broker.consume("a", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("a", Credit::at_most(10)).await.expect("consume");
     let both = take(&mut deliveries, 2).await;
     let start = std::time::Instant::now();
     let mut originals = Vec::new();
     for (text, d) in both {
         let d = d.expect("delivery");
         let delay = if text == "long" { Duration::from_secs(4) } else { Duration::from_millis(600) };
-        broker.publish_delayed("a", delay, &d, Headers::new()).await.expect("delayed copy");
+        broker
+            .copy(&d, Target::Later { queue: "a", delay: delay }, &Edits::setting(Headers::new()))
+            .await
+            .expect("delayed copy");
         originals.push(d);
     }
     consumer.ack(&originals).await.expect("ack");
@@ -211,12 +217,12 @@ async fn a_dead_consumers_entries_come_back_after_the_lease() {
         broker.publish("ev", "a.x", message(&i.to_string())).await.expect("publish");
     }
     {
-        let (mut deliveries, consumer) = broker.consume("a", 10).await.expect("consume");
+        let (mut deliveries, consumer) = broker.consume("a", Credit::at_most(10)).await.expect("consume");
         take(&mut deliveries, 3).await;
         drop((deliveries, consumer));
     }
     let other = place.connect().await;
-    let (mut deliveries, consumer) = other.consume("a", 10).await.expect("consume");
+    let (mut deliveries, consumer) = other.consume("a", Credit::at_most(10)).await.expect("consume");
     let back = take(&mut deliveries, 3).await;
     let texts: BTreeSet<String> = back.iter().map(|(t, _)| t.clone()).collect();
     assert_eq!(texts, ["0", "1", "2"].map(String::from).into());
@@ -240,9 +246,9 @@ async fn a_single_active_consumer_queue_delivers_to_one() {
     for i in 0..3 {
         broker.publish("ev", "x", message(&i.to_string())).await.expect("publish");
     }
-    let (mut first, one) = broker.consume("o", 10).await.expect("first consumer");
+    let (mut first, one) = broker.consume("o", Credit::at_most(10)).await.expect("first consumer");
     let got = take(&mut first, 3).await;
-    let (mut second, two) = broker.consume("o", 10).await.expect("second consumer");
+    let (mut second, two) = broker.consume("o", Credit::at_most(10)).await.expect("second consumer");
     broker.publish("ev", "x", message("3")).await.expect("publish");
     let settled: Vec<_> = got.into_iter().map(|(_, d)| d.expect("delivery")).collect();
     one.ack(&settled).await.expect("ack");
@@ -268,12 +274,15 @@ async fn a_killed_active_consumers_place_passes_on_after_its_lease() {
         broker.publish("ev", "x", message(&i.to_string())).await.expect("publish");
     }
     let killed = place.connect().await;
-    let (mut first, one) = killed.consume("o", 10).await.expect("first consumer");
+    let (mut first, one) = killed.consume("o", Credit::at_most(10)).await.expect("first consumer");
     let held = take(&mut first, 3).await;
-    let (mut second, two) = place.connect().await.consume("o", 10).await.expect("second consumer");
+    let (mut second, two) = place.connect().await.consume("o", Credit::at_most(10)).await.expect("second consumer");
     // A retry copy due after four leases goes to the active consumer, still active.
     let original = held[0].1.as_ref().expect("delivery");
-    killed.publish_delayed("o", Duration::from_secs(2), original, Headers::new()).await.expect("retry copy");
+    killed
+        .copy(original, Target::Later { queue: "o", delay: Duration::from_secs(2) }, &Edits::setting(Headers::new()))
+        .await
+        .expect("retry copy");
     assert_eq!(take(&mut first, 1).await[0].0, "0", "the copy, to the active consumer");
     assert!(second.next().now_or_never().is_none(), "nothing for the other while the active one lives");
     drop((first, one, held, killed));
@@ -294,7 +303,7 @@ async fn an_entry_claimed_without_the_consumer_knowing_comes_back_after_its_leas
     let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     broker.publish("", "a", message("m0")).await.expect("publish");
-    let (mut deliveries, consumer) = broker.consume("a", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("a", Credit::at_most(1)).await.expect("consume");
     let held = take(&mut deliveries, 1).await.remove(0).1.expect("delivery");
     // Its prefetch is full; m1 is read under its name behind its back, as a lost answer leaves it.
     broker.publish("", "a", message("m1")).await.expect("publish");
@@ -340,14 +349,17 @@ async fn a_retry_coming_due_enters_its_queue_at_max_length() {
     let broker = place.connect().await;
     declare(dir.path(), &broker).await;
     broker.publish("ev", "all", message("1")).await.expect("publish");
-    let (mut deliveries, consumer) = broker.consume("b", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("b", Credit::at_most(1)).await.expect("consume");
     let first = take(&mut deliveries, 1).await.remove(0).1.expect("delivery");
     for text in ["2", "3"] {
         broker.publish("ev", "all", message(text)).await.expect("publish");
     }
     let refused = broker.publish("ev", "all", message("4")).await;
     assert!(matches!(refused, Err(BrokerError::Rejected { .. })), "b holds its max_length: {refused:?}");
-    broker.publish_delayed("b", Duration::from_millis(200), &first, Headers::new()).await.expect("retry copy");
+    broker
+        .copy(&first, Target::Later { queue: "b", delay: Duration::from_millis(200) }, &Edits::setting(Headers::new()))
+        .await
+        .expect("retry copy");
     // The consumer, its prefetch held by `first`, takes nothing but moves the copy in when due.
     wait_until(Duration::from_secs(10), "the copy in b", || async {
         broker.stats("b").await.expect("stats").ready == 3
@@ -355,7 +367,7 @@ async fn a_retry_coming_due_enters_its_queue_at_max_length() {
     .await;
     consumer.ack(&[first]).await.expect("ack");
     consumer.close().await;
-    let (mut deliveries, consumer) = broker.consume("b", 10).await.expect("consume again");
+    let (mut deliveries, consumer) = broker.consume("b", Credit::at_most(10)).await.expect("consume again");
     let texts: Vec<String> = take(&mut deliveries, 3).await.into_iter().map(|(t, _)| t).collect();
     assert_eq!(texts, ["2", "3", "1"]);
     consumer.close().await;
@@ -386,7 +398,7 @@ async fn large_messages_are_claimed_a_few_at_a_time() {
             .expect("ZRANGE");
         scores.first().map_or(0.0, |(_, score)| *score)
     };
-    let (mut deliveries, consumer) = broker.browse("a", 100).await.expect("browse");
+    let (mut deliveries, consumer) = broker.browse("a", Credit::at_most(100)).await.expect("browse");
     // The first claim stops once past 4 MiB: two, 6 MiB, all unread.
     wait_until(Duration::from_secs(10), "a claim", || async { claimed().await > 0 }).await;
     let before = registration();

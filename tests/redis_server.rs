@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::json;
-use sluice::broker::{Broker, Outgoing};
+use sluice::broker::{Outgoing, Publish as _};
 use support::*;
 
 /// How long a one-shot command may take: a refusal comes at once, a hang is the bug.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use sluice::broker::amqp::Amqp;
-use sluice::broker::{Broker, BrokerError, Headers, Outgoing};
+use sluice::broker::{BrokerError, Headers, Outgoing, Publish as _};
 use sluice::envelope::Envelope;
 use support::*;
 

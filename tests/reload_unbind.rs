@@ -11,7 +11,7 @@ use crate::support;
 use std::time::Duration;
 
 use serde_json::json;
-use sluice::broker::{Broker, BrokerError, Outgoing};
+use sluice::broker::{Broker, BrokerError, Outgoing, Publish};
 use sluice::envelope::Envelope;
 use sluice::topology::BindingDecl;
 use support::*;
@@ -47,7 +47,7 @@ fn keys(prefix: &str, n: usize) -> Vec<String> {
 }
 
 /// Publishes a message with each key to `ev`; the keys the broker refused, with its reason.
-async fn publish_all<B: Broker>(broker: &B, keys: &[String]) -> Vec<String> {
+async fn publish_all<B: Publish>(broker: &B, keys: &[String]) -> Vec<String> {
     let mut refused = Vec::new();
     for key in keys {
         let body = Envelope::new("test.event", &json!({}), Some(key.clone())).encode();
@@ -63,7 +63,7 @@ fn handled_at(receiver: &Receiver, path: &str) -> Vec<String> {
     receiver.hits().iter().filter(|h| h.target == path && h.succeeded()).map(|h| h.key().to_string()).collect()
 }
 
-async fn depth<B: Broker>(broker: &B, queue: &str) -> u32 {
+async fn depth<B: Publish>(broker: &B, queue: &str) -> u32 {
     broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"))
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use prost::Message as _;
 use serde_json::json;
-use sluice::broker::{Broker, HeaderValue, Headers, Outgoing};
+use sluice::broker::{HeaderValue, Headers, Outgoing, Publish};
 use sluice::envelope::Envelope;
 use sluice::trace::TraceContext;
 use support::*;
@@ -34,7 +34,7 @@ fn carried(hit: &Hit) -> TraceContext {
 }
 
 /// Publishes an envelope (with its id as `message_id`, as `sluice publish` does) and headers.
-async fn publish_with(broker: &impl Broker, key: &str, headers: Headers) -> Envelope<'static> {
+async fn publish_with(broker: &impl Publish, key: &str, headers: Headers) -> Envelope<'static> {
     let envelope = Envelope::new("test.event", &json!({"key": key}), Some(key.to_string()));
     let message =
         Outgoing { body: envelope.encode(), message_id: Some(envelope.id.clone()), headers, ..Default::default() };

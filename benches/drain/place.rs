@@ -13,7 +13,7 @@ use futures_util::{StreamExt as _, TryStreamExt as _, stream};
 use sluice::broker::amqp::Amqp;
 use sluice::broker::embedded::{self, Embedded};
 use sluice::broker::redis::Redis;
-use sluice::broker::{Broker, Outgoing};
+use sluice::broker::{Broker, Outgoing, Publish};
 use sluice::envelope::Envelope;
 
 use crate::QueueType;
@@ -151,7 +151,7 @@ pub fn wal_bytes(db: &Path) -> u64 {
 }
 
 /// Publishes `count` envelopes to `exchange`/`routing_key`, each confirmed; returns msg/s.
-async fn preload<B: Broker>(broker: &B, exchange: &str, routing_key: &str, count: u64) -> anyhow::Result<f64> {
+async fn preload<B: Publish>(broker: &B, exchange: &str, routing_key: &str, count: u64) -> anyhow::Result<f64> {
     let started = Instant::now();
     stream::iter(0..count)
         .map(|i| {

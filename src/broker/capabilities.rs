@@ -22,7 +22,18 @@ pub enum Ordering {
     PerKey,
 }
 
-/// What a broker can honour of a pipeline.
+/// How a consumer's unsettled deliveries go back to the broker when it closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandBack {
+    /// Each delivery, by itself: exactly this consumer's, none of another's.
+    PerMessage,
+    /// By going back to the last offset committed: what follows it comes again, another
+    /// consumer's included (a log).
+    FromOffset,
+}
+
+/// What a broker can honour of a pipeline, and how it keeps the contract where brokers may
+/// differ (`broker/mod.rs`, "The rules a broker keeps").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
     /// The broker's name in messages ("the Redis broker").
@@ -45,6 +56,28 @@ pub struct Capabilities {
     pub orderings: &'static [Ordering],
     /// Whether a queue's broker-side `arguments:` pass through to the broker.
     pub arguments: bool,
+    /// How closing a consumer hands its unsettled deliveries back.
+    pub hand_back: HandBack,
+    /// Whether a consumer's deliveries are leased: those of a session lost without closing
+    /// come back when the lease runs out, not at once.
+    pub leases: bool,
+    /// Whether an ack of a delivery behind an unsettled one may be held back, to go with it
+    /// in one cumulative ack (making no room in the credit while held, lost with the session:
+    /// that message comes again).
+    pub holds_acks: bool,
+    /// Whether the broker's own store holds idempotency keys, recorded in the ack's
+    /// transaction ([`Consumer::ack_recording`](super::Consumer::ack_recording)).
+    pub holds_keys: bool,
+    /// Whether browsing reads a queue in its order.
+    pub browse_in_order: bool,
+    /// Whether a redrive's copy and the removal of its original are one step.
+    pub atomic_copy_and_remove: bool,
+    /// How many messages a queue at its `max_length` takes past it before refusing
+    /// publishes (a quorum queue checks the limit only once it is exceeded: one).
+    pub admits_past_max_length: usize,
+    /// Whether queue statistics count the consumers of a single-active-consumer queue that
+    /// wait their turn.
+    pub counts_waiting_consumers: bool,
 }
 
 const EVERY_QUEUE_TYPE: &[QueueKind] = &[QueueKind::Quorum, QueueKind::Classic];
@@ -64,6 +97,14 @@ pub const RABBITMQ: Capabilities = Capabilities {
     exchange_kinds: EVERY_EXCHANGE_KIND,
     orderings: &[Ordering::SingleActiveConsumer],
     arguments: true,
+    hand_back: HandBack::PerMessage,
+    leases: false,
+    holds_acks: true,
+    holds_keys: false,
+    browse_in_order: true,
+    atomic_copy_and_remove: false,
+    admits_past_max_length: 1,
+    counts_waiting_consumers: false,
 };
 
 /// The embedded broker (SQLite): any delay; bodies up to SQLite's default 1 GB; no priorities,
@@ -80,15 +121,30 @@ pub const EMBEDDED: Capabilities = Capabilities {
     exchange_kinds: EVERY_EXCHANGE_KIND,
     orderings: &[Ordering::SingleActiveConsumer],
     arguments: false,
+    hand_back: HandBack::PerMessage,
+    leases: true,
+    holds_acks: false,
+    holds_keys: true,
+    browse_in_order: true,
+    atomic_copy_and_remove: false,
+    admits_past_max_length: 0,
+    counts_waiting_consumers: true,
 };
 
 /// Redis (streams): any delay (a sorted set); bodies up to Redis's 512 MiB string; no
 /// priorities, no expiry, no broker arguments (its declare refuses them). Both queue types
 /// are taken and kept alike.
-pub const REDIS: Capabilities = Capabilities { name: "the Redis broker", largest_body: 512 << 20, ..EMBEDDED };
+pub const REDIS: Capabilities = Capabilities {
+    name: "the Redis broker",
+    largest_body: 512 << 20,
+    holds_keys: false,
+    atomic_copy_and_remove: true,
+    ..EMBEDDED
+};
 
 /// The in-memory test double: as the embedded broker, unless a test gives it a longest delay.
-pub const MEMORY: Capabilities = Capabilities { name: "the in-memory broker", ..EMBEDDED };
+pub const MEMORY: Capabilities =
+    Capabilities { name: "the in-memory broker", leases: false, holds_keys: false, ..EMBEDDED };
 
 /// One setting of a pipeline the broker cannot honour.
 #[derive(Debug, Clone, PartialEq, Eq)]

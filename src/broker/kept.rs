@@ -12,7 +12,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::{Notify, mpsc};
 
-use super::{BrokerError, Delivery, HeaderValue, Headers, Route};
+use super::{BrokerError, Delivery, Edits, HeaderValue, Headers, Route};
 
 /// How many bytes of bodies a consumer of these brokers holds read from the store and not yet
 /// read from its stream before it claims no more.
@@ -47,10 +47,10 @@ impl<Tag> Kept<Tag> {
         Kept { tag, size: body.len(), body, properties, live }
     }
 
-    /// Its properties with `headers` merged over its own, for a copy.
-    pub(crate) fn copied_properties(&self, headers: Headers) -> Properties {
+    /// Its properties with its headers edited as `edits` says, for a copy.
+    pub(crate) fn copied_properties(&self, edits: &Edits) -> Properties {
         let mut properties = self.properties.clone();
-        properties.headers.extend(headers);
+        edits.apply(&mut properties.headers);
         properties
     }
 }

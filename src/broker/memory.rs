@@ -22,8 +22,8 @@ use tokio::sync::mpsc;
 
 use super::declaration;
 use super::{
-    Broker, BrokerError, Consumer, Drift, Edits, HeaderValue, Headers, Kept, Operate, Outgoing, Properties, QueueStats,
-    Route,
+    Broker, BrokerError, Consumer, Credit, Drift, Edits, HeaderValue, Kept, Operate, Outgoing, Properties, Publish,
+    QueueStats, Route, Target,
 };
 use crate::config::ExchangeKind;
 use crate::topology::route;
@@ -174,10 +174,6 @@ impl Memory {
     fn push(&self, queue: &str, message: Message) -> Result<(), BrokerError> {
         let mut state = lock(&self.state);
         push_all(&mut state, "", &[queue.to_string()], message)
-    }
-
-    fn copy(original: &MemoryDelivery, headers: Headers) -> Message {
-        Message { body: original.body.clone(), properties: original.copied_properties(headers) }
     }
 }
 
@@ -355,41 +351,12 @@ impl Broker for Memory {
         Ok(())
     }
 
-    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        let mut state = lock(&self.state);
-        let declared = state.exchanges.get(exchange).copied();
-        let targets = route::targets(
-            exchange,
-            routing_key,
-            &message.headers,
-            declared,
-            |q| state.queues.contains_key(q),
-            &state.bindings,
-        )
-        .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"").into()))?;
-        if targets.is_empty() {
-            return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
-        }
-        let m = Message {
-            body: message.body.into(),
-            properties: Properties {
-                headers: message.headers,
-                message_id: message.message_id,
-                timestamp: message.timestamp,
-                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
-            },
+    async fn copy(&self, original: &MemoryDelivery, target: Target<'_>, edits: &Edits) -> Result<(), BrokerError> {
+        let copy = Message { body: original.body.clone(), properties: original.copied_properties(edits) };
+        let (queue, delay) = match target {
+            Target::Later { queue, delay } => (queue, delay),
+            Target::Queue(queue) | Target::DeadLetter(queue) => return self.push(queue, copy),
         };
-        push_all(&mut state, exchange, &targets, m)
-    }
-
-    async fn publish_delayed(
-        &self,
-        queue: &str,
-        delay: Duration,
-        original: &MemoryDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        let copy = Memory::copy(original, headers);
         let delay = {
             let mut state = lock(&self.state);
             state.delayed += 1;
@@ -411,16 +378,7 @@ impl Broker for Memory {
         Ok(())
     }
 
-    async fn dead_letter(
-        &self,
-        dead_letter: &str,
-        original: &MemoryDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        self.push(dead_letter, Memory::copy(original, headers))
-    }
-
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
+    async fn consume(&self, queue: &str, credit: Credit) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
         let mut state = lock(&self.state);
         if !state.queues.contains_key(queue) {
             return Err(BrokerError::NotFound(format!("queue \"{queue}\"").into()));
@@ -434,7 +392,7 @@ impl Broker for Memory {
             ConsumerState {
                 queue: queue.into(),
                 session: self.session,
-                prefetch: usize::from(prefetch),
+                prefetch: usize::from(credit.get()),
                 unacked: BTreeMap::new(),
                 sender: Some(sender),
                 live,
@@ -497,15 +455,38 @@ impl Broker for Memory {
     }
 }
 
-impl Operate for Memory {
-    async fn browse(&self, queue: &str, window: u16) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
-        self.consume(queue, window).await
+impl Publish for Memory {
+    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        let mut state = lock(&self.state);
+        let declared = state.exchanges.get(exchange).copied();
+        let targets = route::targets(
+            exchange,
+            routing_key,
+            &message.headers,
+            declared,
+            |q| state.queues.contains_key(q),
+            &state.bindings,
+        )
+        .ok_or_else(|| BrokerError::NotFound(format!("exchange \"{exchange}\"").into()))?;
+        if targets.is_empty() {
+            return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
+        }
+        let m = Message {
+            body: message.body.into(),
+            properties: Properties {
+                headers: message.headers,
+                message_id: message.message_id,
+                timestamp: message.timestamp,
+                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            },
+        };
+        push_all(&mut state, exchange, &targets, m)
     }
+}
 
-    async fn copy(&self, queue: &str, original: &MemoryDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let mut properties = original.properties.clone();
-        edits.apply(&mut properties.headers);
-        self.push(queue, Message { body: original.body.clone(), properties })
+impl Operate for Memory {
+    async fn browse(&self, queue: &str, window: Credit) -> Result<(MemoryDeliveries, MemoryConsumer), BrokerError> {
+        self.consume(queue, window).await
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

@@ -1,15 +1,54 @@
-//! The broker contract, in two traits. [`Broker`] is what `run` needs: declare a plan (and
+//! The broker contract. [`Broker`] is what `run` needs and nothing more: declare a plan (and
 //! make sure it still stands after a lost session), remove the bindings a reload dropped,
-//! publish with confirm, consume with a bound through a consumer handle (ack, cancel, close),
-//! a delayed copy to one queue, a dead-letter copy, queue statistics and delayed copies for
-//! the depth metrics and `--exit-when-idle`. [`Operate`] is what operators' tools add: browsing
-//! a queue in order, copying a message into a queue with edited headers (a redrive), and how
-//! the broker differs from a plan. One contract, so every broker shares every rule in the
-//! runtime; a new broker implements both and passes the conformance suite.
+//! consume with a [`Credit`] through a consumer handle (ack, cancel, close), put a copy of a
+//! delivery somewhere ([`Target`]: a queue, a dead-letter queue, or a queue later), queue
+//! statistics and delayed copies for the depth metrics and `--exit-when-idle`, and what the
+//! broker can honour ([`Capabilities`], data read before anything runs). [`Publish`] is what
+//! `sluice publish` adds (new messages, and where they would go); [`Operate`] what operators'
+//! tools add (browsing a queue in order, a redrive's copy-and-remove, how the broker differs
+//! from a plan). One contract, so every broker shares every rule in the runtime.
 //!
-//! The trait carries no broker's notions (delivery tags, `multiple` acks, `x-` arguments,
+//! The trait carries no broker's notions (delivery tags, cumulative acks, broker arguments,
 //! delay queues): each implementation maps them its own way. Implementations do transport
 //! only: no retry policy, no classification, no envelopes.
+//!
+//! # The rules a broker keeps
+//!
+//! Each rule is named by the body in `tests/conformance.rs` that checks it on every broker;
+//! where brokers may differ, the body reads the broker's [`Capabilities`] instead of skipping.
+//!
+//! 1. **Routing**: a message published to an exchange reaches every queue bound with a
+//!    matching key (direct: equal; topic: `*` one word, `#` zero or more; fanout: all;
+//!    headers: `x-match` all/any), or none when one of them is full
+//!    (`every_exchange_type_routes_as_rabbitmq_does`, `a_full_queue_refuses_publishes`).
+//! 2. **Credit is a bound**: a consumer holds at most its [`Credit`] of unsettled
+//!    deliveries, in queue order (`prefetch_is_a_bound_and_close_hands_back_in_order`).
+//! 3. **Acks in any order, overlapping**: [`Consumer::ack`] takes settled deliveries in any
+//!    order, from many tasks at once; each is acked exactly once and no call's ack makes
+//!    another's fail. A broker that acks cumulatively may hold an ack behind an unsettled
+//!    delivery ([`Capabilities::holds_acks`]): it is lost with the session and that message
+//!    comes again (`acks_in_any_order_settle_each_once`).
+//! 4. **What `close` hands back**: exactly this consumer's unsettled deliveries, never
+//!    another's, delivered again in their order (`prefetch_is_a_bound_and_close_hands_back_in_order`);
+//!    a session lost without closing hands them back at once, or when their lease runs out
+//!    (`a_lost_sessions_unacked_deliveries_come_again_to_another_consumer`).
+//! 5. **Never early**: a copy to [`Target::Later`] is delivered no sooner than its delay,
+//!    and blocks nothing behind it; a delay longer than [`Capabilities::longest_delay`] is
+//!    held that long (the runtime serves the rest in hops), never less
+//!    (`delays_are_exact_and_block_nothing`).
+//! 6. **Copies keep the message**: a copy has the original's body and properties, its headers
+//!    edited as [`Edits`] says (`dead_letter_and_redrive_keep_the_message_and_edit_headers`).
+//! 7. **Conflicts are named**: declaring what exists with other settings fails naming the
+//!    setting and both values (`a_differing_declaration_names_the_setting_and_both_values`).
+//! 8. **One at a time where asked**: a single-active-consumer queue delivers to one consumer
+//!    (`a_single_active_consumer_queue_delivers_to_one_at_a_time`).
+//! 9. **Browsing**: [`Operate::browse`] reads in queue order where
+//!    [`Capabilities::browse_in_order`] says so, and hands back what it did not remove
+//!    (`browsing_reads_in_order_and_hands_back_the_rest`).
+//! 10. **Statistics**: ready messages and consumers of a queue, an undeclared queue being
+//!    [`BrokerError::NotFound`] (`stats_count_ready_messages_and_consumers`).
+//! 11. **Unbinding** removes the bindings and only them; twice is no error
+//!    (`unbinding_removes_only_the_bindings`).
 
 pub mod amqp;
 pub mod capabilities;
@@ -51,7 +90,7 @@ pub struct Outgoing {
     pub headers: Headers,
 }
 
-/// How a copy's headers differ from its original's ([`Operate::copy`]).
+/// How a copy's headers differ from its original's ([`Broker::copy`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Edits {
     /// Headers removed from the original's.
@@ -59,11 +98,16 @@ pub struct Edits {
     /// Headers set over the original's (after `remove`).
     pub set: Headers,
     /// Whether to drop what the broker itself recorded of the original being dead-lettered
-    /// (RabbitMQ's `x-death`), so the copy starts afresh.
+    /// ([`Delivery::dead_letter_record`]), so the copy starts afresh.
     pub drop_history: bool,
 }
 
 impl Edits {
+    /// Edits that set `headers` over the original's and change nothing else.
+    pub fn setting(headers: Headers) -> Edits {
+        Edits { set: headers, ..Edits::default() }
+    }
+
     /// `headers` with these edits applied, for a broker that keeps headers as [`Headers`]
     /// (and keeps no dead-letter history of its own).
     pub fn apply(&self, headers: &mut Headers) {
@@ -74,11 +118,11 @@ impl Edits {
     }
 }
 
-/// What a broker itself recorded when it dead-lettered a message (RabbitMQ's `x-death`: a
-/// quorum queue's delivery limit, a full queue), as [`Delivery::broker_death`] reads it.
+/// What a broker itself recorded when it dead-lettered a message (a delivery limit, a full
+/// queue), as [`Delivery::dead_letter_record`] reads it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct BrokerDeath {
-    /// The broker's word for why (`delivery_limit`, `maxlen`, `rejected`, `expired`).
+pub struct DeadLetterRecord {
+    /// The broker's word for why (such as `delivery_limit`, `maxlen`, `expired`).
     pub reason: Option<String>,
     /// How many times it was dead-lettered so.
     pub count: Option<i64>,
@@ -88,6 +132,50 @@ pub struct BrokerDeath {
 
 /// The queues a publish would reach, each with the largest body it takes where known.
 pub type BodyLimits = Vec<(String, Option<usize>)>;
+
+/// How many unsettled deliveries a consumer may hold at once: at least one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Credit(std::num::NonZeroU16);
+
+impl Credit {
+    /// At most `n` unsettled deliveries; 0 is taken as 1 (a consumer always holds one).
+    pub fn at_most(n: u16) -> Credit {
+        Credit(std::num::NonZeroU16::new(n).unwrap_or(std::num::NonZeroU16::MIN))
+    }
+
+    /// The number of deliveries.
+    pub fn get(self) -> u16 {
+        self.0.get()
+    }
+}
+
+impl std::fmt::Display for Credit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where [`Broker::copy`] puts the copy of a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target<'a> {
+    /// Ready in this queue at once (a redrive).
+    Queue(&'a str),
+    /// In this dead-letter queue, kept with what the broker recorded of the original.
+    DeadLetter(&'a str),
+    /// Ready in this queue once `delay` has passed (a retry), never sooner. A broker holds a
+    /// copy at most its [`Capabilities::longest_delay`]: the runtime serves a longer delay in
+    /// hops.
+    Later { queue: &'a str, delay: Duration },
+}
+
+impl Target<'_> {
+    /// The queue the copy goes into.
+    pub fn queue(&self) -> &str {
+        match self {
+            Target::Queue(queue) | Target::DeadLetter(queue) | Target::Later { queue, .. } => queue,
+        }
+    }
+}
 
 /// What the broker says of a queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -119,8 +207,8 @@ pub enum Drift {
         name: String,
         detail: String,
     },
-    /// The broker cannot say whether the bindings exist (RabbitMQ tells only through its
-    /// management plugin).
+    /// The broker cannot say whether the bindings exist (RabbitMQ tells only through a plugin
+    /// sluice does not need).
     BindingsUnchecked {
         reason: String,
     },
@@ -323,8 +411,8 @@ pub trait Delivery: Send + Sync + 'static {
     /// Whether this delivery can still be acked (its consumer is open).
     fn is_live(&self) -> bool;
     /// What the broker itself recorded when it last dead-lettered this message, if it keeps
-    /// such a record (RabbitMQ does, in `x-death`); `None` by default.
-    fn broker_death(&self) -> Option<BrokerDeath> {
+    /// such a record; `None` by default.
+    fn dead_letter_record(&self) -> Option<DeadLetterRecord> {
         None
     }
 }
@@ -336,15 +424,17 @@ pub trait Consumer: Clone + Send + Sync + 'static {
 
     /// Acknowledges settled deliveries of this consumer, in any order; the broker may batch.
     /// Calls may overlap (from many tasks at once, on clones): each delivery given is acked
-    /// exactly once, and no call's ack may make another's fail (an AMQP `multiple` ack must
-    /// never cover a tag another call still sends). Acking a delivery twice is the caller's
+    /// exactly once, and no call's ack may make another's fail (a cumulative ack must never
+    /// cover a delivery another call still sends). Acking a delivery twice is the caller's
     /// bug. On an error each delivery is either still live (this consumer's, unsettled: acking
     /// it again may succeed) or no longer live (handed back: the broker delivers it again).
     fn ack(&self, settled: &[Self::Delivery]) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
     /// Acks settled deliveries and records `keys` (idempotency keys, as the store names them)
-    /// handled for `ttl`, in one transaction: only a broker whose own file is the idempotency
-    /// store does ([`crate::dedup::Store::rides_acks`]); others refuse.
+    /// handled for `ttl`, in one transaction, where the broker's own store holds the keys
+    /// ([`Capabilities::holds_keys`]: only such a broker's key store rides its acks,
+    /// [`crate::dedup::Store::rides_acks`]). Any other broker refuses, acking nothing, so
+    /// that no key is ever taken as recorded when it is not.
     fn ack_recording(
         &self,
         settled: &[Self::Delivery],
@@ -385,67 +475,34 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// no error.
     fn unbind(&self, bindings: &[BindingDecl]) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
-    /// Publishes a new persistent message, mandatory, and waits for the broker's confirm.
-    fn publish(
+    /// Puts a copy of a delivery (original body and properties, headers edited as `edits`
+    /// says) into the target's queue, and only it; waits until the broker has taken it.
+    fn copy(
         &self,
-        exchange: &str,
-        routing_key: &str,
-        message: Outgoing,
-    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
-
-    /// Publishes a copy of a delivery (original body and properties, `headers` merged over
-    /// its own) that reaches `queue`, and only it, after `delay`; waits for the confirm.
-    fn publish_delayed(
-        &self,
-        queue: &str,
-        delay: Duration,
         original: &Self::Delivery,
-        headers: Headers,
+        target: Target<'_>,
+        edits: &Edits,
     ) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
-    /// Publishes a copy of a delivery into the dead-letter queue `dead_letter`; waits for the
-    /// confirm.
-    fn dead_letter(
-        &self,
-        dead_letter: &str,
-        original: &Self::Delivery,
-        headers: Headers,
-    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
-
-    /// Starts consuming `queue` with at most `prefetch` unsettled deliveries.
+    /// Starts consuming `queue`, holding at most `credit` unsettled deliveries.
     fn consume(
         &self,
         queue: &str,
-        prefetch: u16,
+        credit: Credit,
     ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
 
     /// As [`consume`](Broker::consume), for a queue that takes no body over `max_body` bytes:
     /// a broker that knows a message's size without reading its body delivers a larger one
-    /// as its [size](Delivery::size) alone, to be dead-lettered unread. By default (RabbitMQ
-    /// sends every body whole) it delivers every body.
+    /// as its [size](Delivery::size) alone, to be dead-lettered unread. By default (a broker
+    /// that sends every body whole) it delivers every body.
     fn consume_within(
         &self,
         queue: &str,
-        prefetch: u16,
+        credit: Credit,
         max_body: usize,
     ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send {
         let _ = max_body;
-        self.consume(queue, prefetch)
-    }
-
-    /// The queues a message published to `exchange` with `routing_key` and `headers` would
-    /// reach, each with the largest body it takes where the broker was told (the runner's
-    /// `max_message_bytes`, kept by the embedded broker when declared); `None` from a broker
-    /// that cannot tell before the message is sent (RabbitMQ routes only then, and keeps no
-    /// such limit). An unroutable message is an error, as its publish would be.
-    fn body_limits(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        headers: &Headers,
-    ) -> impl Future<Output = Result<Option<BodyLimits>, BrokerError>> + Send {
-        let _ = (exchange, routing_key, headers);
-        std::future::ready(Ok(None))
+        self.consume(queue, credit)
     }
 
     /// Ready messages and consumers of `queue`.
@@ -461,8 +518,8 @@ pub trait Broker: Clone + Send + Sync + 'static {
     /// where RabbitMQ has them ready again as soon as the connection is gone.
     fn delayed(&self) -> impl Future<Output = Result<u32, BrokerError>> + Send;
 
-    /// What this broker can honour; among it the longest a delayed copy can wait
-    /// (`publish_delayed` holds a longer delay this long: the runtime serves it in hops).
+    /// What this broker can honour; among it the longest a copy to [`Target::Later`] can wait
+    /// (a longer delay is held this long: the runtime serves it in hops).
     fn capabilities(&self) -> Capabilities;
 
     /// Whether the session is still connected.
@@ -472,32 +529,49 @@ pub trait Broker: Clone + Send + Sync + 'static {
     fn close(&self) -> impl Future<Output = ()> + Send;
 }
 
+/// What `sluice publish` needs beyond what `run` needs: new messages, and where one would go.
+pub trait Publish: Broker {
+    /// Publishes a new persistent message, refused when no queue is bound for its route, and
+    /// waits until the broker has taken it.
+    fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: Outgoing,
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// The queues a message published to `exchange` with `routing_key` and `headers` would
+    /// reach, each with the largest body it takes where the broker was told (the runner's
+    /// `max_message_bytes`, kept by the embedded broker when declared); `None` from a broker
+    /// that cannot tell before the message is sent (RabbitMQ routes only then, and keeps no
+    /// such limit). An unroutable message is an error, as its publish would be.
+    fn body_limits(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> impl Future<Output = Result<Option<BodyLimits>, BrokerError>> + Send {
+        let _ = (exchange, routing_key, headers);
+        std::future::ready(Ok(None))
+    }
+}
+
 /// What operators' tools (`sluice dlq`, `status`, `plan --broker`, the console) need beyond
-/// what `run` needs: reading a queue in order, copying a message into a queue with edited
-/// headers (a redrive), and comparing the broker with a plan. A broker that only runs
-/// pipelines need not offer it (apalis splits a backend's capabilities the same way).
-pub trait Operate: Broker {
-    /// Opens a browsing consumer of `queue`: its messages in queue order, at most `window`
-    /// unsettled; each one acked is removed at once, and closing the consumer hands back the
-    /// rest in their order. For reading a dead-letter queue without losing anything.
+/// what `run` and `publish` need: reading a queue in order, a redrive's copy-and-remove, and
+/// comparing the broker with a plan. A broker that only runs pipelines need not offer it
+/// (apalis splits a backend's capabilities the same way).
+pub trait Operate: Publish {
+    /// Opens a browsing consumer of `queue`: its messages in queue order where the broker
+    /// keeps one ([`Capabilities::browse_in_order`]), at most `window` unsettled; each one
+    /// acked is removed at once, and closing the consumer hands back the rest. For reading a
+    /// dead-letter queue without losing anything.
     fn browse(
         &self,
         queue: &str,
-        window: u16,
+        window: Credit,
     ) -> impl Future<Output = Result<(Self::Deliveries, Self::Consumer), BrokerError>> + Send;
 
-    /// Publishes a copy of a delivery (original body and properties) into `queue`, and only
-    /// it, with its headers edited as `edits` says; waits for the confirm. What the edits are
-    /// (a redrive's: sluice's failure headers removed, attempt 1, the broker's own dead-letter
-    /// history dropped) is for the caller to decide: the broker knows no envelope.
-    fn copy(
-        &self,
-        queue: &str,
-        original: &Self::Delivery,
-        edits: &Edits,
-    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
-
-    /// [`copy`](Operate::copy), and the original (a delivery of the browsing consumer given)
+    /// [`copy`](Broker::copy) into `queue`, and the original (a delivery of the browsing consumer given)
     /// removed in the same step where the broker can: a confirmed copy is then never left
     /// with its original still queued, for a lost session to hand back and a second pass to
     /// copy again. Answers whether it removed the original; when not (by default: a copy
@@ -509,7 +583,7 @@ pub trait Operate: Broker {
         original: &Self::Delivery,
         edits: &Edits,
     ) -> impl Future<Output = Result<bool, BrokerError>> + Send {
-        async move { self.copy(queue, original, edits).await.map(|()| false) }
+        async move { self.copy(original, Target::Queue(queue), edits).await.map(|()| false) }
     }
 
     /// How what exists on the broker differs from `plan`, changing nothing.

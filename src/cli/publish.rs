@@ -23,7 +23,7 @@ use serde_json::value::RawValue;
 
 use super::{BrokerArg, Refusals};
 use crate::broker::failover::Failover;
-use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing};
+use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Publish};
 use crate::config::MAX_MESSAGE_BYTES;
 use crate::envelope::{Envelope, TRACEPARENT_HEADER, Timestamp};
 use crate::trace::TraceContext;
@@ -180,7 +180,7 @@ struct Session<'a, C, B> {
 
 impl<B, F, C> Session<'_, C, B>
 where
-    B: Broker,
+    B: Publish,
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
@@ -211,7 +211,7 @@ async fn publish_all<B, F, C>(
     at: Option<Timestamp>,
 ) -> anyhow::Result<usize>
 where
-    B: Broker,
+    B: Publish,
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
@@ -281,7 +281,7 @@ async fn publish_one<B, F, C>(
     limit: Option<&Limit>,
 ) -> anyhow::Result<usize>
 where
-    B: Broker,
+    B: Publish,
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
@@ -304,7 +304,7 @@ struct Limit {
 impl Limit {
     /// The limit of the queues a message of `args` would reach; none when the broker cannot
     /// tell (RabbitMQ), or when a queue's is unknown (declared by an earlier version).
-    async fn of<B: Broker>(broker: &B, args: &Args) -> Result<Option<Limit>, BrokerError> {
+    async fn of<B: Publish>(broker: &B, args: &Args) -> Result<Option<Limit>, BrokerError> {
         let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None), None).headers;
         let Some(limits) = broker.body_limits(&args.exchange, &args.routing_key, &headers).await? else {
             return Ok(None);
@@ -524,7 +524,7 @@ async fn send_confirmed<B, F, C>(
     progress: &ProgressBar,
 ) -> Result<(), BrokerError>
 where
-    B: Broker,
+    B: Publish,
     F: Future<Output = Result<B, BrokerError>>,
     C: Fn(usize) -> F,
 {
@@ -558,7 +558,7 @@ where
 /// Publishes the messages `which` names, [`IN_FLIGHT`] awaiting their confirms at once; after
 /// a refusal (nack, unroutable, no exchange) no more are sent. Returns those not confirmed and
 /// the error that stopped them (a refusal before a lost session).
-async fn send<B: Broker>(
+async fn send<B: Publish>(
     broker: &B,
     args: &Args,
     messages: &[Outgoing],

@@ -21,7 +21,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::task::{JoinError, JoinSet};
 
-use crate::broker::{BrokerError, Consumer, Delivery, Edits, HeaderValue, Leased, Operate, embedded};
+use crate::broker::{BrokerError, Consumer, Credit, Delivery, Edits, HeaderValue, Leased, Operate, embedded};
 use crate::envelope::{self, Envelope};
 
 /// The most messages held (read, not removed) at once. A filter that passes over more than
@@ -166,7 +166,7 @@ fn text(headers: &BTreeMap<String, Value>, name: &str) -> Option<String> {
 /// dead-lettered the message itself (a quorum queue's delivery limit, a full queue).
 pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
     let headers = delivery.headers();
-    let death = delivery.broker_death().unwrap_or_default();
+    let death = delivery.dead_letter_record().unwrap_or_default();
     let envelope = Envelope::decode(delivery.body()).ok();
     let failed_epoch = text(&headers, envelope::FAILED_AT_HEADER)
         .and_then(|t| humantime::parse_rfc3339(&t).ok())
@@ -220,7 +220,7 @@ impl<B: Operate> Browse<B> {
 
     /// A browse of at most `remaining` messages, `window` held at once.
     async fn start(broker: &B, dlq: &str, remaining: u32, window: u16) -> Result<Browse<B>, BrokerError> {
-        let (deliveries, consumer) = broker.browse(dlq, window).await?;
+        let (deliveries, consumer) = broker.browse(dlq, Credit::at_most(window)).await?;
         let (broker, queue) = (broker.clone(), dlq.to_string());
         Ok(Browse { broker, queue, deliveries, consumer, remaining, held: 0, window, short: None, leased: None })
     }

@@ -325,7 +325,7 @@ mod tests {
     fn other_queues_are_served_while_a_reload_loads() {
         use std::sync::mpsc as std_mpsc;
 
-        use crate::broker::Broker as _;
+        use crate::broker::Publish as _;
         use crate::broker::memory::Memory;
 
         const DEADLINE: Duration = Duration::from_secs(20);

@@ -24,7 +24,7 @@ use super::gate::{self, Pauses};
 use super::{Options, Reload, RunError, run};
 use crate::broker::embedded::Embedded;
 use crate::broker::memory::{Memory, Message};
-use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Properties};
+use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Properties, Publish};
 use crate::config::Config;
 use crate::dedup::{Location, Store};
 use crate::envelope::{self, Envelope};
@@ -234,7 +234,7 @@ impl Inspect for File {
 
 /// `run` over a broker, with the handles a test drives it by: `memory` is the broker (the
 /// in-memory one unless a test says otherwise), `look` reads it.
-struct Runner<B: Broker = Memory> {
+struct Runner<B: Publish = Memory> {
     memory: B,
     look: Arc<dyn Inspect>,
     reloads: mpsc::UnboundedSender<Reload>,
@@ -252,7 +252,7 @@ impl Runner<Memory> {
     }
 }
 
-impl<B: Broker> Runner<B> {
+impl<B: Publish> Runner<B> {
     /// Starts `config` on `broker` and waits until each of its queues has its consumer.
     async fn start_on(
         broker: B,
@@ -374,7 +374,7 @@ async fn every_disposition_ends_acked_with_its_effects_on_the_embedded_broker() 
     dispositions(embedded).await;
 }
 
-async fn dispositions<B: Broker>(new: NewBroker<B>) {
+async fn dispositions<B: Publish>(new: NewBroker<B>) {
     let rows = [
         Row {
             name: "success",
@@ -582,7 +582,7 @@ async fn the_ack_window_settles_every_delivery_once_on_the_embedded_broker() {
     ack_window(embedded).await;
 }
 
-async fn ack_window<B: Broker>(new: NewBroker<B>) {
+async fn ack_window<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let runs = pipeline.file("runs");
     let script = r#"sleep "$2"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
@@ -624,7 +624,7 @@ async fn a_failed_ack_is_retried_and_the_queue_goes_on_on_the_embedded_broker() 
     failed_acks(embedded).await;
 }
 
-async fn failed_acks<B: Broker>(new: NewBroker<B>) {
+async fn failed_acks<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let runs = pipeline.file("runs");
     let config = pipeline.config(&[("work", command(RECORD, &[&runs], "    concurrency: 2\n"))]);
@@ -729,7 +729,7 @@ async fn a_reload_unbinds_removed_queues_and_dropped_bindings_on_the_embedded_br
     unbinding(embedded).await;
 }
 
-async fn unbinding<B: Broker>(new: NewBroker<B>) {
+async fn unbinding<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let (runs_a, runs_b, runs_c) = (pipeline.file("a"), pipeline.file("b"), pipeline.file("c"));
     let a = command(RECORD, &[&runs_a], &bound(&["#"]));
@@ -838,7 +838,7 @@ async fn a_reload_drains_in_flight_deliveries_before_replacing_on_the_embedded_b
     drain_before_replace(embedded).await;
 }
 
-async fn drain_before_replace<B: Broker>(new: NewBroker<B>) {
+async fn drain_before_replace<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
     let slow = r#"echo started >> "$2"; sleep 0.3; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
@@ -890,7 +890,7 @@ async fn shutdown_finishes_in_flight_deliveries_within_the_grace_on_the_embedded
     shutdown(embedded).await;
 }
 
-async fn shutdown<B: Broker>(new: NewBroker<B>) {
+async fn shutdown<B: Publish>(new: NewBroker<B>) {
     // What, the grace, how long the handler takes, then: lines written, left in the queue.
     let rows: [(&str, Duration, &str, usize, usize); 2] =
         [("finished within the grace", GRACE, "0.3", 1, 0), ("grace expired", Duration::from_millis(100), "3", 0, 1)];
@@ -1061,7 +1061,7 @@ async fn calls_outliving_a_reloads_grace_keep_their_messages_and_slots_on_the_em
     calls_outliving_the_grace(embedded).await;
 }
 
-async fn calls_outliving_the_grace<B: Broker>(new: NewBroker<B>) {
+async fn calls_outliving_the_grace<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let (log, gate) = (pipeline.file("log"), pipeline.file("gate"));
     // Each call is held until the gate file exists; the log tells which ran at once.
@@ -1172,7 +1172,7 @@ async fn binding_filters_decide_before_the_handler_on_the_embedded_broker() {
     binding_filters(embedded).await;
 }
 
-async fn binding_filters<B: Broker>(new: NewBroker<B>) {
+async fn binding_filters<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
     let runs = pipeline.file("runs");
     // Fails the first attempt of key "retried", so that its retry copy comes back.

@@ -31,7 +31,7 @@ use super::gate::{Admission, Changes, Gate, Mode, Permit};
 use super::outcome::{self, Disposition};
 use super::{Readiness, filter};
 use crate::backoff;
-use crate::broker::{Broker, BrokerError, Consumer, Delivery, HeaderValue, Headers};
+use crate::broker::{Broker, BrokerError, Consumer, Credit, Delivery, Edits, HeaderValue, Headers, Target};
 use crate::call::{self, Call};
 use crate::config::{Config, Queue};
 use crate::dedup::{self, Claim, Store};
@@ -154,7 +154,8 @@ impl Worker {
         changes: &mut Changes,
     ) -> Result<bool, BrokerError> {
         let queue = self.queue();
-        let (mut deliveries, consumer) = broker.consume_within(&queue.name, prefetch, queue.max_message_bytes).await?;
+        let (mut deliveries, consumer) =
+            broker.consume_within(&queue.name, Credit::at_most(prefetch), queue.max_message_bytes).await?;
         info!(queue = %queue.name, prefetch, adaptive = queue.adaptive, "consuming");
         let tracker = TaskTracker::new();
         let (acks, ack_events) = mpsc::unbounded_channel();
@@ -407,10 +408,12 @@ impl Worker {
                 Disposition::Retry { after, .. }
                 | Disposition::Wait { after, .. }
                 | Disposition::Scheduled { after, .. } => {
-                    let (hold, headers) = hop(*after, broker.capabilities().longest_delay, &headers);
-                    broker.publish_delayed(&q.name, hold, delivery, headers).await
+                    let (delay, headers) = hop(*after, broker.capabilities().longest_delay, &headers);
+                    broker.copy(delivery, Target::Later { queue: &q.name, delay }, &Edits::setting(headers)).await
                 }
-                Disposition::DeadLetter { .. } => broker.dead_letter(&q.dead_letter, delivery, headers.clone()).await,
+                Disposition::DeadLetter { .. } => {
+                    broker.copy(delivery, Target::DeadLetter(&q.dead_letter), &Edits::setting(headers.clone())).await
+                }
                 Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
                     return true;
                 }

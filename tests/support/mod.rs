@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice::broker::amqp::Amqp;
-use sluice::broker::{Broker, HeaderValue, Headers, Operate, Outgoing};
+use sluice::broker::{Broker, HeaderValue, Headers, Operate, Outgoing, Publish};
 use sluice::envelope::Envelope;
 
 pub mod cluster;
@@ -134,7 +134,8 @@ pub trait Place: Send + Sync {
             use sluice::broker::{Consumer as _, Delivery as _};
             let broker = self.connect().await;
             let depth = broker.depth(queue).await.unwrap_or_else(|e| panic!("depth of {queue}: {e}"));
-            let (mut deliveries, consumer) = broker.browse(queue, u16::MAX).await.expect("browse");
+            let (mut deliveries, consumer) =
+                broker.browse(queue, sluice::broker::Credit::at_most(u16::MAX)).await.expect("browse");
             let mut out = Vec::new();
             while out.len() < depth as usize {
                 let next = tokio::time::timeout(Duration::from_secs(10), deliveries.next()).await;
@@ -508,7 +509,7 @@ impl Drop for Sluice {
 }
 
 /// Publishes an envelope with the given idempotency key and payload.
-pub async fn publish<B: Broker>(
+pub async fn publish<B: Publish>(
     broker: &B,
     exchange: &str,
     routing_key: &str,
@@ -521,7 +522,7 @@ pub async fn publish<B: Broker>(
 }
 
 /// Publishes any body (e.g. a malformed one) with headers.
-pub async fn publish_raw<B: Broker>(broker: &B, exchange: &str, routing_key: &str, body: Vec<u8>, headers: Headers) {
+pub async fn publish_raw<B: Publish>(broker: &B, exchange: &str, routing_key: &str, body: Vec<u8>, headers: Headers) {
     let message = Outgoing { body, message_id: None, kind: None, timestamp: None, priority: None, headers };
     broker.publish(exchange, routing_key, message).await.expect("publish confirmed");
 }

@@ -33,8 +33,8 @@ use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 use super::{
-    Broker, BrokerDeath, BrokerError, Cause, Consumer, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing,
-    QueueStats, Route,
+    Broker, BrokerError, Cause, Consumer, Credit, DeadLetterRecord, Delivery, Drift, Edits, HeaderValue, Headers,
+    Operate, Outgoing, Publish, QueueStats, Route, Target,
 };
 use crate::envelope::ERROR_HEADER;
 use crate::topology::{BindingDecl, Plan};
@@ -394,11 +394,11 @@ impl Delivery for AmqpDelivery {
     }
 
     /// The newest entry of `x-death`: RabbitMQ puts the latest dead-lettering first.
-    fn broker_death(&self) -> Option<BrokerDeath> {
+    fn dead_letter_record(&self) -> Option<DeadLetterRecord> {
         let table = self.delivery.properties.headers().as_ref()?;
         let AMQPValue::FieldArray(deaths) = table.inner().get("x-death")? else { return None };
         let death = json_value(deaths.as_slice().first()?);
-        Some(BrokerDeath {
+        Some(DeadLetterRecord {
             reason: death.get("reason").and_then(Value::as_str).map(str::to_string),
             count: death.get("count").and_then(Value::as_i64),
             time: death.get("time").and_then(Value::as_u64),
@@ -570,51 +570,25 @@ impl Broker for Amqp {
         Ok(())
     }
 
-    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        let mut properties = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2)
-            .with_headers(headers_table(&FieldTable::default(), &message.headers));
-        if let Some(id) = message.message_id {
-            properties = properties.with_message_id(id.into());
-        }
-        if let Some(kind) = message.kind {
-            properties = properties.with_type(kind.into());
-        }
-        if let Some(ts) = message.timestamp {
-            properties = properties.with_timestamp(ts);
-        }
-        if let Some(priority) = message.priority {
-            properties = properties.with_priority(priority);
-        }
-        self.publish_raw(exchange, routing_key, &message.body, properties).await
+    /// A retry's copy goes through the delay cascade, and starts afresh: the cascade's own
+    /// dead-letterings would otherwise pile up in its `x-death`; a dead-letter copy keeps it.
+    async fn copy(&self, original: &AmqpDelivery, target: Target<'_>, edits: &Edits) -> Result<(), BrokerError> {
+        let headers = original.delivery.properties.headers().as_ref();
+        let base = match edits.drop_history || matches!(target, Target::Later { .. }) {
+            true => without_death_history(headers),
+            false => headers.cloned().unwrap_or_default(),
+        };
+        let base = without(Some(&base), |name| edits.remove.iter().any(|r| r == name));
+        let (exchange, routing_key) = match target {
+            Target::Later { queue, delay } => delay_route(queue, delay),
+            Target::Queue(queue) | Target::DeadLetter(queue) => (String::new(), queue.to_string()),
+        };
+        self.send_copy(&exchange, &routing_key, original, base, &edits.set).await
     }
 
-    async fn publish_delayed(
-        &self,
-        queue: &str,
-        delay: Duration,
-        original: &AmqpDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        let (exchange, routing_key) = delay_route(queue, delay);
-        let base = without_death_history(original.delivery.properties.headers().as_ref());
-        self.send_copy(&exchange, &routing_key, original, base, &headers).await
-    }
-
-    async fn dead_letter(
-        &self,
-        dead_letter: &str,
-        original: &AmqpDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        let base = original.delivery.properties.headers().clone().unwrap_or_default();
-        self.send_copy("", dead_letter, original, base, &headers).await
-    }
-
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
+    async fn consume(&self, queue: &str, credit: Credit) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
         // One slow handler may hold up the acks of at most half the window behind it.
-        self.open_consumer(queue, prefetch, usize::from(prefetch) / 2).await
+        self.open_consumer(queue, credit.get(), usize::from(credit.get()) / 2).await
     }
 
     async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
@@ -661,20 +635,32 @@ impl Broker for Amqp {
     }
 }
 
-impl Operate for Amqp {
-    async fn browse(&self, queue: &str, window: u16) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
-        // Held messages are never settled: each settled one is acked at once, not behind them.
-        self.open_consumer(queue, window, 0).await
+impl Publish for Amqp {
+    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        let mut properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_headers(headers_table(&FieldTable::default(), &message.headers));
+        if let Some(id) = message.message_id {
+            properties = properties.with_message_id(id.into());
+        }
+        if let Some(kind) = message.kind {
+            properties = properties.with_type(kind.into());
+        }
+        if let Some(ts) = message.timestamp {
+            properties = properties.with_timestamp(ts);
+        }
+        if let Some(priority) = message.priority {
+            properties = properties.with_priority(priority);
+        }
+        self.publish_raw(exchange, routing_key, &message.body, properties).await
     }
+}
 
-    async fn copy(&self, queue: &str, original: &AmqpDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let headers = original.delivery.properties.headers().as_ref();
-        let base = match edits.drop_history {
-            true => without_death_history(headers),
-            false => headers.cloned().unwrap_or_default(),
-        };
-        let base = without(Some(&base), |name| edits.remove.iter().any(|r| r == name));
-        self.send_copy("", queue, original, base, &edits.set).await
+impl Operate for Amqp {
+    async fn browse(&self, queue: &str, window: Credit) -> Result<(AmqpDeliveries, AmqpConsumer), BrokerError> {
+        // Held messages are never settled: each settled one is acked at once, not behind them.
+        self.open_consumer(queue, window.get(), 0).await
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

@@ -68,8 +68,8 @@ use super::declaration;
 use super::kept::CLAIM_BYTES;
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Consumer, Drift, Edits, Headers, Kept, KeptDeliveries, Operate, Outgoing,
-    Properties, QueueStats, Route,
+    BodyLimits, Broker, BrokerError, Consumer, Credit, Drift, Edits, Headers, Kept, KeptDeliveries, Operate, Outgoing,
+    Properties, Publish, QueueStats, Route, Target,
 };
 use crate::topology::{BindingDecl, Plan};
 /// This process as a claim or a consumer names it (`pid:start:namespace`), and whether the
@@ -505,10 +505,10 @@ fn delivery(stored: Stored, live: Arc<AtomicBool>) -> EmbeddedDelivery {
     }
 }
 
-/// A copy of a delivered message with `headers` merged over its own (its body by reference).
-fn copy(original: &EmbeddedDelivery, headers: Headers) -> NewMessage {
+/// A copy of a delivered message with its headers edited (its body by reference).
+fn copy(original: &EmbeddedDelivery, edits: &Edits) -> NewMessage {
     let Row { body, kind, .. } = &original.tag;
-    NewMessage { body: body.clone(), kind: kind.clone(), properties: original.copied_properties(headers) }
+    NewMessage { body: body.clone(), kind: kind.clone(), properties: original.copied_properties(edits) }
 }
 
 /// The deliveries of one consumer.
@@ -592,47 +592,21 @@ impl Broker for Embedded {
         self.call(|reply| Op::Unbind(bindings.to_vec(), reply)).await
     }
 
-    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        if message.priority.is_some() {
-            return Err(BrokerError::Conflict(
-                "the embedded broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
-            ));
-        }
-        let message = NewMessage {
-            body: Body::New(message.body.into()),
-            kind: message.kind,
-            properties: Properties {
-                headers: message.headers,
-                message_id: message.message_id,
-                timestamp: message.timestamp,
-                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
-            },
+    async fn copy(&self, original: &EmbeddedDelivery, target: Target<'_>, edits: &Edits) -> Result<(), BrokerError> {
+        let message = copy(original, edits);
+        let due = match target {
+            Target::Later { delay, .. } => now_ms().saturating_add(ms(delay)).max(1),
+            Target::Queue(_) | Target::DeadLetter(_) => 0,
         };
-        self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
-            .await
+        self.send_copy(target.queue(), message, due).await
     }
 
-    async fn publish_delayed(
+    async fn consume(
         &self,
         queue: &str,
-        delay: Duration,
-        original: &EmbeddedDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        self.send_copy(queue, copy(original, headers), now_ms().saturating_add(ms(delay)).max(1)).await
-    }
-
-    async fn dead_letter(
-        &self,
-        dead_letter: &str,
-        original: &EmbeddedDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        self.send_copy(dead_letter, copy(original, headers), 0).await
-    }
-
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
-        self.open_consumer(queue, prefetch, u64::MAX).await
+        credit: Credit,
+    ) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
+        self.open_consumer(queue, credit.get(), u64::MAX).await
     }
 
     /// A message over `max_body` comes as its size: its body is never read into memory, and
@@ -640,22 +614,10 @@ impl Broker for Embedded {
     async fn consume_within(
         &self,
         queue: &str,
-        prefetch: u16,
+        credit: Credit,
         max_body: usize,
     ) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
-        self.open_consumer(queue, prefetch, u64::try_from(max_body).unwrap_or(u64::MAX)).await
-    }
-
-    async fn body_limits(
-        &self,
-        exchange: &str,
-        routing_key: &str,
-        headers: &Headers,
-    ) -> Result<Option<BodyLimits>, BrokerError> {
-        let (exchange, routing_key, headers) = (exchange.into(), routing_key.into(), headers.clone());
-        let limits = self.call(|reply| Op::Limits { exchange, routing_key, headers, reply }).await?;
-        let size = |max: u64| usize::try_from(max).unwrap_or(usize::MAX);
-        Ok(Some(limits.into_iter().map(|(queue, max)| (queue, max.map(size))).collect()))
+        self.open_consumer(queue, credit.get(), u64::try_from(max_body).unwrap_or(u64::MAX)).await
     }
 
     /// Ready messages, and the consumers of every process whose registration is renewed.
@@ -682,15 +644,43 @@ impl Broker for Embedded {
     }
 }
 
-impl Operate for Embedded {
-    async fn browse(&self, queue: &str, window: u16) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
-        self.open_consumer(queue, window, u64::MAX).await
+impl Publish for Embedded {
+    async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        if message.priority.is_some() {
+            return Err(BrokerError::Conflict(
+                "the embedded broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
+            ));
+        }
+        let message = NewMessage {
+            body: Body::New(message.body.into()),
+            kind: message.kind,
+            properties: Properties {
+                headers: message.headers,
+                message_id: message.message_id,
+                timestamp: message.timestamp,
+                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+            },
+        };
+        self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
+            .await
     }
 
-    async fn copy(&self, queue: &str, original: &EmbeddedDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        let mut message = copy(original, Headers::new());
-        edits.apply(&mut message.properties.headers);
-        self.send_copy(queue, message, 0).await
+    async fn body_limits(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+    ) -> Result<Option<BodyLimits>, BrokerError> {
+        let (exchange, routing_key, headers) = (exchange.into(), routing_key.into(), headers.clone());
+        let limits = self.call(|reply| Op::Limits { exchange, routing_key, headers, reply }).await?;
+        let size = |max: u64| usize::try_from(max).unwrap_or(usize::MAX);
+        Ok(Some(limits.into_iter().map(|(queue, max)| (queue, max.map(size))).collect()))
+    }
+}
+
+impl Operate for Embedded {
+    async fn browse(&self, queue: &str, window: Credit) -> Result<(EmbeddedDeliveries, EmbeddedConsumer), BrokerError> {
+        self.open_consumer(queue, window.get(), u64::MAX).await
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

@@ -86,7 +86,7 @@ async fn prefetch_order_ack_and_hand_back() {
     for i in 0..6 {
         broker.publish("", "work", message(&i.to_string())).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.consume("work", 2).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(2)).await.expect("consume");
     let (a, b) = (next(&mut deliveries).await, next(&mut deliveries).await);
     assert_eq!((text(&a), text(&b)), ("0".into(), "1".into()));
     assert_eq!(a.message_id(), Some("id-0"));
@@ -103,7 +103,7 @@ async fn prefetch_order_ack_and_hand_back() {
     consumer.close().await;
     assert!(!b.is_live());
     assert!(matches!(consumer.ack(&[b]).await, Err(BrokerError::Lost(_))));
-    let (mut deliveries, consumer) = broker.consume("work", 100).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(100)).await.expect("consume");
     let mut got = Vec::new();
     for _ in 0..5 {
         got.push(next(&mut deliveries).await);
@@ -124,7 +124,7 @@ async fn another_process_on_the_same_file_sees_and_wakes() {
     let runner = open(&dir).await;
     runner.declare(&work_plan()).await.expect("declare");
     let other = open(&dir).await;
-    let (mut deliveries, consumer) = runner.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = runner.consume("work", Credit::at_most(10)).await.expect("consume");
     // Let the consumer go idle, polling.
     nothing_for(&mut deliveries, Duration::from_millis(150)).await;
     assert_eq!(other.stats("work").await.expect("stats"), QueueStats { ready: 0, consumers: 1 });
@@ -154,7 +154,7 @@ async fn idle_consumers_send_no_requests_whatever_their_number() {
     broker.declare(&plan).await.expect("declare");
     let mut consumers = Vec::new();
     for name in &names {
-        consumers.push(broker.consume(name, 4).await.expect("consume"));
+        consumers.push(broker.consume(name, Credit::at_most(4)).await.expect("consume"));
     }
     // Each consumer has opened (two requests) and made its first claim (one more).
     let started = Instant::now();
@@ -191,7 +191,7 @@ async fn a_killed_consumers_messages_come_back_after_the_lease() {
     for i in 0..3 {
         killed.publish("", "work", message(&i.to_string())).await.expect("publish");
     }
-    let (mut deliveries, consumer) = killed.consume("work", 2).await.expect("consume");
+    let (mut deliveries, consumer) = killed.consume("work", Credit::at_most(2)).await.expect("consume");
     let _held = (next(&mut deliveries).await, next(&mut deliveries).await);
     // The consumer renews its leases while it lives.
     tokio::time::sleep(lease * 2).await;
@@ -200,7 +200,7 @@ async fn a_killed_consumers_messages_come_back_after_the_lease() {
     // Killed: every handle dropped, nothing closed.
     drop((deliveries, consumer, killed));
     let since = Instant::now();
-    let (mut deliveries, consumer) = survivor.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = survivor.consume("work", Credit::at_most(10)).await.expect("consume");
     let mut got = Vec::new();
     for _ in 0..3 {
         got.push(next(&mut deliveries).await);
@@ -224,7 +224,7 @@ async fn a_dead_processes_consumer_hands_back_at_once() {
     for i in 0..3 {
         broker.publish("", "ordered", message(&i.to_string())).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.consume("ordered", 2).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("ordered", Credit::at_most(2)).await.expect("consume");
     let _held = (next(&mut deliveries).await, next(&mut deliveries).await);
     // Its process as a killed one's would read: the same namespace, a pid that is not running.
     let namespace = process::process().rsplit(':').next().expect("pid:start:namespace");
@@ -235,7 +235,7 @@ async fn a_dead_processes_consumer_hands_back_at_once() {
     // The next runner: a handle of its own on the file.
     let next_runner = open(&dir).await;
     let since = Instant::now();
-    let (mut deliveries, consumer) = next_runner.consume("ordered", 10).await.expect("consume");
+    let (mut deliveries, consumer) = next_runner.consume("ordered", Credit::at_most(10)).await.expect("consume");
     let mut got = Vec::new();
     for _ in 0..3 {
         got.push(next(&mut deliveries).await);
@@ -253,12 +253,18 @@ async fn delayed_copies_wait_without_blocking_each_other() {
     let broker = open(&dir).await;
     broker.declare(&work_plan()).await.expect("declare");
     broker.publish("", "work", message("original")).await.expect("publish");
-    let (mut deliveries, consumer) = broker.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(10)).await.expect("consume");
     let original = next(&mut deliveries).await;
     let retry = |n: i64| Headers::from([(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(n))]);
-    broker.publish_delayed("work", Duration::from_secs(3600), &original, retry(9)).await.expect("long");
+    broker
+        .copy(&original, Target::Later { queue: "work", delay: Duration::from_secs(3600) }, &Edits::setting(retry(9)))
+        .await
+        .expect("long");
     let sent = Instant::now();
-    broker.publish_delayed("work", Duration::from_millis(300), &original, retry(2)).await.expect("short");
+    broker
+        .copy(&original, Target::Later { queue: "work", delay: Duration::from_millis(300) }, &Edits::setting(retry(2)))
+        .await
+        .expect("short");
     consumer.ack(&[original]).await.expect("ack");
     assert_eq!(broker.delayed().await.expect("delayed"), 2);
     assert_eq!(broker.depth("work").await.expect("depth"), 0, "invisible until due");
@@ -299,7 +305,7 @@ async fn a_full_queue_refuses_the_whole_publish() {
     let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
     let results = futures_util::future::join_all(racing).await;
     assert!(results.iter().all(|r| matches!(r, Err(BrokerError::Rejected { .. }))), "{results:?}");
-    let (mut deliveries, consumer) = broker.consume("small", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("small", Credit::at_most(1)).await.expect("consume");
     let taken = next(&mut deliveries).await;
     let racing: Vec<_> = (0..10).map(|i| broker.publish("", "small", message(&i.to_string()))).collect();
     let accepted = futures_util::future::join_all(racing).await.iter().filter(|r| r.is_ok()).count();
@@ -346,7 +352,7 @@ async fn dead_letter_and_redrive_carry_the_right_headers() {
     let broker = open(&dir).await;
     broker.declare(&work_plan()).await.expect("declare");
     broker.publish("", "work", message("m")).await.expect("publish");
-    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(1)).await.expect("consume");
     let original = next(&mut deliveries).await;
     let failure: Headers = [
         (envelope::REASON_HEADER, HeaderValue::Str("permanent".into())),
@@ -359,22 +365,25 @@ async fn dead_letter_and_redrive_carry_the_right_headers() {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    broker.dead_letter("work.dlq", &original, failure.clone()).await.expect("dead-letter");
+    broker
+        .copy(&original, Target::DeadLetter("work.dlq"), &Edits::setting(failure.clone()))
+        .await
+        .expect("dead-letter");
     consumer.ack(&[original]).await.expect("ack");
     consumer.close().await;
 
-    let (mut dead, browser) = broker.browse("work.dlq", 10).await.expect("browse");
+    let (mut dead, browser) = broker.browse("work.dlq", Credit::at_most(10)).await.expect("browse");
     let copy = next(&mut dead).await;
     assert_eq!(text(&copy), "m");
     for (k, v) in &failure {
         assert_eq!(copy.header(k).as_ref(), Some(v), "{k}");
     }
-    broker.copy("work", &copy, &crate::ops::dlq::redrive_edits()).await.expect("redrive");
+    broker.copy(&copy, Target::Queue("work"), &crate::ops::dlq::redrive_edits()).await.expect("redrive");
     browser.ack(&[copy]).await.expect("ack");
     browser.close().await;
     assert_eq!(broker.depth("work.dlq").await.expect("depth"), 0);
 
-    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(1)).await.expect("consume");
     let again = next(&mut deliveries).await;
     assert_eq!(again.headers(), BTreeMap::from([(envelope::ATTEMPT_HEADER.to_string(), json!(1))]));
     assert_eq!(again.message_id(), Some("id-m"));
@@ -386,7 +395,7 @@ async fn dead_letter_and_redrive_carry_the_right_headers() {
 /// batches; returns messages a second, end to end.
 async fn publish_consume_ack(broker: &Embedded, n: usize, body: &[u8]) -> f64 {
     let started = Instant::now();
-    let (mut deliveries, consumer) = broker.consume("work", 256).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(256)).await.expect("consume");
     let publishers: Vec<_> = (0..32)
         .map(|p| {
             let (broker, body) = (broker.clone(), body.to_vec());
@@ -437,7 +446,7 @@ async fn a_backlog_passes_and_its_space_comes_back() {
         (count, free)
     };
     let (full, _) = pages(&db);
-    let (mut deliveries, consumer) = broker.consume("work", 500).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(500)).await.expect("consume");
     for _ in 0..4 {
         let mut batch = Vec::new();
         for _ in 0..500 {
@@ -467,8 +476,8 @@ async fn a_backlog_passes_and_its_space_comes_back() {
 async fn a_single_active_consumer_queue_delivers_to_one_consumer_at_a_time() {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = with_ordered_queue(&dir).await;
-    let (mut first, active) = broker.consume("ordered", 10).await.expect("consume");
-    let (mut second, standby) = broker.consume("ordered", 10).await.expect("consume");
+    let (mut first, active) = broker.consume("ordered", Credit::at_most(10)).await.expect("consume");
+    let (mut second, standby) = broker.consume("ordered", Credit::at_most(10)).await.expect("consume");
     for i in 0..3 {
         broker.publish("", "ordered", message(&i.to_string())).await.expect("publish");
     }
@@ -512,12 +521,12 @@ async fn a_row_that_cannot_be_read_is_quarantined_and_the_queue_goes_on() {
     )
     .expect("corrupt");
 
-    let (mut deliveries, consumer) = broker.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(10)).await.expect("consume");
     let good = next(&mut deliveries).await;
     assert_eq!(text(&good), "good");
     consumer.ack(&[good]).await.expect("ack");
     consumer.close().await;
-    let (mut deliveries, consumer) = broker.consume("work.dlq", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work.dlq", Credit::at_most(10)).await.expect("consume");
     let mut quarantined = vec![next(&mut deliveries).await, next(&mut deliveries).await];
     quarantined.sort_by_key(text);
     let seen: Vec<(String, Option<HeaderValue>, Option<HeaderValue>)> = quarantined
@@ -546,7 +555,7 @@ async fn a_failed_ack_leaves_its_deliveries_leased_to_the_consumer() {
     for i in 0..2 {
         broker.publish("", "work", message(&i.to_string())).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.consume("work", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(1)).await.expect("consume");
     let first = next(&mut deliveries).await;
     let db = rusqlite::Connection::open(&path).expect("open");
     db.execute_batch("CREATE TRIGGER refuse BEFORE DELETE ON messages BEGIN SELECT RAISE(ABORT, 'disk full'); END")
@@ -586,7 +595,7 @@ async fn large_messages_are_claimed_a_few_at_a_time() {
         db.query_row("SELECT count(*) FROM messages WHERE lease_owner IS NOT NULL", [], |r| r.get::<_, i64>(0))
             .expect("count")
     };
-    let (mut deliveries, consumer) = broker.browse("work", 100).await.expect("browse");
+    let (mut deliveries, consumer) = broker.browse("work", Credit::at_most(100)).await.expect("browse");
     // Unread: 3 MiB, under the bound, so one more claim; then 6 MiB, over it.
     let deadline = Instant::now() + DEADLINE;
     while leased() < 2 {
@@ -618,7 +627,7 @@ async fn large_bodies_written_in_place_come_back_whole() {
     for body in &bodies {
         broker.publish("", "work", Outgoing { body: body.clone(), ..Outgoing::default() }).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(10)).await.expect("consume");
     for body in &bodies {
         let d = next(&mut deliveries).await;
         assert!(
@@ -637,7 +646,7 @@ async fn keys_are_recorded_in_the_transaction_of_their_acks() {
     let broker = open(&dir).await;
     broker.declare(&work_plan()).await.expect("declare");
     broker.publish("", "work", message("a")).await.expect("publish");
-    let (mut deliveries, consumer) = broker.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(10)).await.expect("consume");
     let a = next(&mut deliveries).await;
     assert_eq!(broker.claim_key("work\0a", Duration::from_secs(60)).await.expect("claim"), Claim::Claimed);
     // A failed ack records nothing: the delivery is no longer the consumer's.
@@ -645,7 +654,7 @@ async fn keys_are_recorded_in_the_transaction_of_their_acks() {
     assert!(consumer.ack_recording(&[a], &["work\0a".into()], Duration::from_secs(60)).await.is_err());
     broker.release_key("work\0a").await.expect("release");
     assert_eq!(broker.claim_key("work\0a", Duration::from_secs(60)).await.expect("claim"), Claim::Claimed);
-    let (mut deliveries, consumer) = broker.consume("work", 10).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("work", Credit::at_most(10)).await.expect("consume");
     let a = next(&mut deliveries).await;
     consumer.ack_recording(&[a], &["work\0a".into()], Duration::from_secs(60)).await.expect("ack");
     assert_eq!(broker.depth("work").await.expect("depth"), 0);
@@ -697,14 +706,17 @@ async fn copies_share_one_stored_body_that_goes_with_the_last() {
     broker.declare(&plan).await.expect("declare");
     broker.publish("f", "", message("shared")).await.expect("publish");
     assert_eq!(bodies(&path), 1, "one body for both queues");
-    let (mut deliveries, consumer) = broker.consume("a", 1).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume("a", Credit::at_most(1)).await.expect("consume");
     let a = next(&mut deliveries).await;
-    broker.dead_letter("work.dlq", &a, Headers::new()).await.expect("dead-letter");
-    broker.publish_delayed("a", Duration::from_secs(60), &a, Headers::new()).await.expect("delay");
+    broker.copy(&a, Target::DeadLetter("work.dlq"), &Edits::setting(Headers::new())).await.expect("dead-letter");
+    broker
+        .copy(&a, Target::Later { queue: "a", delay: Duration::from_secs(60) }, &Edits::setting(Headers::new()))
+        .await
+        .expect("delay");
     consumer.ack(&[a]).await.expect("ack");
     assert_eq!(bodies(&path), 1, "the copies name the same body");
     for queue in ["b", "work.dlq"] {
-        let (mut deliveries, consumer) = broker.consume(queue, 1).await.expect("consume");
+        let (mut deliveries, consumer) = broker.consume(queue, Credit::at_most(1)).await.expect("consume");
         let d = next(&mut deliveries).await;
         assert_eq!(text(&d), "shared");
         consumer.ack(&[d]).await.expect("ack");
@@ -725,15 +737,15 @@ async fn a_body_over_the_consumers_limit_comes_as_its_size_and_is_dead_lettered_
     for body in ["small", large.as_str(), "after"] {
         broker.publish("", "work", message(body)).await.expect("publish");
     }
-    let (mut deliveries, consumer) = broker.consume_within("work", 10, 100).await.expect("consume");
+    let (mut deliveries, consumer) = broker.consume_within("work", Credit::at_most(10), 100).await.expect("consume");
     let (small, held, after) = (next(&mut deliveries).await, next(&mut deliveries).await, next(&mut deliveries).await);
     assert_eq!((text(&small), small.size()), ("small".into(), 5));
     assert_eq!((held.body().len(), held.size()), (0, 1000), "the size alone");
     assert_eq!(held.message_id(), Some(format!("id-{large}").as_str()));
     assert_eq!(text(&after), "after");
-    broker.dead_letter("work.dlq", &held, Headers::new()).await.expect("dead-letter");
+    broker.copy(&held, Target::DeadLetter("work.dlq"), &Edits::setting(Headers::new())).await.expect("dead-letter");
     consumer.ack(&[small, held, after]).await.expect("ack");
-    let (mut deliveries, _dlq) = broker.browse("work.dlq", 1).await.expect("browse");
+    let (mut deliveries, _dlq) = broker.browse("work.dlq", Credit::at_most(1)).await.expect("browse");
     let copy = next(&mut deliveries).await;
     assert_eq!(text(&copy), large, "the dead-letter copy keeps the body");
 }
@@ -756,7 +768,7 @@ async fn a_file_with_bodies_in_its_rows_moves_them_apart() {
     drop(db);
     let broker = Embedded::open(&path).expect("open");
     broker.declare(&work_plan()).await.expect("declare");
-    let (mut deliveries, _consumer) = broker.consume("work", 1).await.expect("consume");
+    let (mut deliveries, _consumer) = broker.consume("work", Credit::at_most(1)).await.expect("consume");
     assert_eq!(text(&next(&mut deliveries).await), "old");
 }
 

@@ -56,8 +56,8 @@ use super::declaration::{self, unsupported};
 use super::kept::CLAIM_BYTES;
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Cause, Consumer, Drift, Edits, HeaderValue, Headers, Kept, KeptDeliveries,
-    Operate, Outgoing, Properties, QueueStats, Route,
+    BodyLimits, Broker, BrokerError, Cause, Consumer, Credit, Drift, Edits, HeaderValue, Headers, Kept, KeptDeliveries,
+    Operate, Outgoing, Properties, Publish, QueueStats, Route, Target,
 };
 use crate::config::ExchangeKind;
 use crate::config::suggest::did_you_mean;
@@ -950,20 +950,13 @@ pub struct Entry {
 /// A delivery from the Redis broker.
 pub type RedisDelivery = Kept<Entry>;
 
-/// A copy of a delivered message with `headers` merged over its own.
-fn copy(original: &RedisDelivery, headers: Headers) -> Message {
+/// A copy of a delivered message with its headers edited.
+fn edited(original: &RedisDelivery, edits: &Edits) -> Message {
     Message {
         body: original.body.clone(),
         kind: original.tag.kind.clone(),
-        properties: original.copied_properties(headers),
+        properties: original.copied_properties(edits),
     }
-}
-
-/// A copy of a delivered message with its headers edited.
-fn edited(original: &RedisDelivery, edits: &Edits) -> Message {
-    let mut message = copy(original, Headers::new());
-    edits.apply(&mut message.properties.headers);
-    message
 }
 
 /// The deliveries of one consumer.
@@ -1105,6 +1098,54 @@ impl Broker for Redis {
         Ok(())
     }
 
+    async fn copy(&self, original: &RedisDelivery, target: Target<'_>, edits: &Edits) -> Result<(), BrokerError> {
+        let delay = match target {
+            Target::Later { delay, .. } => delay,
+            Target::Queue(_) | Target::DeadLetter(_) => Duration::ZERO,
+        };
+        self.send_copy(target.queue(), delay, &edited(original, edits)).await
+    }
+
+    async fn consume(&self, queue: &str, credit: Credit) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
+        self.open_consumer(queue, credit.get()).await
+    }
+
+    /// Ready: entries in the stream not delivered to a consumer, handed back, or whose lease ran
+    /// out with their consumer's life (not those delivered and unacked under a running lease,
+    /// nor delayed copies); consumers: those a live process renews.
+    async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
+        let [ready, consumers, _, _] = self.counts(queue).await?;
+        Ok(QueueStats { ready, consumers })
+    }
+
+    /// Delayed copies not yet due, and deliveries under a running lease (as the embedded
+    /// broker counts them: a killed runner's are held until theirs runs out, so `run
+    /// --exit-when-idle` waits for them), in every declared queue.
+    async fn delayed(&self) -> Result<u32, BrokerError> {
+        let t = self.topology(true).await?;
+        let mut total = 0u32;
+        for queue in t.queues.keys() {
+            let [_, _, held, delayed] = self.counts(queue).await?;
+            total = total.saturating_add(held).saturating_add(delayed);
+        }
+        Ok(total)
+    }
+
+    /// A delayed copy is scored by its due time in milliseconds: any delay fits.
+    fn capabilities(&self) -> crate::broker::Capabilities {
+        crate::broker::capabilities::REDIS
+    }
+
+    fn is_connected(&self) -> bool {
+        self.inner.connected.load(Ordering::SeqCst)
+    }
+
+    async fn close(&self) {
+        self.inner.connected.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Publish for Redis {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
         if message.priority.is_some() {
             return Err(BrokerError::Conflict(
@@ -1145,29 +1186,6 @@ impl Broker for Redis {
         Err(BrokerError::Lost("the topology kept changing during a publish".into()))
     }
 
-    async fn publish_delayed(
-        &self,
-        queue: &str,
-        delay: Duration,
-        original: &RedisDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        self.send_copy(queue, delay, &copy(original, headers)).await
-    }
-
-    async fn dead_letter(
-        &self,
-        dead_letter: &str,
-        original: &RedisDelivery,
-        headers: Headers,
-    ) -> Result<(), BrokerError> {
-        self.send_copy(dead_letter, Duration::ZERO, &copy(original, headers)).await
-    }
-
-    async fn consume(&self, queue: &str, prefetch: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
-        self.open_consumer(queue, prefetch).await
-    }
-
     async fn body_limits(
         &self,
         exchange: &str,
@@ -1178,49 +1196,11 @@ impl Broker for Redis {
         let targets = Redis::route(&t, exchange, routing_key, headers)?;
         Ok(Some(targets.into_iter().map(|q| (q.clone(), t.queues.get(&q).and_then(|r| r.max_body))).collect()))
     }
-
-    /// Ready: entries in the stream not delivered to a consumer, handed back, or whose lease ran
-    /// out with their consumer's life (not those delivered and unacked under a running lease,
-    /// nor delayed copies); consumers: those a live process renews.
-    async fn stats(&self, queue: &str) -> Result<QueueStats, BrokerError> {
-        let [ready, consumers, _, _] = self.counts(queue).await?;
-        Ok(QueueStats { ready, consumers })
-    }
-
-    /// Delayed copies not yet due, and deliveries under a running lease (as the embedded
-    /// broker counts them: a killed runner's are held until theirs runs out, so `run
-    /// --exit-when-idle` waits for them), in every declared queue.
-    async fn delayed(&self) -> Result<u32, BrokerError> {
-        let t = self.topology(true).await?;
-        let mut total = 0u32;
-        for queue in t.queues.keys() {
-            let [_, _, held, delayed] = self.counts(queue).await?;
-            total = total.saturating_add(held).saturating_add(delayed);
-        }
-        Ok(total)
-    }
-
-    /// A delayed copy is scored by its due time in milliseconds: any delay fits.
-    fn capabilities(&self) -> crate::broker::Capabilities {
-        crate::broker::capabilities::REDIS
-    }
-
-    fn is_connected(&self) -> bool {
-        self.inner.connected.load(Ordering::SeqCst)
-    }
-
-    async fn close(&self) {
-        self.inner.connected.store(false, Ordering::SeqCst);
-    }
 }
 
 impl Operate for Redis {
-    async fn browse(&self, queue: &str, window: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
-        self.open_consumer(queue, window).await
-    }
-
-    async fn copy(&self, queue: &str, original: &RedisDelivery, edits: &Edits) -> Result<(), BrokerError> {
-        self.send_copy(queue, Duration::ZERO, &edited(original, edits)).await
+    async fn browse(&self, queue: &str, window: Credit) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
+        self.open_consumer(queue, window.get()).await
     }
 
     /// One script writes the copy and removes the original: a move whose answer was lost (a

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use super::*;
 use crate::broker::memory::Memory;
-use crate::broker::{Broker as _, HeaderValue, Outgoing};
+use crate::broker::{Broker as _, HeaderValue, Outgoing, Publish as _};
 use crate::config::ExchangeKind;
 use crate::topology::{ExchangeDecl, Plan, QueueDecl, Role};
 
@@ -141,7 +141,7 @@ async fn a_browse_reads_what_comes_late_and_says_why_it_read_fewer() {
     for n in 0..3 {
         dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
     }
-    let (_held, other) = broker.browse("work.dlq", 1).await.expect("another client");
+    let (_held, other) = broker.browse("work.dlq", Credit::at_most(1)).await.expect("another client");
     let mut browse = Browse::start(&broker, "work.dlq", 4, MAX_HELD).await.expect("browse");
     let mut read = Vec::new();
     for _ in 0..2 {
@@ -166,7 +166,7 @@ async fn a_pass_that_finds_every_message_held_says_so() {
     for n in 0..2 {
         dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
     }
-    let (mut held, redrive) = broker.browse("work.dlq", 2).await.expect("the redrive's browse");
+    let (mut held, redrive) = broker.browse("work.dlq", Credit::at_most(2)).await.expect("the redrive's browse");
     for _ in 0..2 {
         held.next().await.expect("a delivery").expect("no error");
     }
@@ -210,7 +210,7 @@ async fn a_pass_after_a_lost_session_waits_for_what_it_held() {
     for n in 0..3 {
         dead(&broker, n, "exhausted", Duration::from_secs(5)).await;
     }
-    let (_held, lost) = broker.browse("work.dlq", 2).await.expect("the lost session's browse");
+    let (_held, lost) = broker.browse("work.dlq", Credit::at_most(2)).await.expect("the lost session's browse");
     let within = Duration::from_secs(60);
     let (waited, closed) = tokio::join!(
         async {

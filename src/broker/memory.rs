@@ -25,9 +25,9 @@ use super::{
     Broker, BrokerError, Consumer, Drift, Edits, HeaderValue, Headers, Kept, Operate, Outgoing, Properties, QueueStats,
     Route,
 };
-use crate::config::ExchangeKind;
 use crate::topology::route;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
+use crate::vocab::ExchangeKind;
 
 /// A message as the broker keeps it.
 #[derive(Debug, Clone)]

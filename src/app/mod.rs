@@ -247,7 +247,11 @@ pub async fn assemble<J: Job>(endpoint: &Endpoint<'_>, dial: &Dial<'_>, job: J) 
             let (checks, readiness) = (dial.redis, dial.readiness);
             let open: Opener<'_, Redis> = Box::new(move |_| {
                 Box::pin(async move {
-                    Redis::open(url, checks).await.inspect_err(|e| readiness.into_iter().for_each(|r| r.failed(e)))
+                    Redis::open(url, checks).await.inspect_err(|e| {
+                        if let Some(readiness) = readiness {
+                            readiness.failed(e);
+                        }
+                    })
                 })
             });
             let owned = url.to_string();
@@ -315,6 +319,38 @@ pub async fn once<B: Broker, T>(
 
 #[cfg(test)]
 mod tests {
+    use super::Endpoint;
+
+    /// What the `--broker` values name, in short, or the start of why they name nothing.
+    fn named(values: &[&str]) -> String {
+        let values: Vec<String> = values.iter().map(ToString::to_string).collect();
+        match Endpoint::parse(&values) {
+            Ok(Endpoint::Amqp(urls)) => format!("rabbitmq, {} node(s)", urls.len()),
+            Ok(Endpoint::Redis(url)) => format!("redis {url}"),
+            Ok(Endpoint::Embedded(dir)) => format!("embedded in {}", dir.display()),
+            Err(e) => format!("error: {}", e.to_string().split(';').next().unwrap_or_default()),
+        }
+    }
+
+    #[test]
+    fn broker_values_name_one_broker() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["amqp://h/%2f"], "rabbitmq, 1 node(s)"),
+            (&["amqps://a/v", " amqp://b/v ", ""], "rabbitmq, 2 node(s)"),
+            (&["redis://h:6379"], "redis redis://h:6379"),
+            (&["state"], "embedded in state"),
+            (&["http://h"], "error: --broker http://h: \"http://\" is not a broker"),
+            (&["rabbitmq:5672"], "error: --broker rabbitmq:5672: looks like HOST:PORT"),
+            (&["redis://h", "amqp://h/v"], "error: --broker names a Redis server and something else"),
+            (&["a", "b"], "error: --broker names 2 directories"),
+            (&["amqp://h/v", "dir"], "error: --broker mixes amqp:// URLs and directories"),
+            (&[], "error: --broker is empty: give amqp:// URLs or the embedded broker's directory"),
+        ];
+        for (values, want) in cases {
+            assert_eq!(named(values), *want, "{values:?}");
+        }
+    }
+
     /// Every retry delay `validate` allows fits in RabbitMQ's delay cascade, level by level.
     #[test]
     fn the_delay_cascade_holds_the_longest_retry() {

@@ -1,6 +1,6 @@
 //! Retry delays: exponential (or fixed) backoff with full, equal or no jitter, or the listed
 //! delays of a `schedule` exactly; at least the server's `Retry-After` and never above the
-//! policy's maximum (a schedule's longest delay). Also the reconnect backoff.
+//! policy's maximum (a schedule's longest delay). Also the reconnect backoff, from `broker`.
 
 use std::time::Duration;
 
@@ -22,13 +22,9 @@ pub fn retry_delay(policy: &RetryPolicy, next: u32, retry_after: Option<Duration
     }
 }
 
-/// Full-jitter exponential backoff for reconnecting and re-publishing: uniform up to a ceiling
-/// of 100ms doubling per failure, at most `cap`. Full jitter spreads many runners that lost the
-/// same broker at the same moment, so they do not come back together.
-pub fn reconnect_delay(failures: u32, cap: Duration, rng: &mut impl Rng) -> Duration {
-    let ceiling = Duration::from_millis(100).saturating_mul(1 << failures.min(16)).min(cap);
-    ceiling.mul_f64(rng.random::<f64>())
-}
+// The reconnect backoff lives with the broker's failover, which uses it first; the runtime
+// waits by it too.
+pub use crate::broker::failover::reconnect_delay;
 
 #[cfg(test)]
 mod tests {
@@ -99,20 +95,5 @@ mod tests {
         assert_eq!(retry_delay(p, 2, Some(secs(7)), &mut rng), secs(7));
         assert_eq!(retry_delay(p, 3, Some(secs(7)), &mut rng), secs(30));
         assert_eq!(retry_delay(p, 2, Some(secs(3600)), &mut rng), secs(30));
-    }
-
-    #[test]
-    fn reconnect_is_full_jitter_growing_to_the_cap() {
-        let mut rng = StdRng::seed_from_u64(5);
-        let cap = Duration::from_secs(30);
-        for (failures, ceiling) in [(0, 100), (1, 200), (4, 1_600), (8, 25_600), (9, 30_000), (40, 30_000)] {
-            let ceiling = Duration::from_millis(ceiling);
-            let delays: Vec<Duration> = (0..400).map(|_| reconnect_delay(failures, cap, &mut rng)).collect();
-            assert!(delays.iter().all(|d| *d <= ceiling), "{failures}: over {ceiling:?}");
-            // Full jitter: the whole range is used, the lowest quarter included.
-            let low = delays.iter().filter(|d| **d < ceiling / 4).count();
-            let high = delays.iter().filter(|d| **d > ceiling * 3 / 4).count();
-            assert!((60..=140).contains(&low) && (60..=140).contains(&high), "{failures}: {low} low, {high} high");
-        }
     }
 }

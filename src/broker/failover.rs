@@ -17,7 +17,6 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::{Broker, BrokerError};
-use crate::backoff;
 
 /// The longest pause between two rounds of attempts, before any session opened (a broker
 /// that may not be there at all).
@@ -30,6 +29,14 @@ pub const SEEN_RECONNECT_CAP: Duration = Duration::from_secs(5);
 
 /// A session that lived this long was a success: its loss starts the count of failures afresh.
 pub const STABLE_SESSION: Duration = Duration::from_secs(30);
+
+/// Full-jitter exponential backoff for reconnecting and re-publishing: uniform up to a ceiling
+/// of 100ms doubling per failure, at most `cap`. Full jitter spreads many runners that lost the
+/// same broker at the same moment, so they do not come back together.
+pub fn reconnect_delay(failures: u32, cap: Duration, rng: &mut impl Rng) -> Duration {
+    let ceiling = Duration::from_millis(100).saturating_mul(1 << failures.min(16)).min(cap);
+    ceiling.mul_f64(rng.random::<f64>())
+}
 
 /// Where the next attempt goes, and what failed before it.
 #[derive(Debug, Clone)]
@@ -61,7 +68,7 @@ impl Rotation {
     pub fn next(&self, rng: &mut impl Rng) -> (usize, Duration) {
         let cap = if self.seen && !self.dropped { SEEN_RECONNECT_CAP } else { RECONNECT_CAP };
         let wait = match self.round_failed() {
-            true => backoff::reconnect_delay(self.rounds, cap, rng),
+            true => reconnect_delay(self.rounds, cap, rng),
             false => Duration::ZERO,
         };
         (self.next, wait)
@@ -199,6 +206,21 @@ mod tests {
     use rand::rngs::StdRng;
 
     use super::*;
+
+    #[test]
+    fn reconnect_is_full_jitter_growing_to_the_cap() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let cap = Duration::from_secs(30);
+        for (failures, ceiling) in [(0, 100), (1, 200), (4, 1_600), (8, 25_600), (9, 30_000), (40, 30_000)] {
+            let ceiling = Duration::from_millis(ceiling);
+            let delays: Vec<Duration> = (0..400).map(|_| reconnect_delay(failures, cap, &mut rng)).collect();
+            assert!(delays.iter().all(|d| *d <= ceiling), "{failures}: over {ceiling:?}");
+            // Full jitter: the whole range is used, the lowest quarter included.
+            let low = delays.iter().filter(|d| **d < ceiling / 4).count();
+            let high = delays.iter().filter(|d| **d > ceiling * 3 / 4).count();
+            assert!((60..=140).contains(&low) && (60..=140).contains(&high), "{failures}: {low} low, {high} high");
+        }
+    }
 
     fn rng() -> StdRng {
         StdRng::seed_from_u64(20)

@@ -25,9 +25,9 @@ use super::{
     Broker, BrokerError, Consumer, Credit, Drift, Edits, HeaderValue, Kept, Operate, Outgoing, Properties, Publish,
     QueueStats, Route, Target,
 };
-use crate::config::ExchangeKind;
 use crate::topology::route;
 use crate::topology::{BindingDecl, Plan, QueueDecl};
+use crate::vocab::ExchangeKind;
 
 /// A message as the broker keeps it.
 #[derive(Debug, Clone)]

@@ -12,9 +12,10 @@ use anyhow::{Context as _, bail};
 use indicatif::ProgressBar;
 
 use super::reads::{self, Reads};
-use super::{BrokerArg, Endpoint, Refusals, output, parse_duration, with_broker, with_sessions};
-use crate::broker::embedded::ReadOnly;
-use crate::broker::{Broker as _, BrokerError};
+use super::{BrokerArg, Refusals, output, parse_duration};
+use crate::admin::api::Connect;
+use crate::app;
+use crate::broker::{BrokerError, Operate};
 use crate::config::{self, Config, RateLimit};
 use crate::ops::dlq::{self, Action, Entry, Filter, Unread};
 use crate::ops::status::{self, Status};
@@ -149,32 +150,16 @@ fn load(paths: &[PathBuf], command: &str) -> anyhow::Result<Config> {
         .with_context(|| format!("invalid pipeline files in {}", self::paths(paths)))
 }
 
-/// Runs `read` on the embedded broker's file opened read-only, when `--broker` names its
-/// directory (None for RabbitMQ): the commands that only read never write to the file, so they
-/// work on one this user may not write, and take no lease on a live runner's.
-async fn read_only<T>(
-    arg: &BrokerArg,
-    read: impl AsyncFnOnce(&mut ReadOnly) -> Result<T, BrokerError>,
-) -> anyhow::Result<Option<T>> {
-    let Endpoint::Embedded(dir) = arg.endpoint()? else { return Ok(None) };
-    let result = async { read(&mut ReadOnly::open_dir(dir)?).await }.await;
-    result.map(Some).with_context(|| format!("broker {}", arg.display()))
-}
-
 /// Runs `sluice dlq ...`.
 pub async fn dlq(command: Command) -> anyhow::Result<()> {
     match command {
         Command::List { target, filter, format } => {
             let dlq = target.dead_letter_queue()?;
             let filter = filter.into();
-            let read = read_only(&target.broker, async |file| dlq::list_read_only(file, &dlq, &filter).await).await?;
+            let read = target.broker.read_only(async |file| dlq::list_read_only(file, &dlq, &filter).await).await?;
             let (entries, tally) = match read {
                 Some(read) => read,
-                None => with_broker!(&target.broker, |broker| {
-                    let listed = dlq::list(&broker, &dlq, &filter).await;
-                    broker.close().await;
-                    listed?
-                }),
+                None => target.broker.assemble(List { dlq: &dlq, filter: &filter }).await?,
             };
             match format {
                 Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&entries)?))?,
@@ -185,14 +170,10 @@ pub async fn dlq(command: Command) -> anyhow::Result<()> {
         }
         Command::Show { target, id, format } => {
             let dlq = target.dead_letter_queue()?;
-            let read = read_only(&target.broker, async |file| dlq::show_read_only(file, &dlq, &id).await).await?;
+            let read = target.broker.read_only(async |file| dlq::show_read_only(file, &dlq, &id).await).await?;
             let shown = match read {
                 Some(shown) => shown,
-                None => with_broker!(&target.broker, |broker| {
-                    let shown = dlq::show(&broker, &dlq, &id).await;
-                    broker.close().await;
-                    shown?
-                }),
+                None => target.broker.assemble(Show { dlq: &dlq, id: &id }).await?,
             };
             let shown = shown.with_context(|| format!("no message with id \"{id}\" in {dlq}"))?;
             let text = match format {
@@ -226,6 +207,34 @@ pub async fn dlq(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// `dlq list` on a broker that takes sessions.
+struct List<'a> {
+    dlq: &'a str,
+    filter: &'a Filter,
+}
+
+impl app::Job for List<'_> {
+    type Output = (Vec<Entry>, dlq::Tally);
+
+    async fn run<B: Operate>(self, sessions: app::Sessions<'_, B>, _: Connect<B>) -> anyhow::Result<Self::Output> {
+        app::once(sessions, async |broker| dlq::list(broker, self.dlq, self.filter).await).await
+    }
+}
+
+/// `dlq show` on a broker that takes sessions.
+struct Show<'a> {
+    dlq: &'a str,
+    id: &'a str,
+}
+
+impl app::Job for Show<'_> {
+    type Output = Option<dlq::Shown>;
+
+    async fn run<B: Operate>(self, sessions: app::Sessions<'_, B>, _: Connect<B>) -> anyhow::Result<Self::Output> {
+        app::once(sessions, async |broker| dlq::show(broker, self.dlq, self.id).await).await
+    }
+}
+
 async fn apply(
     target: Target,
     action: Action,
@@ -245,55 +254,8 @@ async fn apply(
     // the job carries on: what was confirmed and acked is gone from the dead-letter queue, what
     // was not is handed back and read again (a copy confirmed but not acked goes twice; its
     // idempotency key stops the second run).
-    let mut job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
-    let mut tally = dlq::Tally::default();
-    // After a lost session: how many messages the dead-letter queue should hold again.
-    let mut expected = None;
-    let mut refusals = Refusals::default();
-    let result = with_sessions!(&target.broker, |sessions| loop {
-        let (broker, _) = sessions.open().await?;
-        let done = Mutex::new(dlq::Tally::default());
-        let report = |t: &dlq::Tally| {
-            *done.lock().unwrap_or_else(PoisonError::into_inner) = *t;
-            progress(&tally.and(t));
-        };
-        let result = async {
-            if let Some(expected) = expected {
-                dlq::handed_back(&broker, &dlq, expected, dlq::HAND_BACK).await?;
-            }
-            dlq::apply(&broker, &job, &report).await
-        }
-        .await;
-        broker.close().await;
-        match result {
-            Ok(t) => break Ok(tally.and(&t)),
-            Err(e) if dry_run => break Err(e),
-            Err(e) => {
-                let t = *done.lock().unwrap_or_else(PoisonError::into_inner);
-                if t.done > 0 {
-                    refusals.progressed();
-                }
-                let wait = match refusals.again(&e) {
-                    _ if e.is_session_loss() => None,
-                    Some(wait) => Some(wait),
-                    None => break Err(e),
-                };
-                tally = tally.and(&t);
-                job.filter.limit = job.filter.limit.map(|limit| limit.saturating_sub(t.done));
-                expected = Some(tally.queued.saturating_sub(u32::try_from(tally.done).unwrap_or(u32::MAX)));
-                if let Some(wait) = wait {
-                    // The refused copies' messages were handed back when the session closed.
-                    tracing::warn!(error = %e, done = tally.done, "the broker refused copies; trying them again");
-                    tokio::time::sleep(wait).await;
-                } else {
-                    tracing::warn!(error = %e, done = tally.done, "broker session lost mid-run; carrying on with the next node");
-                    if let Err(e) = sessions.lost(e) {
-                        break Err(e);
-                    }
-                }
-            }
-        }
-    });
+    let job = dlq::Job { queue: &target.queue, dlq: &dlq, action, filter, dry_run, rate };
+    let result = target.broker.assemble(Apply { job, progress: &progress }).await?;
     bar.finish_and_clear();
     let tally = result.with_context(|| format!("stopped; the messages not yet moved are still in {dlq}"))?;
     let verb = match (action, dry_run) {
@@ -401,32 +363,114 @@ fn aligned<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
     text
 }
 
+/// A redrive or purge, carried on over lost sessions.
+struct Apply<'a, P> {
+    job: dlq::Job<'a>,
+    /// Told the tally so far, as the job goes.
+    progress: &'a P,
+}
+
+impl<P: Fn(&dlq::Tally) + Sync> app::Job for Apply<'_, P> {
+    type Output = Result<dlq::Tally, BrokerError>;
+
+    async fn run<B: Operate>(self, mut sessions: app::Sessions<'_, B>, _: Connect<B>) -> anyhow::Result<Self::Output> {
+        let Apply { mut job, progress } = self;
+        let mut tally = dlq::Tally::default();
+        // After a lost session: how many messages the dead-letter queue should hold again.
+        let mut expected = None;
+        let mut refusals = Refusals::default();
+        let result = loop {
+            let (broker, _) = sessions.open().await?;
+            let done = Mutex::new(dlq::Tally::default());
+            let report = |t: &dlq::Tally| {
+                *done.lock().unwrap_or_else(PoisonError::into_inner) = *t;
+                progress(&tally.and(t));
+            };
+            let result = async {
+                if let Some(expected) = expected {
+                    dlq::handed_back(&broker, job.dlq, expected, dlq::HAND_BACK).await?;
+                }
+                dlq::apply(&broker, &job, &report).await
+            }
+            .await;
+            broker.close().await;
+            match result {
+                Ok(t) => break Ok(tally.and(&t)),
+                Err(e) if job.dry_run => break Err(e),
+                Err(e) => {
+                    let t = *done.lock().unwrap_or_else(PoisonError::into_inner);
+                    if t.done > 0 {
+                        refusals.progressed();
+                    }
+                    let wait = match refusals.again(&e) {
+                        _ if e.is_session_loss() => None,
+                        Some(wait) => Some(wait),
+                        None => break Err(e),
+                    };
+                    tally = tally.and(&t);
+                    job.filter.limit = job.filter.limit.map(|limit| limit.saturating_sub(t.done));
+                    expected = Some(tally.queued.saturating_sub(u32::try_from(tally.done).unwrap_or(u32::MAX)));
+                    if let Some(wait) = wait {
+                        // The refused copies' messages were handed back when the session closed.
+                        tracing::warn!(error = %e, done = tally.done, "the broker refused copies; trying them again");
+                        tokio::time::sleep(wait).await;
+                    } else {
+                        tracing::warn!(error = %e, done = tally.done, "broker session lost mid-run; carrying on with the next node");
+                        if let Err(e) = sessions.lost(e) {
+                            break Err(e);
+                        }
+                    }
+                }
+            }
+        };
+        Ok(result)
+    }
+}
+
 /// Runs `sluice status`; `admin` names the runners whose held deliveries fill UNACKED.
 pub async fn status(paths: &[PathBuf], broker: BrokerArg, admin: &[String], format: Format) -> anyhow::Result<()> {
     let config = load(paths, "status")?;
     let runners = if admin.is_empty() { None } else { Some(runners(admin).await?) };
     let held = runners.as_ref().map(|(held, _)| held);
-    let read = read_only(&broker, async |file| status::read(file, &config, held).await).await?;
+    let read = broker.read_only(async |file| status::read(file, &config, held).await).await?;
     let status = match read {
         Some(status) => status,
-        None => with_sessions!(&broker, |sessions| {
-            let (session, node) = sessions.open().await?;
-            let read = status::read(&mut status::Session(&session), &config, held).await;
-            session.close().await;
-            let mut status = read?;
-            if sessions.names().len() > 1 {
-                let (nodes, read_from) = (sessions.names().to_vec(), sessions.names()[node].clone());
-                let runners = runners.as_ref().map(|(_, nodes)| nodes.clone()).unwrap_or_default();
-                status.cluster = Some(status::Cluster { read_from, nodes, runners });
-            }
-            status
-        }),
+        None => {
+            let nodes = runners.as_ref().map(|(_, nodes)| nodes);
+            broker.assemble(ReadStatus { config: &config, held, runners: nodes }).await?
+        }
     };
     match format {
         Format::Json => output::stdout(&format!("{}\n", serde_json::to_string_pretty(&status)?))?,
         Format::Text => output::stdout(&status_table(&status))?,
     }
     Ok(())
+}
+
+/// `sluice status` on a broker that takes sessions: the queues, and on a cluster, which node
+/// they were read from.
+struct ReadStatus<'a> {
+    config: &'a Config,
+    held: Option<&'a BTreeMap<String, status::Held>>,
+    /// The broker node each runner is on.
+    runners: Option<&'a BTreeMap<String, Option<String>>>,
+}
+
+impl app::Job for ReadStatus<'_> {
+    type Output = Status;
+
+    async fn run<B: Operate>(self, mut sessions: app::Sessions<'_, B>, _: Connect<B>) -> anyhow::Result<Status> {
+        let (session, node) = sessions.open().await?;
+        let read = status::read(&mut status::Session(&session), self.config, self.held).await;
+        session.close().await;
+        let mut status = read?;
+        if sessions.names().len() > 1 {
+            let (nodes, read_from) = (sessions.names().to_vec(), sessions.names()[node].clone());
+            let runners = self.runners.cloned().unwrap_or_default();
+            status.cluster = Some(status::Cluster { read_from, nodes, runners });
+        }
+        Ok(status)
+    }
 }
 
 /// What the runners say of each queue (held deliveries, breaker, pause), and the broker node

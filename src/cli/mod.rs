@@ -1,5 +1,6 @@
 //! The command line: clap subcommands, each a thin call into the modules that do the work.
-//! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own).
+//! Exit codes: 0 ok, 1 failure, 2 usage error (clap's own). It opens no broker itself and matches
+//! on no broker kind: [`crate::app`] turns what `--broker` names into sessions.
 
 mod demo;
 mod dlq;
@@ -13,24 +14,22 @@ use std::io::IsTerminal as _;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
-use tokio_util::sync::CancellationToken;
 
 use crate::admin::api::Connect;
 use crate::admin::token;
-use crate::broker::Operate as _;
-use crate::broker::amqp::{self, Amqp};
-use crate::broker::embedded::Embedded;
-use crate::broker::failover::Failover;
-use crate::broker::redis::{Checks as RedisChecks, Purpose, Redis};
+use crate::app::{self, DEFAULT_BROKER, Endpoint};
+use crate::broker::amqp;
+use crate::broker::embedded::ReadOnly;
+use crate::broker::redis::{Checks as RedisChecks, Purpose};
 use crate::broker::render::{self, PlanFormat};
+use crate::broker::{BrokerError, Operate};
 use crate::call::{self, Call};
 use crate::config::{self, Format};
-use crate::dedup::{self, Location, Store};
+use crate::dedup::Location;
 use crate::envelope::Envelope;
 use crate::handler::command::Stdin;
 use crate::runtime::Readiness;
@@ -266,27 +265,13 @@ impl AdminArg {
     /// The token to send, and where it came from.
     fn token(&self) -> anyhow::Result<(token::Token, token::Source)> {
         let given = admin_token(self.admin_token_file.clone());
-        Ok(given.for_client(&state_dir(&self.broker)?)?)
+        Ok(given.for_client(&Endpoint::parse(&self.broker)?.state_dir())?)
     }
 }
 
 /// What the operator gave for the admin token: a file, else `$SLUICE_ADMIN_TOKEN`.
 fn admin_token(file: Option<PathBuf>) -> token::Given {
     token::Given { file, env: std::env::var_os(token::ENV) }
-}
-
-/// Where a runner keeps its state (the admin token it generates): the embedded broker's
-/// directory, else `.sluice` in the working directory.
-fn state_dir(broker: &[String]) -> anyhow::Result<PathBuf> {
-    Ok(match endpoint(broker)? {
-        Endpoint::Embedded(dir) => dir.to_path_buf(),
-        Endpoint::Amqp(_) | Endpoint::Redis(_) => PathBuf::from(DEFAULT_BROKER),
-    })
-}
-
-/// Whether two paths name one directory (both exist).
-fn same_dir(a: &Path, b: &Path) -> bool {
-    matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b)
 }
 
 /// Where the broker is.
@@ -328,99 +313,9 @@ pub struct EvictingArg {
     pub allow_evicting_redis: bool,
 }
 
-/// How many RabbitMQ nodes `--broker` values name (a cluster when more than one).
-fn nodes(values: &[String]) -> usize {
-    values.iter().filter(|v| v.trim().starts_with("amqp://") || v.trim().starts_with("amqps://")).count()
-}
-
-/// The broker `run` uses: the embedded broker's file is opened once, for its sessions and its
-/// idempotency keys alike.
-enum Opened<'a> {
-    Amqp(Vec<&'a str>),
-    Redis(&'a str),
-    Embedded(&'a Path, Embedded),
-}
-
-/// Which broker `--broker` names.
-enum Endpoint<'a> {
-    /// The nodes of one RabbitMQ cluster (or the one node), in the order this process tries them.
-    Amqp(Vec<&'a str>),
-    /// A Redis server (and the deployment's key prefix).
-    Redis(&'a str),
-    /// The embedded broker's directory.
-    Embedded(&'a Path),
-}
-
-/// What a `--broker` value is, or why it is none.
-fn classify(value: &str) -> anyhow::Result<Option<&str>> {
-    if ["amqp://", "amqps://", "redis://", "rediss://"].iter().any(|scheme| value.starts_with(scheme)) {
-        return Ok(Some(value));
-    }
-    if let Some((scheme, _)) = value.split_once("://") {
-        anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, or a directory for the embedded broker",
-            amqp::redact(value)
-        );
-    }
-    // `127.0.0.1:5672` or `rabbitmq:5672` would otherwise quietly become a directory of that
-    // name holding a private embedded broker that no publisher ever reaches.
-    if let Some((host, port)) = value.rsplit_once(':')
-        && !host.is_empty()
-        && !host.contains('/')
-        && port.parse::<u16>().is_ok()
-    {
-        anyhow::bail!(
-            "--broker {value}: looks like HOST:PORT; for RabbitMQ write amqp://USER:PASSWORD@{value}/%2f (the embedded broker takes a directory, and a directory of that name is not what you meant)"
-        );
-    }
-    Ok(None)
-}
-
-/// The broker `--broker` values name.
-fn endpoint(values: &[String]) -> anyhow::Result<Endpoint<'_>> {
-    let values: Vec<&str> = values.iter().map(|u| u.trim()).filter(|u| !u.is_empty()).collect();
-    let mut urls = Vec::new();
-    for value in &values {
-        if let Some(url) = classify(value)? {
-            urls.push(url);
-        }
-    }
-    match (urls.len(), values.as_slice()) {
-        (0, [dir]) => Ok(Endpoint::Embedded(Path::new(*dir))),
-        (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => Ok(Endpoint::Redis(url)),
-        (_, _) if urls.iter().any(|u| u.starts_with("redis")) => {
-            anyhow::bail!("--broker names a Redis server and something else; give one redis:// URL")
-        }
-        (0, []) => anyhow::bail!("--broker is empty: give amqp:// URLs or the embedded broker's directory"),
-        (0, _) => anyhow::bail!("--broker names {} directories; the embedded broker takes one", values.len()),
-        (n, _) if n < values.len() => {
-            anyhow::bail!(
-                "--broker mixes amqp:// URLs and directories; give the nodes of one RabbitMQ cluster, or one directory"
-            )
-        }
-        _ => {
-            // Each process takes the nodes in its own order, so runners spread over them.
-            rand::seq::SliceRandom::shuffle(urls.as_mut_slice(), &mut rand::rng());
-            Ok(Endpoint::Amqp(urls))
-        }
-    }
-}
-
-impl Endpoint<'_> {
-    /// What the broker can honour, known from its kind alone.
-    fn capabilities(&self) -> crate::broker::Capabilities {
-        use crate::broker::capabilities::{EMBEDDED, RABBITMQ, REDIS};
-        match self {
-            Endpoint::Amqp(_) => RABBITMQ,
-            Endpoint::Redis(_) => REDIS,
-            Endpoint::Embedded(_) => EMBEDDED,
-        }
-    }
-}
-
 impl BrokerArg {
     fn endpoint(&self) -> anyhow::Result<Endpoint<'_>> {
-        endpoint(&self.urls)
+        Endpoint::parse(&self.urls)
     }
 
     fn timeouts(&self) -> amqp::Timeouts {
@@ -429,49 +324,29 @@ impl BrokerArg {
 
     /// The broker for logs and messages: the URLs with their passwords masked, or the directory.
     fn display(&self) -> String {
-        match self.endpoint() {
-            Ok(Endpoint::Embedded(dir)) => format!("embedded in {}", dir.display()),
-            _ => self.urls.iter().map(|u| amqp::redact(u)).collect::<Vec<_>>().join(","),
-        }
+        app::display(&self.urls)
+    }
+
+    /// Runs `job` on sessions with the broker, as an operator's command: it gives up after three
+    /// rounds of failures over every node, an embedded broker must exist already (only `run`
+    /// creates one), and an error out of `job` names the broker.
+    async fn assemble<J: app::Job>(&self, job: J) -> anyhow::Result<J::Output> {
+        let endpoint = self.endpoint()?;
+        let dial =
+            app::Dial { timeouts: self.timeouts(), redis: &self.redis, embedded: None, readiness: None, give_up: true };
+        app::assemble(&endpoint, &dial, job).await.with_context(|| format!("broker {}", self.display()))
+    }
+
+    /// Runs `read` on the embedded broker's file opened read-only, when `--broker` names its
+    /// directory (None for the others): an error names the broker.
+    async fn read_only<T>(
+        &self,
+        read: impl AsyncFnOnce(&mut ReadOnly) -> Result<T, BrokerError>,
+    ) -> anyhow::Result<Option<T>> {
+        let endpoint = self.endpoint()?;
+        app::read_only(&endpoint, read).await.with_context(|| format!("broker {}", self.display()))
     }
 }
-
-/// Runs `$body` with `$sessions` bound to a [`Failover`] over the broker `$arg` names, either
-/// kind; `$body` is compiled once for each. For the operator's commands: they give up after
-/// three rounds of failures over every node, an embedded broker must exist already (only
-/// `run` creates one), and an error out of `$body` names the broker.
-macro_rules! with_sessions {
-    ($arg:expr, |$sessions:ident| $body:expr) => {{
-        let arg: &$crate::cli::BrokerArg = $arg;
-        let result = match arg.endpoint()? {
-            $crate::cli::Endpoint::Amqp(urls) => {
-                let timeouts = arg.timeouts();
-                let names = urls.iter().map(|u| $crate::broker::amqp::node_name(u)).collect();
-                let connect = |node: usize| $crate::broker::amqp::Amqp::connect(urls[node], timeouts);
-                #[allow(unused_mut)]
-                let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(3);
-                async { Ok::<_, anyhow::Error>($body) }.await
-            }
-            $crate::cli::Endpoint::Redis(url) => {
-                let checks = &arg.redis;
-                let connect = |_| $crate::broker::redis::Redis::open(url, checks);
-                let names = vec![$crate::broker::amqp::redact(url)];
-                #[allow(unused_mut)]
-                let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(3);
-                async { Ok::<_, anyhow::Error>($body) }.await
-            }
-            $crate::cli::Endpoint::Embedded(path) => {
-                let connect = |_| std::future::ready($crate::broker::embedded::Embedded::open_existing_dir(path));
-                let names = vec![path.display().to_string()];
-                #[allow(unused_mut)]
-                let mut $sessions = $crate::broker::failover::Failover::new(names, connect).give_up_after(1);
-                async { Ok::<_, anyhow::Error>($body) }.await
-            }
-        };
-        anyhow::Context::with_context(result, || format!("broker {}", arg.display()))?
-    }};
-}
-use with_sessions;
 
 /// A quorum queue refuses publishes (nacks) while it elects a leader after a node loss, as a
 /// full one does for good. RabbitMQ 3.10 routes to the leader its queue record names, which can
@@ -550,27 +425,12 @@ mod refusal_tests {
     }
 }
 
-/// Runs `$body` with `$broker` bound to a session with the broker `$arg` names, either kind
-/// (the first node of a cluster that answers).
-macro_rules! with_broker {
-    ($arg:expr, |$broker:ident| $body:expr) => {
-        $crate::cli::with_sessions!($arg, |sessions| {
-            let ($broker, _) = sessions.open().await?;
-            $body
-        })
-    };
-}
-use with_broker;
-
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum LogFormat {
     Text,
     Json,
 }
-
-/// The embedded broker's directory, beside the idempotency store's.
-const DEFAULT_BROKER: &str = ".sluice";
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
     config::parse_duration(text).ok_or_else(|| config::duration_problem(text))
@@ -654,13 +514,13 @@ pub fn main() -> ExitCode {
             validate(&paths, format, unset, &broker)
         }
         Command::Plan { paths, format, broker, connect_timeout, evicting } => {
-            let Some(config) = reads::load_for(&paths, nodes(&broker), "plan", reads::Reads::Topology) else {
+            let Some(config) = reads::load_for(&paths, app::nodes(&broker), "plan", reads::Reads::Topology) else {
                 return ExitCode::FAILURE;
             };
             let plan = topology::plan(&config);
             if broker.is_empty() {
-                let picture = amqp::declarations(&plan).picture();
-                return exit(output::stdout(&render::render(&picture, format)).map_err(Into::into));
+                let picture = app::picture(&plan, None);
+                return exit(picture.and_then(|p| Ok(output::stdout(&render::render(&p, format))?)));
             }
             let broker = BrokerArg {
                 urls: broker,
@@ -866,12 +726,7 @@ async fn run(
     let endpoint = broker.endpoint()?;
     // Watching starts before the first load, so that no edit in between goes unseen.
     let requests = reload::spawn(paths.clone(), watch).context("cannot listen for reload requests")?;
-    let nodes = match &endpoint {
-        Endpoint::Amqp(urls) => urls.len(),
-        Endpoint::Redis(_) | Endpoint::Embedded(_) => 1,
-    };
-    let capabilities = endpoint.capabilities();
-    let Some(mut config) = load_or_report(&paths, nodes, Some(&capabilities)) else {
+    let Some(mut config) = load_or_report(&paths, endpoint.nodes(), Some(&endpoint.capabilities())) else {
         anyhow::bail!("invalid pipeline files");
     };
     // Before any connection: a missing secret would otherwise dead-letter every message.
@@ -879,240 +734,21 @@ async fn run(
         let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
         anyhow::bail!("{}", lines.join("\nerror: "));
     }
-    // One writer for the runner's sessions with the embedded broker and its idempotency keys.
-    let opened = match endpoint {
-        Endpoint::Amqp(urls) => Opened::Amqp(urls),
-        Endpoint::Redis(url) => Opened::Redis(url),
-        Endpoint::Embedded(dir) => {
-            Opened::Embedded(dir, Embedded::open_dir(dir).with_context(|| format!("broker {}", broker.display()))?)
-        }
+    let (timeouts, broker) = (broker.timeouts(), broker.display());
+    let runner = app::run::Runner {
+        paths,
+        config,
+        requests,
+        endpoint,
+        broker,
+        timeouts,
+        dedup,
+        allow_evicting_redis,
+        admin,
+        options,
+        version: VERSION,
     };
-    // A Redis that cannot serve is refused first, in its own words (a wrong password is no
-    // fault of the idempotency store beside it), and reconnects check it again.
-    let redis = RedisChecks::new(Purpose::Run, allow_evicting_redis);
-    let persistence = match &opened {
-        Opened::Redis(url) => {
-            let session = Redis::open(url, &redis).await?;
-            let persistence = session.persistence().await;
-            crate::broker::Broker::close(&session).await;
-            Some(persistence_line(persistence))
-        }
-        _ => None,
-    };
-    // Beside a Redis broker, its keys live in the same deployment (prefix included).
-    let dedup = match (dedup, &opened) {
-        (Some(location), _) => location,
-        (None, Opened::Redis(url)) => Location::Redis(url.to_string()),
-        (None, _) => Location::File(state_dir(&broker.urls)?),
-    };
-    if let Location::File(dir) = &dedup {
-        if dedup::is_old_store(dir) {
-            anyhow::bail!("{}", dedup::old_store_advice(dir));
-        }
-        if dedup::is_old_store(&dir.join("dedup")) {
-            tracing::warn!("{}", dedup::old_store_advice(&dir.join("dedup")));
-        }
-    }
-    // Commands and future reloads may name queues idempotency is off for today.
-    let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
-        Some(match (&opened, &dedup) {
-            (Opened::Embedded(broker_dir, file), Location::File(dir)) if same_dir(broker_dir, dir) => {
-                Store::in_broker(file)
-            }
-            _ => Store::open(&dedup, allow_evicting_redis).await.context("cannot open the idempotency store")?,
-        })
-    } else {
-        None
-    };
-    let shutdown = CancellationToken::new();
-    let forced = CancellationToken::new();
-    tokio::spawn(signals(shutdown.clone(), forced.clone()));
-    let mut admin = match admin {
-        Some((addr, token, policy)) => {
-            let (token, source) = token.for_runner(&state_dir(&broker.urls)?)?;
-            let metrics = crate::admin::install_recorder().map_err(anyhow::Error::msg)?;
-            let listener = tokio::net::TcpListener::bind(addr.as_str())
-                .await
-                .with_context(|| format!("cannot listen on {addr} for the admin endpoint"))?;
-            Some(AdminPort { listener, metrics, access: (token, source, policy) })
-        }
-        None => None,
-    };
-    let queues: Vec<&str> = config.queues.keys().map(String::as_str).collect();
-    let dedup = match (&store, &dedup) {
-        (None, _) => "none".to_string(),
-        (Some(_), Location::File(dir)) => dir.display().to_string(),
-        (Some(_), Location::Redis(url)) => amqp::redact(url),
-    };
-    tracing::info!(
-        version = VERSION,
-        broker = %broker.display(),
-        queues = %queues.join(", "),
-        dedup = %dedup,
-        persistence = persistence.as_ref().map(|(text, _)| text.as_str()),
-        "starting"
-    );
-    if let Some((_, Some(warning))) = &persistence {
-        tracing::warn!("{warning}");
-    }
-    let (reload, reloads) = tokio::sync::mpsc::unbounded_channel();
-    let mut requests = requests;
-    requests.set_paths(reload::loader::watched(&paths, &config));
-    let config = Arc::new(config);
-    let current = reload::loader::Current::new(config.clone());
-    tokio::spawn(reload::loader::serve(paths, capabilities, requests, reload, current.clone(), shutdown.clone()));
-    let running = async {
-        match opened {
-            Opened::Amqp(urls) => {
-                let timeouts = broker.timeouts();
-                let names = urls.iter().map(|u| amqp::node_name(u)).collect();
-                if let Some(port) = admin.take() {
-                    let nodes: Arc<[String]> = urls.iter().map(|u| u.to_string()).collect();
-                    let connect: Connect<Amqp> = Arc::new(move || {
-                        let nodes = nodes.clone();
-                        Box::pin(async move { first_node(&nodes, timeouts).await })
-                    });
-                    port.spawn(connect, &options, current, shutdown.clone());
-                }
-                let sessions = Failover::new(names, |node| Amqp::connect(urls[node], timeouts));
-                runtime::run(config, sessions, store, options, reloads, shutdown).await
-            }
-            Opened::Redis(url) => {
-                if let Some(port) = admin.take() {
-                    let url = url.to_string();
-                    let connect: Connect<Redis> = Arc::new(move || {
-                        let url = url.clone();
-                        Box::pin(async move { Redis::connect(&url).await })
-                    });
-                    port.spawn(connect, &options, current, shutdown.clone());
-                }
-                // `/readyz` says why a session does not open (the server refused).
-                let readiness = options.readiness.clone();
-                let (redis, readiness) = (&redis, &readiness);
-                let sessions = Failover::new(vec![amqp::redact(url)], |_| async move {
-                    Redis::open(url, redis).await.inspect_err(|e| readiness.failed(e))
-                });
-                runtime::run(config, sessions, store, options, reloads, shutdown).await
-            }
-            Opened::Embedded(path, file) => {
-                if let Some(port) = admin.take() {
-                    let file = file.clone();
-                    let connect: Connect<Embedded> = Arc::new(move || Box::pin(std::future::ready(Ok(file.session()))));
-                    port.spawn(connect, &options, current, shutdown.clone());
-                }
-                let sessions =
-                    Failover::new(vec![path.display().to_string()], |_| std::future::ready(Ok(file.session())));
-                runtime::run(config, sessions, store, options, reloads, shutdown).await
-            }
-        }
-    };
-    tokio::select! {
-        result = running => Ok(result?),
-        // Returning drops the handlers under way, killing their process groups; the broker
-        // gets their messages back when the connection goes.
-        () = forced.cancelled() => anyhow::bail!(
-            "a second signal during the graceful shutdown: stopped at once; messages in flight go back to the broker"
-        ),
-    }
-}
-
-/// What a Redis server says of its persistence, as `plan` shows it, and a warning when a
-/// restart would lose messages (or when it cannot be told).
-async fn redis_persistence(url: &str) -> (String, Option<String>) {
-    let persistence = match Redis::connect(url).await {
-        Ok(session) => {
-            let p = session.persistence().await;
-            crate::broker::Broker::close(&session).await;
-            p
-        }
-        Err(_) => None,
-    };
-    persistence_line(persistence)
-}
-
-/// Persistence as the start line and `plan` show it, and a warning when a restart would lose
-/// messages (or when it cannot be told).
-fn persistence_line(persistence: Option<crate::broker::redis::Persistence>) -> (String, Option<String>) {
-    match persistence {
-        Some(p) => (p.to_string(), p.warning()),
-        None => (
-            "unknown".into(),
-            Some("cannot read Redis's persistence settings (CONFIG GET refused): make sure it runs with appendonly yes and appendfsync always, or a restart loses messages".into()),
-        ),
-    }
-}
-
-/// The admin port, bound, with its metrics, token and policy; served once the broker is known.
-struct AdminPort {
-    listener: tokio::net::TcpListener,
-    metrics: metrics_exporter_prometheus::PrometheusHandle,
-    access: (token::Token, token::Source, crate::admin::Policy),
-}
-
-impl AdminPort {
-    /// Serves the admin endpoints and the console, whose API reaches the broker through `connect`.
-    fn spawn<B: crate::broker::Operate>(
-        self,
-        connect: Connect<B>,
-        options: &runtime::Options,
-        current: reload::loader::Current,
-        shutdown: CancellationToken,
-    ) {
-        let api = crate::admin::api::Api::new(
-            crate::admin::api::Runner::this(VERSION),
-            current,
-            options.attempts.clone(),
-            options.pauses.clone(),
-            connect,
-        );
-        let more = crate::admin::api::routes::<B>().router(Arc::new(api)).merge(crate::admin::console::routes());
-        let (readiness, pauses) = (options.readiness.clone(), options.pauses.clone());
-        tokio::spawn(async move {
-            let served =
-                crate::admin::serve(self.listener, self.metrics, readiness, pauses, self.access, more, shutdown);
-            if let Err(e) = served.await {
-                tracing::error!(error = %e, "admin endpoint failed");
-            }
-        });
-    }
-}
-
-/// A session with the first of `nodes` that takes one.
-async fn first_node(nodes: &[String], timeouts: amqp::Timeouts) -> Result<Amqp, crate::broker::BrokerError> {
-    let mut last = crate::broker::BrokerError::Lost("no broker node given".into());
-    for node in nodes {
-        match Amqp::connect(node, timeouts).await {
-            Ok(session) => return Ok(session),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
-}
-
-/// Cancels `shutdown` on the first SIGTERM or SIGINT, and `forced` on the second.
-async fn signals(shutdown: CancellationToken, forced: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (mut term, mut int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(term), Ok(int)) => (term, int),
-        (Err(e), _) | (_, Err(e)) => {
-            tracing::error!(error = %e, "cannot listen for SIGTERM and SIGINT");
-            return;
-        }
-    };
-    let name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
-    tracing::info!(
-        signal = name,
-        "shutting down: no new messages, finishing in-flight ones (a second signal stops at once)"
-    );
-    shutdown.cancel();
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    forced.cancel();
+    app::run::run(runner).await
 }
 
 /// `sluice plan --broker`: the plan, then how the live broker differs from it (with JSON, one
@@ -1120,26 +756,11 @@ async fn signals(shutdown: CancellationToken, forced: CancellationToken) {
 /// fails: `run` would refuse to start. An embedded broker not yet created is compared as an
 /// empty one, and left uncreated.
 async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> anyhow::Result<()> {
-    use crate::broker::{Broker as _, Drift};
+    use crate::broker::Drift;
     let endpoint = broker.endpoint()?;
-    let absent = match &endpoint {
-        Endpoint::Embedded(dir) => !dir.join(crate::broker::embedded::FILE).exists(),
-        Endpoint::Amqp(_) | Endpoint::Redis(_) => false,
-    };
-    let drift = if absent {
-        Drift::all_missing(&plan)
-    } else {
-        with_broker!(&broker, |session| {
-            let drift = session.drift(&plan).await;
-            session.close().await;
-            drift?
-        })
-    };
-    let picture = match &endpoint {
-        Endpoint::Amqp(_) => amqp::declarations(&plan).picture(),
-        Endpoint::Embedded(dir) => crate::broker::embedded::picture(&plan, dir),
-        Endpoint::Redis(url) => crate::broker::redis::picture(&plan, &crate::broker::redis::Location::parse(url)?),
-    };
+    let absent = !endpoint.exists();
+    let drift = if absent { Drift::all_missing(&plan) } else { broker.assemble(ReadDrift(&plan)).await? };
+    let picture = app::picture(&plan, Some(&endpoint))?;
     if format != PlanFormat::Json {
         output::stdout(&render::render(&picture, format))?;
     }
@@ -1148,8 +769,7 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
     let absent = if absent { " (does not exist: only `sluice run` creates it)" } else { "" };
     let mut text = format!("\nbroker {}{absent} {verdict}\n", broker.display());
-    if let Endpoint::Redis(url) = &endpoint {
-        let (persistence, warning) = redis_persistence(url).await;
+    if let Some((persistence, warning)) = app::persistence(&endpoint).await {
         let tail = warning.map(|w| format!("\n  warning: {w}")).unwrap_or_default();
         text = format!("\nbroker persistence: {persistence}{tail}{text}");
     }
@@ -1168,6 +788,17 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
         anyhow::bail!("{conflicts} declaration(s) conflict with the broker; `sluice run` would refuse to start");
     }
     Ok(())
+}
+
+/// What `plan --broker` reads of the live broker: how it differs from the plan.
+struct ReadDrift<'a>(&'a topology::Plan);
+
+impl app::Job for ReadDrift<'_> {
+    type Output = Vec<crate::broker::Drift>;
+
+    async fn run<B: Operate>(self, sessions: app::Sessions<'_, B>, _: Connect<B>) -> anyhow::Result<Self::Output> {
+        app::once(sessions, async |broker| broker.drift(self.0).await).await
+    }
 }
 
 /// What `sluice render` prints: the request or the command a message would produce.
@@ -1221,14 +852,14 @@ fn validate(paths: &[PathBuf], format: Format, unset: config::Unset, broker: &[S
     let capabilities = if broker.is_empty() {
         None
     } else {
-        match endpoint(broker) {
+        match Endpoint::parse(broker) {
             Ok(endpoint) => Some(endpoint.capabilities()),
             Err(e) => return exit(Err(e)),
         }
     };
-    let mut validation = config::load_with(paths, unset).on_nodes(nodes(broker));
+    let mut validation = config::load_with(paths, unset).on_nodes(app::nodes(broker));
     if let Some(capabilities) = capabilities {
-        capabilities.check(&mut validation);
+        validation.check_capabilities(&capabilities);
     }
     let text = validation.render(format);
     if (format == Format::Json || !text.is_empty())
@@ -1275,11 +906,11 @@ fn test(paths: &[PathBuf], format: testing::report::Format) -> ExitCode {
 fn load_or_report(
     paths: &[PathBuf],
     nodes: usize,
-    capabilities: Option<&crate::broker::Capabilities>,
+    capabilities: Option<&crate::vocab::capabilities::Capabilities>,
 ) -> Option<config::Config> {
     let mut validation = config::load(paths).on_nodes(nodes);
     if let Some(capabilities) = capabilities {
-        capabilities.check(&mut validation);
+        validation.check_capabilities(capabilities);
     }
     output::stderr(&validation.render(Format::Human));
     validation.config

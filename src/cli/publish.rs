@@ -10,7 +10,6 @@
 //! Each message starts a new trace (its `traceparent` header).
 
 use std::borrow::Cow;
-use std::future::Future;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,8 +21,9 @@ use indicatif::ProgressBar;
 use serde_json::value::RawValue;
 
 use super::{BrokerArg, Refusals};
-use crate::broker::failover::Failover;
-use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Publish};
+use crate::admin::api::Connect;
+use crate::app;
+use crate::broker::{BrokerError, HeaderValue, Headers, Operate, Outgoing, Publish};
 use crate::config::MAX_MESSAGE_BYTES;
 use crate::envelope::{Envelope, TRACEPARENT_HEADER, Timestamp};
 use crate::trace::TraceContext;
@@ -150,16 +150,30 @@ pub async fn publish(mut args: Args) -> anyhow::Result<()> {
         (None, None, Some(path)) => Input::Lines(path),
         (None, None, None) => bail!("one of --payload, --payload-file or --jsonl is required"),
     };
-    let total = super::with_sessions!(&args.broker, |sessions| {
+    let total = args.broker.assemble(PublishAll { args: &args, input: &input, at }).await?;
+    super::output::stderr(&format!("published {total} message(s) to exchange \"{}\"\n", args.exchange));
+    Ok(())
+}
+
+/// Every message, over sessions with whichever broker.
+struct PublishAll<'a> {
+    args: &'a Args,
+    input: &'a Input<'a>,
+    at: Option<Timestamp>,
+}
+
+impl app::Job for PublishAll<'_> {
+    /// How many were published.
+    type Output = usize;
+
+    async fn run<B: Operate>(self, mut sessions: app::Sessions<'_, B>, _: Connect<B>) -> anyhow::Result<usize> {
         let mut session = Session { sessions: &mut sessions, broker: None };
-        let result = publish_all(&mut session, &args, &input, at).await;
+        let result = publish_all(&mut session, self.args, self.input, self.at).await;
         if let Some(broker) = session.broker.take() {
             broker.close().await;
         }
-        result?
-    });
-    super::output::stderr(&format!("published {total} message(s) to exchange \"{}\"\n", args.exchange));
-    Ok(())
+        result
+    }
 }
 
 /// The messages to publish.
@@ -173,17 +187,12 @@ enum Input<'a> {
 
 /// A session with the broker kept from one batch to the next, opened again (the next node)
 /// when lost.
-struct Session<'a, C, B> {
-    sessions: &'a mut Failover<C>,
+struct Session<'a, 'b, B> {
+    sessions: &'a mut app::Sessions<'b, B>,
     broker: Option<B>,
 }
 
-impl<B, F, C> Session<'_, C, B>
-where
-    B: Publish,
-    F: Future<Output = Result<B, BrokerError>>,
-    C: Fn(usize) -> F,
-{
+impl<B: Publish> Session<'_, '_, B> {
     async fn broker(&mut self) -> Result<B, BrokerError> {
         if let Some(broker) = &self.broker {
             return Ok(broker.clone());
@@ -204,17 +213,12 @@ where
 }
 
 /// Checks and publishes every message; how many.
-async fn publish_all<B, F, C>(
-    session: &mut Session<'_, C, B>,
+async fn publish_all<B: Publish>(
+    session: &mut Session<'_, '_, B>,
     args: &Args,
     input: &Input<'_>,
     at: Option<Timestamp>,
-) -> anyhow::Result<usize>
-where
-    B: Publish,
-    F: Future<Output = Result<B, BrokerError>>,
-    C: Fn(usize) -> F,
-{
+) -> anyhow::Result<usize> {
     let limit = loop {
         let broker = session.broker().await?;
         check_not_before(at, broker.capabilities().longest_delay, SystemTime::now())?;
@@ -274,17 +278,12 @@ fn file_envelope(path: &Path, args: &Args, at: Option<Timestamp>) -> anyhow::Res
 }
 
 /// Checks and publishes the message of `envelope`, which goes once its body is made.
-async fn publish_one<B, F, C>(
-    session: &mut Session<'_, C, B>,
+async fn publish_one<B: Publish>(
+    session: &mut Session<'_, '_, B>,
     args: &Args,
     envelope: Envelope<'static>,
     limit: Option<&Limit>,
-) -> anyhow::Result<usize>
-where
-    B: Publish,
-    F: Future<Output = Result<B, BrokerError>>,
-    C: Fn(usize) -> F,
-{
+) -> anyhow::Result<usize> {
     let message = outgoing(&envelope, args.priority);
     drop(envelope);
     if let Some(limit) = limit {
@@ -517,17 +516,12 @@ fn check_lines(path: &Path, args: &Args, at: Option<Timestamp>, limit: Option<&L
 /// Publishes `messages` until each is confirmed: what a lost session left unconfirmed goes
 /// again with the next one (a message whose confirm was lost goes twice), refused ones again
 /// a few times.
-async fn send_confirmed<B, F, C>(
-    session: &mut Session<'_, C, B>,
+async fn send_confirmed<B: Publish>(
+    session: &mut Session<'_, '_, B>,
     args: &Args,
     messages: &[Outgoing],
     progress: &ProgressBar,
-) -> Result<(), BrokerError>
-where
-    B: Publish,
-    F: Future<Output = Result<B, BrokerError>>,
-    C: Fn(usize) -> F,
-{
+) -> Result<(), BrokerError> {
     let mut unconfirmed: Vec<usize> = (0..messages.len()).collect();
     let mut refusals = Refusals::default();
     while !unconfirmed.is_empty() {

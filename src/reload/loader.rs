@@ -219,7 +219,7 @@ async fn load_aside(paths: &[PathBuf], load: &Load) -> Result<Config, Rejected> 
 /// `validate` prints it and returns them (and the errors without a file position).
 fn load(paths: &[PathBuf], progress: &Progress, capabilities: &Capabilities) -> Result<Config, Rejected> {
     let mut validation = config::load_counting(paths, progress);
-    capabilities.check(&mut validation);
+    validation.check_capabilities(capabilities);
     let errors: Vec<Diagnostic> =
         validation.diagnostics.into_iter().filter(|d| d.severity == Severity::Error).collect();
     for d in &errors {

@@ -14,7 +14,8 @@ use serde::Serialize;
 
 pub use diff::{Diff, diff};
 
-use crate::config::{Config, ExchangeKind, Queue, QueueKind};
+use crate::config::{Config, Queue};
+use crate::vocab::{ExchangeKind, QueueKind};
 
 /// Everything a pipeline needs to exist on the broker.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::{BindingDecl, Plan};
-use crate::config::ExchangeKind;
 use crate::envelope::{HeaderValue, Headers};
+use crate::vocab::ExchangeKind;
 
 /// The queues a message published to `exchange` with `routing_key` and `headers` reaches
 /// under `plan`, as [`targets`] routes.

@@ -27,11 +27,11 @@ use serde_json::Value;
 use super::super::declaration::{self, unsupported};
 use super::super::{BrokerError, Cause, Drift, HeaderValue, Headers, Properties, QueueStats, Route};
 use super::process::{alive, process};
-use crate::config::ExchangeKind;
-use crate::config::suggest::did_you_mean;
 use crate::envelope::{ATTEMPT_HEADER, Reason, attempt_in, dead_letter_headers};
 use crate::topology::route;
 use crate::topology::{BindingDecl, Plan};
+use crate::vocab::ExchangeKind;
+use crate::vocab::suggest::did_you_mean;
 
 /// This broker, as a refused declaration names it.
 pub(super) const BROKER: &str = "the embedded broker";

@@ -11,9 +11,9 @@ use tokio::time::Instant;
 
 use super::*;
 use crate::broker::{Delivery as _, HeaderValue};
-use crate::config::ExchangeKind;
 use crate::envelope;
 use crate::topology::{BindingDecl, ExchangeDecl, QueueDecl, Role};
+use crate::vocab::ExchangeKind;
 
 /// How long a condition may take before the test fails.
 const DEADLINE: Duration = Duration::from_secs(5);

@@ -59,10 +59,10 @@ use super::{
     BodyLimits, Broker, BrokerError, Cause, Consumer, Credit, Drift, Edits, HeaderValue, Headers, Kept, KeptDeliveries,
     Operate, Outgoing, Properties, Publish, QueueStats, Route, Target,
 };
-use crate::config::ExchangeKind;
-use crate::config::suggest::did_you_mean;
 use crate::topology::route;
 use crate::topology::{BindingDecl, Plan};
+use crate::vocab::ExchangeKind;
+use crate::vocab::suggest::did_you_mean;
 
 /// How long a delivered entry stays leased to its consumer without a renewal, unless the URL
 /// says otherwise (`?lease=`).
@@ -105,7 +105,7 @@ impl Location {
                 Some(("prefix", value)) if !value.is_empty() => prefix = value.to_string(),
                 Some(("lease", value)) => {
                     lease =
-                        crate::config::parse_duration(value).filter(|d| *d >= Duration::from_millis(300)).ok_or_else(
+                        crate::vocab::parse_duration(value).filter(|d| *d >= Duration::from_millis(300)).ok_or_else(
                             || bad(format!("lease={value}: expected a duration of at least 300ms, e.g. 30s")),
                         )?;
                 }

@@ -1,0 +1,79 @@
+//! A pipeline checked against what its broker can honour (issue 32 item 1): each setting the
+//! broker's [`Capabilities`] rule out is an error at its file:line:column, naming the
+//! capability and the broker. The values are the brokers' own; this reads them, never a broker.
+
+use std::path::PathBuf;
+
+use super::source::escape_token;
+use super::{Config, Validation};
+use crate::vocab::capabilities::{Capabilities, Ordering};
+
+/// One setting of a pipeline the broker cannot honour.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Refusal {
+    /// The file that holds it, where the config knows it (queues; exchanges are found by
+    /// their pointer).
+    pub file: Option<PathBuf>,
+    /// The setting's JSON pointer in its file.
+    pub pointer: String,
+    pub message: String,
+}
+
+impl Validation {
+    /// Adds an error, at its place, for each setting of the config that a broker with
+    /// `capabilities` cannot honour (the config is then none): what `validate --broker`, `run`
+    /// and a reload check before anything is declared.
+    pub fn check_capabilities(&mut self, capabilities: &Capabilities) {
+        if let Some(config) = &self.config {
+            let refusals: Vec<_> =
+                refusals(capabilities, config).into_iter().map(|r| (r.file, r.pointer, r.message)).collect();
+            self.refuse(refusals);
+        }
+    }
+}
+
+/// Every setting of `config` the broker cannot honour, each naming the capability.
+fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
+    let mut refusals = Vec::new();
+    let mut refuse = |file: Option<&PathBuf>, pointer: String, what: String| {
+        let message = format!("{} does not support {what}", capabilities.name);
+        refusals.push(Refusal { file: file.cloned(), pointer, message });
+    };
+    for x in config.exchanges.values() {
+        if !capabilities.exchange_kinds.contains(&x.kind) {
+            let pointer = format!("/exchanges/{}/type", escape_token(&x.name));
+            refuse(None, pointer, format!("{} exchanges", x.kind.as_str()));
+        }
+    }
+    for q in config.queues.values() {
+        let base = format!("/queues/{}", escape_token(&q.name));
+        let file = Some(&q.file);
+        if !capabilities.queue_types.contains(&q.kind) {
+            let kind = serde_json::to_value(q.kind).ok().and_then(|v| v.as_str().map(String::from));
+            refuse(file, format!("{base}/type"), format!("{} queues", kind.unwrap_or_default()));
+        }
+        if q.priority.is_some() && !capabilities.priorities {
+            refuse(file, format!("{base}/priority"), "priorities".into());
+        }
+        if q.message_ttl.is_some() && !capabilities.message_ttl {
+            refuse(file, format!("{base}/message_ttl"), "a message TTL (message_ttl)".into());
+        }
+        if q.max_length.is_some() && !capabilities.max_length {
+            refuse(file, format!("{base}/max_length"), "a queue bounded by max_length".into());
+        }
+        if q.ordered && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
+            refuse(file, format!("{base}/ordered"), "ordered queues (a single active consumer)".into());
+        }
+        if q.max_message_bytes > capabilities.largest_body {
+            let what = format!("bodies over {} bytes (max_message_bytes)", capabilities.largest_body);
+            refuse(file, format!("{base}/max_message_bytes"), what);
+        }
+        if !capabilities.arguments {
+            for name in q.arguments.keys() {
+                let pointer = format!("{base}/arguments/{}", escape_token(name));
+                refuse(file, pointer, "broker arguments (arguments:); they are RabbitMQ's".into());
+            }
+        }
+    }
+    refusals
+}

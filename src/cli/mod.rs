@@ -961,6 +961,7 @@ async fn run(
     let config = Arc::new(config);
     let current = reload::loader::Current::new(config.clone());
     tokio::spawn(reload::loader::serve(paths, capabilities, requests, reload, current.clone(), shutdown.clone()));
+    let handlers: Arc<dyn call::Execute> = Arc::new(call::Handlers::new()?);
     let running = async {
         match opened {
             Opened::Amqp(urls) => {
@@ -975,7 +976,7 @@ async fn run(
                     port.spawn(connect, &options, current, shutdown.clone());
                 }
                 let sessions = Failover::new(names, |node| Amqp::connect(urls[node], timeouts));
-                runtime::run(config, sessions, store, options, reloads, shutdown).await
+                runtime::run(config, sessions, handlers, store, options, reloads, shutdown).await
             }
             Opened::Redis(url) => {
                 if let Some(port) = admin.take() {
@@ -992,7 +993,7 @@ async fn run(
                 let sessions = Failover::new(vec![amqp::redact(url)], |_| async move {
                     Redis::open(url, redis).await.inspect_err(|e| readiness.failed(e))
                 });
-                runtime::run(config, sessions, store, options, reloads, shutdown).await
+                runtime::run(config, sessions, handlers, store, options, reloads, shutdown).await
             }
             Opened::Embedded(path, file) => {
                 if let Some(port) = admin.take() {
@@ -1002,7 +1003,7 @@ async fn run(
                 }
                 let sessions =
                     Failover::new(vec![path.display().to_string()], |_| std::future::ready(Ok(file.session())));
-                runtime::run(config, sessions, store, options, reloads, shutdown).await
+                runtime::run(config, sessions, handlers, store, options, reloads, shutdown).await
             }
         }
     };

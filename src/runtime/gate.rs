@@ -238,7 +238,7 @@ impl Gate {
     pub fn new(queue: &Queue, pauses: &Pauses, slots: &Slots, live: Arc<Live>) -> Gate {
         let prefetch = queue.concurrency.get();
         let limit = if queue.adaptive {
-            Limit::Adaptive(Aimd::new(prefetch, Instant::now().into_std()))
+            Limit::Adaptive(Aimd::new(prefetch, Instant::now()))
         } else {
             Limit::Fixed(usize::from(prefetch))
         };
@@ -266,7 +266,7 @@ impl Gate {
     pub fn mode(&self) -> Mode {
         let state = self.lock().breaker.as_ref().map_or(State::Closed, Breaker::state);
         let until = match state {
-            State::Open { until } => Some(Instant::from_std(until)),
+            State::Open { until } => Some(until),
             _ => None,
         };
         match (*self.paused.borrow(), state) {
@@ -284,7 +284,7 @@ impl Gate {
     /// Ends an opening that is over (half-open: probing starts).
     pub fn tick(&self) {
         let mut inner = self.lock();
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         if let Some(state) = inner.breaker.as_mut().and_then(|b| b.tick(now)) {
             drop(inner);
             self.transition(state, now);
@@ -339,7 +339,7 @@ impl Gate {
                         return Admission::Run(Permit { gate: self, probe, done: false });
                     }
                     Admit::Refuse { until } => {
-                        let left = until.saturating_duration_since(std::time::Instant::now());
+                        let left = until.saturating_duration_since(Instant::now());
                         let after = left.max(Duration::from_millis(100));
                         return Admission::HandBack { after, why: "the circuit breaker is open" };
                     }
@@ -351,7 +351,7 @@ impl Gate {
     }
 
     /// A breaker transition: its one log line, its gauge, and whoever waits on it.
-    fn transition(&self, state: State, now: std::time::Instant) {
+    fn transition(&self, state: State, now: Instant) {
         self.circuit.set(state.gauge());
         self.live.set_circuit(state.gauge());
         let queue = self.queue.as_str();
@@ -415,7 +415,7 @@ impl Permit<'_> {
     /// The handler call took `rtt`; `unwell` when its failure said the receiver is unwell.
     pub fn finish(mut self, rtt: Duration, unwell: bool) {
         self.done = true;
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         let verdict = if unwell { Verdict::Unwell } else { Verdict::Answered };
         let mut inner = self.gate.lock();
         self.gate.slots.free();

@@ -11,10 +11,10 @@ use bytes::Bytes;
 
 use super::filter;
 use crate::backoff;
-use crate::broker::{Headers, Route};
+use crate::broker::{HeaderValue, Headers, Route};
 use crate::call::{Call, PrepareError, Renderer};
 use crate::config::{Config, Queue};
-use crate::envelope::{Envelope, Reason};
+use crate::envelope::{self, Envelope, Reason, dead_letter_headers};
 use crate::handler::HandlerError;
 
 /// How a delivery ends. Every delivery gets exactly one.
@@ -38,6 +38,42 @@ pub enum Disposition {
     Retry { next: u32, after: Duration, error: String },
     /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
     DeadLetter { reason: Reason, error: String, attempts: u32 },
+}
+
+/// What settling a disposition does on the broker before the ack.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Nothing: ack at once.
+    Ack,
+    /// A copy with these headers back into the queue after `after`, confirmed, then ack.
+    Delayed { after: Duration, headers: Headers },
+    /// A copy with these headers into the dead-letter queue, confirmed, then ack.
+    DeadLetter { headers: Headers },
+}
+
+impl Disposition {
+    /// What settling it does, for a delivery of `queue`: the one place a disposition becomes
+    /// an effect.
+    pub fn effect(&self, queue: &str) -> Effect {
+        let delayed = |attempt: u32, after: Duration| Effect::Delayed { after, headers: attempt_header(attempt) };
+        match self {
+            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
+                Effect::Ack
+            }
+            Disposition::Retry { next, after, .. } => delayed(*next, *after),
+            Disposition::Wait { attempt, after, .. } | Disposition::Scheduled { attempt, after } => {
+                delayed(*attempt, *after)
+            }
+            Disposition::DeadLetter { reason, error, attempts } => {
+                Effect::DeadLetter { headers: dead_letter_headers(*reason, error, *attempts, queue) }
+            }
+        }
+    }
+}
+
+/// The header a delayed copy carries: the attempt it comes back as.
+fn attempt_header(attempt: u32) -> Headers {
+    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
 /// Decodes a delivery's body of `size` bytes (a body over the queue's limit may not have been

@@ -400,8 +400,15 @@ mod tests {
                     };
                     let sessions = crate::broker::failover::Failover::new(vec!["memory".into()], connect);
                     let handlers = Arc::new(crate::call::Handlers::new().expect("client"));
-                    let running =
-                        tokio::spawn(crate::runtime::run(first, sessions, handlers, None, options, received, shutdown.clone()));
+                    let running = tokio::spawn(crate::runtime::run(
+                        first,
+                        sessions,
+                        handlers,
+                        None,
+                        options,
+                        received,
+                        shutdown.clone(),
+                    ));
                     tokio::spawn(serve_with(paths, requests, reloads, current, shutdown, held_load));
                     running.await
                 })

@@ -156,7 +156,12 @@ impl Script {
     /// The calls of `log` that ended, in order.
     fn ended(&self, log: &str) -> Vec<Job> {
         let events = self.events();
-        events.iter().filter_map(|e| if let Event::End(j) = e { Some(j) } else { None }).filter(|j| j.log == log).cloned().collect()
+        events
+            .iter()
+            .filter_map(|e| if let Event::End(j) = e { Some(j) } else { None })
+            .filter(|j| j.log == log)
+            .cloned()
+            .collect()
     }
 
     /// "<key> <attempt>" of each call of `log` that ended, in order.
@@ -561,10 +566,7 @@ fn disposition_rows() -> [Row; 13] {
         row("permanent failure", permanent, &["1"], Some(("permanent", "1"))),
         row("transient until exhausted", transient, &["1", "2", "3"], Some(("exhausted", "3"))),
         malformed("not json", "not json"),
-        malformed(
-            "number out of range",
-            r#"{"id":"m-1","type":"test","idempotency_key":"k","payload":{"n":1e400}}"#,
-        ),
+        malformed("number out of range", r#"{"id":"m-1","type":"test","idempotency_key":"k","payload":{"n":1e400}}"#),
         Row { args: &["{{payload.missing}}"], ..row("template error", Answer::ok, &[], Some(("template", "1"))) },
         Row {
             extra: "    payload_schema: s.json\n",
@@ -618,7 +620,9 @@ async fn dispositions<B: Broker>(new: NewBroker<B>) {
         }
         let dead_copies = usize::from(row.dead.is_some());
         wait_until(row.name, || {
-            runner.settled("work") && script.lines("runs").len() == row.runs.len() && runner.depth("work.dlq") == dead_copies
+            runner.settled("work")
+                && script.lines("runs").len() == row.runs.len()
+                && runner.depth("work.dlq") == dead_copies
         })
         .await;
         let runs: Vec<String> = row.runs.iter().map(|attempt| format!("{key} {attempt}")).collect();
@@ -1175,7 +1179,8 @@ async fn calls_outliving_the_grace<B: Broker>(new: NewBroker<B>) {
     script.open();
     wait_until("all eight handled", || runner.settled("work") && script.ended("log").len() == 8).await;
     let events = script.events().clone();
-    let starts = counts(events.iter().filter_map(|e| if let Event::Start(j) = e { Some(j.key.as_str()) } else { None }));
+    let starts =
+        counts(events.iter().filter_map(|e| if let Event::Start(j) = e { Some(j.key.as_str()) } else { None }));
     assert_eq!(starts, keys.iter().map(|k| (k.clone(), 1)).collect(), "calls per key: {events:?}");
     // The most calls running when one started after the reload, itself included.
     let (mut running, mut reloaded, mut busiest) = (0usize, false, 0);

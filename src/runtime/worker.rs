@@ -230,8 +230,10 @@ impl Worker {
         tracker.spawn(
             async move {
                 let mut seen = Seen::default();
-                let disposition = self.decide(&delivery, &message, &mut seen).instrument(trace::handle_span(&receive)).await;
-                let settled = self.settle(&broker, &delivery, &disposition).instrument(trace::settle_span(&receive)).await;
+                let disposition =
+                    self.decide(&delivery, &message, &mut seen).instrument(trace::handle_span(&receive)).await;
+                let settled =
+                    self.settle(&broker, &delivery, &disposition).instrument(trace::settle_span(&receive)).await;
                 if settled {
                     self.events.outcome(&disposition, seen);
                     let key = match disposition {

@@ -1,7 +1,8 @@
 //! From a message to a ready call: renders the handler's templates against the envelope, adds
 //! the headers (or env vars) every handler receives, and signs webhooks. A command's
 //! environment is built whole here, from an allowlist of the runner's variables and what the
-//! pipeline names. `sluice render` prints what this produces; the runtime executes it.
+//! pipeline names. `sluice render` prints what this produces; the runtime has it run by the
+//! [`Execute`] it is given ([`Handlers`] in a runner).
 //!
 //! It stands between the config and [`crate::handler`]: it reads the queue's config and
 //! hands the handlers a ready request, so the handlers never read the config themselves.

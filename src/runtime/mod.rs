@@ -13,7 +13,10 @@
 //! The supervisor opens sessions through a [`Failover`]: a lost session is followed at once by
 //! one with the next node of a cluster, with backoff only after every node failed.
 //!
-//! Generic over [`Broker`]: nothing here knows RabbitMQ.
+//! Generic over [`Broker`]: nothing here knows RabbitMQ. It runs no handler itself: it is
+//! given what runs the calls ([`Execute`]: the real handlers in a runner, a script in its
+//! tests), and it reads time only through tokio's clock (`clock` for the wall clock), so
+//! that its tests run on paused time.
 
 mod aimd;
 pub mod attempts;
@@ -323,8 +326,7 @@ const SESSION_CHECK: Duration = Duration::from_secs(1);
 /// Runs the pipeline until `shutdown` is cancelled (or, with `exit_when_idle`, until idle),
 /// applying each config that arrives on `reloads`. `sessions` opens broker sessions, with the
 /// next node of a cluster after a session is lost; `handlers` runs the handlers' calls.
-/// Each session is opened ([`Supervisor::connect`]), run ([`Supervisor::session`]) and ended
-/// ([`Supervisor::end`]) in turn.
+/// Each session is opened (`connect`), run (`session`) and ended (`end`) in turn.
 pub async fn run<B, C, F>(
     config: Arc<Config>,
     mut sessions: Failover<C>,

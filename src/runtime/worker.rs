@@ -1,7 +1,8 @@
 //! One worker per queue: consume with prefetch = concurrency (none while paused or its
 //! circuit breaker is open, one while half-open), run each delivery through decode → schema →
 //! render → gate (pause, breaker, in-flight limit) → rate limit → handler, turn the result into exactly one
-//! [`Disposition`], make it durable (a confirmed retry or dead-letter copy), then ack.
+//! [`Disposition`], make it durable (its [`Effect`]: a confirmed retry or dead-letter copy),
+//! then ack.
 //!
 //! A delivery whose copy is not confirmed is never acked: the worker keeps retrying the
 //! publish while the delivery's channel lives, and otherwise leaves it to the broker to

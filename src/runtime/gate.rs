@@ -630,6 +630,7 @@ mod tests {
     async fn adaptive_concurrency_follows_the_downstream() {
         let fast = |steps| Phase { steps, ms: 20, capacity: usize::MAX };
         let capped = |steps, capacity| Phase { steps, ms: 20, capacity };
+        let slower = |steps| Phase { steps, ms: 60, capacity: usize::MAX };
         // (what, max, phases, per phase the lowest and highest limit it may end at)
         type Row<'a> = (&'a str, u16, &'a [Phase], &'a [(usize, usize)]);
         let rows: &[Row] = &[
@@ -641,6 +642,8 @@ mod tests {
                 &[capped(300, 20), capped(300, 5), fast(300)],
                 &[(17, 21), (4, 6), (64, 64)],
             ),
+            // Latency alone: three times slower for good is cut at once, then relearnt.
+            ("a receiver slower for good", 64, &[fast(20), slower(10), slower(1500)], &[(64, 64), (1, 40), (32, 64)]),
         ];
         for (what, max, phases, bounds) in rows {
             let limits = adaptive(*max, phases).await;

@@ -1,7 +1,8 @@
 //! From a message to a ready call: renders the handler's templates against the envelope, adds
 //! the headers (or env vars) every handler receives, and signs webhooks. A command's
 //! environment is built whole here, from an allowlist of the runner's variables and what the
-//! pipeline names. `sluice render` prints what this produces; the runtime executes it.
+//! pipeline names. `sluice render` prints what this produces; the runtime has it run by the
+//! [`Execute`] it is given ([`Handlers`] in a runner).
 //!
 //! It stands between the config and [`crate::handler`]: it reads the queue's config and
 //! hands the handlers a ready request, so the handlers never read the config themselves.
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use handlebars::Context;
 use serde_json::{Map, Value, json};
 use sha2::{Digest as _, Sha256};
@@ -328,6 +330,32 @@ fn within(whole: &Bytes, part: &[u8]) -> Bytes {
         whole.slice(start..start + part.len())
     } else {
         Bytes::copy_from_slice(part)
+    }
+}
+
+/// What runs a prepared call: [`Handlers`] in a runner, a scripted stand-in in the runtime's
+/// tests. The runtime is given one and never reaches for the handlers itself.
+pub trait Execute: Send + Sync {
+    /// Runs `call`; what the handler answered goes into `observed`.
+    fn execute<'a>(&'a self, call: Call, observed: &'a mut Observed) -> BoxFuture<'a, Result<(), HandlerError>>;
+}
+
+/// The real handlers: webhooks over HTTP, commands as processes.
+pub struct Handlers {
+    /// The client of webhooks without one of their own.
+    client: reqwest::Client,
+}
+
+impl Handlers {
+    /// The handlers, with the shared HTTP client built.
+    pub fn new() -> Result<Handlers, webhook::ClientError> {
+        Ok(Handlers { client: webhook::client()? })
+    }
+}
+
+impl Execute for Handlers {
+    fn execute<'a>(&'a self, call: Call, observed: &'a mut Observed) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(execute(call, &self.client, observed))
     }
 }
 

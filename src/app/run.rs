@@ -15,6 +15,7 @@ use crate::admin::token;
 use crate::broker::embedded::Embedded;
 use crate::broker::redis::{Checks as RedisChecks, Purpose, Redis};
 use crate::broker::{Broker as _, Operate, amqp};
+use crate::call;
 use crate::config::Config;
 use crate::dedup::{self, Location, Store};
 use crate::reload::{self, Reloads};
@@ -138,7 +139,8 @@ pub async fn run(runner: Runner<'_>) -> anyhow::Result<()> {
     // `/readyz` says why a session does not open (a Redis server refused).
     let readiness = options.readiness.clone();
     let dial = Dial { timeouts, redis: &redis, embedded: file.as_ref(), readiness: Some(&readiness), give_up: false };
-    let running = Running { config, store, options, reloads, shutdown, admin, current, version };
+    let handlers: Arc<dyn call::Execute> = Arc::new(call::Handlers::new()?);
+    let running = Running { config, handlers, store, options, reloads, shutdown, admin, current, version };
     tokio::select! {
         result = super::assemble(&endpoint, &dial, running) => result,
         // Returning drops the handlers under way, killing their process groups; the broker
@@ -152,6 +154,7 @@ pub async fn run(runner: Runner<'_>) -> anyhow::Result<()> {
 /// The runtime on the broker's sessions, beside the admin port when there is one.
 struct Running {
     config: Arc<Config>,
+    handlers: Arc<dyn call::Execute>,
     store: Option<Store>,
     options: runtime::Options,
     reloads: tokio::sync::mpsc::UnboundedReceiver<runtime::Reload>,
@@ -165,11 +168,11 @@ impl Job for Running {
     type Output = ();
 
     async fn run<B: Operate>(self, sessions: Sessions<'_, B>, reconnect: Connect<B>) -> anyhow::Result<()> {
-        let Running { config, store, options, reloads, shutdown, admin, current, version } = self;
+        let Running { config, handlers, store, options, reloads, shutdown, admin, current, version } = self;
         if let Some(port) = admin {
             port.spawn(reconnect, &options, current, version, shutdown.clone());
         }
-        Ok(runtime::run(config, sessions, store, options, reloads, shutdown).await?)
+        Ok(runtime::run(config, sessions, handlers, store, options, reloads, shutdown).await?)
     }
 }
 

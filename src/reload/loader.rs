@@ -399,8 +399,16 @@ mod tests {
                         async move { Ok::<_, crate::broker::BrokerError>(session) }
                     };
                     let sessions = crate::broker::failover::Failover::new(vec!["memory".into()], connect);
-                    let running =
-                        tokio::spawn(crate::runtime::run(first, sessions, None, options, received, shutdown.clone()));
+                    let handlers = Arc::new(crate::call::Handlers::new().expect("client"));
+                    let running = tokio::spawn(crate::runtime::run(
+                        first,
+                        sessions,
+                        handlers,
+                        None,
+                        options,
+                        received,
+                        shutdown.clone(),
+                    ));
                     tokio::spawn(serve_with(paths, requests, reloads, current, shutdown, held_load));
                     running.await
                 })

@@ -11,7 +11,9 @@
 //! [`DECREASE`]. Never above the queue's `max`, never below 1. A receiver that gets slower
 //! for good is cut down to 1, where its new latency becomes the usual one.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 /// A cut after slow start keeps this share of the limit.
 pub const DECREASE: f64 = 0.9;

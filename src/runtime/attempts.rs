@@ -18,9 +18,11 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::Serialize;
+
+use super::clock::now_ms;
 
 /// Attempts kept per queue unless `--admin-attempts` says otherwise.
 pub const DEFAULT_CAPACITY: usize = 200;
@@ -252,10 +254,6 @@ pub struct QueueLog {
     capacity: usize,
     inner: Mutex<Inner>,
     live: Arc<Live>,
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl QueueLog {

@@ -9,7 +9,9 @@
 //! `open_for`.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::config::CircuitBreaker;
 

@@ -5,13 +5,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::{Span, debug, error, info, warn};
 
 use super::attempts::{Attempt, Attempts, QueueLog};
+use super::clock::{self, now_ms};
 use super::outcome::Disposition;
 use crate::envelope::Envelope;
 use crate::handler::Observed;
@@ -93,12 +95,6 @@ impl Activity {
     }
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 /// What a delivery showed on its way to its disposition, for the console's attempt log.
 #[derive(Debug, Default)]
 pub struct Seen {
@@ -152,8 +148,7 @@ impl QueueEvents {
         self.in_flight.increment(1.0);
         self.log.live().in_flight_by(1);
         if let Some(ts) = timestamp {
-            let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default();
-            self.lag.set((now - ts as f64).max(0.0));
+            self.lag.set((clock::now_secs() - ts as f64).max(0.0));
         }
     }
 

@@ -238,7 +238,7 @@ impl Gate {
     pub fn new(queue: &Queue, pauses: &Pauses, slots: &Slots, live: Arc<Live>) -> Gate {
         let prefetch = queue.concurrency.get();
         let limit = if queue.adaptive {
-            Limit::Adaptive(Aimd::new(prefetch, Instant::now().into_std()))
+            Limit::Adaptive(Aimd::new(prefetch, Instant::now()))
         } else {
             Limit::Fixed(usize::from(prefetch))
         };
@@ -266,7 +266,7 @@ impl Gate {
     pub fn mode(&self) -> Mode {
         let state = self.lock().breaker.as_ref().map_or(State::Closed, Breaker::state);
         let until = match state {
-            State::Open { until } => Some(Instant::from_std(until)),
+            State::Open { until } => Some(until),
             _ => None,
         };
         match (*self.paused.borrow(), state) {
@@ -284,7 +284,7 @@ impl Gate {
     /// Ends an opening that is over (half-open: probing starts).
     pub fn tick(&self) {
         let mut inner = self.lock();
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         if let Some(state) = inner.breaker.as_mut().and_then(|b| b.tick(now)) {
             drop(inner);
             self.transition(state, now);
@@ -339,7 +339,7 @@ impl Gate {
                         return Admission::Run(Permit { gate: self, probe, done: false });
                     }
                     Admit::Refuse { until } => {
-                        let left = until.saturating_duration_since(std::time::Instant::now());
+                        let left = until.saturating_duration_since(Instant::now());
                         let after = left.max(Duration::from_millis(100));
                         return Admission::HandBack { after, why: "the circuit breaker is open" };
                     }
@@ -351,7 +351,7 @@ impl Gate {
     }
 
     /// A breaker transition: its one log line, its gauge, and whoever waits on it.
-    fn transition(&self, state: State, now: std::time::Instant) {
+    fn transition(&self, state: State, now: Instant) {
         self.circuit.set(state.gauge());
         self.live.set_circuit(state.gauge());
         let queue = self.queue.as_str();
@@ -415,7 +415,7 @@ impl Permit<'_> {
     /// The handler call took `rtt`; `unwell` when its failure said the receiver is unwell.
     pub fn finish(mut self, rtt: Duration, unwell: bool) {
         self.done = true;
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         let verdict = if unwell { Verdict::Unwell } else { Verdict::Answered };
         let mut inner = self.gate.lock();
         self.gate.slots.free();
@@ -453,5 +453,203 @@ impl Drop for Permit<'_> {
         }
         drop(inner);
         self.gate.slots.freed.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Scenario tables on paused time (as vector tests its adaptive concurrency): each step
+    //! drives the gate as a worker would, and says what the gate then shows.
+
+    use futures_util::FutureExt as _;
+
+    use super::*;
+    use crate::config::Config;
+
+    /// A one-queue config, `work`, with `extra` YAML (each line indented by four spaces).
+    fn config(extra: &str) -> Config {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = format!(
+            "version: 1\nqueues:\n  work:\n{extra}    handler: {{webhook: {{url: \"http://127.0.0.1:9/x\"}}}}\n"
+        );
+        std::fs::write(dir.path().join("p.yaml"), &yaml).expect("write");
+        let loaded = crate::config::load(&[dir.path().to_path_buf()]);
+        loaded.config.unwrap_or_else(|| panic!("invalid: {:?}\n{yaml}", loaded.diagnostics))
+    }
+
+    /// What a step does.
+    #[derive(Debug, Clone, Copy)]
+    enum Step {
+        /// Pauses (true) or resumes the queue by hand.
+        Pause(bool),
+        /// One call from admission to its end, `ms` long; `unwell` when the receiver said so.
+        Call { ms: u64, unwell: bool },
+        /// Tokio's clock moves on this many seconds; the worker's timer ticks the gate.
+        Wait(u64),
+    }
+
+    /// What the gate shows after a step: its mode, and what a delivery asking now is told.
+    fn shows(gate: &Gate) -> String {
+        let mode = match gate.mode() {
+            Mode::Consume { prefetch } => format!("consume {prefetch}"),
+            Mode::Idle { until: None } => "idle".to_string(),
+            Mode::Idle { until: Some(at) } => {
+                format!("idle {}s", at.saturating_duration_since(Instant::now()).as_secs())
+            }
+        };
+        let admit = match gate.admit().now_or_never() {
+            None => "wait".to_string(),
+            Some(Admission::Run(permit)) if permit.probe => "probe".to_string(),
+            Some(Admission::Run(_)) => "run".to_string(),
+            Some(Admission::HandBack { after, why }) => format!("hand back {}s: {why}", after.as_secs()),
+        };
+        format!("{mode}; {admit}")
+    }
+
+    async fn step(gate: &Gate, pauses: &Pauses, step: Step) {
+        match step {
+            Step::Pause(paused) => {
+                pauses.set("work", paused).expect("a running queue");
+            }
+            Step::Call { ms, unwell } => {
+                let Admission::Run(permit) = gate.admit().await else { panic!("not admitted") };
+                let rtt = Duration::from_millis(ms);
+                tokio::time::advance(rtt).await;
+                permit.finish(rtt, unwell);
+            }
+            Step::Wait(secs) => {
+                tokio::time::advance(Duration::from_secs(secs)).await;
+                gate.tick();
+            }
+        }
+    }
+
+    /// Runs `steps` on a gate of `extra`'s queue, checking what it shows after each.
+    async fn scenario(extra: &str, steps: &[(Step, &str)]) {
+        let config = config(extra);
+        let pauses = Pauses::default();
+        pauses.keep(config.queues.keys());
+        let gate = Gate::new(&config.queues["work"], &pauses, &Slots::default(), Arc::default());
+        for (i, (s, expected)) in steps.iter().enumerate() {
+            step(&gate, &pauses, *s).await;
+            assert_eq!(shows(&gate), *expected, "after step {i}: {s:?}");
+        }
+    }
+
+    const OK: Step = Step::Call { ms: 10, unwell: false };
+    const UNWELL: Step = Step::Call { ms: 10, unwell: true };
+
+    /// Issue 32: a hand-set pause stops consuming and hands deliveries back unattempted;
+    /// a resume starts again; pausing twice changes nothing.
+    #[tokio::test(start_paused = true)]
+    async fn pause_and_resume() {
+        scenario(
+            "    concurrency: 4\n",
+            &[
+                (OK, "consume 4; run"),
+                (Step::Pause(true), "idle; hand back 1s: the queue is paused"),
+                (Step::Pause(true), "idle; hand back 1s: the queue is paused"),
+                (Step::Wait(60), "idle; hand back 1s: the queue is paused"),
+                (Step::Pause(false), "consume 4; run"),
+            ],
+        )
+        .await;
+    }
+
+    /// Issue 32: the breaker opens on its share of unwell calls, half-opens once the opening
+    /// is over (one probe at a time), opens again for twice as long on a failed probe, and
+    /// closes on an answered one; a pause during an opening outlasts it.
+    #[tokio::test(start_paused = true)]
+    async fn breaker_opens_half_opens_and_closes() {
+        let breaker =
+            "    concurrency: 4\n    circuit_breaker: {failure_rate: 50%, min_calls: 4, window: 60s, open_for: 5s}\n";
+        scenario(
+            breaker,
+            &[
+                (OK, "consume 4; run"),
+                (UNWELL, "consume 4; run"),
+                (OK, "consume 4; run"),
+                // 2 of 4 unwell: open for 5 s.
+                (UNWELL, "idle 5s; hand back 5s: the circuit breaker is open"),
+                (Step::Wait(4), "idle 1s; hand back 1s: the circuit breaker is open"),
+                (Step::Wait(1), "consume 1; probe"),
+                // The probe finds the receiver unwell: open for 10 s.
+                (UNWELL, "idle 10s; hand back 10s: the circuit breaker is open"),
+                (Step::Wait(10), "consume 1; probe"),
+                (OK, "consume 4; run"),
+                // The window restarted when it closed.
+                (UNWELL, "consume 4; run"),
+                (UNWELL, "consume 4; run"),
+                (UNWELL, "consume 4; run"),
+                (UNWELL, "idle 5s; hand back 5s: the circuit breaker is open"),
+                // Paused while open: idle until resumed, whatever the breaker does.
+                (Step::Pause(true), "idle 5s; hand back 1s: the queue is paused"),
+                (Step::Wait(5), "idle; hand back 1s: the queue is paused"),
+                (Step::Pause(false), "consume 1; probe"),
+            ],
+        )
+        .await;
+    }
+
+    /// A downstream simulated in steps: `limit` calls admitted at once (every slot used),
+    /// each answered after `ms`; those beyond `capacity` at once are told it is unwell (a 503).
+    #[derive(Debug, Clone, Copy)]
+    struct Phase {
+        steps: usize,
+        ms: u64,
+        capacity: usize,
+    }
+
+    /// Runs `phases` through the gate of an adaptive queue of at most `max`; the limit after
+    /// each phase.
+    async fn adaptive(max: u16, phases: &[Phase]) -> Vec<usize> {
+        let config = config(&format!("    concurrency: {{max: {max}, adaptive: true}}\n"));
+        let live = Arc::<Live>::default();
+        let gate = Gate::new(&config.queues["work"], &Pauses::default(), &Slots::default(), live.clone());
+        let mut limits = Vec::new();
+        for phase in phases {
+            for _ in 0..phase.steps {
+                let mut permits = Vec::new();
+                while let Some(Admission::Run(permit)) = gate.admit().now_or_never() {
+                    permits.push(permit);
+                }
+                let rtt = Duration::from_millis(phase.ms);
+                tokio::time::advance(rtt).await;
+                for (i, permit) in permits.into_iter().enumerate() {
+                    permit.finish(rtt, i >= phase.capacity);
+                }
+            }
+            limits.push(live.concurrency_limit() as usize);
+        }
+        limits
+    }
+
+    /// Issue 32: adaptive concurrency against scripted downstreams, per phase: the limit it
+    /// ends at, within bounds.
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_concurrency_follows_the_downstream() {
+        let fast = |steps| Phase { steps, ms: 20, capacity: usize::MAX };
+        let capped = |steps, capacity| Phase { steps, ms: 20, capacity };
+        let slower = |steps| Phase { steps, ms: 60, capacity: usize::MAX };
+        // (what, max, phases, per phase the lowest and highest limit it may end at)
+        type Row<'a> = (&'a str, u16, &'a [Phase], &'a [(usize, usize)]);
+        let rows: &[Row] = &[
+            ("a receiver with room: slow start to max", 32, &[fast(10)], &[(32, 32)]),
+            ("a receiver serving 10 at once: settles near 10", 64, &[capped(300, 10)], &[(8, 11)]),
+            (
+                "capacity drops from 20 to 5, then comes back",
+                64,
+                &[capped(300, 20), capped(300, 5), fast(300)],
+                &[(17, 21), (4, 6), (64, 64)],
+            ),
+            // Latency alone: three times slower for good is cut at once, then relearnt.
+            ("a receiver slower for good", 64, &[fast(20), slower(10), slower(1500)], &[(64, 64), (1, 40), (32, 64)]),
+        ];
+        for (what, max, phases, bounds) in rows {
+            let limits = adaptive(*max, phases).await;
+            for (limit, (low, high)) in limits.iter().zip(bounds.iter()) {
+                assert!((low..=high).contains(&limit), "{what}: limits {limits:?}, expected within {bounds:?}");
+            }
+        }
     }
 }

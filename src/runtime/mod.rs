@@ -13,11 +13,15 @@
 //! The supervisor opens sessions through a [`Failover`]: a lost session is followed at once by
 //! one with the next node of a cluster, with backoff only after every node failed.
 //!
-//! Generic over [`Broker`]: nothing here knows RabbitMQ.
+//! Generic over [`Broker`]: nothing here knows RabbitMQ. It runs no handler itself: it is
+//! given what runs the calls ([`Execute`]: the real handlers in a runner, a script in its
+//! tests), and it reads time only through tokio's clock (`clock` for the wall clock), so
+//! that its tests run on paused time.
 
 mod aimd;
 pub mod attempts;
 mod breaker;
+mod clock;
 mod events;
 pub mod filter;
 pub mod gate;
@@ -37,6 +41,7 @@ use tracing::{error, info, warn};
 
 use crate::broker::failover::Failover;
 use crate::broker::{Broker, BrokerError, Cause};
+use crate::call::Execute;
 use crate::config::Config;
 use crate::dedup::Store;
 use crate::topology::{self, Diff};
@@ -146,8 +151,6 @@ pub struct Options {
 pub enum RunError {
     #[error(transparent)]
     Broker(#[from] BrokerError),
-    #[error("cannot build the HTTP client: {0}")]
-    Client(String),
 }
 
 /// A new config to apply while running, and where to say how that went: the diff applied,
@@ -159,7 +162,8 @@ pub struct Reload {
 
 /// What every running queue shares.
 struct Shared {
-    client: reqwest::Client,
+    /// What runs the handlers' calls.
+    handlers: Arc<dyn Execute>,
     activity: Arc<Activity>,
     store: Option<Store>,
     grace: Duration,
@@ -213,6 +217,13 @@ struct Running<B: Broker> {
 }
 
 impl<B: Broker> Running<B> {
+    /// Nothing running yet on `broker`; the receiver hears of a worker's lost session.
+    fn new(broker: B, shared: Arc<Shared>) -> (Running<B>, mpsc::UnboundedReceiver<BrokerError>) {
+        let (lost, lost_rx) = mpsc::unbounded_channel();
+        let config = Arc::new(Config::default());
+        (Running { broker, config, queues: BTreeMap::new(), retiring: Vec::new(), shared, lost }, lost_rx)
+    }
+
     /// Applies `new`: declares it whole first (a refusal changes nothing), removes the
     /// bindings it dropped, drains the changed and removed queues, then starts the changed and
     /// added ones. On a session that follows a lost one (`again`), what was declared before is
@@ -236,6 +247,21 @@ impl<B: Broker> Running<B> {
             })?;
         }
         let stopping: Vec<RunningQueue> = diff.to_stop().filter_map(|name| self.queues.remove(name)).collect();
+        self.drain(stopping).await;
+        // Pauses and slots outlive the workers: a reload keeps a paused queue paused, and
+        // the calls still running count against the new worker's limit.
+        self.shared.pauses.keep(new.queues.keys());
+        self.shared.slots.prune();
+        for name in diff.to_start() {
+            let queue = self.start(&new, name);
+            self.queues.insert(name.clone(), queue);
+        }
+        self.config = new;
+        Ok(diff)
+    }
+
+    /// Drains `stopping` within the grace; those whose calls outlive it retire.
+    async fn drain(&mut self, stopping: Vec<RunningQueue>) {
         let grace = self.shared.grace;
         let retired = futures_util::future::join_all(stopping.into_iter().map(|q| q.drain(grace))).await;
         self.retiring.retain(|q| !q.task.is_finished());
@@ -247,37 +273,34 @@ impl<B: Broker> Running<B> {
             );
             self.retiring.push(queue);
         }
-        // Pauses and slots outlive the workers: a reload keeps a paused queue paused, and
-        // the calls still running count against the new worker's limit.
-        self.shared.pauses.keep(new.queues.keys());
-        self.shared.slots.prune();
-        for name in diff.to_start() {
-            // Diffs only name queues of their configs.
-            let live = self.shared.activity.attempts.of(name).live().clone();
-            let gate = Gate::new(&new.queues[name], &self.shared.pauses, &self.shared.slots, live);
-            let worker = Arc::new(Worker::new(
-                new.clone(),
-                name,
-                gate,
-                self.shared.client.clone(),
-                self.shared.activity.clone(),
-                self.shared.store.clone(),
-                self.shared.readiness.clone(),
-            ));
-            let (stop, release) = (CancellationToken::new(), CancellationToken::new());
-            let task = {
-                let (broker, lost, worker) = (self.broker.clone(), self.lost.clone(), worker.clone());
-                let (stop, release) = (stop.clone(), release.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = worker.run(broker, stop, release).await {
-                        let _ = lost.send(e);
-                    }
-                })
-            };
-            self.queues.insert(name.clone(), RunningQueue { name: name.clone(), worker, stop, release, task });
-        }
-        self.config = new;
-        Ok(diff)
+    }
+
+    /// Starts the worker of queue `name` of `config`.
+    fn start(&self, config: &Arc<Config>, name: &str) -> RunningQueue {
+        let shared = &self.shared;
+        // Diffs only name queues of their configs.
+        let live = shared.activity.attempts.of(name).live().clone();
+        let gate = Gate::new(&config.queues[name], &shared.pauses, &shared.slots, live);
+        let worker = Arc::new(Worker::new(
+            config.clone(),
+            name,
+            gate,
+            shared.handlers.clone(),
+            shared.activity.clone(),
+            shared.store.clone(),
+            shared.readiness.clone(),
+        ));
+        let (stop, release) = (CancellationToken::new(), CancellationToken::new());
+        let task = {
+            let (broker, lost, worker) = (self.broker.clone(), self.lost.clone(), worker.clone());
+            let (stop, release) = (stop.clone(), release.clone());
+            tokio::spawn(async move {
+                if let Err(e) = worker.run(broker, stop, release).await {
+                    let _ = lost.send(e);
+                }
+            })
+        };
+        RunningQueue { name: name.to_string(), worker, stop, release, task }
     }
 
     /// Drains every queue and every retiring worker within the grace, then hands back to the
@@ -288,6 +311,12 @@ impl<B: Broker> Running<B> {
         let unfinished = futures_util::future::join_all(all.map(|q| q.drain(grace))).await;
         futures_util::future::join_all(unfinished.into_iter().flatten().map(RunningQueue::release)).await;
     }
+
+    /// Stops everything within the grace and closes the session.
+    async fn end(mut self) {
+        self.stop_all().await;
+        self.broker.close().await;
+    }
 }
 
 /// How often the supervisor checks that the session still lives: a session given up (a
@@ -296,10 +325,12 @@ const SESSION_CHECK: Duration = Duration::from_secs(1);
 
 /// Runs the pipeline until `shutdown` is cancelled (or, with `exit_when_idle`, until idle),
 /// applying each config that arrives on `reloads`. `sessions` opens broker sessions, with the
-/// next node of a cluster after a session is lost.
+/// next node of a cluster after a session is lost; `handlers` runs the handlers' calls.
+/// Each session is opened (`connect`), run (`session`) and ended (`end`) in turn.
 pub async fn run<B, C, F>(
     config: Arc<Config>,
     mut sessions: Failover<C>,
+    handlers: Arc<dyn Execute>,
     store: Option<Store>,
     options: Options,
     mut reloads: mpsc::UnboundedReceiver<Reload>,
@@ -310,81 +341,132 @@ where
     C: Fn(usize) -> F,
     F: Future<Output = Result<B, BrokerError>>,
 {
-    let client = crate::handler::webhook::client().map_err(|e| RunError::Client(e.to_string()))?;
-    let activity = Arc::new(Activity { attempts: options.attempts.clone(), ..Activity::default() });
-    let shared = Arc::new(Shared {
-        client,
-        activity: activity.clone(),
-        store,
-        grace: options.shutdown_grace,
-        pauses: options.pauses.clone(),
-        slots: Slots::default(),
-        readiness: options.readiness.clone(),
-    });
-    let (current, _) = watch::channel(config);
-    // Across sessions, so that a reconnect does not repeat the warning about a dead-letter queue.
-    let depth_events = Arc::new(std::sync::Mutex::new(events::DepthEvents::new(events::DLQ_WARN_INTERVAL)));
-    let nodes = sessions.names().to_vec();
-    events::broker_node(&nodes, None);
-    let mut started = false;
-    // Whether the running config stands declared whole on the broker, so that a new session
-    // need only check it: not after a reload that ended its session half applied.
-    let mut declared = false;
-    loop {
-        let opened = tokio::select! {
-            _ = shutdown.cancelled() => {
-                events::stopped(&activity.totals);
-                return Ok(());
-            }
-            s = sessions.open() => s,
+    let mut supervisor = Supervisor::new(config, sessions.names().to_vec(), handlers, store, options);
+    events::broker_node(&supervisor.nodes, None);
+    let result = loop {
+        let mut session = match supervisor.connect(&mut sessions, &shutdown).await {
+            Ok(Some(session)) => session,
+            Ok(None) => break Ok(()),
+            // Before any session ran: nothing to stop, no totals to tell.
+            Err(e) => return Err(e),
         };
-        // Only a refusal no node would change comes back, and only before the first session.
-        let (broker, node) = opened?;
-        let (lost_tx, mut lost) = mpsc::unbounded_channel();
-        let mut running = Running {
-            broker: broker.clone(),
-            config: Arc::new(Config::default()),
-            queues: BTreeMap::new(),
-            retiring: Vec::new(),
-            shared: shared.clone(),
-            lost: lost_tx,
-        };
-        let config = current.borrow().clone();
-        match running.apply(config, declared).await {
-            Ok(_) => {}
-            Err(e) if e.is_fatal() || e.is_damaged() => {
-                running.stop_all().await;
-                broker.close().await;
+        let ended = supervisor.session(&mut session, &mut reloads, &shutdown).await;
+        if let Some(result) = supervisor.end(session, ended, &mut sessions, &shutdown).await {
+            break result;
+        }
+    };
+    events::stopped(&supervisor.shared.activity.totals);
+    result
+}
+
+/// A session running the config on one node.
+struct Session<B: Broker> {
+    running: Running<B>,
+    /// A worker whose session failed says so here.
+    lost: mpsc::UnboundedReceiver<BrokerError>,
+    node: usize,
+}
+
+/// What `run` keeps across sessions.
+struct Supervisor {
+    shared: Arc<Shared>,
+    options: Options,
+    /// The config running, as the pollers read it.
+    current: watch::Sender<Arc<Config>>,
+    /// Across sessions, so that a reconnect does not repeat the warning about a dead-letter
+    /// queue.
+    depth_events: Arc<std::sync::Mutex<events::DepthEvents>>,
+    nodes: Vec<String>,
+    /// Whether a session consumed before.
+    started: bool,
+    /// Whether the running config stands declared whole on the broker, so that a new session
+    /// need only check it: not after a reload that ended its session half applied.
+    declared: bool,
+}
+
+impl Supervisor {
+    fn new(
+        config: Arc<Config>,
+        nodes: Vec<String>,
+        handlers: Arc<dyn Execute>,
+        store: Option<Store>,
+        options: Options,
+    ) -> Supervisor {
+        let activity = Arc::new(Activity { attempts: options.attempts.clone(), ..Activity::default() });
+        let shared = Arc::new(Shared {
+            handlers,
+            activity,
+            store,
+            grace: options.shutdown_grace,
+            pauses: options.pauses.clone(),
+            slots: Slots::default(),
+            readiness: options.readiness.clone(),
+        });
+        Supervisor {
+            shared,
+            options,
+            current: watch::Sender::new(config),
+            depth_events: Arc::new(std::sync::Mutex::new(events::DepthEvents::new(events::DLQ_WARN_INTERVAL))),
+            nodes,
+            started: false,
+            declared: false,
+        }
+    }
+
+    /// Opens sessions until one runs the current config; `None` at shutdown. A session whose
+    /// declaration fails counts as a failure of its node; only a refusal no node would change
+    /// is an error.
+    async fn connect<B, C, F>(
+        &mut self,
+        sessions: &mut Failover<C>,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Session<B>>, RunError>
+    where
+        B: Broker,
+        C: Fn(usize) -> F,
+        F: Future<Output = Result<B, BrokerError>>,
+    {
+        loop {
+            let opened = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                s = sessions.open() => s,
+            };
+            // Only a refusal no node would change comes back, and only before the first session.
+            let (broker, node) = opened?;
+            let (mut running, lost) = Running::new(broker, self.shared.clone());
+            let config = self.current.borrow().clone();
+            let Err(e) = running.apply(config, self.declared).await else {
+                events::broker_node(&self.nodes, Some(node));
+                let (queues, reconnect) = (running.queues.len(), self.started);
+                info!(node = %self.nodes[node], queues, reconnect, "topology declared; consuming");
+                (self.started, self.declared) = (true, true);
+                return Ok(Some(Session { running, lost, node }));
+            };
+            if e.is_fatal() || e.is_damaged() {
+                running.end().await;
                 return Err(e.into());
             }
-            Err(e) => {
-                warn!(node = %nodes[node], error = %e, "declaring the topology failed");
-                options.readiness.failed(&e);
-                // A session of no use counts as a failure of its node (never gives up: only a
-                // command does).
-                let _ = sessions.lost(e);
-                running.stop_all().await;
-                broker.close().await;
-                continue;
-            }
+            warn!(node = %self.nodes[node], error = %e, "declaring the topology failed");
+            self.options.readiness.failed(&e);
+            // A session of no use counts as a failure of its node (never gives up: only a
+            // command does).
+            let _ = sessions.lost(e);
+            running.end().await;
         }
-        events::broker_node(&nodes, Some(node));
-        info!(node = %nodes[node], queues = running.queues.len(), reconnect = started, "topology declared; consuming");
-        (started, declared) = (true, true);
-        let stop = CancellationToken::new();
-        let pollers = {
-            let (broker, watched, stop, events) =
-                (broker.clone(), current.subscribe(), stop.clone(), depth_events.clone());
-            tokio::spawn(async move { poll_depths(&broker, watched, &events, &stop).await })
-        };
-        let idle = CancellationToken::new();
-        if options.exit_when_idle {
-            let (broker, watched, activity, idle) =
-                (broker.clone(), current.subscribe(), activity.clone(), idle.clone());
-            let stop = stop.clone();
-            tokio::spawn(async move { watch_idle(&broker, watched, &activity, &stop, &idle).await });
-        }
-        options.readiness.set(true);
+    }
+
+    /// Runs a session until shutdown or idleness (`None`) or until it is lost (the error),
+    /// applying the reloads that come meanwhile; the depth poller and the idle watcher run
+    /// beside it.
+    async fn session<B: Broker>(
+        &mut self,
+        session: &mut Session<B>,
+        reloads: &mut mpsc::UnboundedReceiver<Reload>,
+        shutdown: &CancellationToken,
+    ) -> Option<BrokerError> {
+        let (stop, idle) = (CancellationToken::new(), CancellationToken::new());
+        let pollers = self.watch(&session.running.broker, &stop, &idle);
+        self.options.readiness.set(true);
         let mut check = tokio::time::interval(SESSION_CHECK);
         let ended = loop {
             tokio::select! {
@@ -393,69 +475,104 @@ where
                     info!("every queue is drained; exiting (--exit-when-idle)");
                     break None;
                 }
-                Some(e) = lost.recv() => break Some(e),
-                _ = check.tick() => if !broker.is_connected() {
+                Some(e) = session.lost.recv() => break Some(e),
+                _ = check.tick() => if !session.running.broker.is_connected() {
                     break Some(BrokerError::Lost("the connection closed".into()));
                 },
-                Some(reload) = reloads.recv() => {
-                    let result = running.apply(reload.config.clone(), false).await;
-                    let lost = match &result {
-                        Ok(diff) => {
-                            current.send_replace(reload.config);
-                            // Once the poller reads the new config (it checks under this lock),
-                            // so that no poll sets a removed queue's gauges again.
-                            if let Ok(mut events) = depth_events.lock() {
-                                diff.removed.iter().for_each(|queue| events.removed(queue));
-                            }
-                            None
-                        }
-                        // Refused as declared: the old config keeps running as it was.
-                        Err(e) if e.is_fatal() => None,
-                        Err(e) => Some(e.clone()),
-                    };
-                    let _ = reload.applied.send(result);
-                    if let Some(e) = lost {
-                        declared = false;
-                        break Some(e);
-                    }
-                }
+                Some(reload) = reloads.recv() => if let Some(e) = self.reload(&mut session.running, reload).await {
+                    break Some(e);
+                },
             }
         };
-        options.readiness.set(false);
+        self.options.readiness.set(false);
         stop.cancel();
         let _ = pollers.await;
+        ended
+    }
+
+    /// Starts the depth poller, and with `--exit-when-idle` the idle watcher (which cancels
+    /// `idle`), until `stop`; returns the poller's task.
+    fn watch<B: Broker>(&self, broker: &B, stop: &CancellationToken, idle: &CancellationToken) -> JoinHandle<()> {
+        if self.options.exit_when_idle {
+            let (broker, watched, activity) = (broker.clone(), self.current.subscribe(), self.shared.activity.clone());
+            let (stop, idle) = (stop.clone(), idle.clone());
+            tokio::spawn(async move { watch_idle(&broker, watched, &activity, &stop, &idle).await });
+        }
+        let (broker, watched, stop, events) =
+            (broker.clone(), self.current.subscribe(), stop.clone(), self.depth_events.clone());
+        tokio::spawn(async move { poll_depths(&broker, watched, &events, &stop).await })
+    }
+
+    /// Applies a reload and says how it went; the error when it ended the session (a refusal
+    /// as declared leaves the old config running).
+    async fn reload<B: Broker>(&mut self, running: &mut Running<B>, reload: Reload) -> Option<BrokerError> {
+        let result = running.apply(reload.config.clone(), false).await;
+        let lost = match &result {
+            Ok(diff) => {
+                self.current.send_replace(reload.config);
+                // Once the poller reads the new config (it checks under this lock), so that no
+                // poll sets a removed queue's gauges again.
+                if let Ok(mut events) = self.depth_events.lock() {
+                    diff.removed.iter().for_each(|queue| events.removed(queue));
+                }
+                None
+            }
+            // Refused as declared: the old config keeps running as it was.
+            Err(e) if e.is_fatal() => None,
+            Err(e) => Some(e.clone()),
+        };
+        let _ = reload.applied.send(result);
+        if lost.is_some() {
+            self.declared = false;
+        }
+        lost
+    }
+
+    /// Ends a session as `ended` says: `None` to open the next one (it was lost, and no
+    /// shutdown is under way), else how `run` ends.
+    async fn end<B, C, F>(
+        &mut self,
+        session: Session<B>,
+        ended: Option<BrokerError>,
+        sessions: &mut Failover<C>,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<(), RunError>>
+    where
+        B: Broker,
+        C: Fn(usize) -> F,
+        F: Future<Output = Result<B, BrokerError>>,
+    {
+        let node = &self.nodes[session.node];
         match ended {
             // No other session would find the store any better.
             Some(e) if e.is_damaged() => {
-                error!(node = %nodes[node], error = %e, "the broker's store is damaged; stopping");
-                events::broker_node(&nodes, None);
-                running.stop_all().await;
-                broker.close().await;
-                events::stopped(&activity.totals);
-                return Err(e.into());
+                error!(node = %node, error = %e, "the broker's store is damaged; stopping");
+                events::broker_node(&self.nodes, None);
+                session.running.end().await;
+                Some(Err(e.into()))
             }
             Some(e) if !shutdown.is_cancelled() => {
-                error!(node = %nodes[node], error = %e, "broker session lost; reconnecting");
-                events::broker_node(&nodes, None);
+                error!(node = %node, error = %e, "broker session lost; reconnecting");
+                events::broker_node(&self.nodes, None);
                 // Never gives up: only a command does.
                 let _ = sessions.lost(e);
                 // The connection is gone or going: the workers end, their unsettled messages
                 // go back to the broker with it.
-                running.stop_all().await;
-                broker.close().await;
+                session.running.end().await;
+                None
             }
             _ => {
                 if shutdown.is_cancelled() {
-                    info!(grace = ?options.shutdown_grace, "draining: no new messages, finishing in-flight ones");
+                    info!(grace = ?self.options.shutdown_grace, "draining: no new messages, finishing in-flight ones");
                 }
+                let mut running = session.running;
                 running.stop_all().await;
-                let unfinished = activity.in_flight.load(Ordering::SeqCst);
+                let unfinished = self.shared.activity.in_flight.load(Ordering::SeqCst);
                 if unfinished > 0 {
                     warn!(in_flight = unfinished, "shutdown grace expired; unfinished messages go back to the broker");
                 }
-                broker.close().await;
-                events::stopped(&activity.totals);
-                return Ok(());
+                running.broker.close().await;
+                Some(Ok(()))
             }
         }
     }
@@ -497,7 +614,7 @@ async fn poll_depths<B: Broker>(
                         && config.borrow().queues.contains_key(&q.name)
                     {
                         events::consumers(&q.name, stats.consumers);
-                        events.depths(&q.name, stats.ready, &q.dead_letter, dlq, std::time::Instant::now());
+                        events.depths(&q.name, stats.ready, &q.dead_letter, dlq, tokio::time::Instant::now());
                     }
                 }
                 if read % DEPTH_BURST == 0 {

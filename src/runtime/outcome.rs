@@ -1,7 +1,8 @@
 //! What a delivery's outcome is, decided without a broker: the checks before a handler runs
-//! (size, envelope, binding filters, payload schema, templates), and the disposition a handler's result leads
-//! to. The worker runs these around the real handler; `sluice test` runs them around a
-//! simulated one, so both classify every message the same way.
+//! (size, envelope, binding filters, payload schema, templates), the disposition a handler's
+//! result leads to, and what settling a disposition does ([`Effect`]). The worker runs these
+//! around the real handler; `sluice test` runs them around a simulated one, so both classify
+//! every message the same way.
 //!
 //! No IO here: no broker, no idempotency store, no handler call.
 
@@ -11,10 +12,10 @@ use bytes::Bytes;
 
 use super::filter;
 use crate::backoff;
-use crate::broker::{Headers, Route};
+use crate::broker::{HeaderValue, Headers, Route};
 use crate::call::{Call, PrepareError, Renderer};
 use crate::config::{Config, Queue};
-use crate::envelope::{Envelope, Reason};
+use crate::envelope::{self, Envelope, Reason, dead_letter_headers};
 use crate::handler::HandlerError;
 
 /// How a delivery ends. Every delivery gets exactly one.
@@ -38,6 +39,42 @@ pub enum Disposition {
     Retry { next: u32, after: Duration, error: String },
     /// Give up: a copy goes to the dead-letter queue with the reason, then ack.
     DeadLetter { reason: Reason, error: String, attempts: u32 },
+}
+
+/// What settling a disposition does on the broker before the ack.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Nothing: ack at once.
+    Ack,
+    /// A copy with these headers back into the queue after `after`, confirmed, then ack.
+    Delayed { after: Duration, headers: Headers },
+    /// A copy with these headers into the dead-letter queue, confirmed, then ack.
+    DeadLetter { headers: Headers },
+}
+
+impl Disposition {
+    /// What settling it does, for a delivery of `queue`: the one place a disposition becomes
+    /// an effect.
+    pub fn effect(&self, queue: &str) -> Effect {
+        let delayed = |attempt: u32, after: Duration| Effect::Delayed { after, headers: attempt_header(attempt) };
+        match self {
+            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
+                Effect::Ack
+            }
+            Disposition::Retry { next, after, .. } => delayed(*next, *after),
+            Disposition::Wait { attempt, after, .. } | Disposition::Scheduled { attempt, after } => {
+                delayed(*attempt, *after)
+            }
+            Disposition::DeadLetter { reason, error, attempts } => {
+                Effect::DeadLetter { headers: dead_letter_headers(*reason, error, *attempts, queue) }
+            }
+        }
+    }
+}
+
+/// The header a delayed copy carries: the attempt it comes back as.
+fn attempt_header(attempt: u32) -> Headers {
+    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
 /// Decodes a delivery's body of `size` bytes (a body over the queue's limit may not have been
@@ -125,5 +162,73 @@ pub fn disposition(q: &Queue, result: Result<(), HandlerError>, attempt: u32) ->
             let after = backoff::retry_delay(&q.retry, attempt + 1, retry_after, &mut rand::rng());
             Disposition::Retry { next: attempt + 1, after, error }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// Queue `work`: three attempts, retries 1 s then 2 s (no jitter), at most 10 s.
+    fn config() -> Config {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let yaml = "version: 1\nqueues:\n  work:\n    retry: {max_attempts: 3, initial: 1s, max: 10s, jitter: none}\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n";
+        std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
+        let loaded = crate::config::load(&[dir.path().to_path_buf()]);
+        loaded.config.unwrap_or_else(|| panic!("invalid: {:?}", loaded.diagnostics))
+    }
+
+    const S: Duration = Duration::from_secs(1);
+
+    /// Issue 32: each handler result, at each attempt, and the disposition it leads to.
+    #[test]
+    fn each_handler_result_has_its_disposition() {
+        let config = config();
+        let q = &config.queues["work"];
+        let retry = |next, after: Duration| Disposition::Retry { next, after, error: "e".into() };
+        let dead = |reason, attempts| Disposition::DeadLetter { reason, error: "e".into(), attempts };
+        let rows: [(&str, Result<(), HandlerError>, u32, Disposition); 9] = [
+            ("success", Ok(()), 1, Disposition::Ack),
+            ("success at the last attempt", Ok(()), 3, Disposition::Ack),
+            ("permanent", Err(HandlerError::permanent("e")), 1, dead(Reason::Permanent, 1)),
+            ("permanent at the last attempt", Err(HandlerError::permanent("e")), 3, dead(Reason::Permanent, 3)),
+            ("transient: the first retry", Err(HandlerError::transient("e")), 1, retry(2, S)),
+            ("transient: the second retry, twice as late", Err(HandlerError::transient("e")), 2, retry(3, 2 * S)),
+            ("transient at the last attempt", Err(HandlerError::transient("e")), 3, dead(Reason::Exhausted, 3)),
+            ("the server's Retry-After, when later", Err(HandlerError::unwell("e", Some(5 * S))), 1, retry(2, 5 * S)),
+            ("a Retry-After past the maximum", Err(HandlerError::unwell("e", Some(60 * S))), 1, retry(2, 10 * S)),
+        ];
+        for (what, result, attempt, expected) in rows {
+            assert_eq!(disposition(q, result, attempt), expected, "{what}");
+        }
+    }
+
+    /// Issue 32: each disposition and what settling it does on the broker.
+    #[test]
+    fn each_disposition_has_one_effect() {
+        let delayed = |attempt: i64, after| Effect::Delayed {
+            after,
+            headers: Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(attempt))]),
+        };
+        let rows = [
+            ("ack", Disposition::Ack, Effect::Ack),
+            ("completed", Disposition::Completed { key: "k".into() }, Effect::Ack),
+            ("duplicate", Disposition::Duplicate, Effect::Ack),
+            ("filtered", Disposition::Filtered, Effect::Ack),
+            ("retry: the next attempt", Disposition::Retry { next: 3, after: S, error: "e".into() }, delayed(3, S)),
+            ("wait: the same attempt", Disposition::Wait { attempt: 2, after: S, why: "busy".into() }, delayed(2, S)),
+            ("scheduled: the same attempt", Disposition::Scheduled { attempt: 1, after: 9 * S }, delayed(1, 9 * S)),
+        ];
+        for (what, disposition, expected) in rows {
+            assert_eq!(disposition.effect("work"), expected, "{what}");
+        }
+        let dead = Disposition::DeadLetter { reason: Reason::Exhausted, error: "e".into(), attempts: 3 };
+        let Effect::DeadLetter { headers } = dead.effect("work") else { panic!("not dead-lettered") };
+        let text = |name: &str| headers.get(name).map(HeaderValue::to_text);
+        let found =
+            [envelope::REASON_HEADER, envelope::ERROR_HEADER, envelope::ATTEMPTS_HEADER, envelope::SOURCE_QUEUE_HEADER]
+                .map(text);
+        assert_eq!(found, ["exhausted", "e", "3", "work"].map(|v| Some(v.to_string())));
     }
 }

@@ -5,16 +5,21 @@
 //! before replace and shutdown also run on the embedded broker (issue 12): one suite, two
 //! brokers.
 //!
-//! Real time with tiny retry delays; every wait is on a condition with a deadline, and an
-//! absence is asserted only once a positive condition shows the system has settled.
+//! The handlers are a [`Script`] (issue 32): each call's outcome and latency decided per
+//! message and attempt, no process run. On the in-memory broker the tests run on paused time
+//! (`start_paused`): retries, delays, openings and latencies pass on tokio's clock, with no
+//! real sleep. The embedded broker keeps its messages by the system clock, so its runs are on
+//! real time. Every wait is on a condition with a deadline, and an absence is asserted only
+//! once a positive condition shows the system has settled.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
+use futures_util::future::BoxFuture;
 use serde_json::{Value, json};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -25,12 +30,16 @@ use super::{Options, Reload, RunError, run};
 use crate::broker::embedded::Embedded;
 use crate::broker::memory::{Memory, Message};
 use crate::broker::{Broker, BrokerError, HeaderValue, Headers, Outgoing, Properties, Publish};
+use crate::call::{Call, Execute};
 use crate::config::Config;
 use crate::dedup::{Location, Store};
 use crate::envelope::{self, Envelope};
+use crate::handler::{HandlerError, Observed};
 use crate::topology::Diff;
 
 /// How long a condition may take before the test fails; only a failing test waits this long.
+/// Real time: on paused time, the idempotency store's file writes (real IO, during which
+/// tokio's clock jumps to its next timer) must not eat a test's patience.
 const DEADLINE: Duration = Duration::from_secs(5);
 
 /// The shutdown grace unless a test is about the grace.
@@ -38,14 +47,161 @@ const GRACE: Duration = Duration::from_secs(5);
 
 /// Waits until `condition` holds, polling every few milliseconds, failing after [`DEADLINE`].
 async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
+    let deadline = std::time::Instant::now() + DEADLINE;
     while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 
-/// A pipeline directory, rewritten for each config, beside the files handlers write.
+/// One handler call as the script sees it: the queue's log (its command's first argument),
+/// the message's idempotency key and attempt, the rest of the rendered arguments, and when it
+/// started on tokio's clock.
+#[derive(Debug, Clone)]
+struct Job {
+    log: String,
+    key: String,
+    attempt: u32,
+    args: Vec<String>,
+    at: Instant,
+}
+
+impl Job {
+    /// What a call of a command handler carries.
+    fn of(call: &Call) -> Job {
+        let Call::Command(invocation) = call else { panic!("the tests' queues run commands: {call:?}") };
+        let env = |name: &str| invocation.env.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let mut args = invocation.args.clone();
+        let log = if args.is_empty() { String::new() } else { args.remove(0) };
+        let key = env("SLUICE_IDEMPOTENCY_KEY").unwrap_or_default();
+        let attempt = env("SLUICE_ATTEMPT").and_then(|a| a.parse().ok()).unwrap_or_default();
+        Job { log, key, attempt, args, at: Instant::now() }
+    }
+
+    /// "<key> <attempt>", as the tests list runs.
+    fn line(&self) -> String {
+        format!("{} {}", self.key, self.attempt)
+    }
+}
+
+/// How the scripted handler answers a call: after `latency` (tokio's clock), and while
+/// `held`, only once the script's gate opens.
+struct Answer {
+    result: Result<(), HandlerError>,
+    latency: Duration,
+    held: bool,
+}
+
+impl Answer {
+    fn ok() -> Answer {
+        Answer { result: Ok(()), latency: Duration::ZERO, held: false }
+    }
+
+    fn fails(error: HandlerError) -> Answer {
+        Answer { result: Err(error), ..Answer::ok() }
+    }
+
+    fn after(self, latency: Duration) -> Answer {
+        Answer { latency, ..self }
+    }
+
+    fn held(self) -> Answer {
+        Answer { held: true, ..self }
+    }
+}
+
+/// What happened in the scripted downstream, in order.
+#[derive(Debug, Clone)]
+enum Event {
+    Start(Job),
+    End(Job),
+    /// A test's mark between events.
+    Mark,
+}
+
+/// The scripted handlers: `answer` decides each call, and every call is logged as it starts
+/// and ends.
+#[derive(Clone)]
+struct Script(Arc<ScriptState>);
+
+struct ScriptState {
+    answer: Box<dyn Fn(&Job) -> Answer + Send + Sync>,
+    events: Mutex<Vec<Event>>,
+    /// Open once set: held calls end then.
+    gate: watch::Sender<bool>,
+}
+
+impl Script {
+    fn new(answer: impl Fn(&Job) -> Answer + Send + Sync + 'static) -> Script {
+        Script(Arc::new(ScriptState {
+            answer: Box::new(answer),
+            events: Mutex::new(Vec::new()),
+            gate: watch::Sender::new(false),
+        }))
+    }
+
+    /// Every call succeeds at once.
+    fn record() -> Script {
+        Script::new(|_| Answer::ok())
+    }
+
+    fn handlers(&self) -> Arc<dyn Execute> {
+        Arc::new(self.clone())
+    }
+
+    fn events(&self) -> MutexGuard<'_, Vec<Event>> {
+        self.0.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The calls of `log` that ended, in order.
+    fn ended(&self, log: &str) -> Vec<Job> {
+        let events = self.events();
+        events
+            .iter()
+            .filter_map(|e| if let Event::End(j) = e { Some(j) } else { None })
+            .filter(|j| j.log == log)
+            .cloned()
+            .collect()
+    }
+
+    /// "<key> <attempt>" of each call of `log` that ended, in order.
+    fn lines(&self, log: &str) -> Vec<String> {
+        self.ended(log).iter().map(Job::line).collect()
+    }
+
+    /// How many calls of `log` started.
+    fn started(&self, log: &str) -> usize {
+        self.events().iter().filter(|e| matches!(e, Event::Start(j) if j.log == log)).count()
+    }
+
+    fn mark(&self) {
+        self.events().push(Event::Mark);
+    }
+
+    /// Lets the held calls end, and those to come run through.
+    fn open(&self) {
+        self.0.gate.send_replace(true);
+    }
+}
+
+impl Execute for Script {
+    fn execute<'a>(&'a self, call: Call, _: &'a mut Observed) -> BoxFuture<'a, Result<(), HandlerError>> {
+        let job = Job::of(&call);
+        let answer = (self.0.answer)(&job);
+        self.events().push(Event::Start(job.clone()));
+        Box::pin(async move {
+            tokio::time::sleep(answer.latency).await;
+            if answer.held {
+                let mut gate = self.0.gate.subscribe();
+                let _ = gate.wait_for(|open| *open).await;
+            }
+            self.events().push(Event::End(job));
+            answer.result
+        })
+    }
+}
+
+/// A pipeline directory, rewritten for each config.
 struct Pipeline {
     dir: tempfile::TempDir,
 }
@@ -55,11 +211,6 @@ impl Pipeline {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join("pipelines")).expect("pipelines dir");
         Pipeline { dir }
-    }
-
-    /// A path beside the pipelines, as handlers receive it.
-    fn file(&self, name: &str) -> String {
-        self.dir.path().join(name).to_str().expect("utf-8 tempdir").to_string()
     }
 
     /// Writes a file into the pipeline directory (a payload schema).
@@ -80,34 +231,28 @@ impl Pipeline {
         Arc::new(loaded.config.unwrap_or_else(|| panic!("invalid: {:?}\n{text}", loaded.diagnostics)))
     }
 
-    /// The lines a handler appended to `name` (none if it never ran).
-    fn lines(&self, name: &str) -> Vec<String> {
-        std::fs::read_to_string(self.file(name)).map(|t| t.lines().map(String::from).collect()).unwrap_or_default()
-    }
-
     async fn store(&self) -> Store {
         Store::open(&Location::File(self.dir.path().join("state")), false).await.expect("embedded store")
     }
 }
 
-/// A queue body whose handler is `/bin/sh -c script sh args..`, and `extra` YAML (each line
-/// indented by four spaces).
-fn command(script: &str, args: &[&str], extra: &str) -> String {
-    let argv: Vec<String> = ["-c", script, "sh"].iter().chain(args).map(|a| json!(a).to_string()).collect();
+/// A queue body whose handler is a command the [`Script`] answers (`/bin/true`, never run), its first argument the
+/// log its calls go to (`args[0]`), then `args` (rendered per message), and `extra` YAML (each
+/// line indented by four spaces).
+/// Unless `extra` says otherwise, three attempts, a few milliseconds apart.
+fn command(args: &[&str], extra: &str) -> String {
+    let argv: Vec<String> = args.iter().map(|a| json!(a).to_string()).collect();
+    let retry = if extra.contains("retry:") { "" } else { "    retry: {max_attempts: 3, initial: 1ms, max: 5ms}\n" };
     format!(
-        "{extra}    retry: {{max_attempts: 3, initial: 1ms, max: 5ms}}\n    handler:\n      command:\n        program: /bin/sh\n        args: [{}]\n        stdin: none\n        permanent_exit_codes: [65]\n",
+        "{extra}{retry}    handler:\n      command:\n        program: /bin/true\n        args: [{}]\n        stdin: none\n",
         argv.join(", ")
     )
 }
-
-/// Appends "<idempotency key> <attempt>" to the file in `$1`.
-const RECORD: &str = r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
 
 /// An envelope with idempotency key `key`.
 fn message(key: &str, payload: &Value) -> Vec<u8> {
     Envelope::new("test", payload, Some(key.into())).encode()
 }
-
 /// What the tests read of a broker, at once and without going through it, and the fault they
 /// inject into it.
 trait Inspect: Send + Sync {
@@ -122,6 +267,10 @@ trait Inspect: Send + Sync {
     /// Acks fail and change nothing (as a full disk, or another process's write lock held past
     /// the busy timeout, fails them) while `refuse`.
     fn refuse_acks(&self, refuse: bool);
+    /// Whether the broker's tests run on paused time. Then they hold no idempotency store
+    /// unless they are about idempotency: its file writes are real IO, over which paused time
+    /// jumps to its next timer (a grace could expire while a success is recorded).
+    fn paused(&self) -> bool;
 }
 
 impl Inspect for Memory {
@@ -143,6 +292,10 @@ impl Inspect for Memory {
 
     fn refuse_acks(&self, refuse: bool) {
         Memory::refuse_acks(self, refuse);
+    }
+
+    fn paused(&self) -> bool {
+        true
     }
 }
 
@@ -230,6 +383,10 @@ impl Inspect for File {
         };
         db.execute_batch(sql).expect(sql);
     }
+
+    fn paused(&self) -> bool {
+        false
+    }
 }
 
 /// `run` over a broker, with the handles a test drives it by: `memory` is the broker (the
@@ -245,10 +402,10 @@ struct Runner<B: Publish = Memory> {
 }
 
 impl Runner<Memory> {
-    /// Starts `config` on a new in-memory broker.
-    async fn start(config: Arc<Config>, store: Option<Store>, grace: Duration) -> Runner<Memory> {
+    /// Starts `config` on a new in-memory broker, its calls answered by `script`.
+    async fn start(config: Arc<Config>, script: &Script, store: Option<Store>, grace: Duration) -> Runner<Memory> {
         let memory = Memory::new();
-        Runner::start_on(memory.clone(), Arc::new(memory), config, store, grace).await
+        Runner::start_on(memory.clone(), Arc::new(memory), config, script.handlers(), store, grace).await
     }
 }
 
@@ -258,6 +415,7 @@ impl<B: Publish> Runner<B> {
         broker: B,
         look: Arc<dyn Inspect>,
         config: Arc<Config>,
+        handlers: Arc<dyn Execute>,
         store: Option<Store>,
         grace: Duration,
     ) -> Runner<B> {
@@ -279,7 +437,7 @@ impl<B: Publish> Runner<B> {
             async move { Ok::<_, BrokerError>(session) }
         };
         let sessions = crate::broker::failover::Failover::new(vec!["memory".into()], connect);
-        let task = tokio::spawn(run(config, sessions, store, options, received, shutdown.clone()));
+        let task = tokio::spawn(run(config, sessions, handlers, store, options, received, shutdown.clone()));
         wait_until("every queue has a consumer", || queues.iter().all(|q| look.consumers(q) == 1)).await;
         Runner { memory: broker, look, reloads, shutdown, readiness, pauses, task }
     }
@@ -330,8 +488,24 @@ fn embedded() -> (Embedded, Arc<dyn Inspect>) {
     (broker, Arc::new(file))
 }
 
+/// An idempotency store for a test not about idempotency: none on paused time
+/// ([`Inspect::paused`]).
+async fn store_for(look: &dyn Inspect, pipeline: &Pipeline) -> Option<Store> {
+    if look.paused() { None } else { Some(pipeline.store().await) }
+}
+
 fn names(list: &[&str]) -> BTreeSet<String> {
     list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Permanent failures (`EX_DATAERR`, as a command's permanent exit code said).
+fn permanent() -> Answer {
+    Answer::fails(HandlerError::permanent("exit code 65"))
+}
+
+/// A transient failure of this message alone.
+fn transient() -> Answer {
+    Answer::fails(HandlerError::transient("exit code 1"))
 }
 
 /// What a disposition test publishes.
@@ -346,12 +520,12 @@ enum Body {
 }
 
 /// One disposition: the queue's YAML, what is published (how many times), the attempts the
-/// handler runs (one line each), and the dead-letter copy if any (`x-sluice-reason`,
-/// `x-sluice-attempts`).
+/// handler runs, and the dead-letter copy if any (`x-sluice-reason`, `x-sluice-attempts`).
 struct Row {
     name: &'static str,
-    script: &'static str,
-    /// Arguments after the side-effect file.
+    /// How the handler answers.
+    answer: fn() -> Answer,
+    /// Arguments after the log.
     args: &'static [&'static str],
     extra: &'static str,
     body: Body,
@@ -363,7 +537,7 @@ struct Row {
 /// Issue 10: each disposition, end to end through `run`: the handler runs as many times as it
 /// should, the delivery is acked (nothing ready, nothing unacked, no delayed copy), and the
 /// dead-letter queue holds exactly the copy the disposition calls for, with its reason.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn every_disposition_ends_acked_with_its_effects() {
     dispositions(memory).await;
 }
@@ -374,169 +548,67 @@ async fn every_disposition_ends_acked_with_its_effects_on_the_embedded_broker() 
     dispositions(embedded).await;
 }
 
-async fn dispositions<B: Publish>(new: NewBroker<B>) {
-    let rows = [
+/// The rows of [`dispositions`].
+fn disposition_rows() -> [Row; 13] {
+    let row = |name, answer: fn() -> Answer, runs, dead| Row {
+        name,
+        answer,
+        args: &[],
+        extra: "",
+        body: Body::Payload(json!({"n": 1})),
+        copies: 1,
+        runs,
+        dead,
+    };
+    let malformed = |name, body| Row { body: Body::Raw(body), ..row(name, Answer::ok, &[], Some(("malformed", "1"))) };
+    [
+        row("success", Answer::ok, &["1"], None),
+        row("permanent failure", permanent, &["1"], Some(("permanent", "1"))),
+        row("transient until exhausted", transient, &["1", "2", "3"], Some(("exhausted", "3"))),
+        malformed("not json", "not json"),
+        malformed("number out of range", r#"{"id":"m-1","type":"test","idempotency_key":"k","payload":{"n":1e400}}"#),
+        Row { args: &["{{payload.missing}}"], ..row("template error", Answer::ok, &[], Some(("template", "1"))) },
         Row {
-            name: "success",
-            script: RECORD,
-            args: &[],
-            extra: "",
-            body: Body::Payload(json!({"n": 1})),
-            copies: 1,
-            runs: &["1"],
-            dead: None,
-        },
-        Row {
-            name: "permanent exit code",
-            script: r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; exit 65"#,
-            args: &[],
-            extra: "",
-            body: Body::Payload(json!({"n": 1})),
-            copies: 1,
-            runs: &["1"],
-            dead: Some(("permanent", "1")),
-        },
-        Row {
-            name: "transient until exhausted",
-            script: r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; exit 1"#,
-            args: &[],
-            extra: "",
-            body: Body::Payload(json!({"n": 1})),
-            copies: 1,
-            runs: &["1", "2", "3"],
-            dead: Some(("exhausted", "3")),
-        },
-        Row {
-            name: "not json",
-            script: RECORD,
-            args: &[],
-            extra: "",
-            body: Body::Raw("not json"),
-            copies: 1,
-            runs: &[],
-            dead: Some(("malformed", "1")),
-        },
-        Row {
-            name: "number out of range",
-            script: RECORD,
-            args: &[],
-            extra: "",
-            body: Body::Raw(r#"{"id":"m-1","type":"test","idempotency_key":"k","payload":{"n":1e400}}"#),
-            copies: 1,
-            runs: &[],
-            dead: Some(("malformed", "1")),
-        },
-        Row {
-            name: "template error",
-            script: RECORD,
-            args: &["{{payload.missing}}"],
-            extra: "",
-            body: Body::Payload(json!({"n": 1})),
-            copies: 1,
-            runs: &[],
-            dead: Some(("template", "1")),
-        },
-        Row {
-            name: "payload fails its schema",
-            script: RECORD,
-            args: &[],
             extra: "    payload_schema: s.json\n",
             body: Body::Payload(json!({"m": 1})),
-            copies: 1,
-            runs: &[],
-            dead: Some(("schema", "1")),
+            ..row("payload fails its schema", Answer::ok, &[], Some(("schema", "1")))
         },
-        Row {
-            name: "too large",
-            script: RECORD,
-            args: &[],
-            extra: "    max_message_bytes: 10\n",
-            body: Body::Payload(json!({"n": 1})),
-            copies: 1,
-            runs: &[],
-            dead: Some(("too_large", "1")),
-        },
+        Row { extra: "    max_message_bytes: 10\n", ..row("too large", Answer::ok, &[], Some(("too_large", "1"))) },
         // Issue 24: handed back until its time (a delayed copy), then run as attempt 1.
-        Row {
-            name: "scheduled",
-            script: RECORD,
-            args: &[],
-            extra: "",
-            body: Body::NotBefore(300),
-            copies: 1,
-            runs: &["1"],
-            dead: None,
-        },
-        Row {
-            name: "scheduled in the past",
-            script: RECORD,
-            args: &[],
-            extra: "",
-            body: Body::NotBefore(-86_400_000),
-            copies: 1,
-            runs: &["1"],
-            dead: None,
-        },
-        Row {
-            name: "not_before not a time",
-            script: RECORD,
-            args: &[],
-            extra: "",
-            body: Body::Raw(
-                r#"{"id":"m-1","type":"test","idempotency_key":"k","not_before":"soon","payload":{"n":1}}"#,
-            ),
-            copies: 1,
-            runs: &[],
-            dead: Some(("malformed", "1")),
-        },
+        Row { body: Body::NotBefore(300), ..row("scheduled", Answer::ok, &["1"], None) },
+        Row { body: Body::NotBefore(-86_400_000), ..row("scheduled in the past", Answer::ok, &["1"], None) },
+        malformed(
+            "not_before not a time",
+            r#"{"id":"m-1","type":"test","idempotency_key":"k","not_before":"soon","payload":{"n":1}}"#,
+        ),
         // One at a time: the second arrives once the first is recorded done.
-        Row {
-            name: "duplicate",
-            script: RECORD,
-            args: &[],
-            extra: "    concurrency: 1\n",
-            body: Body::Payload(json!({"n": 1})),
-            copies: 2,
-            runs: &["1"],
-            dead: None,
-        },
+        Row { extra: "    concurrency: 1\n", copies: 2, ..row("duplicate", Answer::ok, &["1"], None) },
         // Side by side: the second finds the key busy, waits (a delayed copy, same attempt),
         // then finds it done.
         Row {
-            name: "duplicate while the first runs",
-            script: r#"sleep 0.2; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#,
-            args: &[],
             extra: "    concurrency: 2\n",
-            body: Body::Payload(json!({"n": 1})),
             copies: 2,
-            runs: &["1"],
-            dead: None,
+            ..row("duplicate while the first runs", || Answer::ok().after(Duration::from_millis(200)), &["1"], None)
         },
-    ];
-    // One store for every row (opening one takes a while); each row has its own key.
+    ]
+}
+
+async fn dispositions<B: Publish>(new: NewBroker<B>) {
+    // One store for every row (opening one takes a while); each row has its own key. The
+    // duplicates need it, on paused time too: no grace runs out while it writes.
     let stores = Pipeline::new();
     let store = stores.store().await;
-    for (i, row) in rows.into_iter().enumerate() {
+    for (i, row) in disposition_rows().into_iter().enumerate() {
         let key = format!("k{i}");
         let pipeline = Pipeline::new();
         pipeline.write("s.json", r#"{"type": "object", "required": ["n"]}"#);
-        let runs = pipeline.file("runs");
-        let args: Vec<&str> = [runs.as_str()].into_iter().chain(row.args.iter().copied()).collect();
-        let config = pipeline.config(&[("work", command(row.script, &args, row.extra))]);
+        let args: Vec<&str> = ["runs"].into_iter().chain(row.args.iter().copied()).collect();
+        let config = pipeline.config(&[("work", command(&args, row.extra))]);
         let (broker, look) = new();
-        let runner = Runner::start_on(broker, look, config, Some(store.clone()), GRACE).await;
-        let body = match &row.body {
-            Body::Payload(payload) => message(&key, payload),
-            Body::Raw(text) => text.as_bytes().to_vec(),
-            Body::NotBefore(wait) => {
-                let mut envelope = Envelope::new("test", &json!({"n": 1}), Some(key.clone()));
-                let now = std::time::SystemTime::now();
-                let offset = Duration::from_millis(wait.unsigned_abs());
-                let at = if *wait < 0 { now - offset } else { now + offset };
-                envelope.not_before = Some(envelope::Timestamp(at));
-                envelope.encode()
-            }
-        };
+        let answer = row.answer;
+        let script = Script::new(move |_| answer());
+        let runner = Runner::start_on(broker, look, config, script.handlers(), Some(store.clone()), GRACE).await;
+        let body = disposition_body(&row.body, &key);
         for _ in 0..row.copies {
             runner.publish("work", body.clone()).await;
         }
@@ -544,17 +616,17 @@ async fn dispositions<B: Publish>(new: NewBroker<B>) {
             && ms > 0
         {
             wait_until("a scheduled message is handed back as a delayed copy", || runner.look.delayed() == 1).await;
-            assert!(pipeline.lines("runs").is_empty(), "{}: ran before its time", row.name);
+            assert!(script.lines("runs").is_empty(), "{}: ran before its time", row.name);
         }
         let dead_copies = usize::from(row.dead.is_some());
         wait_until(row.name, || {
             runner.settled("work")
-                && pipeline.lines("runs").len() == row.runs.len()
+                && script.lines("runs").len() == row.runs.len()
                 && runner.depth("work.dlq") == dead_copies
         })
         .await;
         let runs: Vec<String> = row.runs.iter().map(|attempt| format!("{key} {attempt}")).collect();
-        assert_eq!(pipeline.lines("runs"), runs, "{}: handler runs", row.name);
+        assert_eq!(script.lines("runs"), runs, "{}: handler runs", row.name);
         let dlq = runner.look.messages("work.dlq");
         let found: Vec<_> =
             dlq.iter().map(|m| (m.header(envelope::REASON_HEADER), m.header(envelope::ATTEMPTS_HEADER))).collect();
@@ -569,9 +641,25 @@ async fn dispositions<B: Publish>(new: NewBroker<B>) {
     }
 }
 
+/// What a disposition row publishes, its key `key`; a due time on the runtime's clock.
+fn disposition_body(body: &Body, key: &str) -> Vec<u8> {
+    match body {
+        Body::Payload(payload) => message(key, payload),
+        Body::Raw(text) => text.as_bytes().to_vec(),
+        Body::NotBefore(wait) => {
+            let mut envelope = Envelope::new("test", &json!({"n": 1}), Some(key.to_string()));
+            let now = super::clock::now();
+            let offset = Duration::from_millis(wait.unsigned_abs());
+            let at = if *wait < 0 { now - offset } else { now + offset };
+            envelope.not_before = Some(envelope::Timestamp(at));
+            envelope.encode()
+        }
+    }
+}
+
 /// Issue 10: acks of deliveries finishing out of order, at most `concurrency` at once, leave
 /// nothing unacked and nothing handled twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn the_ack_window_settles_every_delivery_once() {
     ack_window(memory).await;
 }
@@ -582,13 +670,18 @@ async fn the_ack_window_settles_every_delivery_once_on_the_embedded_broker() {
     ack_window(embedded).await;
 }
 
+/// Answers after the latency its second argument gives, in seconds.
+fn sleeps() -> Script {
+    Script::new(|job| Answer::ok().after(Duration::from_secs_f64(job.args[0].parse().expect("seconds"))))
+}
+
 async fn ack_window<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
-    let runs = pipeline.file("runs");
-    let script = r#"sleep "$2"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
-    let config = pipeline.config(&[("work", command(script, &[&runs, "{{payload.sleep}}"], "    concurrency: 8\n"))]);
+    let config = pipeline.config(&[("work", command(&["runs", "{{payload.sleep}}"], "    concurrency: 8\n"))]);
     let (broker, look) = new();
-    let runner = Runner::start_on(broker, look, config, Some(pipeline.store().await), GRACE).await;
+    let script = sleeps();
+    let store = Some(pipeline.store().await);
+    let runner = Runner::start_on(broker, look, config, script.handlers(), store, GRACE).await;
     let speeds = ["0", "0.03", "0.01", "0.02", "0", "0.005"];
     for i in 0..50 {
         runner.publish("work", message(&format!("k{i:02}"), &json!({"sleep": speeds[i % speeds.len()]}))).await;
@@ -596,11 +689,11 @@ async fn ack_window<B: Publish>(new: NewBroker<B>) {
     let mut most_unacked = 0;
     wait_until("50 messages handled and acked", || {
         most_unacked = most_unacked.max(runner.look.unacked("work"));
-        runner.settled("work") && pipeline.lines("runs").len() == 50
+        runner.settled("work") && script.lines("runs").len() == 50
     })
     .await;
     assert!(most_unacked <= 8, "{most_unacked} unacked deliveries with a prefetch of 8");
-    let mut lines = pipeline.lines("runs");
+    let mut lines = script.lines("runs");
     lines.sort();
     let expected: Vec<String> = (0..50).map(|i| format!("k{i:02} 1")).collect();
     assert_eq!(lines, expected);
@@ -613,7 +706,7 @@ async fn ack_window<B: Publish>(new: NewBroker<B>) {
 /// timeout) is retried until it goes through, the runner not ready meanwhile: what was handled
 /// is acked, never handled again, and its prefetch slots come back. (They leaked: with every
 /// slot held by an ack that had failed once, the queue stalled for good.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_failed_ack_is_retried_and_the_queue_goes_on() {
     failed_acks(memory).await;
 }
@@ -626,10 +719,11 @@ async fn a_failed_ack_is_retried_and_the_queue_goes_on_on_the_embedded_broker() 
 
 async fn failed_acks<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
-    let runs = pipeline.file("runs");
-    let config = pipeline.config(&[("work", command(RECORD, &[&runs], "    concurrency: 2\n"))]);
+    let config = pipeline.config(&[("work", command(&["runs"], "    concurrency: 2\n"))]);
     let (broker, look) = new();
-    let runner = Runner::start_on(broker, look.clone(), config, Some(pipeline.store().await), GRACE).await;
+    let script = Script::record();
+    let store = Some(pipeline.store().await);
+    let runner = Runner::start_on(broker, look.clone(), config, script.handlers(), store, GRACE).await;
     wait_until("ready", || runner.readiness.get()).await;
     // Published first: a publish that shares an embedded commit with a failing ack fails too.
     assert_eq!(runner.pauses.set("work", true), Ok(true));
@@ -640,16 +734,16 @@ async fn failed_acks<B: Publish>(new: NewBroker<B>) {
     look.refuse_acks(true);
     assert_eq!(runner.pauses.set("work", false), Ok(true));
     wait_until("two handled, their acks failing, and not ready", || {
-        pipeline.lines("runs").len() == 2 && !runner.readiness.get()
+        script.lines("runs").len() == 2 && !runner.readiness.get()
     })
     .await;
     assert_eq!(look.unacked("work"), 2, "held by the runner, not handed back");
     look.refuse_acks(false);
     wait_until("every message handled and acked, and ready again", || {
-        runner.settled("work") && pipeline.lines("runs").len() == 6 && runner.readiness.get()
+        runner.settled("work") && script.lines("runs").len() == 6 && runner.readiness.get()
     })
     .await;
-    let mut lines = pipeline.lines("runs");
+    let mut lines = script.lines("runs");
     lines.sort();
     let expected: Vec<String> = (0..6).map(|i| format!("k{i} 1")).collect();
     assert_eq!(lines, expected, "each handled once");
@@ -659,18 +753,16 @@ async fn failed_acks<B: Publish>(new: NewBroker<B>) {
 
 /// Issue 10: a reload starts the added queue, replaces the changed one (one consumer, with the
 /// new concurrency) and stops the removed one, whose queue and messages stay on the broker.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_reload_adds_changes_and_removes_queues() {
     let pipeline = Pipeline::new();
-    let (gate, runs_a, runs_b, runs_c) =
-        (pipeline.file("gate"), pipeline.file("a"), pipeline.file("b"), pipeline.file("c"));
-    // `a` holds each delivery until the gate file exists, to show how many it is given.
-    let gated = r#"while [ ! -e "$2" ]; do sleep 0.005; done; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
-    let a = |concurrency: u16| command(gated, &[&runs_a, &gate], &format!("    concurrency: {concurrency}\n"));
-    let before = pipeline.config(&[("a", a(2)), ("b", command(RECORD, &[&runs_b], ""))]);
-    let runner = Runner::start(before, Some(pipeline.store().await), GRACE).await;
+    // `a` holds each delivery until the script opens, to show how many it is given.
+    let script = Script::new(|job| if job.log == "a" { Answer::ok().held() } else { Answer::ok() });
+    let a = |concurrency: u16| command(&["a"], &format!("    concurrency: {concurrency}\n"));
+    let before = pipeline.config(&[("a", a(2)), ("b", command(&["b"], ""))]);
+    let runner = Runner::start(before, &script, None, GRACE).await;
 
-    let after = pipeline.config(&[("a", a(3)), ("c", command(RECORD, &[&runs_c], ""))]);
+    let after = pipeline.config(&[("a", a(3)), ("c", command(&["c"], ""))]);
     let diff = runner.reload(after).await.expect("reload applied");
     assert_eq!(diff, Diff { added: names(&["c"]), changed: names(&["a"]), removed: names(&["b"]), ..Diff::default() });
     assert_eq!(runner.memory.consumers("b"), 0, "b's worker drained before the reload returns");
@@ -682,10 +774,7 @@ async fn a_reload_adds_changes_and_removes_queues() {
     runner.publish("b", message("b1", &json!({}))).await;
     runner.publish("c", message("c1", &json!({}))).await;
     wait_until("a holds 3 (its new concurrency) and c is handled", || {
-        runner.memory.unacked("a") == 3
-            && runner.depth("a") == 1
-            && runner.settled("c")
-            && pipeline.lines("c").len() == 1
+        runner.memory.unacked("a") == 3 && runner.depth("a") == 1 && runner.settled("c") && script.lines("c").len() == 1
     })
     .await;
     assert_eq!(
@@ -693,16 +782,16 @@ async fn a_reload_adds_changes_and_removes_queues() {
         (1, 0, 1),
         "consumers of a, b, c"
     );
-    assert_eq!(pipeline.lines("c"), ["c1 1"]);
+    assert_eq!(script.lines("c"), ["c1 1"]);
 
-    std::fs::write(&gate, "").expect("open the gate");
-    wait_until("a handles all four", || runner.settled("a") && pipeline.lines("a").len() == 4).await;
-    let mut lines = pipeline.lines("a");
+    script.open();
+    wait_until("a handles all four", || runner.settled("a") && script.lines("a").len() == 4).await;
+    let mut lines = script.lines("a");
     lines.sort();
     assert_eq!(lines, ["a1 1", "a2 1", "a3 1", "a4 1"]);
     assert_eq!(runner.depth("b"), 1, "b's message waits in b");
     assert_eq!(runner.memory.unacked("b"), 0);
-    assert!(pipeline.lines("b").is_empty(), "nothing consumes b");
+    assert!(script.lines("b").is_empty(), "nothing consumes b");
     assert_eq!(runner.memory.consumers("a"), 1, "replaced, not doubled");
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
@@ -718,7 +807,7 @@ fn bound(keys: &[&str]) -> String {
 /// bindings its `bind:` list dropped: what is published afterwards reaches only what the new
 /// config binds, and the removed queue stays on the broker with what it held, taking nothing
 /// more (before the fix it kept a copy of every matching message, unconsumed, forever).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_reload_unbinds_removed_queues_and_dropped_bindings() {
     unbinding(memory).await;
 }
@@ -731,19 +820,20 @@ async fn a_reload_unbinds_removed_queues_and_dropped_bindings_on_the_embedded_br
 
 async fn unbinding<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
-    let (runs_a, runs_b, runs_c) = (pipeline.file("a"), pipeline.file("b"), pipeline.file("c"));
-    let a = command(RECORD, &[&runs_a], &bound(&["#"]));
+    let script = Script::record();
+    let a = command(&["a"], &bound(&["#"]));
     let before = pipeline.config(&[
         ("a", a.clone()),
-        ("b", command(RECORD, &[&runs_b], &bound(&["k.*", "x"]))),
-        ("c", command(RECORD, &[&runs_c], &bound(&["k.*", "y"]))),
+        ("b", command(&["b"], &bound(&["k.*", "x"]))),
+        ("c", command(&["c"], &bound(&["k.*", "y"]))),
     ]);
     let (broker, look) = new();
-    let runner = Runner::start_on(broker, look, before, Some(pipeline.store().await), GRACE).await;
+    let store = store_for(look.as_ref(), &pipeline).await;
+    let runner = Runner::start_on(broker, look, before, script.handlers(), store, GRACE).await;
     runner.publish_to("ev", "x", message("x0", &json!({}))).await;
-    wait_until("x0 handled by a and b", || pipeline.lines("a").len() == 1 && pipeline.lines("b").len() == 1).await;
+    wait_until("x0 handled by a and b", || script.lines("a").len() == 1 && script.lines("b").len() == 1).await;
 
-    let after = pipeline.config(&[("a", a), ("c", command(RECORD, &[&runs_c], &bound(&["k.*"])))]);
+    let after = pipeline.config(&[("a", a), ("c", command(&["c"], &bound(&["k.*"])))]);
     let diff = runner.reload(after).await.expect("reload applied");
     assert_eq!((diff.removed, diff.changed), (names(&["b"]), names(&["c"])));
     let mut unbound: Vec<(&str, &str)> =
@@ -755,12 +845,12 @@ async fn unbinding<B: Publish>(new: NewBroker<B>) {
         runner.publish_to("ev", routing_key, message(key, &json!({}))).await;
     }
     wait_until("a handles all three and c its one", || {
-        runner.settled("a") && pipeline.lines("a").len() == 4 && runner.settled("c") && !pipeline.lines("c").is_empty()
+        runner.settled("a") && script.lines("a").len() == 4 && runner.settled("c") && !script.lines("c").is_empty()
     })
     .await;
-    assert_eq!(pipeline.lines("c"), ["k1 1"], "c no longer takes routing key y");
+    assert_eq!(script.lines("c"), ["k1 1"], "c no longer takes routing key y");
     assert_eq!(runner.depth("b"), 0, "nothing reaches the removed queue");
-    assert_eq!(pipeline.lines("b"), ["x0 1"]);
+    assert_eq!(script.lines("b"), ["x0 1"]);
     assert_eq!((runner.look.consumers("b"), runner.look.unacked("b")), (0, 0));
     runner.publish("b", message("b1", &json!({}))).await;
     assert_eq!(runner.depth("b"), 1, "the removed queue stays on the broker");
@@ -771,13 +861,13 @@ async fn unbinding<B: Publish>(new: NewBroker<B>) {
 /// Issue 19: an unbind the broker fails may have removed some bindings already, so it ends the
 /// session rather than leave the old config running half unbound: the reload is refused, and
 /// the next session runs the old config, bound as it was.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_failed_unbind_restarts_the_old_config_bound_as_it_was() {
     let pipeline = Pipeline::new();
-    let (runs_a, runs_b) = (pipeline.file("a"), pipeline.file("b"));
-    let a = command(RECORD, &[&runs_a], &bound(&["#"]));
-    let before = pipeline.config(&[("a", a.clone()), ("b", command(RECORD, &[&runs_b], &bound(&["#"])))]);
-    let runner = Runner::start(before, Some(pipeline.store().await), GRACE).await;
+    let script = Script::record();
+    let a = command(&["a"], &bound(&["#"]));
+    let before = pipeline.config(&[("a", a.clone()), ("b", command(&["b"], &bound(&["#"])))]);
+    let runner = Runner::start(before, &script, None, GRACE).await;
 
     runner.memory.refuse_next_unbind(BrokerError::Lost("connection reset".into()));
     let refused = runner.reload(pipeline.config(&[("a", a)])).await;
@@ -785,7 +875,7 @@ async fn a_failed_unbind_restarts_the_old_config_bound_as_it_was() {
     wait_until("b consumed again", || runner.look.consumers("b") == 1 && runner.readiness.get()).await;
     runner.publish_to("ev", "k", message("k1", &json!({}))).await;
     wait_until("k1 handled by a and b", || {
-        runner.settled("a") && runner.settled("b") && pipeline.lines("a").len() == 1 && pipeline.lines("b").len() == 1
+        runner.settled("a") && runner.settled("b") && script.lines("a").len() == 1 && script.lines("b").len() == 1
     })
     .await;
     let (ended, ..) = runner.stop(GRACE).await;
@@ -794,15 +884,14 @@ async fn a_failed_unbind_restarts_the_old_config_bound_as_it_was() {
 
 /// Issue 10: a reload the broker refuses changes nothing: the old worker keeps consuming with
 /// the old handler, and the next reload is still diffed against the old config.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_refused_reload_keeps_the_old_config_running() {
     let pipeline = Pipeline::new();
-    let runs = pipeline.file("runs");
-    let marked = |marker: &str| {
-        command(r#"echo "$2 $SLUICE_IDEMPOTENCY_KEY" >> "$1""#, &[&runs, marker], "    concurrency: 2\n")
-    };
+    let script = Script::record();
+    let marked = |marker: &str| command(&["runs", marker], "    concurrency: 2\n");
     let old = pipeline.config(&[("a", marked("old"))]);
-    let runner = Runner::start(old, Some(pipeline.store().await), GRACE).await;
+    let runner = Runner::start(old, &script, None, GRACE).await;
+    let runs = || -> Vec<String> { script.ended("runs").iter().map(|j| format!("{} {}", j.args[0], j.key)).collect() };
 
     runner.memory.refuse_next_declare(BrokerError::Conflict("queue \"a\" exists as something else".into()));
     let new = pipeline.config(&[("a", marked("new"))]);
@@ -811,15 +900,15 @@ async fn a_refused_reload_keeps_the_old_config_running() {
     assert_eq!(runner.memory.consumers("a"), 1);
 
     runner.publish("a", message("k1", &json!({}))).await;
-    wait_until("k1 handled", || runner.settled("a") && pipeline.lines("runs").len() == 1).await;
-    assert_eq!(pipeline.lines("runs"), ["old k1"]);
+    wait_until("k1 handled", || runner.settled("a") && runs().len() == 1).await;
+    assert_eq!(runs(), ["old k1"]);
     assert_eq!(runner.memory.consumers("a"), 1);
 
     let diff = runner.reload(new).await.expect("applied once the broker accepts it");
     assert_eq!(diff, Diff { changed: names(&["a"]), ..Diff::default() });
     runner.publish("a", message("k2", &json!({}))).await;
-    wait_until("k2 handled", || runner.settled("a") && pipeline.lines("runs").len() == 2).await;
-    assert_eq!(pipeline.lines("runs"), ["old k1", "new k2"]);
+    wait_until("k2 handled", || runner.settled("a") && runs().len() == 2).await;
+    assert_eq!(runs(), ["old k1", "new k2"]);
     assert_eq!(runner.memory.consumers("a"), 1);
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
@@ -827,7 +916,7 @@ async fn a_refused_reload_keeps_the_old_config_running() {
 
 /// Issue 10: a reload that changes a queue lets the in-flight delivery finish and acks it
 /// before the new worker starts: handled once, never handed back and run again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_reload_drains_in_flight_deliveries_before_replacing() {
     drain_before_replace(memory).await;
 }
@@ -840,25 +929,25 @@ async fn a_reload_drains_in_flight_deliveries_before_replacing_on_the_embedded_b
 
 async fn drain_before_replace<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
-    let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
-    let slow = r#"echo started >> "$2"; sleep 0.3; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
-    let queue = |concurrency: u16| command(slow, &[&runs, &started], &format!("    concurrency: {concurrency}\n"));
+    let script = Script::new(|_| Answer::ok().after(Duration::from_millis(300)));
+    let queue = |concurrency: u16| command(&["runs"], &format!("    concurrency: {concurrency}\n"));
     let (broker, look) = new();
     let config = pipeline.config(&[("work", queue(2))]);
-    let runner = Runner::start_on(broker, look, config, Some(pipeline.store().await), GRACE).await;
+    let store = store_for(look.as_ref(), &pipeline).await;
+    let runner = Runner::start_on(broker, look, config, script.handlers(), store, GRACE).await;
     runner.publish("work", message("k1", &json!({}))).await;
-    wait_until("k1 in flight", || pipeline.lines("started").len() == 1).await;
+    wait_until("k1 in flight", || script.started("runs") == 1).await;
 
     let diff = runner.reload(pipeline.config(&[("work", queue(3))])).await.expect("reload applied");
     assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
     // The reload returned: k1 was finished and acked by then, not handed back.
-    assert_eq!(pipeline.lines("runs"), ["k1 1"]);
+    assert_eq!(script.lines("runs"), ["k1 1"]);
     assert_eq!((runner.look.unacked("work"), runner.depth("work")), (0, 0));
 
     runner.publish("work", message("k2", &json!({}))).await;
-    wait_until("k2 handled by the new worker", || runner.settled("work") && pipeline.lines("runs").len() == 2).await;
-    assert_eq!(pipeline.lines("runs"), ["k1 1", "k2 1"]);
-    assert_eq!(pipeline.lines("started").len(), 2, "k1 ran once");
+    wait_until("k2 handled by the new worker", || runner.settled("work") && script.lines("runs").len() == 2).await;
+    assert_eq!(script.lines("runs"), ["k1 1", "k2 1"]);
+    assert_eq!(script.started("runs"), 2, "k1 ran once");
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }
@@ -866,20 +955,21 @@ async fn drain_before_replace<B: Publish>(new: NewBroker<B>) {
 /// Issue 19.11: with 5,000 queues SIGTERM took minutes, the depth poller's pass over every
 /// queue finishing before shutdown went on. Shutdown no longer waits for a pass: here one
 /// that never ends (the broker never answers a depth read).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn shutdown_does_not_wait_for_the_depth_poller() {
     let pipeline = Pipeline::new();
-    let config = pipeline.config(&[("work", command("true", &[], "")), ("other", command("true", &[], ""))]);
+    let config = pipeline.config(&[("work", command(&["work"], "")), ("other", command(&["other"], ""))]);
     let memory = Memory::new();
     memory.stall_stats(true);
-    let runner = Runner::start_on(memory.clone(), Arc::new(memory), config, None, GRACE).await;
+    let script = Script::record();
+    let runner = Runner::start_on(memory.clone(), Arc::new(memory), config, script.handlers(), None, GRACE).await;
     let (ended, ..) = runner.stop(DEADLINE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }
 
 /// Issue 10: shutdown finishes and acks the in-flight delivery within the grace; past the
 /// grace the unfinished delivery goes back to the broker (not acked, not dead-lettered).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn shutdown_finishes_in_flight_deliveries_within_the_grace() {
     shutdown(memory).await;
 }
@@ -891,24 +981,24 @@ async fn shutdown_finishes_in_flight_deliveries_within_the_grace_on_the_embedded
 }
 
 async fn shutdown<B: Publish>(new: NewBroker<B>) {
-    // What, the grace, how long the handler takes, then: lines written, left in the queue.
-    let rows: [(&str, Duration, &str, usize, usize); 2] =
-        [("finished within the grace", GRACE, "0.3", 1, 0), ("grace expired", Duration::from_millis(100), "3", 0, 1)];
+    // What, the grace, how long the handler takes, then: calls ended, left in the queue.
+    let rows: [(&str, Duration, f64, usize, usize); 2] =
+        [("finished within the grace", GRACE, 0.3, 1, 0), ("grace expired", Duration::from_millis(100), 3.0, 0, 1)];
     for (what, grace, sleep, lines, left) in rows {
         let pipeline = Pipeline::new();
-        let (runs, started) = (pipeline.file("runs"), pipeline.file("started"));
-        let script = r#"echo started >> "$2"; sleep "$3"; echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1""#;
-        let config = pipeline.config(&[("work", command(script, &[&runs, &started, sleep], ""))]);
+        let config = pipeline.config(&[("work", command(&["runs", &sleep.to_string()], ""))]);
         let (broker, look) = new();
-        let runner = Runner::start_on(broker, look.clone(), config, Some(pipeline.store().await), grace).await;
+        let script = sleeps();
+        let store = store_for(look.as_ref(), &pipeline).await;
+        let runner = Runner::start_on(broker, look.clone(), config, script.handlers(), store, grace).await;
         wait_until("ready", || runner.readiness.get()).await;
         runner.publish("work", message("k1", &json!({}))).await;
-        wait_until("k1 in flight", || pipeline.lines("started").len() == 1).await;
+        wait_until("k1 in flight", || script.started("runs") == 1).await;
 
         let (ended, took, _, readiness) = runner.stop(grace + Duration::from_secs(1)).await;
         assert!(ended.is_ok(), "{what}: {ended:?}");
         assert!(!readiness.get(), "{what}: not ready once stopped");
-        assert_eq!(pipeline.lines("runs").len(), lines, "{what}: handler finished");
+        assert_eq!(script.lines("runs").len(), lines, "{what}: handler finished");
         assert_eq!(
             (look.messages("work").len(), look.unacked("work"), look.consumers("work")),
             (left, 0, 0),
@@ -921,15 +1011,13 @@ async fn shutdown<B: Publish>(new: NewBroker<B>) {
 /// Issue 13: when the breaker opens, the queue stops consuming; what the worker had taken and
 /// not started goes back unattempted (a delayed copy, same attempt), the calls already made
 /// are retried as usual, and nothing is dead-lettered or lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn an_open_breaker_stops_consuming_and_hands_back_unattempted() {
     let pipeline = Pipeline::new();
-    // Port 9 refuses connections: every call says the receiver is unwell.
-    let queue = "    concurrency: 4\n    circuit_breaker: {failure_rate: 100%, min_calls: 1, open_for: 1h}\n    \
-                 retry: {max_attempts: 3, initial: 1ms, max: 5ms}\n    \
-                 handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n"
-        .to_string();
-    let runner = Runner::start(pipeline.config(&[("work", queue)]), None, GRACE).await;
+    // Every call says the receiver is unwell (as a refused connection does).
+    let script = Script::new(|_| Answer::fails(HandlerError::unwell("connection refused", None)));
+    let breaker = "    concurrency: 4\n    circuit_breaker: {failure_rate: 100%, min_calls: 1, open_for: 1h}\n";
+    let runner = Runner::start(pipeline.config(&[("work", command(&["work"], breaker))]), &script, None, GRACE).await;
     for i in 0..10 {
         runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
     }
@@ -952,10 +1040,10 @@ async fn an_open_breaker_stops_consuming_and_hands_back_unattempted() {
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok());
 }
-
 /// Issue 24: a token endpoint that gives no token says the receiver is unwell: the breaker
 /// opens and the queue stops consuming, the calls made are retried, and nothing is
-/// dead-lettered (the receiver is never reached).
+/// dead-lettered (the receiver is never reached). The real handlers on real time: what is
+/// tested is how the webhook handler classifies a token it could not get.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_token_endpoint_opens_the_breaker_and_dead_letters_nothing() {
     let pipeline = Pipeline::new();
@@ -966,7 +1054,9 @@ async fn a_failing_token_endpoint_opens_the_breaker_and_dead_letters_nothing() {
                  handler:\n      webhook:\n        url: \"http://127.0.0.1:9/hook\"\n        \
                  auth: {oauth2: {token_url: \"http://127.0.0.1:9/token\", client_id: c, client_secret_file: client-secret}}\n"
         .to_string();
-    let runner = Runner::start(pipeline.config(&[("work", queue)]), None, GRACE).await;
+    let handlers = Arc::new(crate::call::Handlers::new().expect("client"));
+    let (memory, look) = memory();
+    let runner = Runner::start_on(memory, look, pipeline.config(&[("work", queue)]), handlers, None, GRACE).await;
     for i in 0..10 {
         runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
     }
@@ -985,12 +1075,12 @@ async fn a_failing_token_endpoint_opens_the_breaker_and_dead_letters_nothing() {
 
 /// Issue 13: a queue paused by hand stops consuming, stays paused through a reload that
 /// restarts its worker, and handles everything once resumed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_paused_queue_stays_paused_across_a_reload_and_resumes() {
     let pipeline = Pipeline::new();
-    let runs = pipeline.file("runs");
-    let queue = |concurrency: u16| command(RECORD, &[&runs], &format!("    concurrency: {concurrency}\n"));
-    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), None, GRACE).await;
+    let script = Script::record();
+    let queue = |concurrency: u16| command(&["runs"], &format!("    concurrency: {concurrency}\n"));
+    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), &script, None, GRACE).await;
     assert_eq!(runner.pauses.set("work", true), Ok(true));
     assert_eq!(runner.pauses.set("nope", true), Err(gate::UnknownQueue("nope".into())));
     wait_until("the consumer is gone", || runner.look.consumers("work") == 0).await;
@@ -999,15 +1089,15 @@ async fn a_paused_queue_stays_paused_across_a_reload_and_resumes() {
     }
     // The reload also adds a queue, whose worker starts beside the restarted one: once it has
     // handled a message, the paused worker has had all the time it needs to (wrongly) consume.
-    let other = ("other", command(RECORD, &[&pipeline.file("other")], ""));
+    let other = ("other", command(&["other"], ""));
     let diff = runner.reload(pipeline.config(&[("work", queue(3)), other])).await.expect("reload");
     assert_eq!((diff.changed, diff.added), (names(&["work"]), names(&["other"])));
     runner.publish("other", message("sentinel", &json!({}))).await;
-    wait_until("the new queue's message handled", || pipeline.lines("other").len() == 1).await;
+    wait_until("the new queue's message handled", || script.lines("other").len() == 1).await;
     assert_eq!((runner.look.consumers("work"), runner.depth("work")), (0, 5));
-    assert!(pipeline.lines("runs").is_empty());
+    assert!(script.lines("runs").is_empty());
     assert_eq!(runner.pauses.set("work", false), Ok(true));
-    wait_until("all five handled", || runner.settled("work") && pipeline.lines("runs").len() == 5).await;
+    wait_until("all five handled", || runner.settled("work") && script.lines("runs").len() == 5).await;
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok());
 }
@@ -1015,13 +1105,13 @@ async fn a_paused_queue_stays_paused_across_a_reload_and_resumes() {
 /// Issue 19: a pause outlives its queue: paused by hand, removed by a reload (which no pause
 /// or resume can name meanwhile) and brought back by another, the queue comes back paused;
 /// before, it came back consuming.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_pause_survives_removing_and_re_adding_the_queue() {
     let pipeline = Pipeline::new();
-    let (runs, runs_other) = (pipeline.file("runs"), pipeline.file("other"));
-    let other = ("other", command(RECORD, &[&runs_other], ""));
-    let both = || pipeline.config(&[("work", command(RECORD, &[&runs], "")), other.clone()]);
-    let runner = Runner::start(both(), None, GRACE).await;
+    let script = Script::record();
+    let other = ("other", command(&["other"], ""));
+    let both = || pipeline.config(&[("work", command(&["runs"], "")), other.clone()]);
+    let runner = Runner::start(both(), &script, None, GRACE).await;
     assert_eq!(runner.pauses.set("work", true), Ok(true));
     wait_until("the consumer is gone", || runner.look.consumers("work") == 0).await;
 
@@ -1036,11 +1126,11 @@ async fn a_pause_survives_removing_and_re_adding_the_queue() {
         runner.publish("work", message(&format!("k{i}"), &json!({}))).await;
     }
     runner.publish("other", message("o1", &json!({}))).await;
-    wait_until("other handles its message", || runner.settled("other") && pipeline.lines("other").len() == 1).await;
+    wait_until("other handles its message", || runner.settled("other") && script.lines("other").len() == 1).await;
     assert_eq!((runner.look.consumers("work"), runner.depth("work")), (0, 3));
-    assert!(pipeline.lines("runs").is_empty());
+    assert!(script.lines("runs").is_empty());
     assert_eq!(runner.pauses.set("work", false), Ok(true));
-    wait_until("all three handled", || runner.settled("work") && pipeline.lines("runs").len() == 3).await;
+    wait_until("all three handled", || runner.settled("work") && script.lines("runs").len() == 3).await;
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok());
 }
@@ -1050,7 +1140,7 @@ async fn a_pause_survives_removing_and_re_adding_the_queue() {
 /// meanwhile, and the new worker, its limit lowered from 3 to 2, starts a call only while fewer
 /// than 2 run. Before, the old worker handed its deliveries back once the grace was over and
 /// the new one ran them a second time beside the old calls, over the limit.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn calls_outliving_a_reloads_grace_keep_their_messages_and_slots() {
     calls_outliving_the_grace(memory).await;
 }
@@ -1063,57 +1153,50 @@ async fn calls_outliving_a_reloads_grace_keep_their_messages_and_slots_on_the_em
 
 async fn calls_outliving_the_grace<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
-    let (log, gate) = (pipeline.file("log"), pipeline.file("gate"));
-    // Each call is held until the gate file exists; the log tells which ran at once.
-    let held = r#"echo "start $SLUICE_IDEMPOTENCY_KEY" >> "$1"; while [ ! -e "$2" ]; do sleep 0.005; done; echo "end $SLUICE_IDEMPOTENCY_KEY" >> "$1""#;
-    let queue = |concurrency: u16| command(held, &[&log, &gate], &format!("    concurrency: {concurrency}\n"));
+    // Each call is held until the script opens; its events tell which ran at once.
+    let script = Script::new(|_| Answer::ok().held());
+    let queue = |concurrency: u16| command(&["log"], &format!("    concurrency: {concurrency}\n"));
     let (broker, look) = new();
     let grace = Duration::from_millis(100);
     // No idempotency store: nothing but the runtime keeps a message from running twice.
-    let runner = Runner::start_on(broker, look, pipeline.config(&[("work", queue(3))]), None, grace).await;
+    let config = pipeline.config(&[("work", queue(3))]);
+    let runner = Runner::start_on(broker, look, config, script.handlers(), None, grace).await;
     let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
     for key in &keys {
         runner.publish("work", message(key, &json!({}))).await;
     }
-    let started = || pipeline.lines("log").iter().filter(|l| l.starts_with("start ")).count();
-    wait_until("three calls running", || started() == 3).await;
+    wait_until("three calls running", || script.started("log") == 3).await;
 
     let diff = runner.reload(pipeline.config(&[("work", queue(2))])).await.expect("reload applied");
     assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
     wait_until("the old calls hold 3, the new worker 2 (or a call started again)", || {
-        (runner.look.unacked("work") == 5 && runner.depth("work") == 3) || started() > 3
+        (runner.look.unacked("work") == 5 && runner.depth("work") == 3) || script.started("log") > 3
     })
     .await;
-    assert_eq!(started(), 3, "no call started beside the three still running: {:?}", pipeline.lines("log"));
-    std::fs::OpenOptions::new()
-        .append(true)
-        .open(&log)
-        .and_then(|mut f| std::io::Write::write_all(&mut f, b"reloaded\n"))
-        .expect("mark the log");
+    assert_eq!(script.started("log"), 3, "no call started beside the three still running: {:?}", script.events());
+    script.mark();
 
-    std::fs::write(&gate, "").expect("open the gate");
-    wait_until("all eight handled", || {
-        runner.settled("work") && pipeline.lines("log").iter().filter(|l| l.starts_with("end ")).count() == 8
-    })
-    .await;
-    let lines = pipeline.lines("log");
-    let starts = counts(lines.iter().filter_map(|l| l.strip_prefix("start ")));
-    assert_eq!(starts, keys.iter().map(|k| (k.clone(), 1)).collect(), "calls per key: {lines:?}");
+    script.open();
+    wait_until("all eight handled", || runner.settled("work") && script.ended("log").len() == 8).await;
+    let events = script.events().clone();
+    let starts =
+        counts(events.iter().filter_map(|e| if let Event::Start(j) = e { Some(j.key.as_str()) } else { None }));
+    assert_eq!(starts, keys.iter().map(|k| (k.clone(), 1)).collect(), "calls per key: {events:?}");
     // The most calls running when one started after the reload, itself included.
     let (mut running, mut reloaded, mut busiest) = (0usize, false, 0);
-    for line in &lines {
-        match line.split_once(' ') {
-            Some(("start", _)) => {
+    for event in &events {
+        match event {
+            Event::Start(_) => {
                 running += 1;
                 if reloaded {
                     busiest = busiest.max(running);
                 }
             }
-            Some(("end", _)) => running -= 1,
-            _ => reloaded = true,
+            Event::End(_) => running -= 1,
+            Event::Mark => reloaded = true,
         }
     }
-    assert!(busiest <= 2, "{busiest} calls at once under the new limit of 2: {lines:?}");
+    assert!(busiest <= 2, "{busiest} calls at once under the new limit of 2: {events:?}");
     wait_until("the old consumer closed once its calls were settled", || runner.look.consumers("work") == 1).await;
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
@@ -1131,18 +1214,17 @@ fn counts<'a>(items: impl Iterator<Item = &'a str>) -> BTreeMap<String, usize> {
 /// Issue 19: shutdown stays bounded by the grace with a retiring worker (one whose calls
 /// outlived a reload's grace): once the grace is over, what it holds goes back to the broker,
 /// unacked and not dead-lettered, as a running worker's does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn shutdown_releases_what_a_retiring_worker_holds_within_the_grace() {
     let pipeline = Pipeline::new();
-    let (log, gate) = (pipeline.file("log"), pipeline.file("gate"));
-    let held = r#"echo "start $SLUICE_IDEMPOTENCY_KEY" >> "$1"; while [ ! -e "$2" ]; do sleep 0.005; done"#;
-    let queue = |concurrency: u16| command(held, &[&log, &gate], &format!("    concurrency: {concurrency}\n"));
+    let script = Script::new(|_| Answer::ok().held());
+    let queue = |concurrency: u16| command(&["log"], &format!("    concurrency: {concurrency}\n"));
     let grace = Duration::from_millis(100);
-    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), None, grace).await;
+    let runner = Runner::start(pipeline.config(&[("work", queue(2))]), &script, None, grace).await;
     for key in ["k0", "k1"] {
         runner.publish("work", message(key, &json!({}))).await;
     }
-    wait_until("two calls running", || pipeline.lines("log").len() == 2).await;
+    wait_until("two calls running", || script.started("log") == 2).await;
     runner.reload(pipeline.config(&[("work", queue(3))])).await.expect("reload applied");
     wait_until("the old consumer holds both beside the new one", || {
         runner.look.consumers("work") == 2 && runner.look.unacked("work") == 2
@@ -1153,7 +1235,6 @@ async fn shutdown_releases_what_a_retiring_worker_holds_within_the_grace() {
     assert!(ended.is_ok(), "{ended:?}");
     assert_eq!((memory.messages("work").len(), memory.unacked("work"), memory.consumers("work")), (2, 0, 0));
     assert!(memory.messages("work.dlq").is_empty());
-    std::fs::write(&gate, "").expect("let the abandoned calls end");
 }
 
 /// Issue 24: a queue bound twice, once with a filter: through the filtered binding only the
@@ -1161,7 +1242,7 @@ async fn shutdown_releases_what_a_retiring_worker_holds_within_the_grace() {
 /// copy, nothing left). The unfiltered binding takes everything, a publish straight to the
 /// queue (no binding routed it) is taken because one binding takes anything, and a retry copy
 /// of a message the filter took is taken again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn binding_filters_decide_before_the_handler() {
     binding_filters(memory).await;
 }
@@ -1174,13 +1255,12 @@ async fn binding_filters_decide_before_the_handler_on_the_embedded_broker() {
 
 async fn binding_filters<B: Publish>(new: NewBroker<B>) {
     let pipeline = Pipeline::new();
-    let runs = pipeline.file("runs");
     // Fails the first attempt of key "retried", so that its retry copy comes back.
-    let script = r#"echo "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" >> "$1"; [ "$SLUICE_IDEMPOTENCY_KEY $SLUICE_ATTEMPT" != "retried 1" ]"#;
+    let script = Script::new(|job| if job.line() == "retried 1" { transient() } else { Answer::ok() });
     let extra = "    bind:\n      - exchange: ev\n        routing_key: order.*\n        filter: {all: [{field: payload.amount, gte: 100}, {not: {field: payload.test, exists: true}}]}\n      - exchange: ev\n        routing_key: refund.#\n";
-    let config = pipeline.config(&[("work", command(script, &[runs.as_str()], extra))]);
+    let config = pipeline.config(&[("work", command(&["runs"], extra))]);
     let (broker, look) = new();
-    let runner = Runner::start_on(broker, look, config, None, GRACE).await;
+    let runner = Runner::start_on(broker, look, config, script.handlers(), None, GRACE).await;
     let sent = [
         ("order.created", "big", json!({"amount": 150})),
         ("order.created", "small", json!({"amount": 5})),
@@ -1194,8 +1274,8 @@ async fn binding_filters<B: Publish>(new: NewBroker<B>) {
     }
     runner.publish("work", message("direct", &json!({"amount": 1}))).await;
     let taken = ["big 1", "direct 1", "refund 1", "retried 1", "retried 2"];
-    wait_until("every message settled", || runner.settled("work") && pipeline.lines("runs").len() == taken.len()).await;
-    let mut runs = pipeline.lines("runs");
+    wait_until("every message settled", || runner.settled("work") && script.lines("runs").len() == taken.len()).await;
+    let mut runs = script.lines("runs");
     runs.sort();
     assert_eq!(runs, taken);
     assert_eq!(runner.depth("work.dlq"), 0, "nothing filtered is dead-lettered");
@@ -1203,44 +1283,36 @@ async fn binding_filters<B: Publish>(new: NewBroker<B>) {
     assert!(ended.is_ok(), "{ended:?}");
 }
 
-/// Issue 32 item 1: a retry delay longer than the broker's longest delay (here 40ms, as SQS's
-/// 15 minutes against an hour's retry) is served in hops, each no longer than the broker
-/// holds, and the copy is never handled before its due time, nor its attempt counted twice.
-/// (Real time, scaled down: the runtime's handlers are processes, which paused time cannot
-/// wait for.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// Issue 32 item 1: a retry delay longer than the broker's longest delay (here 15 minutes, as
+/// SQS's, against an hour's retry) is served in hops, each no longer than the broker holds,
+/// and the copy is never handled before its due time, nor its attempt counted twice. On
+/// paused time, at full scale.
+#[tokio::test(start_paused = true)]
 async fn a_delay_longer_than_the_broker_holds_is_served_in_hops_and_never_early() {
     let pipeline = Pipeline::new();
-    let runs = pipeline.file("runs");
-    let longest = Duration::from_millis(40);
-    let retry = Duration::from_millis(400);
-    // Records "<attempt> <nanoseconds since the epoch>" and fails the first attempt.
-    let script = r#"echo "$SLUICE_ATTEMPT $(date +%s%N)" >> "$1"; [ "$SLUICE_ATTEMPT" != 1 ]"#;
-    let argv = json!(["-c", script, "sh", runs]);
-    let queue = format!(
-        "    retry: {{max_attempts: 3, initial: 400ms, max: 400ms, jitter: none}}\n    handler:\n      command: {{program: /bin/sh, args: {argv}, stdin: none}}\n"
-    );
+    let longest = Duration::from_secs(15 * 60);
+    let retry = Duration::from_secs(3600);
+    // Fails the first attempt.
+    let script = Script::new(|job| if job.attempt == 1 { transient() } else { Answer::ok() });
+    let queue = command(&["runs"], "    retry: {max_attempts: 3, initial: 1h, max: 1h, jitter: none}\n");
     let memory = Memory::with_longest_delay(longest);
     let config = pipeline.config(&[("work", queue)]);
-    let runner = Runner::start_on(memory.clone(), Arc::new(memory.clone()), config, None, GRACE).await;
+    let runner =
+        Runner::start_on(memory.clone(), Arc::new(memory.clone()), config, script.handlers(), None, GRACE).await;
     runner.publish("work", message("k", &json!({}))).await;
-    wait_until("the retry handled", || pipeline.lines("runs").len() == 2 && runner.settled("work")).await;
+    // An hour of tokio's clock passes at once; polling through it would take long.
+    tokio::time::sleep(retry).await;
+    wait_until("the retry handled", || script.lines("runs").len() == 2 && runner.settled("work")).await;
 
-    let runs: Vec<(String, u128)> = pipeline
-        .lines("runs")
-        .iter()
-        .map(|line| {
-            let (attempt, at) = line.split_once(' ').expect("attempt and time");
-            (attempt.to_string(), at.parse().expect("nanoseconds"))
-        })
-        .collect();
-    assert_eq!(runs.iter().map(|(a, _)| a.as_str()).collect::<Vec<_>>(), ["1", "2"], "one retry, counted once");
-    let waited = Duration::from_nanos(u64::try_from(runs[1].1 - runs[0].1).expect("nanoseconds"));
+    let runs = script.ended("runs");
+    assert_eq!(runs.iter().map(|j| j.attempt).collect::<Vec<_>>(), [1, 2], "one retry, counted once");
+    let waited = runs[1].at - runs[0].at;
     assert!(waited >= retry, "handled {waited:?} after the first attempt, before its due time ({retry:?})");
     let held = memory.held_delays();
     assert!(held.iter().all(|hop| *hop <= longest), "a hop longer than the broker holds: {held:?}");
-    // How many hops depends on how long each took to come round: at least two.
-    assert!(held.len() >= 2 && held[0] == longest, "not in hops: {held:?}");
+    // Four hops of 15 minutes (a last one of under a millisecond may follow: the due time's
+    // header holds whole milliseconds, rounded up).
+    assert!(held.len() >= 4 && held[..4] == [longest; 4], "not in hops of 15 minutes: {held:?}");
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }

@@ -1,7 +1,8 @@
 //! One worker per queue: consume with prefetch = concurrency (none while paused or its
 //! circuit breaker is open, one while half-open), run each delivery through decode → schema →
 //! render → gate (pause, breaker, in-flight limit) → rate limit → handler, turn the result into exactly one
-//! [`Disposition`], make it durable (a confirmed retry or dead-letter copy), then ack.
+//! [`Disposition`], make it durable (its [`Effect`]: a confirmed retry or dead-letter copy),
+//! then ack.
 //!
 //! A delivery whose copy is not confirmed is never acked: the worker keeps retrying the
 //! publish while the delivery's channel lives, and otherwise leaves it to the broker to
@@ -16,26 +17,29 @@ use std::fmt::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
+use futures_util::future::Fuse;
 use futures_util::{FutureExt as _, StreamExt};
 use governor::{DefaultDirectRateLimiter, Quota};
 use rand::Rng;
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument as _, error, info, warn};
 
 use super::events::{self, Activity, QueueEvents, Seen};
 use super::gate::{Admission, Changes, Gate, Mode, Permit};
-use super::outcome::{self, Disposition};
-use super::{Readiness, filter};
+use super::outcome::{self, Disposition, Effect};
+use super::{Readiness, clock, filter};
 use crate::backoff;
-use crate::broker::{Broker, BrokerError, Consumer, Credit, Delivery, Edits, HeaderValue, Headers, Target};
-use crate::call::{self, Call};
+use crate::broker::{Broker, BrokerError, Consumer, Credit, Delivery, Edits, Headers, Target};
+use crate::call::{Call, Execute};
 use crate::config::{Config, Queue};
 use crate::dedup::{self, Claim, Store};
-use crate::envelope::{self, Reason, attempt_in, dead_letter_headers};
+use crate::envelope::{self, Reason, attempt_in};
 use crate::handler::{HandlerError, Observed};
 use crate::trace;
 
@@ -59,12 +63,20 @@ pub const ACK_RETRY_FOR: Duration = Duration::from_secs(30);
 /// The longest pause between two attempts to ack a batch.
 const ACK_BACKOFF_CAP: Duration = Duration::from_secs(2);
 
+/// A settled delivery on its way to the ack loop, with the idempotency key to record done.
+type Settled<D> = (D, Option<String>);
+
+/// The ack loop's task; fused: polled again after it ended (it ends early only on an error),
+/// it stays pending.
+type Acker = Fuse<JoinHandle<Result<(), BrokerError>>>;
+
 /// Everything a queue's worker needs, shared by its delivery tasks.
 pub struct Worker {
     config: Arc<Config>,
     name: String,
     limiter: Option<DefaultDirectRateLimiter>,
-    client: reqwest::Client,
+    /// What runs the handler's calls.
+    handlers: Arc<dyn Execute>,
     /// What this runner has under way, across all workers (for `--exit-when-idle`).
     activity: Arc<Activity>,
     store: Option<Store>,
@@ -76,12 +88,13 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A worker for queue `name` of `config`, through `gate` (made for that queue).
+    /// A worker for queue `name` of `config`, through `gate` (made for that queue), its calls
+    /// run by `handlers`.
     pub fn new(
         config: Arc<Config>,
         name: &str,
         gate: Gate,
-        client: reqwest::Client,
+        handlers: Arc<dyn Execute>,
         activity: Arc<Activity>,
         store: Option<Store>,
         readiness: Readiness,
@@ -91,7 +104,7 @@ impl Worker {
             Some(DefaultDirectRateLimiter::direct(quota))
         });
         let events = QueueEvents::new(name, activity.clone(), activity.attempts.of(name));
-        Worker { config, name: name.to_string(), limiter, client, activity, store, events, gate, readiness }
+        Worker { config, name: name.to_string(), limiter, handlers, activity, store, events, gate, readiness }
     }
 
     fn queue(&self) -> &Queue {
@@ -159,19 +172,14 @@ impl Worker {
         info!(queue = %queue.name, prefetch, adaptive = queue.adaptive, "consuming");
         let tracker = TaskTracker::new();
         let (acks, ack_events) = mpsc::unbounded_channel();
-        // Fused: polled again after it ended (it ends early only on an error), it stays pending.
         let mut acker = tokio::spawn(self.clone().ack_loop(consumer.clone(), ack_events)).fuse();
-        let mut stopped = false;
-        let mut cancelled = false;
+        let (mut stopped, mut cancelled) = (false, false);
         let result = loop {
             tokio::select! {
                 _ = stop.cancelled(), if !stopped => {
                     stopped = true;
-                    if !cancelled {
-                        cancelled = true;
-                        if let Err(e) = consumer.cancel().await {
-                            break Err(e);
-                        }
+                    if !std::mem::replace(&mut cancelled, true) && let Err(e) = consumer.cancel().await {
+                        break Err(e);
                     }
                 }
                 // The runner gave up waiting for the stream to end after `stop`.
@@ -191,35 +199,7 @@ impl Worker {
                     }
                 }
                 item = deliveries.next() => match item {
-                    Some(Ok(delivery)) => {
-                        self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
-                        self.events.received(delivery.timestamp());
-                        let (worker, broker, acks) = (self.clone(), broker.clone(), acks.clone());
-                        let message = events::message_span(delivery.message_id());
-                        let receive = trace::receive_span(&queue.name, &delivery, &message);
-                        // Log lines see the message span; exported spans start at receive.
-                        let (exported, logged) = (receive.clone(), message.clone());
-                        tracker.spawn(async move {
-                            let handle = trace::handle_span(&receive);
-                            let mut seen = Seen::default();
-                            let disposition = worker.decide(&delivery, &message, &mut seen).instrument(handle).await;
-                            let settle = trace::settle_span(&receive);
-                            if worker.settle(&broker, &delivery, &disposition).instrument(settle).await {
-                                worker.events.outcome(&disposition, seen);
-                                let key = match disposition {
-                                    Disposition::Completed { key } => Some(key),
-                                    _ => None,
-                                };
-                                // The ack loop gave up on this session: no ack, but a success
-                                // is still recorded, so its redelivery is a duplicate.
-                                if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
-                                    worker.complete(&[key]).await;
-                                }
-                            }
-                            worker.events.settled();
-                            worker.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
-                        }.instrument(exported).instrument(logged));
-                    }
+                    Some(Ok(delivery)) => self.clone().start(&tracker, broker, delivery, acks.clone()),
                     Some(Err(e)) => break Err(e),
                     None if cancelled => break Ok(()),
                     None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name).into())),
@@ -228,26 +208,71 @@ impl Worker {
         };
         drop(acks);
         if result.is_ok() {
-            tracker.close();
-            // In-flight handlers finish in their own time (their timeout bounds it), unless
-            // their deliveries are released first.
-            let in_time = tokio::select! {
-                () = tracker.wait() => true,
-                () = release.cancelled() => {
-                    warn!(queue = %queue.name, "grace expired with handlers still running; their messages go back to the broker");
-                    false
-                }
-            };
-            // The acks of what finished go out before the rest is handed back.
-            if in_time {
-                tokio::select! {
-                    _ = &mut acker => {}
-                    () = release.cancelled() => warn!(queue = %queue.name, "acks not sent within the grace; those messages go back to the broker"),
-                }
-            }
+            self.drain(&tracker, &mut acker, release).await;
         }
         consumer.close().await;
         result.map(|()| stop.is_cancelled())
+    }
+
+    /// Starts handling a delivery on `tracker`: decide, settle, then hand it to the ack loop.
+    fn start<B: Broker>(
+        self: Arc<Self>,
+        tracker: &TaskTracker,
+        broker: &B,
+        delivery: B::Delivery,
+        acks: mpsc::UnboundedSender<Settled<B::Delivery>>,
+    ) {
+        self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.events.received(delivery.timestamp());
+        let broker = broker.clone();
+        let message = events::message_span(delivery.message_id());
+        let receive = trace::receive_span(&self.queue().name, &delivery, &message);
+        // Log lines see the message span; exported spans start at receive.
+        let (exported, logged) = (receive.clone(), message.clone());
+        tracker.spawn(
+            async move {
+                let mut seen = Seen::default();
+                let disposition =
+                    self.decide(&delivery, &message, &mut seen).instrument(trace::handle_span(&receive)).await;
+                let settled =
+                    self.settle(&broker, &delivery, &disposition).instrument(trace::settle_span(&receive)).await;
+                if settled {
+                    self.events.outcome(&disposition, seen);
+                    let key = match disposition {
+                        Disposition::Completed { key } => Some(key),
+                        _ => None,
+                    };
+                    // The ack loop gave up on this session: no ack, but a success is still
+                    // recorded, so its redelivery is a duplicate.
+                    if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
+                        self.complete(&[key]).await;
+                    }
+                }
+                self.events.settled();
+                self.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+            .instrument(exported)
+            .instrument(logged),
+        );
+    }
+
+    /// Waits for the calls under way (their timeout bounds them) and their acks, unless
+    /// `release` hands their deliveries back first.
+    async fn drain(&self, tracker: &TaskTracker, acker: &mut Acker, release: &CancellationToken) {
+        let queue = self.queue().name.as_str();
+        tracker.close();
+        tokio::select! {
+            () = tracker.wait() => {}
+            () = release.cancelled() => {
+                warn!(queue, "grace expired with handlers still running; their messages go back to the broker");
+                return;
+            }
+        }
+        // The acks of what finished go out before the rest is handed back.
+        tokio::select! {
+            _ = acker => {}
+            () = release.cancelled() => warn!(queue, "acks not sent within the grace; those messages go back to the broker"),
+        }
     }
 
     /// Decides what happens to a delivery. Whatever goes wrong in here, a panic included, ends
@@ -256,7 +281,13 @@ impl Worker {
     pub async fn decide<D: Delivery>(&self, delivery: &D, message: &tracing::Span, seen: &mut Seen) -> Disposition {
         let attempt = attempt_of(delivery);
         seen.attempt = attempt;
-        match AssertUnwindSafe(self.decide_unguarded(delivery, attempt, message, seen)).catch_unwind().await {
+        let decided = async {
+            match self.prepare(delivery, attempt, message, seen) {
+                Ok((key, call)) => self.run_call(key, call, attempt, seen).await,
+                Err(disposition) => disposition,
+            }
+        };
+        match AssertUnwindSafe(decided).catch_unwind().await {
             Ok(disposition) => disposition,
             Err(panic) => {
                 let error = panic_text(panic.as_ref());
@@ -270,41 +301,37 @@ impl Worker {
         }
     }
 
-    /// Bad messages are dead-lettered, duplicates acked, the rest run the handler under an
-    /// idempotency claim taken only once the rate limiter lets the handler run.
-    async fn decide_unguarded<D: Delivery>(
+    /// The checks before a handler runs, in order: a copy back early from a hop waits again,
+    /// a bad message is dead-lettered, a filtered one acked, a scheduled one waits; the rest
+    /// come out as their idempotency key and rendered call.
+    fn prepare<D: Delivery>(
         &self,
         delivery: &D,
         attempt: u32,
         message: &tracing::Span,
         seen: &mut Seen,
-    ) -> Disposition {
+    ) -> Result<(String, Call), Disposition> {
         let q = self.queue();
         // A copy that came back from a hop before its due time waits again, attempt unspent.
-        if let Some(after) = envelope::due_in(delivery.header(envelope::DUE_HEADER).as_ref(), SystemTime::now()) {
-            return Disposition::Scheduled { attempt, after };
+        if let Some(after) = envelope::due_in(delivery.header(envelope::DUE_HEADER).as_ref(), clock::now()) {
+            return Err(Disposition::Scheduled { attempt, after });
         }
         let keep = self.events.keeps_attempts();
         if keep {
             seen.message_id = delivery.message_id().map(str::to_string);
         }
         let body = delivery.body();
-        let envelope = match outcome::decode(q, body, delivery.size(), attempt) {
-            Ok(e) => e,
-            Err(disposition) => return disposition,
-        };
+        let envelope = outcome::decode(q, body, delivery.size(), attempt)?;
         events::decoded(message, &envelope, delivery.message_id().is_some());
         if keep {
             seen.message_id.get_or_insert_with(|| envelope.id.clone());
             seen.idempotency_key = Some(envelope.idempotency_key().to_string());
         }
         let headers = filter::headers(q, |name| delivery.header(name));
-        if let Err(disposition) = outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt) {
-            return disposition;
-        }
+        outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt)?;
         // Before anything is rendered or waited for: a scheduled message holds no slot.
-        if let Some(after) = envelope.due_in(SystemTime::now()) {
-            return Disposition::Scheduled { attempt, after };
+        if let Some(after) = envelope.due_in(clock::now()) {
+            return Err(Disposition::Scheduled { attempt, after });
         }
         let context = trace::outgoing(trace::incoming(delivery));
         if keep {
@@ -315,11 +342,13 @@ impl Worker {
             }
             seen.trace_id = Some(hex);
         }
-        let traceparent = context.to_string();
-        let (key, call) = match outcome::prepare(q, &envelope, body, attempt, Some(&traceparent)) {
-            Ok(prepared) => prepared,
-            Err(disposition) => return disposition,
-        };
+        outcome::prepare(q, &envelope, body, attempt, Some(&context.to_string()))
+    }
+
+    /// Runs a prepared call once the gate and the rate limiter let it, under an idempotency
+    /// claim taken only then.
+    async fn run_call(&self, key: String, call: Call, attempt: u32, seen: &mut Seen) -> Disposition {
+        let q = self.queue();
         // The waits hold no claim: a lease taken before them could run out while the message
         // waits, and let a duplicate run beside it.
         let permit = match self.gate.admit().await {
@@ -332,17 +361,8 @@ impl Worker {
         let (Some(_), Some(store)) = (&q.idempotency, &self.store) else {
             return self.handle(call, attempt, permit, seen).await;
         };
-        match store.claim(&q.name, &key, lease(q)).await {
-            Ok(Claim::Claimed) => {}
-            Ok(Claim::Done) => return Disposition::Duplicate,
-            Ok(Claim::Busy) => {
-                let after = q.retry.initial.max(Duration::from_secs(1)).mul_f64(rand::rng().random_range(0.5..=1.0));
-                return Disposition::Wait { attempt, after, why: "another worker holds this key".into() };
-            }
-            Err(e) => {
-                let after = backoff::reconnect_delay(6, STORE_DOWN_WAIT, &mut rand::rng());
-                return Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") };
-            }
+        if let Err(disposition) = self.claim(store, &key, attempt).await {
+            return disposition;
         }
         match self.handle(call, attempt, permit, seen).await {
             Disposition::Ack => Disposition::Completed { key },
@@ -351,6 +371,24 @@ impl Worker {
                     warn!(queue = %q.name, error = %e, "releasing the idempotency claim failed; it expires with its lease");
                 }
                 other
+            }
+        }
+    }
+
+    /// Claims `key` for a handler run, or says why not: a duplicate, a key busy elsewhere, a
+    /// store that does not answer.
+    async fn claim(&self, store: &Store, key: &str, attempt: u32) -> Result<(), Disposition> {
+        let q = self.queue();
+        match store.claim(&q.name, key, lease(q)).await {
+            Ok(Claim::Claimed) => Ok(()),
+            Ok(Claim::Done) => Err(Disposition::Duplicate),
+            Ok(Claim::Busy) => {
+                let after = q.retry.initial.max(Duration::from_secs(1)).mul_f64(rand::rng().random_range(0.5..=1.0));
+                Err(Disposition::Wait { attempt, after, why: "another worker holds this key".into() })
+            }
+            Err(e) => {
+                let after = backoff::reconnect_delay(6, STORE_DOWN_WAIT, &mut rand::rng());
+                Err(Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") })
             }
         }
     }
@@ -381,7 +419,7 @@ impl Worker {
     async fn handle(&self, call: Call, attempt: u32, permit: Permit<'_>, seen: &mut Seen) -> Disposition {
         let started = Instant::now();
         let mut observed = Observed::default();
-        let result = call::execute(call, &self.client, &mut observed).await;
+        let result = self.handlers.execute(call, &mut observed).await;
         let rtt = started.elapsed();
         seen.handler = Some((observed, rtt));
         self.events.handler_ran(rtt);
@@ -389,41 +427,26 @@ impl Worker {
         outcome::disposition(self.queue(), result, attempt)
     }
 
-    /// Makes a disposition durable; true when the delivery may now be acked.
+    /// Makes a disposition durable (its [`Effect`]); true when the delivery may now be acked.
+    /// A copy the broker refuses is published again while the delivery's channel lives.
     async fn settle<B: Broker>(&self, broker: &B, delivery: &B::Delivery, disposition: &Disposition) -> bool {
         let q = self.queue();
-        let headers = match disposition {
-            Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
-                return true;
-            }
-            Disposition::Retry { next, .. } => attempt_header(*next),
-            Disposition::Wait { attempt, .. } | Disposition::Scheduled { attempt, .. } => attempt_header(*attempt),
-            Disposition::DeadLetter { reason, error, attempts } => {
-                dead_letter_headers(*reason, error, *attempts, &q.name)
-            }
-        };
+        let effect = disposition.effect(&q.name);
         let mut failures = 0;
         loop {
-            let published = match disposition {
-                Disposition::Retry { after, .. }
-                | Disposition::Wait { after, .. }
-                | Disposition::Scheduled { after, .. } => {
-                    let (delay, headers) = hop(*after, broker.capabilities().longest_delay, &headers);
+            let published = match &effect {
+                Effect::Ack => return true,
+                Effect::Delayed { after, headers } => {
+                    let (delay, headers) = hop(*after, broker.capabilities().longest_delay, headers);
                     broker.copy(delivery, Target::Later { queue: &q.name, delay }, &Edits::setting(headers)).await
                 }
-                Disposition::DeadLetter { .. } => {
+                Effect::DeadLetter { headers } => {
                     broker.copy(delivery, Target::DeadLetter(&q.dead_letter), &Edits::setting(headers.clone())).await
-                }
-                Disposition::Ack | Disposition::Completed { .. } | Disposition::Duplicate | Disposition::Filtered => {
-                    return true;
                 }
             };
             match published {
                 Ok(()) => {
-                    if let Disposition::Retry { after, .. }
-                    | Disposition::Wait { after, .. }
-                    | Disposition::Scheduled { after, .. } = disposition
-                    {
+                    if let Effect::Delayed { after, .. } = &effect {
                         self.activity.delayed_until(*after);
                     }
                     return true;
@@ -448,18 +471,14 @@ impl Worker {
     async fn ack_loop<C: Consumer>(
         self: Arc<Self>,
         consumer: C,
-        mut events: mpsc::UnboundedReceiver<(C::Delivery, Option<String>)>,
+        mut events: mpsc::UnboundedReceiver<Settled<C::Delivery>>,
     ) -> Result<(), BrokerError> {
         let mut batch = Vec::new();
         // With the embedded broker's own store, the keys go in the acks' transaction.
         let riding = self.store.as_ref().is_some_and(Store::rides_acks);
         while events.recv_many(&mut batch, 1024).await > 0 {
-            let mut keys = Vec::new();
-            let mut settled = Vec::with_capacity(batch.len());
-            for (delivery, key) in batch.drain(..) {
-                keys.extend(key);
-                settled.push(delivery);
-            }
+            let (settled, keys): (Vec<_>, Vec<Option<String>>) = batch.drain(..).unzip();
+            let mut keys: Vec<String> = keys.into_iter().flatten().collect();
             if !keys.is_empty() && !riding {
                 self.complete(&keys).await;
                 keys.clear();
@@ -468,14 +487,13 @@ impl Worker {
                 // This batch (when its keys were to ride on its acks) and what waits behind it
                 // were handled too: their keys are recorded, so that their redeliveries are
                 // duplicates. Closed first: a handler finishing later records its own key (see
-                // `consume`).
+                // `start`).
                 events.close();
-                let mut rest = keys;
                 while let Ok((_, key)) = events.try_recv() {
-                    rest.extend(key);
+                    keys.extend(key);
                 }
-                if !rest.is_empty() {
-                    self.complete(&rest).await;
+                if !keys.is_empty() {
+                    self.complete(&keys).await;
                 }
                 return Err(e);
             }
@@ -562,15 +580,12 @@ fn hop(after: Duration, longest: Option<Duration>, headers: &Headers) -> (Durati
     let mut headers = headers.clone();
     match longest {
         Some(longest) if after > longest => {
-            headers.extend(envelope::due_header(SystemTime::now(), after));
+            // The header holds whole milliseconds: rounded up, the copy is never early.
+            headers.extend(envelope::due_header(clock::now(), after + Duration::from_nanos(999_999)));
             (longest, headers)
         }
         _ => (after, headers),
     }
-}
-
-fn attempt_header(attempt: u32) -> Headers {
-    Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
 #[cfg(test)]
@@ -580,6 +595,7 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
+    use crate::broker::HeaderValue;
 
     /// A delivery whose body cannot be read: the stand-in for any bug that panics mid-delivery.
     struct Panicking;
@@ -615,9 +631,9 @@ mod tests {
         let yaml = "version: 1\nqueues:\n  work:\n    handler: {webhook: {url: \"http://127.0.0.1:9/x\"}}\n";
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
-        let client = crate::handler::webhook::client().expect("client");
+        let handlers = Arc::new(crate::call::Handlers::new().expect("client"));
         let gate = Gate::new(&config.queues["work"], &Default::default(), &Default::default(), Arc::default());
-        let worker = Worker::new(Arc::new(config), "work", gate, client, Arc::default(), None, Readiness::default());
+        let worker = Worker::new(Arc::new(config), "work", gate, handlers, Arc::default(), None, Readiness::default());
         let disposition = worker.decide(&Panicking, &tracing::Span::none(), &mut Seen::default()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {
             panic!("not dead-lettered: {disposition:?}");

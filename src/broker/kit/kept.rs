@@ -12,7 +12,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::{Notify, mpsc};
 
-use super::{BrokerError, Delivery, HeaderValue, Headers, Route};
+use crate::broker::{BrokerError, Delivery, HeaderValue, Headers, Route};
 
 /// How many bytes of bodies a consumer of these brokers holds read from the store and not yet
 /// read from its stream before it claims no more.

@@ -67,11 +67,11 @@ use self::writer::{Op, Renewal, Wakers};
 use super::declaration;
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
 use super::kit::kept::CLAIM_BYTES;
-use super::kit::{lease, lock};
+use super::kit::{kept, lease, lock};
 use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Consumer, Drift, Edits, Headers, Kept, KeptDeliveries, Operate, Outgoing,
-    Properties, QueueStats, Route,
+    QueueStats,
 };
 use crate::topology::{BindingDecl, Plan};
 /// This process as a claim or a consumer names it (`pid:start:namespace`), and whether the
@@ -307,22 +307,25 @@ impl Claimer for EmbeddedClaimer {
         self.wake.clone()
     }
 
-    async fn claim(&mut self, s: &ConsumerState, ask: Ask) -> Result<Claimed<Row>, BrokerError> {
+    async fn claim(&mut self, s: &ConsumerState, ask: Ask) -> Claimed<Row> {
         if ask.room == 0 {
-            return Ok(Claimed::default());
+            return Claimed::default();
         }
         let until = now_ms().saturating_add(ms(self.broker.inner.lease));
         let (queue, owner, max_body) = (s.queue.clone(), s.own.owner, s.own.max_body);
         let n = u32::try_from(ask.room).unwrap_or(u32::MAX);
         let bytes = CLAIM_BYTES;
-        let store::Claimed { rows, full, quarantined } =
-            self.broker.call(|reply| Op::Claim { queue, owner, n, bytes, max_body, until, reply }).await?;
+        let claimed = self.broker.call(|reply| Op::Claim { queue, owner, n, bytes, max_body, until, reply }).await;
+        let store::Claimed { rows, full, quarantined } = match claimed {
+            Ok(claimed) => claimed,
+            Err(e) => return Claimed::failed(e),
+        };
         for q in quarantined {
             let (row, to, fault) = (q.id, q.to, q.fault);
             tracing::error!(queue = %s.queue, row, %to, %fault, "unreadable stored message quarantined (reason internal)");
         }
         let deliveries = rows.into_iter().map(|row| delivery(row, s.live.clone())).collect();
-        Ok(Claimed { deliveries, more: full, within: None })
+        Claimed { deliveries, more: full, within: None, failed: None }
     }
 
     async fn hand_back(&mut self, s: &ConsumerState, ids: Vec<i64>) {
@@ -503,21 +506,8 @@ impl Broker for Embedded {
     }
 
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        if message.priority.is_some() {
-            return Err(BrokerError::Conflict(
-                "the embedded broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
-            ));
-        }
-        let message = NewMessage {
-            body: Body::New(message.body.into()),
-            kind: message.kind,
-            properties: Properties {
-                headers: message.headers,
-                message_id: message.message_id,
-                timestamp: message.timestamp,
-                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
-            },
-        };
+        let (body, kind, properties) = kept::published(store::BROKER, exchange, routing_key, message)?;
+        let message = NewMessage { body: Body::New(body), kind, properties };
         self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
             .await
     }

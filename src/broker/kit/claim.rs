@@ -151,11 +151,21 @@ pub struct Claimed<Tag> {
     pub more: bool,
     /// Claim again after this at the latest, woken or not (`None`: only when woken).
     pub within: Option<Duration>,
+    /// A failure that ends the consumer's stream with it. The loop goes on while the consumer
+    /// holds deliveries (a broker that renews in its claims keeps renewing them).
+    pub failed: Option<BrokerError>,
 }
 
 impl<Tag> Default for Claimed<Tag> {
     fn default() -> Self {
-        Claimed { deliveries: Vec::new(), more: false, within: None }
+        Claimed { deliveries: Vec::new(), more: false, within: None, failed: None }
+    }
+}
+
+impl<Tag> Claimed<Tag> {
+    /// A claim that failed, ending the stream with `error`.
+    pub fn failed(error: BrokerError) -> Claimed<Tag> {
+        Claimed { failed: Some(error), ..Claimed::default() }
     }
 }
 
@@ -179,12 +189,8 @@ pub trait Claimer: Send + 'static {
 
     /// Takes up to `ask.room` ready messages for the consumer, leased to it, in queue order,
     /// built with the holder's `live`. Called after every wake-up, with room or not (a broker
-    /// that renews or registers in its claims does so then). An error ends the stream with it.
-    fn claim(
-        &mut self,
-        holder: &HolderOf<Self>,
-        ask: Ask,
-    ) -> impl Future<Output = Result<Claimed<Self::Tag>, BrokerError>> + Send;
+    /// that renews or registers in its claims does so then).
+    fn claim(&mut self, holder: &HolderOf<Self>, ask: Ask) -> impl Future<Output = Claimed<Self::Tag>> + Send;
 
     /// Gives back what a claim took after the consumer closed, to be delivered first.
     fn hand_back(&mut self, holder: &HolderOf<Self>, ids: Vec<Self::Id>) -> impl Future<Output = ()> + Send;
@@ -225,19 +231,14 @@ async fn run<C: Claimer>(mut claimer: C, holder: Weak<HolderOf<C>>, sender: Send
         woken.as_mut().enable();
         let delivering = sender.is_some() && !h.cancelled.is_cancelled();
         let room = if delivering { h.room() } else { 0 };
-        let (mut more, mut within) = (false, None);
-        match claimer.claim(&h, Ask { room, delivering }).await {
-            Ok(claimed) => {
-                (more, within) = (claimed.more, claimed.within);
-                if let Some(out) = &sender {
-                    deliver(&mut claimer, &h, out, claimed.deliveries).await;
-                }
-            }
-            Err(e) => {
-                if let Some(out) = sender.take() {
-                    let _ = out.send(Err(e));
-                }
-            }
+        let Claimed { deliveries, more, within, failed } = claimer.claim(&h, Ask { room, delivering }).await;
+        if let Some(e) = failed
+            && let Some(out) = sender.take()
+        {
+            let _ = out.send(Err(e));
+        }
+        if let Some(out) = &sender {
+            deliver(&mut claimer, &h, out, deliveries).await;
         }
         if h.closed.is_cancelled() {
             claimer.end(&h).await;
@@ -353,13 +354,17 @@ mod tests {
             self.wake.clone()
         }
 
-        async fn claim(&mut self, h: &HolderOf<Self>, ask: Ask) -> Result<Claimed<u64>, BrokerError> {
+        async fn claim(&mut self, h: &HolderOf<Self>, ask: Ask) -> Claimed<u64> {
             let _ = self.calls.send(Call::Claim { room: ask.room, delivering: ask.delivering });
-            let Some(answer) = self.answers.recv().await else { return Ok(Claimed::default()) };
-            let Answer { ids, bytes, more, within } = answer?;
+            let answer = match self.answers.recv().await {
+                Some(Ok(answer)) => answer,
+                Some(Err(e)) => return Claimed::failed(e),
+                None => return Claimed::default(),
+            };
+            let Answer { ids, bytes, more, within } = answer;
             let body = Bytes::from(vec![0; bytes]);
             let kept = |id| Kept::whole(id, body.clone(), Properties::default(), h.live.clone());
-            Ok(Claimed { deliveries: ids.into_iter().map(kept).collect(), more, within })
+            Claimed { deliveries: ids.into_iter().map(kept).collect(), more, within, failed: None }
         }
 
         async fn hand_back(&mut self, _: &HolderOf<Self>, ids: Vec<u64>) {

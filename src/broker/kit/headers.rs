@@ -65,10 +65,13 @@ mod tests {
         assert_eq!(encode(&Headers::new()), "{}");
     }
 
+    /// Stored JSON, `decode`'s error, and what `decode_lossy` keeps (as text).
+    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+
     /// What is not headers: named by `decode`, kept as text (or nothing) by `decode_lossy`.
     #[test]
     fn what_is_not_headers() {
-        let cases: &[(&str, &str, &[(&str, &str)])] = &[
+        let cases: &[Case] = &[
             (r#"{"f":1.5}"#, "header \"f\": 1.5", &[("f", "1.5")]),
             (r#"{"b":true}"#, "header \"b\": true", &[("b", "true")]),
             (r#"{"o":{"x":1}}"#, "header \"o\": {\"x\":1}", &[("o", "{\"x\":1}")]),

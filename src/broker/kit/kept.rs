@@ -1,6 +1,8 @@
 //! The deliveries of the brokers that store messages themselves (embedded, Redis, in-memory):
 //! one [`Delivery`] implementation over what each keeps to settle and copy a message (its
-//! tag).
+//! tag), and the stream of one consumer's deliveries, which counts the bytes it holds unread.
+//! It owns what a delivery shows; it must not settle one (its consumer does, through its
+//! broker).
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -12,7 +14,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::sync::{Notify, mpsc};
 
-use crate::broker::{BrokerError, Delivery, HeaderValue, Headers, Route};
+use crate::broker::{BrokerError, Delivery, HeaderValue, Headers, Outgoing, Route};
 
 /// How many bytes of bodies a consumer of these brokers holds read from the store and not yet
 /// read from its stream before it claims no more.
@@ -27,6 +29,29 @@ pub struct Properties {
     pub timestamp: Option<u64>,
     /// The exchange and routing key it was published with (a copy keeps its original's).
     pub route: Option<Route>,
+}
+
+/// A message to publish as these brokers keep it: its body, its type and its properties, with
+/// the route it is published with. Refused with a priority, which they do not keep (`broker`
+/// names the one refusing).
+pub(crate) fn published(
+    broker: &str,
+    exchange: &str,
+    routing_key: &str,
+    message: Outgoing,
+) -> Result<(Bytes, Option<String>, Properties), BrokerError> {
+    if message.priority.is_some() {
+        return Err(BrokerError::Conflict(
+            format!("{broker} has no message priorities: publish without --priority, or run on RabbitMQ").into(),
+        ));
+    }
+    let properties = Properties {
+        headers: message.headers,
+        message_id: message.message_id,
+        timestamp: message.timestamp,
+        route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
+    };
+    Ok((message.body.into(), message.kind, properties))
 }
 
 /// A message handed to a consumer.

@@ -131,10 +131,13 @@ mod tests {
         }
     }
 
+    /// An exchange, a routing key, and the queues reached or the error.
+    type Case<'a> = (&'a str, &'a str, Result<&'a [&'a str], &'a str>);
+
     #[test]
     fn routes_and_names_what_is_missing() {
         let t = topology();
-        let cases: &[(&str, &str, Result<&[&str], &str>)] = &[
+        let cases: &[Case] = &[
             ("orders", "order.placed", Ok(&["billing", "shipping"])),
             ("", "billing", Ok(&["billing"])),
             (

@@ -55,7 +55,7 @@ use tokio_util::sync::CancellationToken;
 use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
-use super::kit::kept::CLAIM_BYTES;
+use super::kit::kept::{self, CLAIM_BYTES};
 use super::kit::lease::Renewal;
 use super::kit::topology::{self, Cache, QueueRule};
 use super::kit::{headers, lock};
@@ -691,7 +691,7 @@ impl Claimer for RedisClaimer {
         self.wake.clone()
     }
 
-    async fn claim(&mut self, s: &ConsumerState, ask: Ask) -> Result<Claimed<Entry>, BrokerError> {
+    async fn claim(&mut self, s: &ConsumerState, ask: Ask) -> Claimed<Entry> {
         let broker = &self.broker;
         let lease = broker.inner.location.lease;
         let renew = self.renewal.is_due();
@@ -728,10 +728,8 @@ impl Claimer for RedisClaimer {
                 tracing::warn!(queue = %s.queue, error = %e, "redis broker: cannot claim messages; trying again");
                 // A consumer that cannot reach Redis for a lease's time has lost its leases:
                 // its stream ends, and the runtime reconnects.
-                if self.failures >= 5 {
-                    return Err(lost(e));
-                }
-                return Ok(Claimed { within: Some(wait), ..Claimed::default() });
+                let failed = (self.failures >= 5).then(|| lost(e));
+                return Claimed { within: Some(wait), failed, ..Claimed::default() };
             }
         };
         self.failures = 0;
@@ -758,7 +756,7 @@ impl Claimer for RedisClaimer {
             })
             .collect();
         let more = ask.room > 0 && deliveries.len() >= ask.room;
-        Ok(Claimed { deliveries, more, within: Some(wait) })
+        Claimed { deliveries, more, within: Some(wait), failed: None }
     }
 
     /// Hands back everything the consumer holds: all a closed consumer holds goes back.
@@ -953,21 +951,8 @@ impl Broker for Redis {
     }
 
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        if message.priority.is_some() {
-            return Err(BrokerError::Conflict(
-                "the Redis broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
-            ));
-        }
-        let message = Message {
-            body: message.body.into(),
-            kind: message.kind,
-            properties: Properties {
-                headers: message.headers,
-                message_id: message.message_id,
-                timestamp: message.timestamp,
-                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
-            },
-        };
+        let (body, kind, properties) = kept::published(BROKER, exchange, routing_key, message)?;
+        let message = Message { body, kind, properties };
         let mut stale = false;
         for _ in 0..5 {
             let t = self.topology(stale).await;

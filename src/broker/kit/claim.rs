@@ -2,8 +2,8 @@
 //! what a consumer holds (its unsettled deliveries, the bytes its stream holds unread, its
 //! cancel and close); [`start`] runs the task that claims what fits its prefetch when woken,
 //! hands it to the stream (or back, when the consumer closed meanwhile), and ends with the
-//! consumer. The broker says how through [`Claimer`]: claim, hand back, stop counting the
-//! consumer, and what wakes it.
+//! consumer. The broker says how through [`Claimer`]: claim, hand back, retire (stop counting
+//! the consumer), end, and what wakes it.
 //!
 //! It owns the order of things: a wake-up is armed before each claim (none is lost between
 //! the claim and the wait), nothing is delivered after a close, a claim takes no more than the
@@ -35,7 +35,7 @@ pub const CLAIM_MAX: usize = 1024;
 pub struct Holder<Id, Own> {
     pub queue: String,
     /// The most deliveries it holds unsettled.
-    pub prefetch: usize,
+    prefetch: usize,
     /// Ids delivered and not yet settled; changed under this lock together with `live`.
     unsettled: Mutex<BTreeSet<Id>>,
     /// Body bytes sent to the stream and not yet read from it.

@@ -139,3 +139,63 @@ impl<Tag> Stream for KeptDeliveries<Tag> {
         item
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use futures_util::{FutureExt as _, StreamExt as _};
+
+    use super::*;
+
+    #[test]
+    fn a_published_message_keeps_its_route_and_a_priority_is_refused() {
+        let message = Outgoing {
+            body: b"{}".to_vec(),
+            message_id: Some("m1".into()),
+            kind: Some("t".into()),
+            timestamp: Some(42),
+            headers: [("h".to_string(), HeaderValue::Int(1))].into(),
+            ..Outgoing::default()
+        };
+        let (body, kind, properties) =
+            published("the test broker", "ev", "a.b", message.clone()).expect("no priority: published");
+        assert_eq!((body.as_ref(), kind.as_deref()), (&b"{}"[..], Some("t")));
+        let route = Some(Route { exchange: "ev".into(), routing_key: "a.b".into() });
+        let want =
+            Properties { headers: message.headers.clone(), message_id: Some("m1".into()), timestamp: Some(42), route };
+        assert_eq!(properties, want);
+        let refused = published("the test broker", "ev", "a.b", Outgoing { priority: Some(5), ..message });
+        let refused = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains("the test broker has no message priorities"), "{refused}");
+    }
+
+    #[test]
+    fn a_copy_merges_headers_over_its_originals() {
+        let properties =
+            Properties { headers: [("a".to_string(), HeaderValue::Int(1))].into(), ..Properties::default() };
+        let kept = Kept::whole((), Bytes::new(), properties, Arc::new(AtomicBool::new(true)));
+        let copied = kept.copied_properties([("a".to_string(), HeaderValue::Int(2))].into());
+        assert_eq!(copied.headers.get("a"), Some(&HeaderValue::Int(2)));
+    }
+
+    /// Only the read that brings the unread bytes under `CLAIM_BYTES` wakes the claim loop.
+    #[tokio::test]
+    async fn a_read_that_makes_room_pokes_the_consumer() {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let (unread, room) = (Arc::new(AtomicU64::new(0)), Arc::new(Notify::new()));
+        let mut deliveries = KeptDeliveries { receiver, unread: unread.clone(), room: room.clone() };
+        let half = usize::try_from(CLAIM_BYTES / 2).unwrap_or(usize::MAX);
+        for _ in 0..3 {
+            let body = Bytes::from(vec![0; half]);
+            let kept = Kept::whole((), body, Properties::default(), Arc::new(AtomicBool::new(true)));
+            assert!(sender.send(Ok(kept)).is_ok());
+        }
+        unread.store(CLAIM_BYTES / 2 * 3, Ordering::SeqCst);
+        let poked = || room.notified().now_or_never().is_some();
+        assert!(deliveries.next().await.is_some());
+        assert!(!poked(), "still CLAIM_BYTES unread");
+        assert!(deliveries.next().await.is_some());
+        assert!(poked(), "under CLAIM_BYTES now");
+        assert!(deliveries.next().await.is_some());
+        assert!(!poked(), "was under already");
+    }
+}

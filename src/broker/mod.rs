@@ -55,7 +55,7 @@ pub mod capabilities;
 mod declaration;
 pub mod embedded;
 pub mod failover;
-mod kept;
+pub(crate) mod kit;
 /// The in-memory test double: public (hidden) so that the conformance suite in `tests/` runs
 /// the same test bodies against it as against every real broker.
 #[doc(hidden)]
@@ -74,7 +74,7 @@ use serde::Serialize;
 use crate::topology::{BindingDecl, Plan};
 
 pub use self::capabilities::Capabilities;
-pub use self::kept::{Kept, KeptDeliveries, Properties};
+pub use self::kit::kept::{Kept, KeptDeliveries, Properties};
 pub use crate::envelope::{HeaderValue, Headers};
 
 /// A new message: the body and the properties sluice sets.

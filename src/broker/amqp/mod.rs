@@ -3,11 +3,10 @@
 //! exactly its unsettled deliveries), and a channel for declarations and depth reads that is
 //! reopened when the broker closes it. The plan's typed declarations become `x-` arguments
 //! and the delay cascade here ([`declare`]); acks of a batch become contiguous `multiple`
-//! acks ([`ack`]).
+//! acks ([`AckWindow`]).
 //!
 //! No reconnection here: the runtime supervises sessions and opens a new one when this dies.
 
-mod ack;
 mod declare;
 
 use std::collections::BTreeMap;
@@ -29,9 +28,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
 
-use self::ack::AckWindow;
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
+use super::kit::AckWindow;
 use super::{
     Broker, BrokerError, Cause, Consumer, Credit, DeadLetterRecord, Delivery, Drift, Edits, HeaderValue, Headers,
     Operate, Outgoing, Publish, QueueStats, Route, Target,

@@ -49,27 +49,29 @@ mod store;
 mod tests;
 mod writer;
 
-use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak, mpsc};
+#[cfg(test)]
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak, mpsc};
 use std::time::Duration;
 
-use tokio::sync::{Notify, mpsc as channel, oneshot};
-use tokio_util::sync::CancellationToken;
+use tokio::sync::{Notify, oneshot};
 
 pub use self::keys::Claim;
 use self::keys::{Begin, Claims};
 pub use self::reader::{Messages, ReadOnly, Short};
 pub(crate) use self::store::now_ms;
-use self::store::{Body, Claimed, NewMessage, Registration, Stored, ms};
+use self::store::{Body, NewMessage, Registration, Stored, ms};
 use self::writer::{Op, Renewal, Wakers};
 use super::declaration;
-use super::kept::CLAIM_BYTES;
+use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
+use super::kit::kept::CLAIM_BYTES;
+use super::kit::{kept, lease, lock};
 use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Consumer, Credit, Drift, Edits, Headers, Kept, KeptDeliveries, Operate, Outgoing,
-    Properties, Publish, QueueStats, Route, Target,
+    Publish, QueueStats, Target,
 };
 use crate::topology::{BindingDecl, Plan};
 /// This process as a claim or a consumer names it (`pid:start:namespace`), and whether the
@@ -86,9 +88,6 @@ pub const LEASE: Duration = Duration::from_secs(30);
 /// How often the writer looks for what no commit of this process announced: another process's
 /// writes, delayed copies and leases come due (once for every queue of the process).
 pub const POLL: Duration = Duration::from_millis(50);
-
-/// The most messages claimed in one request.
-const CLAIM_MAX: u32 = 1024;
 
 /// A session with the embedded broker. Cheap to clone; clones share the writer thread.
 #[derive(Clone)]
@@ -111,10 +110,6 @@ struct Inner {
     /// Requests sent to the writer, for tests that count what idleness costs.
     #[cfg(test)]
     requests: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The writer's answer to a request sent.
@@ -266,158 +261,85 @@ impl Embedded {
         let until = now_ms().saturating_add(ms(self.inner.lease));
         let renewals = vec![Renewal { owner, queue: queue.into(), ids: Vec::new(), registration: Registration::New }];
         self.call(|reply| Op::Renew { renewals, until, reply }).await?;
-        let state = Arc::new(ConsumerState {
-            owner,
-            queue: queue.into(),
-            // AMQP's prefetch 0 is no limit.
-            prefetch: if prefetch == 0 { u32::from(u16::MAX) } else { u32::from(prefetch) },
-            max_body,
-            unsettled: Mutex::new(BTreeSet::new()),
-            unread: Arc::new(AtomicU64::new(0)),
-            room: Arc::new(Notify::new()),
-            cancelled: CancellationToken::new(),
-            closed: CancellationToken::new(),
-            live: Arc::new(AtomicBool::new(true)),
-            registered: AtomicBool::new(true),
-            dropped: CancellationToken::new(),
-        });
-        let (sender, receiver) = channel::unbounded_channel();
-        let deliveries = KeptDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
+        let lessee = Lessee { owner, max_body, registered: AtomicBool::new(true) };
+        let state = Arc::new(Holder::new(queue, prefetch, lessee));
         lock(&self.inner.consumers).push(Arc::downgrade(&state));
         if !self.inner.renewing.swap(true, Ordering::SeqCst) {
             tokio::spawn(renew_all(Arc::downgrade(&self.inner)));
         }
-        tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender));
+        let wake = self.inner.wakers.of(queue);
+        let deliveries = claim::start(EmbeddedClaimer { broker: self.clone(), wake }, &state);
         Ok((deliveries, EmbeddedConsumer { broker: self.clone(), state }))
     }
 }
 
-struct ConsumerState {
+/// A consumer as the embedded broker keeps it.
+type ConsumerState = Holder<i64, Lessee>;
+
+/// What the embedded broker keeps of a consumer besides what it holds.
+struct Lessee {
+    /// Its name in the file: the owner of its leases and its registration.
     owner: i64,
-    queue: String,
-    prefetch: u32,
     /// Bodies larger are not read: their messages come with their size alone.
     max_body: u64,
-    /// Ids delivered and not yet acked; changed under this lock together with `live`.
-    unsettled: Mutex<BTreeSet<i64>>,
-    /// Body bytes sent to the stream and not yet read from it.
-    unread: Arc<AtomicU64>,
-    /// Poked by an ack, and by a read of the stream that brings `unread` under [`CLAIM_BYTES`]:
-    /// there may be room for more.
-    room: Arc<Notify>,
-    cancelled: CancellationToken,
-    closed: CancellationToken,
-    live: Arc<AtomicBool>,
-    /// Counted among the queue's consumers (until cancelled with nothing left to deliver).
+    /// Counted among the queue's consumers (until it delivers no more).
     registered: AtomicBool,
-    /// Cancelled when every handle to the consumer is gone: its task ends.
-    dropped: CancellationToken,
 }
 
-impl Drop for ConsumerState {
-    fn drop(&mut self) {
-        self.dropped.cancel();
-    }
-}
-
-/// A consumer's task: claims what fits its prefetch when woken (a commit of this process, an
-/// ack, or the writer's watch: another process's commit, a delayed copy come due), while its
-/// stream holds less than [`CLAIM_BYTES`] unread. It never polls, and leaves its leases to
-/// [`renew_all`]: an idle consumer does not wake at all.
-/// Ends when the consumer closes, when it is cancelled and has nothing left unsettled, or
-/// when every handle to it is gone without a close (its leases then run out, as a killed
-/// process's do).
-async fn consume(
+/// A consumer's claims: what fits its prefetch when woken (a commit of this process, an ack,
+/// or the writer's watch: another process's commit, a delayed copy come due). It never polls,
+/// and leaves its leases to [`renew_all`]: an idle consumer does not wake at all.
+struct EmbeddedClaimer {
     broker: Embedded,
-    state: Weak<ConsumerState>,
-    sender: channel::UnboundedSender<Result<EmbeddedDelivery, BrokerError>>,
-) {
-    let lease = broker.inner.lease;
-    let mut sender = Some(sender);
-    let Some(queue) = state.upgrade().map(|s| s.queue.clone()) else { return };
-    let wake = broker.inner.wakers.of(&queue);
-    loop {
-        let Some(s) = state.upgrade() else { return };
-        if s.closed.is_cancelled() {
-            return;
-        }
-        let woken = wake.notified();
-        tokio::pin!(woken);
-        woken.as_mut().enable();
-        let room = if s.unread.load(Ordering::SeqCst) >= CLAIM_BYTES {
-            0
-        } else {
-            s.prefetch.saturating_sub(u32::try_from(lock(&s.unsettled).len()).unwrap_or(u32::MAX))
-        };
-        let mut claimed_all = false;
-        if let Some(out) = sender.as_ref().filter(|_| !s.cancelled.is_cancelled() && room > 0) {
-            let until = now_ms().saturating_add(ms(lease));
-            let (queue, owner, n, bytes, max_body) =
-                (s.queue.clone(), s.owner, room.min(CLAIM_MAX), CLAIM_BYTES, s.max_body);
-            match broker.call(|reply| Op::Claim { queue, owner, n, bytes, max_body, until, reply }).await {
-                Ok(Claimed { rows, full, quarantined }) => {
-                    for q in quarantined {
-                        let (row, to, fault) = (q.id, q.to, q.fault);
-                        tracing::error!(queue = %s.queue, row, %to, %fault, "unreadable stored message quarantined (reason internal)");
-                    }
-                    claimed_all = full;
-                    deliver(&broker, &s, out, rows).await;
-                }
-                Err(e) => {
-                    let _ = out.send(Err(e));
-                    sender = None;
-                }
-            }
-        }
-        if s.cancelled.is_cancelled() {
-            sender = None;
-            if lock(&s.unsettled).is_empty() {
-                let _ = deregister(&broker, &s).await;
-                return;
-            }
-        }
-        // A consumer that can deliver no more no longer counts as one.
-        if sender.is_none() {
-            let _ = deregister(&broker, &s).await;
-        }
-        if claimed_all {
-            continue;
-        }
-        // Waits without holding the state, so that dropping every handle drops it.
-        let (closed, cancelled, room, dropped) =
-            (s.closed.clone(), s.cancelled.clone(), s.room.clone(), s.dropped.clone());
-        drop(s);
-        tokio::select! {
-            () = closed.cancelled() => return,
-            () = dropped.cancelled() => return,
-            () = cancelled.cancelled(), if sender.is_some() => {}
-            () = &mut woken => {}
-            () = room.notified() => {}
-        }
-    }
+    wake: Arc<Notify>,
 }
 
-/// Hands claimed messages to the stream, or back to the queue if the consumer closed meanwhile.
-async fn deliver(
-    broker: &Embedded,
-    s: &ConsumerState,
-    out: &channel::UnboundedSender<Result<EmbeddedDelivery, BrokerError>>,
-    rows: Vec<Stored>,
-) {
-    let mut unsettled = lock(&s.unsettled);
-    if !s.live.load(Ordering::SeqCst) {
-        drop(unsettled);
-        let ids = rows.iter().map(|r| r.id).collect();
-        let _ = broker.call(|reply| Op::Release { owner: s.owner, queue: s.queue.clone(), ids, reply }).await;
-        return;
+impl Claimer for EmbeddedClaimer {
+    type Id = i64;
+    type Tag = Row;
+    type Own = Lessee;
+
+    fn id(row: &Row) -> i64 {
+        row.id
     }
-    for row in rows {
-        unsettled.insert(row.id);
-        let bytes = row.body.len() as u64;
-        let delivery = delivery(row, s.live.clone());
-        if out.send(Ok(delivery)).is_ok() {
-            s.unread.fetch_add(bytes, Ordering::SeqCst);
+
+    fn wake(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    async fn claim(&mut self, s: &ConsumerState, ask: Ask) -> Claimed<Row> {
+        if ask.room == 0 {
+            return Claimed::default();
         }
+        let until = now_ms().saturating_add(ms(self.broker.inner.lease));
+        let (queue, owner, max_body) = (s.queue.clone(), s.own.owner, s.own.max_body);
+        let n = u32::try_from(ask.room).unwrap_or(u32::MAX);
+        let bytes = CLAIM_BYTES;
+        let claimed = self.broker.call(|reply| Op::Claim { queue, owner, n, bytes, max_body, until, reply }).await;
+        let store::Claimed { rows, full, quarantined } = match claimed {
+            Ok(claimed) => claimed,
+            Err(e) => return Claimed::failed(e),
+        };
+        for q in quarantined {
+            let (row, to, fault) = (q.id, q.to, q.fault);
+            tracing::error!(queue = %s.queue, row, %to, %fault, "unreadable stored message quarantined (reason internal)");
+        }
+        let deliveries = rows.into_iter().map(|row| delivery(row, s.live.clone())).collect();
+        Claimed { deliveries, more: full, within: None, failed: None }
+    }
+
+    async fn hand_back(&mut self, s: &ConsumerState, ids: Vec<i64>) {
+        let (owner, queue) = (s.own.owner, s.queue.clone());
+        let _ = self.broker.call(|reply| Op::Release { owner, queue, ids, reply }).await;
+    }
+
+    /// A consumer that can deliver no more no longer counts as one.
+    async fn retire(&mut self, s: &ConsumerState) {
+        let _ = deregister(&self.broker, s).await;
+    }
+
+    async fn end(&mut self, s: &ConsumerState) {
+        let _ = deregister(&self.broker, s).await;
     }
 }
 
@@ -427,7 +349,7 @@ async fn deliver(
 async fn deregister(broker: &Embedded, s: &ConsumerState) -> Result<(), BrokerError> {
     let answer = {
         let _consumers = lock(&broker.inner.consumers);
-        if !s.registered.swap(false, Ordering::SeqCst) {
+        if !s.own.registered.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
         let until = now_ms().saturating_add(ms(broker.inner.lease));
@@ -438,9 +360,8 @@ async fn deregister(broker: &Embedded, s: &ConsumerState) -> Result<(), BrokerEr
 
 /// What renewing `s` takes: its unsettled ids, and its registration while it has one.
 fn renewal(s: &ConsumerState) -> Renewal {
-    let ids = lock(&s.unsettled).iter().copied().collect();
-    let registration = if s.registered.load(Ordering::SeqCst) { Registration::Keep } else { Registration::Drop };
-    Renewal { owner: s.owner, queue: s.queue.clone(), ids, registration }
+    let registration = if s.own.registered.load(Ordering::SeqCst) { Registration::Keep } else { Registration::Drop };
+    Renewal { owner: s.own.owner, queue: s.queue.clone(), ids: s.held(), registration }
 }
 
 /// Renews the leases and registrations of every consumer of a handle every third of the
@@ -449,16 +370,16 @@ fn renewal(s: &ConsumerState) -> Renewal {
 /// out, as a killed process's do). Ends when the handle has no consumer left.
 async fn renew_all(inner: Weak<Inner>) {
     let Some(lease) = inner.upgrade().map(|i| i.lease) else { return };
-    let mut wait = lease / 3;
+    let mut schedule = lease::Renewal::new(lease);
     loop {
-        tokio::time::sleep(wait).await;
+        schedule.due().await;
         let Some(broker) = inner.upgrade().map(|inner| Embedded { inner, connected: Arc::new(AtomicBool::new(true)) })
         else {
             return;
         };
         let answer = {
             let mut consumers = lock(&broker.inner.consumers);
-            consumers.retain(|c| c.upgrade().is_some_and(|s| !s.closed.is_cancelled()));
+            consumers.retain(|c| c.upgrade().is_some_and(|s| !s.is_closed()));
             if consumers.is_empty() {
                 // Under the lock that `open_consumer` pushes under: a new consumer starts another.
                 broker.inner.renewing.store(false, Ordering::SeqCst);
@@ -478,7 +399,10 @@ async fn renew_all(inner: Weak<Inner>) {
             Ok(sent) => self::answer(sent).await,
             Err(e) => Err(e),
         };
-        wait = if renewed.is_ok() { lease / 3 } else { POLL };
+        match renewed {
+            Ok(()) => schedule.renewed(),
+            Err(_) => schedule.failed(POLL),
+        }
     }
 }
 
@@ -525,17 +449,12 @@ impl EmbeddedConsumer {
     /// Removes settled messages, recording `done` keys until `until` in the same transaction.
     async fn settle(&self, settled: &[EmbeddedDelivery], done: Vec<String>, until: i64) -> Result<(), BrokerError> {
         let s = &self.state;
-        if !s.live.load(Ordering::SeqCst) {
+        if !s.is_live() {
             return Err(BrokerError::Lost("consumer closed".into()));
         }
         let ids: Vec<i64> = settled.iter().map(|d| d.tag.id).collect();
-        self.broker.call(|reply| Op::Ack { owner: s.owner, ids: ids.clone(), done, until, reply }).await?;
-        let mut unsettled = lock(&s.unsettled);
-        for id in ids {
-            unsettled.remove(&id);
-        }
-        drop(unsettled);
-        s.room.notify_one();
+        self.broker.call(|reply| Op::Ack { owner: s.own.owner, ids: ids.clone(), done, until, reply }).await?;
+        s.settled(&ids);
         Ok(())
     }
 }
@@ -561,20 +480,14 @@ impl Consumer for EmbeddedConsumer {
     }
 
     async fn cancel(&self) -> Result<(), BrokerError> {
-        self.state.cancelled.cancel();
+        self.state.cancel();
         Ok(())
     }
 
     async fn close(&self) {
         let s = &self.state;
-        let ids: Vec<i64> = {
-            let mut unsettled = lock(&s.unsettled);
-            s.live.store(false, Ordering::SeqCst);
-            std::mem::take(&mut *unsettled).into_iter().collect()
-        };
-        s.cancelled.cancel();
-        s.closed.cancel();
-        let _ = self.broker.call(|reply| Op::Release { owner: s.owner, queue: s.queue.clone(), ids, reply }).await;
+        let ids = s.close();
+        let _ = self.broker.call(|reply| Op::Release { owner: s.own.owner, queue: s.queue.clone(), ids, reply }).await;
         let _ = deregister(&self.broker, s).await;
     }
 }
@@ -646,21 +559,8 @@ impl Broker for Embedded {
 
 impl Publish for Embedded {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        if message.priority.is_some() {
-            return Err(BrokerError::Conflict(
-                "the embedded broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
-            ));
-        }
-        let message = NewMessage {
-            body: Body::New(message.body.into()),
-            kind: message.kind,
-            properties: Properties {
-                headers: message.headers,
-                message_id: message.message_id,
-                timestamp: message.timestamp,
-                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
-            },
-        };
+        let (body, kind, properties) = kept::published(store::BROKER, exchange, routing_key, message)?;
+        let message = NewMessage { body: Body::New(body), kind, properties };
         self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
             .await
     }

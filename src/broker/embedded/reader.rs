@@ -13,8 +13,9 @@ use std::sync::atomic::AtomicBool;
 use rusqlite::Connection;
 
 use super::store::Store;
-use super::{CLAIM_MAX, EmbeddedDelivery, FILE};
-use crate::broker::kept::CLAIM_BYTES;
+use super::{EmbeddedDelivery, FILE};
+use crate::broker::kit::claim::CLAIM_MAX;
+use crate::broker::kit::kept::CLAIM_BYTES;
 use crate::broker::{BrokerError, QueueStats};
 
 /// The broker's file, read-only.
@@ -93,7 +94,7 @@ impl Messages<'_> {
         }
         if self.batch.is_empty() {
             let ReadOnly { db, store } = self.reader;
-            let n = CLAIM_MAX.min(self.most - self.read);
+            let n = u32::try_from(CLAIM_MAX).unwrap_or(u32::MAX).min(self.most - self.read);
             for stored in store.peek(db, &self.queue, (self.after, self.last), n, CLAIM_BYTES)? {
                 self.after = stored.id;
                 self.batch.push_back(super::delivery(stored, Arc::new(AtomicBool::new(true))));

@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -25,16 +26,18 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension as _, params}
 use serde_json::Value;
 
 use super::super::declaration::{self, unsupported};
-use super::super::{BrokerError, Cause, Drift, HeaderValue, Headers, Properties, QueueStats, Route};
+use super::super::kit::headers;
+use super::super::kit::topology::{Cache, QueueRule, Topology, exchange_kind};
+use super::super::{BrokerError, Cause, Drift, Headers, Properties, QueueStats, Route};
 use super::process::{alive, process};
 use crate::envelope::{ATTEMPT_HEADER, Reason, attempt_in, dead_letter_headers};
-use crate::topology::route;
 use crate::topology::{BindingDecl, Plan};
-use crate::vocab::ExchangeKind;
-use crate::vocab::suggest::did_you_mean;
 
 /// This broker, as a refused declaration names it.
 pub(super) const BROKER: &str = "the embedded broker";
+
+/// Where this broker looks for declarations, as a refusal on an empty one says.
+const PLACE: &str = "on it";
 
 /// How long a writer waits for another process's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -135,59 +138,20 @@ fn add_column(tx: &rusqlite::Transaction, table: &str, column: &str) -> rusqlite
     }
 }
 
-/// The declarations routing needs, cached until a declare (by any process) bumps the version.
-#[derive(Default)]
-struct Topology {
-    version: i64,
-    exchanges: HashMap<String, ExchangeKind>,
-    queues: HashMap<String, QueueRule>,
-    bindings: Vec<BindingDecl>,
-}
-
-/// What the store enforces of a queue's declaration.
-struct QueueRule {
-    max_length: Option<u64>,
-    single_active_consumer: bool,
-    /// Where a message of it that cannot be read goes.
-    dead_letter: Option<String>,
-    /// The largest body its consumers take, as the last declare said (none: no limit, or
-    /// declared by an earlier version).
-    max_body: Option<u64>,
-}
-
 /// The statements on a store, and what they cache; the connection stays the caller's, so a
 /// transaction on it and these can be used together.
 pub(super) struct Store {
     path: String,
     /// The file and its write-ahead log, each with the file (device, inode) it was when opened.
     opened: Vec<(PathBuf, (u64, u64))>,
-    topology: Option<Topology>,
+    /// The declarations routing needs, cached until a declare (by any process) bumps the
+    /// version in `meta`.
+    topology: Cache<i64>,
     /// Ready messages of the queues with `max_length` that this batch published to: counted
     /// once per batch, then kept up to date by its inserts and claims.
     ready_counts: HashMap<String, u64>,
     /// When [`Store::release_the_dead`] last looked: at most once per [`RELEASE_EVERY`].
     released_at: Option<std::time::Instant>,
-}
-
-fn kind_from(text: &str) -> Option<ExchangeKind> {
-    [ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers]
-        .into_iter()
-        .find(|k| k.as_str() == text)
-}
-
-/// Headers as the JSON text the file keeps.
-fn headers_text(headers: &Headers) -> String {
-    let map: serde_json::Map<String, Value> = headers
-        .iter()
-        .map(|(k, v)| {
-            let v = match v {
-                HeaderValue::Str(s) => Value::from(s.as_str()),
-                HeaderValue::Int(i) => Value::from(*i),
-            };
-            (k.clone(), v)
-        })
-        .collect();
-    Value::Object(map).to_string()
 }
 
 /// What went wrong in the store, and whether it says that the file itself is damaged.
@@ -394,7 +358,9 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
         }
     };
     let headers = match r.get_ref(2)? {
-        ValueRef::Text(t) => std::str::from_utf8(t).map_err(|e| format!("headers: {e}")).and_then(headers_from),
+        ValueRef::Text(t) => {
+            std::str::from_utf8(t).map_err(|e| format!("headers: {e}")).and_then(|_| headers::decode(t))
+        }
         other => Err(format!("headers: {}, not JSON text", other.data_type())),
     };
     let headers = headers.unwrap_or_else(|fault| {
@@ -433,21 +399,6 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
         }
     };
     Ok((id, NewMessage { body, kind, properties: Properties { headers, message_id, timestamp, route } }, faults))
-}
-
-fn headers_from(text: &str) -> Result<Headers, String> {
-    let Value::Object(map) = serde_json::from_str(text).map_err(|e| format!("headers: {e}"))? else {
-        return Err("headers: not a JSON object".into());
-    };
-    map.into_iter()
-        .map(|(k, v)| match v {
-            Value::String(s) => Ok((k, HeaderValue::Str(s))),
-            Value::Number(n) => {
-                n.as_i64().map(|i| (k.clone(), HeaderValue::Int(i))).ok_or(format!("header \"{k}\": {n}"))
-            }
-            other => Err(format!("header \"{k}\": {other}")),
-        })
-        .collect()
 }
 
 /// Gives what could be read of message row `id` of `queue` the dead-letter headers of reason
@@ -674,12 +625,12 @@ impl Store {
     /// A store of the file shown as `path`, whose files as opened are `opened`, with nothing
     /// cached yet.
     fn new(path: String, opened: Vec<(PathBuf, (u64, u64))>) -> Store {
-        Store { path, opened, topology: None, ready_counts: HashMap::new(), released_at: None }
+        Store { path, opened, topology: Cache::default(), ready_counts: HashMap::new(), released_at: None }
     }
 
     /// Drops the cached declarations (read in a transaction that did not commit).
     pub fn forget(&mut self) {
-        self.topology = None;
+        self.topology.forget();
         self.ready_counts.clear();
     }
 
@@ -805,39 +756,29 @@ impl Store {
 
     /// An exchange or queue (`what`) not declared here, with the closest declared name; or, on
     /// a file where nothing is declared, that the broker is empty (pointed at the wrong one?).
-    fn missing(&mut self, db: &Connection, what: &'static str, name: &str) -> BrokerError {
-        if let Err(e) = self.refresh(db) {
-            return e;
+    fn missing(&self, db: &Connection, what: &'static str, name: &str) -> BrokerError {
+        match self.refresh(db) {
+            Ok(topology) => topology.missing(what, name, PLACE),
+            Err(e) => e,
         }
-        let Some(topology) = &self.topology else { return self.error("no topology") };
-        if topology.exchanges.is_empty() && topology.queues.is_empty() {
-            return BrokerError::NotFound(format!(
-                "{what} \"{name}\": the broker is empty, nothing is declared on it (`sluice run` declares the pipelines' exchanges and queues)"
-            ).into());
-        }
-        let close = match what {
-            "exchange" => did_you_mean(name, topology.exchanges.keys().map(String::as_str)),
-            _ => did_you_mean(name, topology.queues.keys().map(String::as_str)),
-        };
-        BrokerError::NotFound(format!("{what} \"{name}\"{close}").into())
     }
 
-    /// Reloads the cached declarations if a declare changed them since.
-    fn refresh(&mut self, db: &Connection) -> Result<(), BrokerError> {
+    /// The declarations, read again if a declare changed them since.
+    fn refresh(&self, db: &Connection) -> Result<Arc<Topology<i64>>, BrokerError> {
         let version: i64 = db
             .prepare_cached("SELECT value FROM meta WHERE key = 'topology'")
             .and_then(|mut s| s.query_row([], |r| r.get(0)))
             .map_err(|e| self.error(e))?;
-        if self.topology.as_ref().is_some_and(|t| t.version == version) {
-            return Ok(());
+        if let Some(topology) = self.topology.at(&version) {
+            return Ok(topology);
         }
-        let load = || -> Result<Topology, Fault> {
+        let load = || -> Result<Topology<i64>, Fault> {
             let mut t = Topology { version, ..Topology::default() };
             let mut s = db.prepare("SELECT name, kind FROM exchanges")?;
             let rows = s.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
             for row in rows {
                 let (name, kind) = row?;
-                let kind = kind_from(&kind).ok_or(format!("exchange \"{name}\": unknown type \"{kind}\""))?;
+                let kind = exchange_kind(&kind).ok_or(format!("exchange \"{name}\": unknown type \"{kind}\""))?;
                 t.exchanges.insert(name, kind);
             }
             let mut s =
@@ -849,14 +790,14 @@ impl Store {
                 ))
             })?;
             for row in rows {
-                let ((name, max, single_active_consumer), (declaration, max_body)) = row?;
+                let ((name, max, single_active), (declaration, max_body)) = row?;
                 let max_length =
                     max.map(u64::try_from).transpose().map_err(|_| format!("queue \"{name}\": max_length"))?;
                 let dead_letter = serde_json::from_str::<Value>(&declaration)
                     .ok()
                     .and_then(|d| Some(d.get("dead_letter")?.as_str()?.to_string()));
                 let max_body = max_body.and_then(|m| u64::try_from(m).ok());
-                t.queues.insert(name, QueueRule { max_length, single_active_consumer, dead_letter, max_body });
+                t.queues.insert(name, QueueRule { max_length, single_active, dead_letter, max_body });
             }
             let mut s = db.prepare("SELECT exchange, queue, routing_key, arguments FROM bindings")?;
             let rows = s.query_map([], |r| {
@@ -871,8 +812,7 @@ impl Store {
             Ok(t)
         };
         let topology = load().map_err(|e| self.error(e))?;
-        self.topology = Some(topology);
-        Ok(())
+        Ok(self.topology.keep(topology))
     }
 
     /// Declares a plan: checks everything first (a conflict changes nothing), then creates
@@ -946,9 +886,9 @@ impl Store {
         routing_key: &str,
         message: &NewMessage,
     ) -> Result<Vec<String>, BrokerError> {
-        let targets = self.route(db, exchange, routing_key, &message.properties.headers)?;
+        let (topology, targets) = self.route(db, exchange, routing_key, &message.properties.headers)?;
         for queue in &targets {
-            self.check_room(db, exchange, queue)?;
+            self.check_room(db, &topology, exchange, queue)?;
         }
         // One body for every copy.
         let body = self.body_id(db, &message.body)?;
@@ -967,33 +907,22 @@ impl Store {
         routing_key: &str,
         headers: &Headers,
     ) -> Result<Vec<(String, Option<u64>)>, BrokerError> {
-        let targets = self.route(db, exchange, routing_key, headers)?;
-        let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
+        let (topology, targets) = self.route(db, exchange, routing_key, headers)?;
         let limit = |q: &str| topology.queues.get(q).and_then(|rule| rule.max_body);
         Ok(targets.into_iter().map(|q| (limit(&q), q)).map(|(max, q)| (q, max)).collect())
     }
 
-    /// The queues a message reaches (at least one).
+    /// The declarations, and the queues a message reaches under them (at least one).
     fn route(
-        &mut self,
+        &self,
         db: &Connection,
         exchange: &str,
         routing_key: &str,
         headers: &Headers,
-    ) -> Result<Vec<String>, BrokerError> {
-        self.refresh(db)?;
-        let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
-        let declared = topology.exchanges.get(exchange).copied();
-        let queues = &topology.queues;
-        let Some(targets) =
-            route::targets(exchange, routing_key, headers, declared, |q| queues.contains_key(q), &topology.bindings)
-        else {
-            return Err(self.missing(db, "exchange", exchange));
-        };
-        if targets.is_empty() {
-            return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
-        }
-        Ok(targets)
+    ) -> Result<(Arc<Topology<i64>>, Vec<String>), BrokerError> {
+        let topology = self.refresh(db)?;
+        let targets = topology.route(exchange, routing_key, headers, PLACE)?;
+        Ok((topology, targets))
     }
 
     /// Writes one copy into `queue`, visible from `visible_at` (0: at once).
@@ -1004,17 +933,22 @@ impl Store {
         message: &NewMessage,
         visible_at: i64,
     ) -> Result<(), BrokerError> {
-        self.refresh(db)?;
-        self.check_room(db, "", queue)?;
+        let topology = self.refresh(db)?;
+        self.check_room(db, &topology, "", queue)?;
         let body = self.body_id(db, &message.body)?;
         self.insert(db, queue, message, body, visible_at)
     }
 
     /// A queue with `max_length` refuses a message once it holds that many ready ones
     /// (RabbitMQ's reject-publish).
-    fn check_room(&mut self, db: &Connection, exchange: &str, queue: &str) -> Result<(), BrokerError> {
-        let Some(topology) = &self.topology else { return Err(self.error("no topology")) };
-        let Some(rule) = topology.queues.get(queue) else { return Err(self.missing(db, "queue", queue)) };
+    fn check_room(
+        &mut self,
+        db: &Connection,
+        topology: &Topology<i64>,
+        exchange: &str,
+        queue: &str,
+    ) -> Result<(), BrokerError> {
+        let Some(rule) = topology.queues.get(queue) else { return Err(topology.missing("queue", queue, PLACE)) };
         let Some(max) = rule.max_length else { return Ok(()) };
         let ready = match self.ready_counts.get(queue) {
             Some(n) => *n,
@@ -1083,7 +1017,7 @@ impl Store {
                 queue,
                 visible_at,
                 body,
-                headers_text(&m.properties.headers),
+                headers::encode(&m.properties.headers),
                 m.properties.message_id,
                 m.kind,
                 timestamp,
@@ -1112,9 +1046,9 @@ impl Store {
         max_body: u64,
         until: i64,
     ) -> Result<Claimed, BrokerError> {
-        self.refresh(db)?;
+        let topology = self.refresh(db)?;
         let e = |err| self.error(err);
-        let single = self.topology.as_ref().and_then(|t| t.queues.get(queue)).is_some_and(|q| q.single_active_consumer);
+        let single = topology.queues.get(queue).is_some_and(|q| q.single_active);
         if single {
             let active: Option<i64> = db
                 .prepare_cached("SELECT owner FROM consumers WHERE queue = ?1 AND until > ?2 ORDER BY since LIMIT 1")
@@ -1187,7 +1121,7 @@ impl Store {
         }
         let quarantined = unreadable
             .into_iter()
-            .map(|(id, message, fault)| self.quarantine(db, queue, id, message, fault))
+            .map(|(id, message, fault)| self.quarantine(db, &topology, queue, id, message, fault))
             .collect::<Result<Vec<_>, _>>()?;
         claimed.sort_by_key(|s| s.id);
         // Rows quarantined back into this queue are ready, as may be more behind them.
@@ -1227,15 +1161,16 @@ impl Store {
     fn quarantine(
         &mut self,
         db: &Connection,
+        t: &Topology<i64>,
         queue: &str,
         id: i64,
         mut message: NewMessage,
         fault: String,
     ) -> Result<Quarantined, BrokerError> {
-        let to = self
-            .topology
-            .as_ref()
-            .and_then(|t| t.queues.get(queue)?.dead_letter.as_ref().filter(|dlq| t.queues.contains_key(*dlq)))
+        let to = t
+            .queues
+            .get(queue)
+            .and_then(|rule| rule.dead_letter.as_ref().filter(|dlq| t.queues.contains_key(*dlq)))
             .map_or_else(|| queue.to_string(), String::clone);
         mark_unreadable(&mut message, id, &fault, queue);
         let body = self.body_id(db, &message.body)?;

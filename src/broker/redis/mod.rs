@@ -40,29 +40,31 @@ pub(crate) mod server;
 pub use server::{Checks, Purpose};
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 use redis::Value;
 use redis::aio::ConnectionManager;
-use tokio::sync::{Notify, mpsc as channel};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
-use super::kept::CLAIM_BYTES;
+use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
+use super::kit::kept::{self, CLAIM_BYTES};
+use super::kit::lease::Renewal;
+use super::kit::topology::{self, Cache, QueueRule};
+use super::kit::{headers, lock};
 use super::render::Picture;
 use super::{
-    BodyLimits, Broker, BrokerError, Cause, Consumer, Credit, Drift, Edits, HeaderValue, Headers, Kept, KeptDeliveries,
-    Operate, Outgoing, Properties, Publish, QueueStats, Route, Target,
+    BodyLimits, Broker, BrokerError, Cause, Consumer, Credit, Drift, Edits, Headers, Kept, KeptDeliveries, Operate,
+    Outgoing, Properties, Publish, QueueStats, Route, Target,
 };
-use crate::topology::route;
 use crate::topology::{BindingDecl, Plan};
-use crate::vocab::ExchangeKind;
-use crate::vocab::suggest::did_you_mean;
 
 /// How long a delivered entry stays leased to its consumer without a renewal, unless the URL
 /// says otherwise (`?lease=`).
@@ -72,15 +74,14 @@ pub const LEASE: Duration = Duration::from_secs(30);
 /// take back what a closed consumer handed back or a dead one left).
 pub const POLL: Duration = Duration::from_secs(1);
 
-/// The most entries one claim takes (a browse's window may be larger): each claim is a script
-/// that holds the server while it runs.
-const CLAIM_MAX: usize = 1024;
-
 /// How long a consumer counts as live after its last claim (it claims at least every [`POLL`]).
 const REGISTRATION: Duration = Duration::from_secs(3);
 
 /// This broker, as a refused declaration names it.
 const BROKER: &str = "the Redis broker";
+
+/// Where this broker looks for declarations, as a refusal on an empty one says.
+const PLACE: &str = "under this prefix";
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "sluice:";
@@ -177,28 +178,12 @@ struct Stored {
     bindings: Vec<String>,
 }
 
-/// The topology as last read, with the version it was read at.
-#[derive(Default)]
-struct Topology {
-    version: String,
-    exchanges: HashMap<String, ExchangeKind>,
-    /// Each queue's maximum length and single-active flag.
-    queues: HashMap<String, QueueRule>,
-    bindings: Vec<BindingDecl>,
-}
+/// The topology as last read (its version is the `v` key's value, empty when none).
+type Topology = topology::Topology<String>;
 
-impl Topology {
-    /// `queue`'s maximum length as the scripts take it (empty: none).
-    fn max_length(&self, queue: &str) -> String {
-        self.queues.get(queue).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default()
-    }
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-struct QueueRule {
-    max_length: Option<u64>,
-    single_active: bool,
-    max_body: Option<usize>,
+/// `queue`'s maximum length as the scripts take it (empty: none).
+fn max_length(t: &Topology, queue: &str) -> String {
+    t.queues.get(queue).and_then(|r| r.max_length).map(|m| m.to_string()).unwrap_or_default()
 }
 
 /// A session with a Redis deployment. Cheap to clone; clones share the connection.
@@ -214,7 +199,7 @@ struct Inner {
     /// The URL without its password, for messages.
     shown: String,
     scripts: Scripts,
-    topology: Mutex<Option<Arc<Topology>>>,
+    topology: Cache<String>,
     /// Per queue: poked when its stream may have something new (the wake channel).
     wakers: Mutex<HashMap<String, Arc<Notify>>>,
     listening: AtomicBool,
@@ -226,10 +211,6 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.stop.cancel();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A Redis error as the broker's: a lost connection can be retried on another session. A
@@ -273,7 +254,7 @@ impl Redis {
             location,
             shown,
             scripts: Scripts::new(),
-            topology: Mutex::new(None),
+            topology: Cache::default(),
             wakers: Mutex::new(HashMap::new()),
             listening: AtomicBool::new(false),
             connected: AtomicBool::new(true),
@@ -325,15 +306,12 @@ impl Redis {
 
     /// The topology, read again when `stale` or never read.
     async fn topology(&self, stale: bool) -> Result<Arc<Topology>, BrokerError> {
-        if !stale && let Some(t) = lock(&self.inner.topology).clone() {
+        if !stale && let Some(t) = self.inner.topology.get() {
             return Ok(t);
         }
         let Stored { version, exchanges, queues, limits, bindings } = self.stored().await?;
-        let kinds = [ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers];
-        let exchanges = exchanges
-            .into_iter()
-            .filter_map(|(name, kind)| Some((name, kinds.into_iter().find(|k| k.as_str() == kind)?)))
-            .collect();
+        let exchanges =
+            exchanges.into_iter().filter_map(|(name, kind)| Some((name, topology::exchange_kind(&kind)?))).collect();
         let queues = queues
             .into_iter()
             .map(|(name, declaration)| {
@@ -342,14 +320,13 @@ impl Redis {
                     max_length: d.get("max_length").and_then(serde_json::Value::as_u64),
                     single_active: d.get("single_active_consumer").and_then(serde_json::Value::as_bool) == Some(true),
                     max_body: limits.get(&name).and_then(|m| m.parse().ok()),
+                    dead_letter: None,
                 };
                 (name, rule)
             })
             .collect();
         let bindings = bindings.iter().filter_map(|b| binding_from(b)).collect();
-        let topology = Arc::new(Topology { version, exchanges, queues, bindings });
-        *lock(&self.inner.topology) = Some(topology.clone());
-        Ok(topology)
+        Ok(self.inner.topology.keep(Topology { version, exchanges, queues, bindings }))
     }
 
     /// The topology as stored, read at once without writing (on a full server too).
@@ -379,18 +356,6 @@ impl Redis {
         Ok(Stored { version, exchanges: pairs(exchanges), queues: pairs(queues), limits: pairs(limits), bindings })
     }
 
-    /// The queues a message reaches under `t` (at least one), sorted.
-    fn route(t: &Topology, exchange: &str, routing_key: &str, headers: &Headers) -> Result<Vec<String>, BrokerError> {
-        let declared = t.exchanges.get(exchange).copied();
-        let targets =
-            route::targets(exchange, routing_key, headers, declared, |q| t.queues.contains_key(q), &t.bindings)
-                .ok_or_else(|| missing(t, "exchange", exchange))?;
-        if targets.is_empty() {
-            return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
-        }
-        Ok(targets)
-    }
-
     /// Writes `message` into every queue of `targets` or none, under topology version
     /// `version` (`*`: any), refused by a full queue as a nack on `exchange`; by `script`, the
     /// publish script or its copy's.
@@ -405,7 +370,7 @@ impl Redis {
         let mut invocation = script.prepare_invoke();
         invocation.key(self.key("v")).arg(version);
         for q in targets {
-            invocation.key(self.stream(q)).arg(t.max_length(q));
+            invocation.key(self.stream(q)).arg(max_length(t, q));
         }
         invocation.arg(self.wake_channel());
         for (name, value) in message.fields() {
@@ -457,9 +422,9 @@ impl Redis {
             invocation
                 .key(self.stream(&s.queue))
                 .key(self.stream(queue))
-                .arg(&s.name)
+                .arg(&s.own.name)
                 .arg(id)
-                .arg(t.max_length(queue))
+                .arg(max_length(&t, queue))
                 .arg(self.wake_channel());
             for (name, value) in message.fields() {
                 invocation.arg(name).arg(value);
@@ -493,20 +458,9 @@ impl Redis {
     async fn open_consumer(&self, queue: &str, prefetch: u16) -> Result<(RedisDeliveries, RedisConsumer), BrokerError> {
         let t = self.topology(false).await?;
         let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
-        let rule = *t.queues.get(queue).ok_or_else(|| missing(&t, "queue", queue))?;
-        let state = Arc::new(ConsumerState {
-            name: uuid::Uuid::now_v7().to_string(),
-            queue: queue.into(),
-            // AMQP's prefetch 0 is no limit.
-            prefetch: if prefetch == 0 { usize::from(u16::MAX) } else { usize::from(prefetch) },
-            single_active: rule.single_active,
-            unsettled: Mutex::new(std::collections::BTreeSet::new()),
-            unread: Arc::new(AtomicU64::new(0)),
-            room: Arc::new(Notify::new()),
-            cancelled: CancellationToken::new(),
-            closed: CancellationToken::new(),
-            live: Arc::new(AtomicBool::new(true)),
-        });
+        let rule = t.queues.get(queue).ok_or_else(|| t.missing("queue", queue, PLACE))?;
+        let member = Member { name: uuid::Uuid::now_v7().to_string(), single_active: rule.single_active };
+        let state = Arc::new(Holder::new(queue, prefetch, member));
         if rule.single_active {
             // As on RabbitMQ, the first consumer to attach is the active one: it takes the
             // lease now, not when its task first runs (a later consumer's task may run first).
@@ -515,16 +469,16 @@ impl Redis {
                 .scripts
                 .lease
                 .key(self.key(&format!("sac:{queue}")))
-                .arg(&state.name)
+                .arg(&state.own.name)
                 .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
                 .invoke_async(&mut self.conn())
                 .await
                 .map_err(lost)?;
         }
-        let (sender, receiver) = channel::unbounded_channel();
+        let renewal = Renewal::new(self.inner.location.lease);
         let wake = self.waker(queue);
-        tokio::spawn(consume(self.clone(), Arc::downgrade(&state), sender, wake));
-        let deliveries = KeptDeliveries { receiver, unread: state.unread.clone(), room: state.room.clone() };
+        let claimer = RedisClaimer { broker: self.clone(), wake, renewal, last_reclaim: None, failures: 0 };
+        let deliveries = claim::start(claimer, &state);
         Ok((deliveries, RedisConsumer { broker: self.clone(), state }))
     }
 
@@ -533,7 +487,7 @@ impl Redis {
         let t = self.topology(false).await?;
         let t = if t.queues.contains_key(queue) { t } else { self.topology(true).await? };
         if !t.queues.contains_key(queue) {
-            return Err(missing(&t, "queue", queue));
+            return Err(t.missing("queue", queue, PLACE));
         }
         let counts: Vec<i64> = self
             .inner
@@ -549,21 +503,6 @@ impl Redis {
         let at = |i: usize| u32::try_from(counts.get(i).copied().unwrap_or(0).max(0)).unwrap_or(u32::MAX);
         Ok([at(0), at(1), at(2), at(3)])
     }
-}
-
-/// An exchange or queue the deployment does not have, with the closest name it has, or
-/// saying that nothing is declared at all (a mistyped prefix or database).
-fn missing(t: &Topology, what: &str, name: &str) -> BrokerError {
-    if t.exchanges.is_empty() && t.queues.is_empty() {
-        return BrokerError::NotFound(format!(
-            "{what} \"{name}\": the broker is empty, nothing is declared under this prefix (`sluice run` declares the pipelines' exchanges and queues)"
-        ).into());
-    }
-    let close = match what {
-        "exchange" => did_you_mean(name, t.exchanges.keys().map(String::as_str)),
-        _ => did_you_mean(name, t.queues.keys().map(String::as_str)),
-    };
-    BrokerError::NotFound(format!("{what} \"{name}\"{close}").into())
 }
 
 /// The outcome of a write script.
@@ -680,9 +619,7 @@ impl Message {
             fields.push(("t", ts.to_string().into_bytes()));
         }
         if !p.headers.is_empty() {
-            let headers: serde_json::Map<String, serde_json::Value> =
-                p.headers.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
-            fields.push(("h", serde_json::Value::Object(headers).to_string().into_bytes()));
+            fields.push(("h", headers::encode(&p.headers).into_bytes()));
         }
         if let Some(route) = &p.route {
             fields.push(("x", route.exchange.clone().into_bytes()));
@@ -703,7 +640,7 @@ impl Message {
                 b"i" => m.properties.message_id = Some(text()),
                 b"k" => m.kind = Some(text()),
                 b"t" => m.properties.timestamp = text().parse().ok(),
-                b"h" => m.properties.headers = headers_from(value),
+                b"h" => m.properties.headers = headers::decode_lossy(value),
                 b"x" => exchange = Some(text()),
                 b"r" => routing_key = Some(text()),
                 _ => {}
@@ -716,86 +653,52 @@ impl Message {
     }
 }
 
-/// Headers from their JSON object: strings and integers (anything else as its JSON text).
-fn headers_from(json: &[u8]) -> Headers {
-    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(json) else { return Headers::new() };
-    map.into_iter()
-        .map(|(k, v)| {
-            let v = match v {
-                serde_json::Value::String(s) => HeaderValue::Str(s),
-                serde_json::Value::Number(n) if n.is_i64() => HeaderValue::Int(n.as_i64().unwrap_or_default()),
-                other => HeaderValue::Str(other.to_string()),
-            };
-            (k, v)
-        })
-        .collect()
-}
+/// A consumer as the Redis broker keeps it.
+type ConsumerState = Holder<String, Member>;
 
-struct ConsumerState {
+/// What the Redis broker keeps of a consumer besides what it holds.
+struct Member {
     /// Its name in the consumer group.
     name: String,
-    queue: String,
-    prefetch: usize,
     single_active: bool,
-    /// Entry ids delivered and not yet acked; changed under this lock together with `live`.
-    unsettled: Mutex<std::collections::BTreeSet<String>>,
-    /// Body bytes sent to the stream and not yet read from it.
-    unread: Arc<AtomicU64>,
-    /// Poked by an ack, and by a read of the stream that brings `unread` under
-    /// [`CLAIM_BYTES`]: there may be room for more.
-    room: Arc<Notify>,
-    cancelled: CancellationToken,
-    closed: CancellationToken,
-    live: Arc<AtomicBool>,
 }
 
-impl ConsumerState {
-    /// Forgets deliveries settled (acked, or moved with their copy): there may be room for more.
-    fn settled<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
-        let mut unsettled = lock(&self.unsettled);
-        for id in ids {
-            unsettled.remove(id);
-        }
-        drop(unsettled);
-        self.room.notify_one();
-    }
-}
-
-/// A consumer's task: claims what fits its prefetch, while its stream holds less than
+/// A consumer's claims: what fits its prefetch, while its stream holds less than
 /// [`CLAIM_BYTES`] unread, when woken (a write to its stream, an ack, a read that makes room)
-/// or at the latest after [`POLL`] or when the earliest delayed copy comes due; renews its
-/// leases every third of the lease. Ends when the consumer closes, when it is cancelled with
-/// nothing left unsettled, or when every handle to it is gone without a close (its leases then
-/// run out, as a killed process's do).
-async fn consume(
+/// or at the latest after [`POLL`] or when the earliest delayed copy comes due. Each claim is
+/// one script that also registers the consumer, moves what came due into the stream, takes
+/// back what a dead consumer left (at most every [`POLL`]) and renews its leases every third
+/// of the lease.
+struct RedisClaimer {
     broker: Redis,
-    state: Weak<ConsumerState>,
-    sender: channel::UnboundedSender<Result<RedisDelivery, BrokerError>>,
     wake: Arc<Notify>,
-) {
-    let lease = broker.inner.location.lease;
-    let mut sender = Some(sender);
-    let (mut last_renew, mut last_reclaim) = (Instant::now(), None::<Instant>);
-    let mut failures = 0u32;
-    loop {
-        let Some(s) = state.upgrade() else { return };
-        if s.closed.is_cancelled() {
-            return;
-        }
-        let woken = wake.notified();
-        tokio::pin!(woken);
-        woken.as_mut().enable();
-        let delivering = sender.is_some() && !s.cancelled.is_cancelled();
-        let room = if delivering && s.unread.load(Ordering::SeqCst) < CLAIM_BYTES {
-            s.prefetch.saturating_sub(lock(&s.unsettled).len()).min(CLAIM_MAX)
-        } else {
-            0
-        };
-        let renew = last_renew.elapsed() >= lease / 3;
-        let reclaim = delivering && last_reclaim.is_none_or(|at| at.elapsed() >= POLL);
+    renewal: Renewal,
+    last_reclaim: Option<Instant>,
+    /// Claims failed in a row.
+    failures: u32,
+}
+
+impl Claimer for RedisClaimer {
+    type Id = String;
+    type Tag = Entry;
+    type Own = Member;
+
+    fn id(entry: &Entry) -> String {
+        entry.id.clone()
+    }
+
+    fn wake(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    async fn claim(&mut self, s: &ConsumerState, ask: Ask) -> Claimed<Entry> {
+        let broker = &self.broker;
+        let lease = broker.inner.location.lease;
+        let renew = self.renewal.is_due();
+        let reclaim = ask.delivering && self.last_reclaim.is_none_or(|at| at.elapsed() >= POLL);
         // Only what this consumer knows it holds is renewed: an entry a claim took whose answer
         // was lost (a connection that broke, a server restarted) goes idle, and comes back.
-        let held: Vec<String> = if renew { lock(&s.unsettled).iter().cloned().collect() } else { Vec::new() };
+        let held: Vec<String> = if renew { s.held() } else { Vec::new() };
         let claimed: Result<Vec<Value>, _> = broker
             .inner
             .scripts
@@ -804,119 +707,67 @@ async fn consume(
             .key(broker.key(&format!("d:{}", s.queue)))
             .key(broker.key(&format!("sac:{}", s.queue)))
             .key(broker.key(&format!("c:{}", s.queue)))
-            .arg(&s.name)
-            .arg(room)
+            .arg(&s.own.name)
+            .arg(ask.room)
             .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
             .arg(u8::from(reclaim))
             .arg(broker.key("m:"))
             .arg(u8::from(renew))
-            .arg(u8::from(s.single_active))
+            .arg(u8::from(s.own.single_active))
             .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
             .arg(CLAIM_BYTES)
             .arg(held)
             .invoke_async(&mut broker.conn())
             .await;
         // A short lease (`?lease=`) is renewed in time too.
-        let mut wait = POLL.min(lease / 3);
-        let mut full = false;
-        match claimed {
-            Ok(answer) => {
-                failures = 0;
-                if renew {
-                    last_renew = Instant::now();
-                }
-                if reclaim {
-                    last_reclaim = Some(Instant::now());
-                }
-                if let Some(Value::Int(ms)) = answer.first()
-                    && *ms >= 0
-                {
-                    wait = wait.min(Duration::from_millis(u64::try_from(*ms).unwrap_or(0)));
-                }
-                let entries: Vec<(String, Message)> = answer[1.min(answer.len())..]
-                    .chunks(2)
-                    .filter_map(|pair| match pair {
-                        [Value::BulkString(id), Value::Array(fields)] => {
-                            Some((String::from_utf8_lossy(id).into_owned(), Message::from_fields(fields)))
-                        }
-                        _ => None,
-                    })
-                    .collect();
-                full = room > 0 && entries.len() >= room;
-                if let Some(out) = &sender {
-                    deliver(&broker, &s, out, entries).await;
-                }
-            }
+        let mut wait = POLL.min(self.renewal.every());
+        let answer = match claimed {
+            Ok(answer) => answer,
             Err(e) => {
-                failures += 1;
+                self.failures += 1;
                 tracing::warn!(queue = %s.queue, error = %e, "redis broker: cannot claim messages; trying again");
                 // A consumer that cannot reach Redis for a lease's time has lost its leases:
                 // its stream ends, and the runtime reconnects.
-                if failures >= 5
-                    && let Some(out) = sender.take()
-                {
-                    let _ = out.send(Err(lost(e)));
+                let failed = (self.failures >= 5).then(|| lost(e));
+                return Claimed { within: Some(wait), failed, ..Claimed::default() };
+            }
+        };
+        self.failures = 0;
+        if renew {
+            self.renewal.renewed();
+        }
+        if reclaim {
+            self.last_reclaim = Some(Instant::now());
+        }
+        if let Some(Value::Int(ms)) = answer.first()
+            && *ms >= 0
+        {
+            wait = wait.min(Duration::from_millis(u64::try_from(*ms).unwrap_or(0)));
+        }
+        let deliveries: Vec<RedisDelivery> = answer[1.min(answer.len())..]
+            .chunks(2)
+            .filter_map(|pair| match pair {
+                [Value::BulkString(id), Value::Array(fields)] => {
+                    let id = String::from_utf8_lossy(id).into_owned();
+                    let Message { body, kind, properties } = Message::from_fields(fields);
+                    Some(Kept::whole(Entry { id, kind }, body, properties, s.live.clone()))
                 }
-            }
-        }
-        if s.closed.is_cancelled() {
-            // The close came while this claim was on its way, which may have registered the
-            // consumer again or taken a single-active lease: hand all of it back once more.
-            hand_back(&broker, &s).await;
-            return;
-        }
-        if s.cancelled.is_cancelled() {
-            sender = None;
-            if lock(&s.unsettled).is_empty() {
-                hand_back(&broker, &s).await;
-                return;
-            }
-        }
-        if full {
-            continue;
-        }
-        let closed = s.closed.clone();
-        let cancelled = s.cancelled.clone();
-        let room_freed = s.room.clone();
-        drop(s);
-        let (cancel_wait, delivering) = (cancelled.clone(), sender.is_some());
-        tokio::select! {
-            () = closed.cancelled() => return,
-            () = cancel_wait.cancelled(), if delivering => {}
-            () = &mut woken => {}
-            () = room_freed.notified() => {}
-            () = tokio::time::sleep(wait) => {}
-        }
-        if state.strong_count() == 0 {
-            return;
-        }
+                _ => None,
+            })
+            .collect();
+        let more = ask.room > 0 && deliveries.len() >= ask.room;
+        Claimed { deliveries, more, within: Some(wait), failed: None }
     }
-}
 
-/// Hands claimed entries to the stream, or back if the consumer closed meanwhile.
-async fn deliver(
-    broker: &Redis,
-    s: &Arc<ConsumerState>,
-    out: &channel::UnboundedSender<Result<RedisDelivery, BrokerError>>,
-    entries: Vec<(String, Message)>,
-) {
-    if entries.is_empty() {
-        return;
+    /// Hands back everything the consumer holds: all a closed consumer holds goes back.
+    async fn hand_back(&mut self, s: &ConsumerState, _ids: Vec<String>) {
+        hand_back(&self.broker, s).await;
     }
-    let mut unsettled = lock(&s.unsettled);
-    if !s.live.load(Ordering::SeqCst) {
-        drop(unsettled);
-        hand_back(broker, s).await;
-        return;
-    }
-    for (id, message) in entries {
-        unsettled.insert(id.clone());
-        let bytes = message.body.len() as u64;
-        let Message { body, kind, properties } = message;
-        let delivery = Kept::whole(Entry { id, kind }, body, properties, s.live.clone());
-        if out.send(Ok(delivery)).is_ok() {
-            s.unread.fetch_add(bytes, Ordering::SeqCst);
-        }
+
+    /// The close may have come while a claim was on its way, which may have registered the
+    /// consumer again or taken a single-active lease: all of it goes back once more.
+    async fn end(&mut self, s: &ConsumerState) {
+        hand_back(&self.broker, s).await;
     }
 }
 
@@ -930,7 +781,7 @@ async fn hand_back(broker: &Redis, s: &ConsumerState) {
         .key(broker.stream(&s.queue))
         .key(broker.key(&format!("c:{}", s.queue)))
         .key(broker.key(&format!("sac:{}", s.queue)))
-        .arg(&s.name)
+        .arg(&s.own.name)
         .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX))
         .arg(broker.wake_channel())
         .invoke_async(&mut broker.conn())
@@ -976,14 +827,14 @@ impl Consumer for RedisConsumer {
     /// be acked again. An entry whose lease ran out and that another consumer took is left to it.
     async fn ack(&self, settled: &[RedisDelivery]) -> Result<(), BrokerError> {
         let s = &self.state;
-        if !s.live.load(Ordering::SeqCst) {
+        if !s.is_live() {
             return Err(BrokerError::Lost("consumer closed".into()));
         }
         if settled.is_empty() {
             return Ok(());
         }
         let mut invocation = self.broker.inner.scripts.ack.key(self.broker.stream(&s.queue));
-        invocation.arg(&s.name);
+        invocation.arg(&s.own.name);
         for d in settled {
             invocation.arg(&d.tag.id);
         }
@@ -993,20 +844,14 @@ impl Consumer for RedisConsumer {
     }
 
     async fn cancel(&self) -> Result<(), BrokerError> {
-        self.state.cancelled.cancel();
-        self.state.room.notify_one();
+        self.state.cancel();
         Ok(())
     }
 
     async fn close(&self) {
         let s = &self.state;
-        {
-            let mut unsettled = lock(&s.unsettled);
-            s.live.store(false, Ordering::SeqCst);
-            unsettled.clear();
-        }
-        s.cancelled.cancel();
-        s.closed.cancel();
+        // Everything the consumer holds goes back, not only what it knew it held.
+        let _held = s.close();
         hand_back(&self.broker, s).await;
     }
 }
@@ -1147,21 +992,8 @@ impl Broker for Redis {
 
 impl Publish for Redis {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        if message.priority.is_some() {
-            return Err(BrokerError::Conflict(
-                "the Redis broker has no message priorities: publish without --priority, or run on RabbitMQ".into(),
-            ));
-        }
-        let message = Message {
-            body: message.body.into(),
-            kind: message.kind,
-            properties: Properties {
-                headers: message.headers,
-                message_id: message.message_id,
-                timestamp: message.timestamp,
-                route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
-            },
-        };
+        let (body, kind, properties) = kept::published(BROKER, exchange, routing_key, message)?;
+        let message = Message { body, kind, properties };
         let mut stale = false;
         for _ in 0..5 {
             let t = self.topology(stale).await;
@@ -1170,7 +1002,7 @@ impl Publish for Redis {
                 Err(e) => return Err(e),
             };
             // An exchange or route unknown to a cached topology may have been declared since.
-            let targets = match Redis::route(&t, exchange, routing_key, &message.properties.headers) {
+            let targets = match t.route(exchange, routing_key, &message.properties.headers, PLACE) {
                 Ok(targets) => targets,
                 Err(e) if stale => return Err(e),
                 Err(_) => {
@@ -1193,8 +1025,11 @@ impl Publish for Redis {
         headers: &Headers,
     ) -> Result<Option<BodyLimits>, BrokerError> {
         let t = self.topology(true).await?;
-        let targets = Redis::route(&t, exchange, routing_key, headers)?;
-        Ok(Some(targets.into_iter().map(|q| (q.clone(), t.queues.get(&q).and_then(|r| r.max_body))).collect()))
+        let targets = t.route(exchange, routing_key, headers, PLACE)?;
+        let size = |max: u64| usize::try_from(max).unwrap_or(usize::MAX);
+        Ok(Some(
+            targets.into_iter().map(|q| (q.clone(), t.queues.get(&q).and_then(|r| r.max_body).map(size))).collect(),
+        ))
     }
 }
 
@@ -1214,7 +1049,7 @@ impl Operate for Redis {
         edits: &Edits,
     ) -> Result<bool, BrokerError> {
         let s = &consumer.state;
-        if !s.live.load(Ordering::SeqCst) {
+        if !s.is_live() {
             return Err(BrokerError::Lost("consumer closed".into()));
         }
         self.move_copy(queue, s, &original.tag.id, &edited(original, edits)).await?;
@@ -1331,6 +1166,7 @@ async fn watch(inner: Weak<Inner>, checks: Checks, stop: CancellationToken) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::broker::HeaderValue;
 
     #[test]
     fn a_url_gives_its_prefix_and_lease_and_keeps_the_rest() {

@@ -1,12 +1,16 @@
-//! Which acks to send for a consumer's settled deliveries: AMQP acks by delivery tag, and one
-//! `multiple` ack covers every earlier tag of the channel, so the contiguous settled range
-//! from the oldest unsettled delivery goes in one ack. Settled deliveries beyond a gap wait
-//! for it, unless more than `hold` of them wait: then they are acked one by one, so one slow
-//! handler cannot pin the whole prefetch window; and when the consumer closes.
+//! Which settled deliveries a broker that confirms a position can confirm now. An AMQP
+//! `multiple` ack covers every earlier tag of the channel, and an offset log commits one
+//! offset for everything before it: either way only the contiguous settled range from the
+//! oldest unsettled delivery goes at once. Settled deliveries beyond a gap wait for it, unless
+//! more than `hold` of them wait: then they are confirmed one by one (where the broker can),
+//! so one slow handler cannot pin the whole window; and when the consumer closes.
+//!
+//! It owns the bookkeeping only, by position (a tag, an offset): it sends nothing and knows no
+//! broker.
 
 use std::collections::BTreeMap;
 
-/// The deliveries of one channel not yet acked, by tag, and whether each is settled.
+/// The deliveries of one consumer not yet confirmed, by position, and whether each is settled.
 #[derive(Debug, Default)]
 pub struct AckWindow {
     outstanding: BTreeMap<u64, bool>,
@@ -14,6 +18,7 @@ pub struct AckWindow {
 }
 
 impl AckWindow {
+    /// A window that confirms one by one once more than `hold` settled deliveries wait.
     pub fn new(hold: usize) -> AckWindow {
         AckWindow { outstanding: BTreeMap::new(), hold }
     }
@@ -23,7 +28,8 @@ impl AckWindow {
         self.outstanding.insert(tag, false);
     }
 
-    /// Marks deliveries settled; the acks to send now, as `(tag, multiple)`, in order.
+    /// Marks deliveries settled; the confirmations to send now, as `(position, multiple)`, in
+    /// order (`multiple`: every earlier position with it).
     pub fn settle(&mut self, tags: impl IntoIterator<Item = u64>) -> Vec<(u64, bool)> {
         for tag in tags {
             self.outstanding.insert(tag, true);

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use super::lock;
 use crate::broker::{BrokerError, Headers};
-use crate::config::ExchangeKind;
-use crate::config::suggest::did_you_mean;
 use crate::topology::{BindingDecl, route};
+use crate::vocab::ExchangeKind;
+use crate::vocab::suggest::did_you_mean;
 
 /// The declarations routing and claiming need, read at `version`.
 #[derive(Debug, Default)]

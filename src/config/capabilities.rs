@@ -77,3 +77,80 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
     }
     refusals
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::capabilities::RABBITMQ;
+    use crate::vocab::{ExchangeKind, QueueKind};
+
+    /// A pipeline that asks for every capability, each of which RabbitMQ has.
+    const PIPELINE: &str = r#"version: 1
+exchanges:
+  ev: {type: headers}
+queues:
+  q:
+    type: classic
+    priority: 5
+    message_ttl: 1h
+    max_length: 10
+    ordered: true
+    max_message_bytes: 2000000
+    arguments: {x-queue-mode: lazy}
+    bind: [{exchange: ev, arguments: {x-match: all, kind: a}}]
+    handler: {command: {program: /bin/true}}
+"#;
+
+    fn config() -> Config {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.yaml");
+        std::fs::write(&path, PIPELINE).expect("write");
+        let validation = super::super::load(&[path]);
+        validation.config.unwrap_or_else(|| panic!("the pipeline loads: {:?}", validation.diagnostics))
+    }
+
+    /// Issue 32: each capability a broker lacks refuses the one setting that needs it, at its
+    /// pointer, naming the capability; with all of them, nothing is refused.
+    #[test]
+    fn each_capability_a_broker_lacks_refuses_its_setting() {
+        let config = config();
+        assert_eq!(refusals(&RABBITMQ, &config), Vec::new(), "RabbitMQ honours every setting");
+        let lacking: [(&str, Capabilities, &str, &str); 8] = [
+            (
+                "exchange kinds",
+                Capabilities { exchange_kinds: &[ExchangeKind::Topic], ..RABBITMQ },
+                "/exchanges/ev/type",
+                "headers exchanges",
+            ),
+            (
+                "queue types",
+                Capabilities { queue_types: &[QueueKind::Quorum], ..RABBITMQ },
+                "/queues/q/type",
+                "classic queues",
+            ),
+            ("priorities", Capabilities { priorities: false, ..RABBITMQ }, "/queues/q/priority", "priorities"),
+            ("message TTL", Capabilities { message_ttl: false, ..RABBITMQ }, "/queues/q/message_ttl", "a message TTL"),
+            ("max length", Capabilities { max_length: false, ..RABBITMQ }, "/queues/q/max_length", "max_length"),
+            ("ordering", Capabilities { orderings: &[], ..RABBITMQ }, "/queues/q/ordered", "ordered queues"),
+            (
+                "body size",
+                Capabilities { largest_body: 1_000_000, ..RABBITMQ },
+                "/queues/q/max_message_bytes",
+                "bodies over 1000000 bytes",
+            ),
+            (
+                "arguments",
+                Capabilities { arguments: false, ..RABBITMQ },
+                "/queues/q/arguments/x-queue-mode",
+                "broker arguments",
+            ),
+        ];
+        for (what, capabilities, pointer, words) in lacking {
+            let refused = refusals(&capabilities, &config);
+            assert_eq!(refused.len(), 1, "{what}: {refused:?}");
+            assert_eq!(refused[0].pointer, pointer, "{what}");
+            assert!(refused[0].message.starts_with("RabbitMQ does not support "), "{what}: {}", refused[0].message);
+            assert!(refused[0].message.contains(words), "{what}: {}", refused[0].message);
+        }
+    }
+}

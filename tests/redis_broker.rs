@@ -188,7 +188,7 @@ async fn delays_are_exact_without_head_of_line_blocking() {
         let d = d.expect("delivery");
         let delay = if text == "long" { Duration::from_secs(4) } else { Duration::from_millis(600) };
         broker
-            .copy(&d, Target::Later { queue: "a", delay: delay }, &Edits::setting(Headers::new()))
+            .copy(&d, Target::Later { queue: "a", delay }, &Edits::setting(Headers::new()))
             .await
             .expect("delayed copy");
         originals.push(d);

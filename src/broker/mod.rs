@@ -46,9 +46,9 @@
 //!    [`Capabilities::browse_in_order`] says so, and hands back what it did not remove
 //!    (`browsing_reads_in_order_and_hands_back_the_rest`).
 //! 10. **Statistics**: ready messages and consumers of a queue, an undeclared queue being
-//!    [`BrokerError::NotFound`] (`stats_count_ready_messages_and_consumers`).
+//!     [`BrokerError::NotFound`] (`stats_count_ready_messages_and_consumers`).
 //! 11. **Unbinding** removes the bindings and only them; twice is no error
-//!    (`unbinding_removes_only_the_bindings`).
+//!     (`unbinding_removes_only_the_bindings`).
 
 pub mod amqp;
 pub mod capabilities;

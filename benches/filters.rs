@@ -91,23 +91,23 @@ fn main() {
     );
     for name in ["plain", "by_type", "by_payload"] {
         let q = queue(name);
-        let ns = time(|| outcome::filter(&config, q, &envelope, Some(&route), &headers, 1).is_ok());
+        let ns = time(|| outcome::filter(q, &envelope, Some(&route), &headers, 1).is_ok());
         println!("  outcome::filter, queue {name:<10} {ns:>8.1}");
     }
     // Refused by the first binding's filter, let in by the second's lack of one: the bindings
     // disagree, so the message is routed again to tell which of them took it.
     let small = Envelope::new("order.created", &json!({"amount_cents": 500, "currency": "EUR"}), None).encode();
     let small = Envelope::decode(&small).expect("an envelope");
-    let ns = time(|| outcome::filter(&config, queue("by_payload"), &small, Some(&route), &headers, 1).is_ok());
+    let ns = time(|| outcome::filter(queue("by_payload"), &small, Some(&route), &headers, 1).is_ok());
     println!("  outcome::filter, by_payload, refused  {ns:>8.1}");
     let parsed = envelope.payload_value().expect("a payload");
     let message = filter::Message { envelope: &envelope, payload: Some(&parsed) };
     let q = queue("by_payload");
-    let ns = time(|| filter::admits(&config.exchanges, q, Some(&route), &headers, &message));
+    let ns = time(|| filter::admits(q, Some(&route), &headers, &message));
     println!("  filter::admits alone, payload parsed    {ns:>8.1}");
     let parsed_small = small.payload_value().expect("a payload");
     let refused = filter::Message { envelope: &small, payload: Some(&parsed_small) };
-    let ns = time(|| filter::admits(&config.exchanges, q, Some(&route), &headers, &refused));
+    let ns = time(|| filter::admits(q, Some(&route), &headers, &refused));
     println!("  filter::admits alone, refused (routing) {ns:>8.1}");
     let first = q.bindings[0].filter.as_ref().expect("by_payload's first binding has a filter");
     let ns = time(|| filter::matches(first, &message));

@@ -256,7 +256,11 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for Named<T
 
 /// The queue `name` of the running config.
 fn find<'a>(config: &'a Config, name: &str) -> Result<&'a Queue, Failure> {
-    config.queues.get(name).ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no queue \"{name}\" runs here")))
+    config
+        .queues
+        .get(name)
+        .map(|q| &**q)
+        .ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no queue \"{name}\" runs here")))
 }
 
 async fn openapi() -> impl IntoResponse {

@@ -804,7 +804,7 @@ impl app::Job for ReadDrift<'_> {
 /// What `sluice render` prints: the request or the command a message would produce.
 fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32) -> anyhow::Result<String> {
     use std::fmt::Write as _;
-    let q = config.queues.get_mut(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
+    let q = config.queue_mut(queue).with_context(|| format!("no queue \"{queue}\" in the pipeline files"))?;
     q.resolve_webhook_url()?;
     let body =
         bytes::Bytes::from(std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?);

@@ -343,7 +343,7 @@ impl Compiler<'_> {
             if let Some(q) = raw.queues.remove(&name)
                 && let Some(queue) = self.queue(file, &name, q, &config.exchanges)
             {
-                config.queues.insert(name, queue);
+                config.queues.insert(name, Arc::new(queue));
             }
             self.progress.queue_compiled();
         }
@@ -466,8 +466,8 @@ impl Compiler<'_> {
         let mut bindings = Vec::new();
         for (i, b) in q.bind.into_iter().enumerate() {
             let pointer = format!("{base}/bind/{i}");
-            let defined = exchanges.contains_key(&b.exchange) || ExchangeKind::builtin(&b.exchange).is_some();
-            if !defined && self.complete {
+            let exchange_kind = exchanges.get(&b.exchange).map(|e| e.kind).or(ExchangeKind::builtin(&b.exchange));
+            if exchange_kind.is_none() && self.complete {
                 let close = super::suggest::did_you_mean(&b.exchange, exchanges.keys().map(String::as_str));
                 let message = format!("binding to undefined exchange \"{}\"{close}", b.exchange);
                 self.error(file, &format!("{pointer}/exchange"), message);
@@ -477,7 +477,13 @@ impl Compiler<'_> {
                 .filter
                 .as_ref()
                 .and_then(|f| super::filter::compile(file, &format!("{pointer}/filter"), f, schema, self.diags));
-            bindings.push(Binding { exchange: b.exchange, routing_key: b.routing_key, arguments: b.arguments, filter });
+            bindings.push(Binding {
+                exchange: b.exchange,
+                exchange_kind,
+                routing_key: b.routing_key,
+                arguments: b.arguments,
+                filter,
+            });
         }
 
         let (concurrency, adaptive) = match q.concurrency {

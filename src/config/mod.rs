@@ -47,7 +47,8 @@ pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30 * 24 * 3600);
 #[derive(Debug, Default)]
 pub struct Config {
     pub exchanges: BTreeMap<String, Exchange>,
-    pub queues: BTreeMap<String, Queue>,
+    /// Shared: the worker of each queue owns its queue for as long as it runs.
+    pub queues: BTreeMap<String, Arc<Queue>>,
 }
 
 /// An exchange declared by the pipeline.
@@ -61,6 +62,9 @@ pub struct Exchange {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Binding {
     pub exchange: String,
+    /// The exchange's kind, declared or built in: none only for an undefined exchange, which
+    /// is an error unless the files are checked in part.
+    pub exchange_kind: Option<ExchangeKind>,
     pub routing_key: String,
     pub arguments: BTreeMap<String, serde_json::Value>,
     /// The queue takes a message through this binding only when this holds.
@@ -568,6 +572,17 @@ pub enum StartError {
 }
 
 impl Config {
+    /// Queue `name`, to change before the config is shared (once its worker runs, the worker
+    /// holds the queue and it changes no more).
+    pub fn queue_mut(&mut self, name: &str) -> Option<&mut Queue> {
+        self.queues.get_mut(name).and_then(Arc::get_mut)
+    }
+
+    /// Every queue, as [`queue_mut`](Config::queue_mut) gives one.
+    pub fn queues_mut(&mut self) -> impl Iterator<Item = &mut Queue> {
+        self.queues.values_mut().filter_map(Arc::get_mut)
+    }
+
     /// The environment variables that templates (`{{env.X}}`) and signing secrets read but
     /// that are not set here, by name. `validate` only warns about them (CI has no secrets);
     /// `run` refuses to start, rather than dead-letter every message.
@@ -617,8 +632,7 @@ impl Config {
             return Err(vec![StartError::MissingEnv(missing)]);
         }
         let errors: Vec<StartError> = self
-            .queues
-            .values_mut()
+            .queues_mut()
             .flat_map(|queue| {
                 let mut errors = queue.load_signing_keys();
                 errors.extend(queue.check_outbound_auth());
@@ -987,8 +1001,8 @@ queues:
             })
         };
         let mut results = BTreeMap::new();
-        for (name, queue) in &mut config.queues {
-            results.insert(name.as_str(), queue.resolve_webhook_url_in(lookup).map_err(|e| e.to_string()));
+        for queue in config.queues_mut() {
+            results.insert(queue.name.clone(), queue.resolve_webhook_url_in(lookup).map_err(|e| e.to_string()));
         }
         assert_eq!(results["fixed"], Ok(()));
         assert_eq!(results["templated"], Ok(()));
@@ -1011,7 +1025,7 @@ queues:
     #[test]
     fn an_env_host_with_a_literal_rest_becomes_a_fixed_url() {
         let mut config = config("version: 1\nqueues:\n  q: {handler: {webhook: {url: \"{{env.BASE}}/hook\"}}}\n");
-        let queue = config.queues.get_mut("q").expect("queue q");
+        let queue = config.queue_mut("q").expect("queue q");
         queue.resolve_webhook_url_in(|_| Some("http://127.0.0.1:8080".to_string())).expect("resolves");
         let Handler::Webhook(w) = &queue.handler else { panic!("a webhook") };
         assert_eq!(w.fixed_url.as_ref().map(ToString::to_string).as_deref(), Some("http://127.0.0.1:8080/hook"));

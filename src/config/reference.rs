@@ -188,7 +188,7 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), file.to_string()).expect("write");
         let validation = super::super::load(&[dir.path().to_path_buf()]);
         let mut config = validation.config.unwrap_or_else(|| panic!("{definition}: {:?}", validation.diagnostics));
-        let queue = config.queues.get_mut("work").expect("work");
+        let queue = config.queue_mut("work").expect("work");
         queue.source = Value::Null;
         queue.written = Value::Null;
         queue.file = Default::default();

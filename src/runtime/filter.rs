@@ -10,13 +10,12 @@
 //! `outcome::filter`, which calls [`admits`].
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
 
 use serde_json::{Number, Value};
 
 use crate::broker::{HeaderValue, Headers, Route};
 use crate::config::filter::{Field, Op, Root};
-use crate::config::{Binding, Exchange, ExchangeKind, Filter, Queue};
+use crate::config::{Binding, Filter, Queue};
 use crate::envelope::Envelope;
 use crate::topology::route;
 
@@ -28,18 +27,12 @@ pub struct Message<'a> {
 }
 
 /// Whether `q` takes the message published with `route` (when known) and `headers`.
-pub fn admits(
-    exchanges: &BTreeMap<String, Exchange>,
-    q: &Queue,
-    route: Option<&Route>,
-    headers: &Headers,
-    message: &Message<'_>,
-) -> bool {
+pub fn admits(q: &Queue, route: Option<&Route>, headers: &Headers, message: &Message<'_>) -> bool {
     let routed = |b: &Binding| {
         let Some(route) = route else { return false };
-        let kind = exchanges.get(&b.exchange).map(|e| e.kind).or(ExchangeKind::builtin(&b.exchange));
         b.exchange == route.exchange
-            && kind.is_some_and(|kind| route::routes(kind, &b.routing_key, &b.arguments, &route.routing_key, headers))
+            && b.exchange_kind
+                .is_some_and(|kind| route::routes(kind, &b.routing_key, &b.arguments, &route.routing_key, headers))
     };
     let passes = |b: &Binding| b.filter.as_ref().is_none_or(|f| matches(f, message));
     // Routing again costs more than most filters: only when the bindings disagree does it

@@ -280,10 +280,10 @@ impl<B: Broker> Running<B> {
         let shared = &self.shared;
         // Diffs only name queues of their configs.
         let live = shared.activity.attempts.of(name).live().clone();
-        let gate = Gate::new(&config.queues[name], &shared.pauses, &shared.slots, live);
+        let queue = config.queues[name].clone();
+        let gate = Gate::new(&queue, &shared.pauses, &shared.slots, live);
         let worker = Arc::new(Worker::new(
-            config.clone(),
-            name,
+            queue,
             gate,
             shared.handlers.clone(),
             shared.activity.clone(),

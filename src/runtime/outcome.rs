@@ -14,7 +14,7 @@ use super::filter;
 use crate::backoff;
 use crate::broker::{HeaderValue, Headers, Route};
 use crate::call::{Call, PrepareError, Renderer};
-use crate::config::{Config, Queue};
+use crate::config::Queue;
 use crate::envelope::{self, Envelope, Reason, dead_letter_headers};
 use crate::handler::HandlerError;
 
@@ -93,7 +93,6 @@ pub fn decode<'a>(q: &Queue, body: &'a Bytes, size: usize, attempt: u32) -> Resu
 /// the handler (what the queue does not take is none of its business). `route` and `headers`
 /// are what the message was published with, as far as known.
 pub fn filter(
-    config: &Config,
     q: &Queue,
     envelope: &Envelope<'_>,
     route: Option<&Route>,
@@ -114,7 +113,7 @@ pub fn filter(
         None
     };
     let message = filter::Message { envelope, payload: payload.as_ref() };
-    if filter::admits(&config.exchanges, q, route, headers, &message) { Ok(()) } else { Err(Disposition::Filtered) }
+    if filter::admits(q, route, headers, &message) { Ok(()) } else { Err(Disposition::Filtered) }
 }
 
 /// Checks the payload against the queue's schema and renders the idempotency key and the

@@ -37,7 +37,7 @@ use super::{Readiness, clock, filter};
 use crate::backoff;
 use crate::broker::{Broker, BrokerError, Consumer, Credit, Delivery, Edits, Headers, Target};
 use crate::call::{Call, Execute};
-use crate::config::{Config, Queue};
+use crate::config::Queue;
 use crate::dedup::{self, Claim, Store};
 use crate::envelope::{self, Reason, attempt_in};
 use crate::handler::{HandlerError, Observed};
@@ -70,10 +70,9 @@ type Settled<D> = (D, Option<String>);
 /// it stays pending.
 type Acker = Fuse<JoinHandle<Result<(), BrokerError>>>;
 
-/// Everything a queue's worker needs, shared by its delivery tasks.
+/// Everything a queue's worker needs, shared by its delivery tasks; it owns its queue.
 pub struct Worker {
-    config: Arc<Config>,
-    name: String,
+    queue: Arc<Queue>,
     limiter: Option<DefaultDirectRateLimiter>,
     /// What runs the handler's calls.
     handlers: Arc<dyn Execute>,
@@ -88,28 +87,26 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A worker for queue `name` of `config`, through `gate` (made for that queue), its calls
-    /// run by `handlers`.
+    /// A worker for `queue`, through `gate` (made for that queue), its calls run by
+    /// `handlers`.
     pub fn new(
-        config: Arc<Config>,
-        name: &str,
+        queue: Arc<Queue>,
         gate: Gate,
         handlers: Arc<dyn Execute>,
         activity: Arc<Activity>,
         store: Option<Store>,
         readiness: Readiness,
     ) -> Worker {
-        let limiter = config.queues.get(name).and_then(|q| q.rate_limit).and_then(|r| {
+        let limiter = queue.rate_limit.and_then(|r| {
             let quota = Quota::with_period(r.per / r.count.get())?.allow_burst(r.count);
             Some(DefaultDirectRateLimiter::direct(quota))
         });
-        let events = QueueEvents::new(name, activity.clone(), activity.attempts.of(name));
-        Worker { config, name: name.to_string(), limiter, handlers, activity, store, events, gate, readiness }
+        let events = QueueEvents::new(&queue.name, activity.clone(), activity.attempts.of(&queue.name));
+        Worker { queue, limiter, handlers, activity, store, events, gate, readiness }
     }
 
     fn queue(&self) -> &Queue {
-        // Workers are only made for queues of their config.
-        &self.config.queues[&self.name]
+        &self.queue
     }
 
     /// Consumes until `stop`, then drains: no new deliveries, those already delivered are
@@ -328,7 +325,7 @@ impl Worker {
             seen.idempotency_key = Some(envelope.idempotency_key().to_string());
         }
         let headers = filter::headers(q, |name| delivery.header(name));
-        outcome::filter(&self.config, q, &envelope, delivery.route(), &headers, attempt)?;
+        outcome::filter(q, &envelope, delivery.route(), &headers, attempt)?;
         // Before anything is rendered or waited for: a scheduled message holds no slot.
         if let Some(after) = envelope.due_in(clock::now()) {
             return Err(Disposition::Scheduled { attempt, after });
@@ -551,7 +548,7 @@ impl Worker {
                 self.readiness.set(false);
                 return Err(error);
             }
-            failing.get_or_insert_with(|| self.readiness.acks_failing(&self.name));
+            failing.get_or_insert_with(|| self.readiness.acks_failing(&self.queue.name));
             self.events.ack_failed(failures, &error);
             let delay = backoff::reconnect_delay(failures, ACK_BACKOFF_CAP, &mut rand::rng());
             tokio::time::sleep(delay).await;
@@ -632,8 +629,9 @@ mod tests {
         std::fs::write(dir.path().join("p.yaml"), yaml).expect("write");
         let config = crate::config::load(&[dir.path().to_path_buf()]).config.expect("valid");
         let handlers = Arc::new(crate::call::Handlers::new().expect("client"));
-        let gate = Gate::new(&config.queues["work"], &Default::default(), &Default::default(), Arc::default());
-        let worker = Worker::new(Arc::new(config), "work", gate, handlers, Arc::default(), None, Readiness::default());
+        let queue = config.queues["work"].clone();
+        let gate = Gate::new(&queue, &Default::default(), &Default::default(), Arc::default());
+        let worker = Worker::new(queue, gate, handlers, Arc::default(), None, Readiness::default());
         let disposition = worker.decide(&Panicking, &tracing::Span::none(), &mut Seen::default()).await;
         let Disposition::DeadLetter { reason, error, attempts } = disposition else {
             panic!("not dead-lettered: {disposition:?}");

@@ -172,7 +172,7 @@ fn throwaway_secrets(config: &mut config::Config) -> Vec<String> {
     use base64::Engine as _;
     use config::{Handler, SecretError, Webhook};
     let mut notes = Vec::new();
-    for queue in config.queues.values_mut() {
+    for queue in config.queues_mut() {
         let Handler::Webhook(Webhook { signing: Some(signing), .. }) = &mut queue.handler else { continue };
         let Err(errors) = signing.load() else { continue };
         let absent: Vec<String> = errors

@@ -58,9 +58,9 @@ impl Suite {
     /// Plans the config's topology and resolves its webhook URLs.
     pub fn new(mut config: Config) -> Suite {
         let mut refused = BTreeMap::new();
-        for (name, queue) in &mut config.queues {
+        for queue in config.queues_mut() {
             if let Err(e) = queue.resolve_webhook_url() {
-                refused.insert(name.clone(), e.to_string());
+                refused.insert(queue.name.clone(), e.to_string());
             }
         }
         let plan = topology::plan(&config);
@@ -188,7 +188,7 @@ impl Suite {
             Ok(e) => e,
             Err(disposition) => return ended(disposition, None),
         };
-        if let Err(disposition) = outcome::filter(&self.config, q, &envelope, Some(route), headers, attempt) {
+        if let Err(disposition) = outcome::filter(q, &envelope, Some(route), headers, attempt) {
             return ended(disposition, None);
         }
         // No trace context: a traceparent is random per delivery, so a test could not expect it.

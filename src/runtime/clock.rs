@@ -36,7 +36,9 @@ mod tests {
 
     use super::*;
 
-    /// Paused time moves the wall clock by exactly its advance, however long the test takes.
+    /// Paused time moves the wall clock by its advance, however long the test takes: the real
+    /// time that passed does not show (within the few microseconds between the three clocks'
+    /// reads, which may fall either side).
     #[tokio::test(start_paused = true)]
     async fn paused_time_moves_the_wall_clock() {
         let before = now();
@@ -44,8 +46,7 @@ mod tests {
         // Real time passing, which must not show.
         std::thread::sleep(Duration::from_millis(20));
         let moved = now().duration_since(before).expect("forward");
-        assert!(moved >= Duration::from_secs(3600), "{moved:?}");
-        assert!(moved < Duration::from_secs(3600) + Duration::from_millis(5), "{moved:?}");
+        assert!(moved.abs_diff(Duration::from_secs(3600)) < Duration::from_millis(5), "{moved:?}");
     }
 
     /// Unpaused, it is the system clock.

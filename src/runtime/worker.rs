@@ -84,6 +84,10 @@ pub struct Worker {
     gate: Gate,
     /// Told while the queue's acks fail.
     readiness: Readiness,
+    /// Set when the idempotency store is found damaged (no retry mends it): the consumer
+    /// then ends as on a damaged broker, and the run with it.
+    damaged: std::sync::OnceLock<BrokerError>,
+    damaged_found: tokio::sync::Notify,
 }
 
 impl Worker {
@@ -102,7 +106,8 @@ impl Worker {
             Some(DefaultDirectRateLimiter::direct(quota))
         });
         let events = QueueEvents::new(&queue.name, activity.clone(), activity.attempts.of(&queue.name));
-        Worker { queue, limiter, handlers, activity, store, events, gate, readiness }
+        let (damaged, damaged_found) = Default::default();
+        Worker { queue, limiter, handlers, activity, store, events, gate, readiness, damaged, damaged_found }
     }
 
     fn queue(&self) -> &Queue {
@@ -181,6 +186,9 @@ impl Worker {
                 }
                 // The runner gave up waiting for the stream to end after `stop`.
                 () = release.cancelled() => break Ok(()),
+                () = self.damaged_found.notified() => {
+                    break Err(self.damaged.get().cloned().unwrap_or_else(|| BrokerError::Damaged("the idempotency store".into())));
+                }
                 acked = &mut acker => {
                     break Err(match acked {
                         Ok(Err(e)) => e,
@@ -384,6 +392,9 @@ impl Worker {
                 Err(Disposition::Wait { attempt, after, why: "another worker holds this key".into() })
             }
             Err(e) => {
+                if e.damaged && self.damaged.set(BrokerError::Damaged(e.message.clone().into())).is_ok() {
+                    self.damaged_found.notify_one();
+                }
                 let after = backoff::reconnect_delay(6, STORE_DOWN_WAIT, &mut rand::rng());
                 Err(Disposition::Wait { attempt, after, why: format!("no claim, so no handler run: {e}") })
             }

@@ -146,7 +146,7 @@ impl Claims {
         let found: Option<(bool, i64, Option<String>)> = db
             .prepare_cached("SELECT done, until, holder FROM idempotency WHERE key = ?1")
             .and_then(|mut s| s.query_row([key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
-            .map_err(|e| BrokerError::Lost(Cause::from_error(e).within("embedded idempotency store")))?;
+            .map_err(read_failed)?;
         Ok(verdict(found, now, &self.holder).unwrap_or(Claim::Claimed))
     }
 
@@ -395,4 +395,43 @@ pub(super) fn expire(store: &Store, db: &Connection, now: i64, cursor: &mut Stri
         }
     }
     Ok(deleted)
+}
+
+/// A failed read of the keys: a file SQLite no longer takes for a database was changed under
+/// this process (its write-ahead log cut or replaced: the reader may meet it before the
+/// writer's look at the files does), which no retry mends; anything else may pass.
+fn read_failed(e: rusqlite::Error) -> BrokerError {
+    match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt) => {
+            BrokerError::Damaged(Cause::from_error(e).within(
+                "the embedded broker's idempotency keys cannot be read: its write-ahead log or file was truncated or replaced while in use (only sluice may change the broker's files while it runs). Stopped: start sluice again",
+            ))
+        }
+        _ => BrokerError::Lost(Cause::from_error(e).within("embedded idempotency store")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key read that meets a file SQLite takes for no database (its log cut under the
+    /// runner: CI met it before the writer's look at the files did) is damage, which ends the
+    /// run; another failure may pass.
+    #[test]
+    fn a_read_of_a_file_that_is_no_database_is_damage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let garbage = dir.path().join("broker.db");
+        std::fs::write(&garbage, vec![0x5a; 8192]).expect("write");
+        let db = Connection::open(&garbage).expect("open");
+        let e = db.prepare("SELECT done FROM idempotency").expect_err("not a database");
+        let error = read_failed(e);
+        assert!(error.is_damaged(), "{error}");
+        assert!(error.to_string().contains("truncated or replaced while in use"), "{error}");
+        assert!(error.to_string().contains("start sluice again"), "{error}");
+
+        let db = Connection::open_in_memory().expect("open");
+        let e = db.prepare("SELECT done FROM idempotency").expect_err("no such table");
+        assert!(!read_failed(e).is_damaged());
+    }
 }

@@ -489,6 +489,10 @@ impl Consumer for EmbeddedConsumer {
         let ids = s.close();
         let _ = self.broker.call(|reply| Op::Release { owner: s.own.owner, queue: s.queue.clone(), ids, reply }).await;
         let _ = deregister(&self.broker, s).await;
+        // The queue's other consumers in this process claim again: a single-active-consumer
+        // queue passes to the next only once this registration is gone, and the release's
+        // wake-up may have come before that (the next then waited for the lease).
+        self.broker.inner.wakers.wake(&s.queue);
     }
 }
 

@@ -159,7 +159,7 @@ impl Wakers {
         lock(&self.queues).entry(queue.to_string()).or_default().clone()
     }
 
-    fn wake(&self, queue: &str) {
+    pub(super) fn wake(&self, queue: &str) {
         if let Some(notify) = lock(&self.queues).get(queue) {
             notify.notify_waiters();
         }

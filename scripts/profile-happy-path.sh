@@ -49,6 +49,6 @@ perf record -q -F 999 -o "$tmp/perf.data" -- "$sluice" run "$tmp/p" "${broker[@]
 end=$(date +%s.%N)
 python3 -c "print('drained $messages messages in', round($end - $start, 2), 's:', round($messages / ($end - $start)), 'messages/s under perf')"
 echo "== top frames by own time (shared object, symbol)"
-perf report -q -i "$tmp/perf.data" --no-children --stdio --sort dso,symbol --percent-limit 1.2 2>/dev/null | sed '/^$/d' | head -30
+perf report -q -i "$tmp/perf.data" --no-children --stdio --sort dso,symbol --percent-limit 1 2>/dev/null | sed "/^$/d; s/ *-  *- *$//" | cut -c1-110 | head -20
 echo "== by thread"
 perf report -q -i "$tmp/perf.data" --no-children --stdio --sort comm --percent-limit 1 2>/dev/null | sed '/^$/d' | head -12

@@ -16,25 +16,7 @@ messages=${3:-30000}
 runs=${4:-5}
 source scripts/bench-lib.sh
 
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$new" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
-receiver=$!
-mkdir -p "$tmp/p"
-cat >"$tmp/p/p.yaml" <<YAML
-version: 1
-exchanges:
-  bench: {type: topic}
-queues:
-  bench.work:
-    bind: [{exchange: bench, routing_key: work}]
-    concurrency: 50
-    handler:
-      webhook: {url: "http://127.0.0.1:$port/hook"}
-YAML
-python3 -c "
-import json
-with open('$tmp/m.jsonl', 'w') as f:
-    for i in range($messages): f.write(json.dumps({'n': i, 'pad': 'x' * 100}) + '\n')"
+happy_path "$new" "$messages"
 
 # run_once BINARY: prints messages/s, CPU seconds (user + system) and peak RSS (MiB) of one drain.
 run_once() {

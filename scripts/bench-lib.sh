@@ -22,3 +22,28 @@ make_vhost() {
 
 # drop_vhost: deletes the current vhost.
 drop_vhost() { rabbitmqctl -q delete_vhost "$vhost" >/dev/null; vhost=""; }
+
+# happy_path SLUICE MESSAGES: the happy path of bench-ab.sh and profile-happy-path.sh: a
+# `sluice demo-receiver` (receiver, port), the pipeline $tmp/p (one webhook queue, concurrency
+# 50, idempotency on) and MESSAGES payloads in $tmp/m.jsonl.
+happy_path() {
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$1" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
+  receiver=$!
+  mkdir -p "$tmp/p"
+  cat >"$tmp/p/p.yaml" <<YAML
+version: 1
+exchanges:
+  bench: {type: topic}
+queues:
+  bench.work:
+    bind: [{exchange: bench, routing_key: work}]
+    concurrency: 50
+    handler:
+      webhook: {url: "http://127.0.0.1:$port/hook"}
+YAML
+  python3 -c "
+import json
+with open('$tmp/m.jsonl', 'w') as f:
+    for i in range($2): f.write(json.dumps({'n': i, 'pad': 'x' * 100}) + '\n')"
+}

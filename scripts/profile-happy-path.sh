@@ -17,25 +17,8 @@ messages=${2:-30000}
 command -v perf >/dev/null || { echo "perf is not installed: apt-get install linux-perf" >&2; exit 1; }
 source scripts/bench-lib.sh
 
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$sluice" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
-receiver=$!
-mkdir -p "$tmp/p" "$tmp/run"
-cat >"$tmp/p/p.yaml" <<YAML
-version: 1
-exchanges:
-  bench: {type: topic}
-queues:
-  bench.work:
-    bind: [{exchange: bench, routing_key: work}]
-    concurrency: 50
-    handler:
-      webhook: {url: "http://127.0.0.1:$port/hook"}
-YAML
-python3 -c "
-import json
-with open('$tmp/m.jsonl', 'w') as f:
-    for i in range($messages): f.write(json.dumps({'n': i, 'pad': 'x' * 100}) + '\n')"
+happy_path "$sluice" "$messages"
+mkdir -p "$tmp/run"
 broker=()
 if [[ $rabbitmq == 1 ]]; then
   make_vhost "sluice-profile-$$"

@@ -638,7 +638,10 @@ async fn unbinding_removes_only_the_bindings<S: Subject>(subject: S) {
     broker.publish("ev", "k", message("before")).await.expect("publish");
     broker.unbind(std::slice::from_ref(&dropped)).await.expect("unbind");
     broker.unbind(std::slice::from_ref(&dropped)).await.expect("unbinding again is no error");
-    wait_until("b still holds its message", || async { broker.depth("b").await.expect("depth") == 1 }).await;
+    crate::support::wait_until(DEADLINE, "b still holds its message", || async {
+        broker.depth("b").await.expect("depth") == 1
+    })
+    .await;
     broker.publish("ev", "k", message("after")).await.expect("publish");
     assert_eq!(read_until_end(&broker, "a").await, ["before", "after"]);
     assert_eq!(read_until_end(&broker, "b").await, ["before"], "the queue and what it held stay");
@@ -826,19 +829,6 @@ async fn keys_ride_an_ack_only_where_the_broker_holds_them<S: Subject>(subject: 
     consumer.close().await;
     assert_eq!(read_until_end(&broker, "q").await, Vec::<String>::new());
     broker.close().await;
-}
-
-/// Waits until `check` holds.
-async fn wait_until<F, Fut>(what: &str, check: F)
-where
-    F: Fn() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < DEADLINE, "waited {DEADLINE:?} until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// For each body, a module of tests, one per broker: each runs the body on a broker of its

@@ -339,17 +339,31 @@ async fn a_command_failing_transiently_runs_exactly_max_attempts_then_dead_lette
 async fn the_runner_recovers_from_a_lost_broker_connection_without_losing_messages() {
     const N: usize = 200;
     let vhost = Vhost::new();
-    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_millis(50))).await;
+    // The first 20 requests are answered; the rest wait at the gate until the connection is
+    // gone, so it is lost with handlers in flight and most of the queue still to do.
+    const BEFORE: usize = 20;
+    let gate = Gate::closed();
+    let answered = std::sync::atomic::AtomicUsize::new(0);
+    let held = gate.clone();
+    let receiver = Receiver::start(move |_, _| {
+        let reply = Reply::ok().after(Duration::from_millis(50));
+        match answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < BEFORE {
+            true => reply,
+            false => reply.held_by(&held),
+        }
+    })
+    .await;
     let dir = webhook_pipeline(&receiver, "    concurrency: 4\n");
     let broker = vhost.connect().await;
     declare(dir.path(), &broker).await;
     let keys = publish_keys(&vhost, "m", N).await;
     broker.close().await;
     let mut sluice = Sluice::run(dir.path(), &vhost.url(), &[]);
-    wait_until(DEADLINE, "processing under way", || async { receiver.hits().len() >= 20 }).await;
+    wait_until(DEADLINE, "handlers held in flight", || async { receiver.hits().len() > BEFORE }).await;
 
     let closed = vhost.close_all_connections();
     let when_closed = receiver.succeeded_keys().len();
+    gate.open();
     assert!(closed >= 1, "the runner's connection was closed");
     assert!(when_closed < N, "the connection was lost partway through ({when_closed} of {N} done)");
     wait_until(DEADLINE, "every message received after the connection loss", || async {

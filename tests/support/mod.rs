@@ -823,11 +823,33 @@ pub struct Reply {
     pub body: String,
     /// How long the request stays in flight before the answer (it is recorded when it arrives).
     pub delay: Duration,
+    /// A gate the answer waits for after the delay.
+    pub held: Option<Gate>,
+}
+
+/// Holds answers back until a test opens it, so that a fault can be injected while requests
+/// are known to be in flight, however slowly the machine runs.
+#[derive(Debug, Clone)]
+pub struct Gate(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Gate {
+    pub fn closed() -> Gate {
+        Gate(Arc::new(tokio::sync::watch::channel(false).0))
+    }
+
+    pub fn open(&self) {
+        self.0.send_replace(true);
+    }
+
+    async fn passed(&self) {
+        // The sender lives in `self`, so the wait ends only by the gate opening.
+        let _ = self.0.subscribe().wait_for(|open| *open).await;
+    }
 }
 
 impl Reply {
     pub fn status(status: u16) -> Reply {
-        Reply { status, headers: Vec::new(), body: String::new(), delay: Duration::ZERO }
+        Reply { status, headers: Vec::new(), body: String::new(), delay: Duration::ZERO, held: None }
     }
 
     pub fn ok() -> Reply {
@@ -846,6 +868,12 @@ impl Reply {
 
     pub fn after(mut self, delay: Duration) -> Reply {
         self.delay = delay;
+        self
+    }
+
+    /// Answers only once `gate` is open.
+    pub fn held_by(mut self, gate: &Gate) -> Reply {
+        self.held = Some(gate.clone());
         self
     }
 }
@@ -988,6 +1016,9 @@ impl ReceiverState {
         };
         if !reply.delay.is_zero() {
             tokio::time::sleep(reply.delay).await;
+        }
+        if let Some(gate) = &reply.held {
+            gate.passed().await;
         }
         let mut response = hyper::Response::builder().status(reply.status);
         for (name, value) in &reply.headers {

@@ -10,26 +10,27 @@
 //! deliveries and consumers too. Only the function that opens a session is boxed: it runs once
 //! a session.
 //!
-//! Adding a broker: its folder under `broker/`, and here a variant of [`Endpoint`], its scheme in
-//! [`Endpoint::parse`], and its arm in each match of this file (capabilities, picture,
-//! sessions). Nothing here parses arguments, prints, or knows how a broker works inside.
+//! Adding a broker: its folder under `broker/`, its [`kinds::Kind`], and here its variant of
+//! [`Endpoint`], its scheme in [`Endpoint::parse`] and its line in [`by_kind!`], the one match
+//! on the broker. Nothing here parses arguments, prints, or knows how a broker works inside.
 
+pub mod kinds;
 pub mod run;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
 
 use crate::admin::api::Connect;
-use crate::broker::amqp::{self, Amqp};
-use crate::broker::embedded::{self, Embedded, ReadOnly};
+use crate::broker::amqp;
+use crate::broker::embedded::{Embedded, ReadOnly};
 use crate::broker::failover::Failover;
-use crate::broker::redis::{self, Checks as RedisChecks, Redis};
+use crate::broker::redis::Checks as RedisChecks;
 use crate::broker::render::Picture;
-use crate::broker::{Broker, BrokerError, Capabilities, Operate, capabilities};
+use crate::broker::{Broker, BrokerError, Capabilities, Operate};
 use crate::runtime::Readiness;
 use crate::topology::Plan;
+use kinds::{Directory, Kind, Rabbitmq, RedisServer};
 
 /// The embedded broker's directory when `--broker` is not given, beside the idempotency
 /// store's, and the state directory of runners on other brokers.
@@ -37,12 +38,21 @@ pub const DEFAULT_BROKER: &str = ".sluice";
 
 /// Which broker `--broker` names.
 pub enum Endpoint<'a> {
-    /// The nodes of one RabbitMQ cluster (or the one node), in the order this process tries them.
-    Amqp(Vec<&'a str>),
-    /// A Redis server (and the deployment's key prefix).
-    Redis(&'a str),
-    /// The embedded broker's directory.
-    Embedded(&'a Path),
+    Amqp(Rabbitmq<'a>),
+    Redis(RedisServer<'a>),
+    Embedded(Directory<'a>),
+}
+
+/// `$body` with `$kind` bound to the [`Kind`] `$endpoint` names: the one match on the broker,
+/// expanded for each (so `$body` may be generic over the kind's broker).
+macro_rules! by_kind {
+    ($endpoint:expr, $kind:ident => $body:expr) => {
+        match $endpoint {
+            Endpoint::Amqp($kind) => $body,
+            Endpoint::Redis($kind) => $body,
+            Endpoint::Embedded($kind) => $body,
+        }
+    };
 }
 
 /// What a `--broker` value is, or why it is none.
@@ -80,8 +90,8 @@ pub fn nodes(values: &[String]) -> usize {
 /// directory.
 pub fn display(values: &[String]) -> String {
     match Endpoint::parse(values) {
-        Ok(Endpoint::Embedded(dir)) => format!("embedded in {}", dir.display()),
-        _ => values.iter().map(|u| amqp::redact(u)).collect::<Vec<_>>().join(","),
+        Ok(endpoint) => by_kind!(&endpoint, kind => kind.display()),
+        Err(_) => values.iter().map(|u| amqp::redact(u)).collect::<Vec<_>>().join(","),
     }
 }
 
@@ -89,11 +99,10 @@ pub fn display(values: &[String]) -> String {
 /// one, as RabbitMQ declares it (README's `plan` section says so, and scripts read its `x-`
 /// arguments).
 pub fn picture(plan: &Plan, endpoint: Option<&Endpoint<'_>>) -> anyhow::Result<Picture> {
-    Ok(match endpoint {
-        None | Some(Endpoint::Amqp(_)) => amqp::declarations(plan).picture(),
-        Some(Endpoint::Redis(url)) => redis::picture(plan, &redis::Location::parse(url)?),
-        Some(Endpoint::Embedded(dir)) => embedded::picture(plan, dir),
-    })
+    match endpoint {
+        None => Rabbitmq(Vec::new()).picture(plan),
+        Some(endpoint) => by_kind!(endpoint, kind => kind.picture(plan)),
+    }
 }
 
 impl<'a> Endpoint<'a> {
@@ -108,8 +117,10 @@ impl<'a> Endpoint<'a> {
             }
         }
         match (urls.len(), values.as_slice()) {
-            (0, [dir]) => Ok(Endpoint::Embedded(Path::new(*dir))),
-            (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => Ok(Endpoint::Redis(url)),
+            (0, [dir]) => Ok(Endpoint::Embedded(Directory(Path::new(*dir)))),
+            (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                Ok(Endpoint::Redis(RedisServer(url)))
+            }
             (_, _) if urls.iter().any(|u| u.starts_with("redis")) => {
                 anyhow::bail!("--broker names a Redis server and something else; give one redis:// URL")
             }
@@ -122,73 +133,39 @@ impl<'a> Endpoint<'a> {
             }
             _ => {
                 rand::seq::SliceRandom::shuffle(urls.as_mut_slice(), &mut rand::rng());
-                Ok(Endpoint::Amqp(urls))
+                Ok(Endpoint::Amqp(Rabbitmq(urls)))
             }
         }
     }
 
     /// What the broker can honour, known from its kind alone.
     pub fn capabilities(&self) -> Capabilities {
-        match self {
-            Endpoint::Amqp(_) => capabilities::RABBITMQ,
-            Endpoint::Redis(_) => capabilities::REDIS,
-            Endpoint::Embedded(_) => capabilities::EMBEDDED,
-        }
+        by_kind!(self, kind => kind.capabilities())
     }
 
     /// How many addresses the broker has: more than one is a cluster.
     pub fn nodes(&self) -> usize {
-        match self {
-            Endpoint::Amqp(urls) => urls.len(),
-            _ => 1,
-        }
+        by_kind!(self, kind => kind.nodes())
     }
 
     /// Where a runner keeps its state (the admin token it generates, idempotency keys by
     /// default): the embedded broker's directory, else [`DEFAULT_BROKER`] in the working
     /// directory.
     pub fn state_dir(&self) -> PathBuf {
-        match self {
-            Endpoint::Embedded(dir) => dir.to_path_buf(),
-            _ => PathBuf::from(DEFAULT_BROKER),
-        }
+        by_kind!(self, kind => kind.state_dir())
     }
 
     /// Whether the broker is there to be read: an embedded broker is not until `run` creates
     /// its file (the operator's commands never do).
     pub fn exists(&self) -> bool {
-        match self {
-            Endpoint::Embedded(dir) => dir.join(embedded::FILE).exists(),
-            _ => true,
-        }
+        by_kind!(self, kind => kind.exists())
     }
-}
 
-/// What a Redis broker says of its persistence, as `plan` and `run`'s start line show it, and
-/// a warning when a restart would lose messages (or when it cannot be told); `None` for a
-/// broker that keeps what it confirms.
-pub async fn persistence(endpoint: &Endpoint<'_>) -> Option<(String, Option<String>)> {
-    let Endpoint::Redis(url) = endpoint else { return None };
-    let persistence = match Redis::connect(url).await {
-        Ok(session) => {
-            let p = session.persistence().await;
-            session.close().await;
-            p
-        }
-        Err(_) => None,
-    };
-    Some(persistence_line(persistence))
-}
-
-/// Persistence as the start line and `plan` show it, and a warning when a restart would lose
-/// messages (or when it cannot be told).
-fn persistence_line(persistence: Option<redis::Persistence>) -> (String, Option<String>) {
-    match persistence {
-        Some(p) => (p.to_string(), p.warning()),
-        None => (
-            "unknown".into(),
-            Some("cannot read Redis's persistence settings (CONFIG GET refused): make sure it runs with appendonly yes and appendfsync always, or a restart loses messages".into()),
-        ),
+    /// What the broker says of its persistence, as `plan` shows it, and a warning when a
+    /// restart would lose messages (or when it cannot be told); `None` for a broker that keeps
+    /// what it confirms.
+    pub async fn persistence(&self) -> Option<(String, Option<String>)> {
+        by_kind!(self, kind => kind.persistence().await)
     }
 }
 
@@ -215,6 +192,13 @@ pub struct Dial<'a> {
     pub give_up: bool,
 }
 
+impl Dial<'_> {
+    /// `sessions` as this says: giving up after `rounds` for a command.
+    fn limit<'a, B: Broker>(&self, sessions: Sessions<'a, B>, rounds: u32) -> Sessions<'a, B> {
+        if self.give_up { sessions.give_up_after(rounds) } else { sessions }
+    }
+}
+
 /// What a command does with the sessions of whichever broker: written once, run on each.
 pub trait Job {
     type Output;
@@ -231,68 +215,10 @@ pub trait Job {
 /// Runs `job` with the sessions of the broker `endpoint` names: the one place a broker is put
 /// together.
 pub async fn assemble<J: Job>(endpoint: &Endpoint<'_>, dial: &Dial<'_>, job: J) -> anyhow::Result<J::Output> {
-    match endpoint {
-        Endpoint::Amqp(urls) => {
-            let timeouts = dial.timeouts;
-            let names = urls.iter().map(|u| amqp::node_name(u)).collect();
-            let open: Opener<'_, Amqp> = Box::new(move |node| Box::pin(Amqp::connect(urls[node], timeouts)));
-            let nodes: Arc<[String]> = urls.iter().map(|u| u.to_string()).collect();
-            let reconnect: Connect<Amqp> = Arc::new(move || {
-                let nodes = nodes.clone();
-                Box::pin(async move { first_node(&nodes, timeouts).await })
-            });
-            job.run(give_up(Failover::new(names, open), dial, 3), reconnect).await
-        }
-        Endpoint::Redis(url) => {
-            let (checks, readiness) = (dial.redis, dial.readiness);
-            let open: Opener<'_, Redis> = Box::new(move |_| {
-                Box::pin(async move {
-                    Redis::open(url, checks).await.inspect_err(|e| {
-                        if let Some(readiness) = readiness {
-                            readiness.failed(e);
-                        }
-                    })
-                })
-            });
-            let owned = url.to_string();
-            let reconnect: Connect<Redis> = Arc::new(move || {
-                let url = owned.clone();
-                Box::pin(async move { Redis::connect(&url).await })
-            });
-            job.run(give_up(Failover::new(vec![amqp::redact(url)], open), dial, 3), reconnect).await
-        }
-        Endpoint::Embedded(dir) => {
-            let (file, owned) = (dial.embedded.cloned(), dir.to_path_buf());
-            let session = move || match &file {
-                Some(file) => Ok(file.session()),
-                None => Embedded::open_existing_dir(&owned),
-            };
-            let reconnect: Connect<Embedded> = {
-                let session = session.clone();
-                Arc::new(move || Box::pin(std::future::ready(session())))
-            };
-            let open: Opener<'_, Embedded> = Box::new(move |_| Box::pin(std::future::ready(session())));
-            let names = vec![dir.display().to_string()];
-            job.run(give_up(Failover::new(names, open), dial, 1), reconnect).await
-        }
-    }
-}
-
-/// `sessions` as `dial` says: giving up after `rounds` for a command.
-fn give_up<'a, B: Broker>(sessions: Sessions<'a, B>, dial: &Dial<'_>, rounds: u32) -> Sessions<'a, B> {
-    if dial.give_up { sessions.give_up_after(rounds) } else { sessions }
-}
-
-/// A session with the first of `nodes` that takes one.
-async fn first_node(nodes: &[String], timeouts: amqp::Timeouts) -> Result<Amqp, BrokerError> {
-    let mut last = BrokerError::Lost("no broker node given".into());
-    for node in nodes {
-        match Amqp::connect(node, timeouts).await {
-            Ok(session) => return Ok(session),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
+    by_kind!(endpoint, kind => {
+        let (sessions, reconnect) = kind.sessions(dial);
+        job.run(sessions, reconnect).await
+    })
 }
 
 /// Runs `read` on the embedded broker's file opened read-only, when `endpoint` names its
@@ -302,7 +228,7 @@ pub async fn read_only<T>(
     endpoint: &Endpoint<'_>,
     read: impl AsyncFnOnce(&mut ReadOnly) -> Result<T, BrokerError>,
 ) -> Result<Option<T>, BrokerError> {
-    let Endpoint::Embedded(dir) = endpoint else { return Ok(None) };
+    let Endpoint::Embedded(Directory(dir)) = endpoint else { return Ok(None) };
     read(&mut ReadOnly::open_dir(dir)?).await.map(Some)
 }
 
@@ -319,15 +245,15 @@ pub async fn once<B: Broker, T>(
 
 #[cfg(test)]
 mod tests {
-    use super::Endpoint;
+    use super::{Endpoint, kinds};
 
     /// What the `--broker` values name, in short, or the start of why they name nothing.
     fn named(values: &[&str]) -> String {
         let values: Vec<String> = values.iter().map(ToString::to_string).collect();
         match Endpoint::parse(&values) {
-            Ok(Endpoint::Amqp(urls)) => format!("rabbitmq, {} node(s)", urls.len()),
-            Ok(Endpoint::Redis(url)) => format!("redis {url}"),
-            Ok(Endpoint::Embedded(dir)) => format!("embedded in {}", dir.display()),
+            Ok(Endpoint::Amqp(kinds::Rabbitmq(urls))) => format!("rabbitmq, {} node(s)", urls.len()),
+            Ok(Endpoint::Redis(kinds::RedisServer(url))) => format!("redis {url}"),
+            Ok(Endpoint::Embedded(kinds::Directory(dir))) => format!("embedded in {}", dir.display()),
             Err(e) => format!("error: {}", e.to_string().split(';').next().unwrap_or_default()),
         }
     }

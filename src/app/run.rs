@@ -9,7 +9,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
 
-use super::{Dial, Endpoint, Job, Sessions, persistence_line};
+use super::kinds::{Directory, RedisServer, persistence_line};
+use super::{Dial, Endpoint, Job, Sessions};
 use crate::admin::api::Connect;
 use crate::admin::token;
 use crate::broker::embedded::Embedded;
@@ -58,14 +59,16 @@ pub async fn run(runner: Runner<'_>) -> anyhow::Result<()> {
     } = runner;
     // One writer for the runner's sessions with the embedded broker and its idempotency keys.
     let file = match &endpoint {
-        Endpoint::Embedded(dir) => Some(Embedded::open_dir(dir).with_context(|| format!("broker {broker}"))?),
+        Endpoint::Embedded(Directory(dir)) => {
+            Some(Embedded::open_dir(dir).with_context(|| format!("broker {broker}"))?)
+        }
         _ => None,
     };
     // A Redis that cannot serve is refused first, in its own words (a wrong password is no
     // fault of the idempotency store beside it), and reconnects check it again.
     let redis = RedisChecks::new(Purpose::Run, allow_evicting_redis);
     let persistence = match &endpoint {
-        Endpoint::Redis(url) => {
+        Endpoint::Redis(RedisServer(url)) => {
             let session = Redis::open(url, &redis).await?;
             let persistence = session.persistence().await;
             session.close().await;
@@ -76,7 +79,7 @@ pub async fn run(runner: Runner<'_>) -> anyhow::Result<()> {
     // Beside a Redis broker, its keys live in the same deployment (prefix included).
     let dedup = match (dedup, &endpoint) {
         (Some(location), _) => location,
-        (None, Endpoint::Redis(url)) => Location::Redis(url.to_string()),
+        (None, Endpoint::Redis(RedisServer(url))) => Location::Redis(url.to_string()),
         (None, _) => Location::File(endpoint.state_dir()),
     };
     if let Location::File(dir) = &dedup {
@@ -90,7 +93,9 @@ pub async fn run(runner: Runner<'_>) -> anyhow::Result<()> {
     // Commands and future reloads may name queues idempotency is off for today.
     let store = if config.queues.values().any(|q| q.idempotency.is_some()) {
         Some(match (&file, &endpoint, &dedup) {
-            (Some(file), Endpoint::Embedded(broker_dir), Location::File(dir)) if same_dir(broker_dir, dir) => {
+            (Some(file), Endpoint::Embedded(Directory(broker_dir)), Location::File(dir))
+                if same_dir(broker_dir, dir) =>
+            {
                 Store::in_broker(file)
             }
             _ => Store::open(&dedup, allow_evicting_redis).await.context("cannot open the idempotency store")?,

@@ -769,7 +769,7 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
     let verdict = if matches { "matches the files" } else { "differs from the files:" };
     let absent = if absent { " (does not exist: only `sluice run` creates it)" } else { "" };
     let mut text = format!("\nbroker {}{absent} {verdict}\n", broker.display());
-    if let Some((persistence, warning)) = app::persistence(&endpoint).await {
+    if let Some((persistence, warning)) = endpoint.persistence().await {
         let tail = warning.map(|w| format!("\n  warning: {w}")).unwrap_or_default();
         text = format!("\nbroker persistence: {persistence}{tail}{text}");
     }

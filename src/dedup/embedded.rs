@@ -86,6 +86,28 @@ mod tests {
         }
     }
 
+    /// Claims made together are read together, each answered for its own key; a claim whose
+    /// task ends while it leads a read still answers the others.
+    #[tokio::test]
+    async fn claims_made_together_are_each_answered() {
+        use futures_util::FutureExt as _;
+        let (_dir, s) = store();
+        assert_eq!(s.claim("warm-up", MINUTE).await.unwrap(), Claim::Claimed);
+        s.complete(&["done-1".into(), "done-7".into()], MINUTE).await.unwrap();
+        let keys: Vec<String> = (0..10).map(|i| format!("done-{i}")).collect();
+        let answers = futures_util::future::join_all(keys.iter().map(|k| s.claim(k, MINUTE))).await;
+        for (key, answer) in keys.iter().zip(answers) {
+            let want = if key == "done-1" || key == "done-7" { Claim::Done } else { Claim::Claimed };
+            assert_eq!(answer.unwrap(), want, "{key}");
+        }
+        let (mut first, mut second) = (Box::pin(s.claim("dropped", MINUTE)), Box::pin(s.claim("done-1", MINUTE)));
+        assert!(first.as_mut().now_or_never().is_none(), "the first waits for others to join its read");
+        assert!(second.as_mut().now_or_never().is_none(), "the second joins it");
+        drop(first);
+        let answered = tokio::time::timeout(MINUTE, second).await.expect("the second is answered");
+        assert_eq!(answered.unwrap(), Claim::Done);
+    }
+
     #[tokio::test]
     async fn expired_leases_and_keys_can_be_claimed_again() {
         let (_dir, s) = store();

@@ -24,6 +24,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension as _, TransactionBehavior, params};
+use tokio::sync::oneshot;
 
 use super::process::{alive, process};
 use super::store::{Store, now_ms};
@@ -78,7 +79,12 @@ pub(super) struct Claims {
     holder: String,
     state: Mutex<State>,
     reader: Mutex<Connection>,
+    /// Keys waiting for [`Claims::read`]'s next read of the file, each with where its answer
+    /// goes.
+    pending: Mutex<Vec<(String, Answer)>>,
 }
+
+type Answer = oneshot::Sender<Result<Claim, BrokerError>>;
 
 /// What [`Claims::begin`] found.
 pub(super) enum Begin {
@@ -107,6 +113,7 @@ impl Claims {
             holder: format!("{}:{}", process(), rand::random::<u64>()),
             state: Mutex::new(State { mode: Mode::Unregistered, keys: HashMap::new(), prune_at: 1024 }),
             reader: Mutex::new(reader),
+            pending: Mutex::new(Vec::new()),
         })
     }
 
@@ -139,15 +146,53 @@ impl Claims {
     }
 
     /// What the file says of `key`, taken in memory by [`Claims::begin`] while alone: done, a
-    /// live claim of another holder, or free. Read on a connection of its own: a point read,
-    /// which in WAL mode never waits for the writer.
-    pub fn read(&self, key: &str, now: i64) -> Result<Claim, BrokerError> {
-        let db = lock(&self.reader);
-        let found: Option<(bool, i64, Option<String>)> = db
-            .prepare_cached("SELECT done, until, holder FROM idempotency WHERE key = ?1")
-            .and_then(|mut s| s.query_row([key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
-            .map_err(read_failed)?;
-        Ok(verdict(found, now, &self.holder).unwrap_or(Claim::Claimed))
+    /// live claim of another holder, or free. Read on a connection of its own, which in WAL
+    /// mode never waits for the writer, together with the keys other claims ask for meanwhile:
+    /// the first to ask lets the tasks ready to run ask too, then reads them all in one read
+    /// transaction. A transaction's locks cost system calls (a claim's read was 6.5 % of a
+    /// drain's samples, most of it in them); its point reads cost little.
+    ///
+    /// Answers read after a key was taken in memory are as true as answers read at once: while
+    /// this holder is alone, no one else writes done keys, and its own completions are written
+    /// only for keys it holds, so none of the pending keys.
+    pub async fn read(&self, key: &str, now: i64) -> Result<Claim, BrokerError> {
+        let (answer, answered) = oneshot::channel();
+        let first = {
+            let mut pending = lock(&self.pending);
+            pending.push((key.to_string(), answer));
+            pending.len() == 1
+        };
+        if first {
+            let reading = Reading(self, now);
+            tokio::task::yield_now().await;
+            drop(reading);
+        }
+        answered.await.unwrap_or_else(|_| Err(BrokerError::Lost("the read of an idempotency key was dropped".into())))
+    }
+
+    /// Reads the pending keys in one read transaction and answers each.
+    fn read_pending(&self, now: i64) {
+        let pending = std::mem::take(&mut *lock(&self.pending));
+        if pending.is_empty() {
+            return;
+        }
+        let mut db = lock(&self.reader);
+        let read = |db: &mut Connection, key: &str| -> Result<Claim, BrokerError> {
+            let found: Option<(bool, i64, Option<String>)> = db
+                .prepare_cached("SELECT done, until, holder FROM idempotency WHERE key = ?1")
+                .and_then(|mut s| s.query_row([key], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+                .map_err(read_failed)?;
+            Ok(verdict(found, now, &self.holder).unwrap_or(Claim::Claimed))
+        };
+        // One key is one statement's own transaction; more share a deferred one (a read).
+        let together = pending.len() > 1 && db.execute_batch("BEGIN DEFERRED").is_ok();
+        for (key, answer) in pending {
+            let _ = answer.send(read(&mut db, &key));
+        }
+        // A read that stayed open would show every later read this snapshot.
+        if together && let Err(e) = db.execute_batch("COMMIT").or_else(|_| db.execute_batch("ROLLBACK")) {
+            tracing::warn!(error = %e, "ending a read of idempotency keys failed");
+        }
     }
 
     /// Lets go of `key` in memory; whether it may be a row of this holder's in the file.
@@ -179,6 +224,16 @@ impl Claims {
     #[cfg(test)]
     pub fn mode(&self) -> Mode {
         lock(&self.state).mode
+    }
+}
+
+/// The first of a read's keys: reads them all once the tasks ready to run have added theirs,
+/// or when dropped (its task ended first), so no key waits for a read that never comes.
+struct Reading<'a>(&'a Claims, i64);
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.0.read_pending(self.1);
     }
 }
 

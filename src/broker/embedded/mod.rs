@@ -214,7 +214,7 @@ impl Embedded {
                     self.call(Op::RegisterKeys).await?;
                     continue;
                 }
-                Begin::Alone => claims.read(key, now),
+                Begin::Alone => claims.read(key, now).await,
                 Begin::Shared => {
                     let taken = self.call(|reply| Op::ClaimKey { key: key.into(), until, reply }).await;
                     if let Ok(Claim::Claimed) = taken {

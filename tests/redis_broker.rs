@@ -135,6 +135,28 @@ async fn close_hands_back_in_order() {
     consumer.close().await;
 }
 
+/// An ack that records idempotency keys acks the entry and sets the keys done where the
+/// deployment's idempotency store reads them: one script, one round trip.
+#[tokio::test]
+async fn an_ack_records_its_keys_for_the_deployments_store() {
+    let place = RedisPrefix::new();
+    let dir = pipeline(TOPOLOGY);
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    broker.publish("ev", "a.x", message("m")).await.expect("publish");
+    let (mut deliveries, consumer) = broker.consume("a", Credit::at_most(1)).await.expect("consume");
+    let (_, d) = take(&mut deliveries, 1).await.remove(0);
+    let d = d.expect("delivery");
+    let store = sluice::dedup::Store::open(&sluice::dedup::Location::Redis(place.url()), false).await.expect("store");
+    let claim = |key: &'static str| store.claim("a", key, Duration::from_secs(60));
+    assert_eq!(claim("other").await.expect("claim"), sluice::dedup::Claim::Claimed, "a key not recorded");
+    let keys = sluice::dedup::names("a", &["k".to_string()]);
+    consumer.ack_recording(std::slice::from_ref(&d), &keys, Duration::from_secs(60)).await.expect("ack recording");
+    assert_eq!(place.depth("a").await, 0, "and gone");
+    assert_eq!(claim("k").await.expect("claim"), sluice::dedup::Claim::Done, "the store finds the key done");
+    consumer.close().await;
+}
+
 /// A redrive's move writes the copy and removes the original in one script: the original is
 /// gone at once, with no ack (nothing for a lost session to hand back), and the same move sent
 /// again, as after a timeout, writes no second copy. A full target refuses and removes nothing.

@@ -98,7 +98,10 @@ pub async fn run(runner: Runner<'_>) -> anyhow::Result<()> {
             {
                 Store::in_broker(file)
             }
-            _ => Store::open(&dedup, allow_evicting_redis).await.context("cannot open the idempotency store")?,
+            (_, Endpoint::Redis(RedisServer(broker)), Location::Redis(keys)) if same_deployment(broker, keys) => {
+                open_store(&dedup, allow_evicting_redis).await?.riding_redis_acks()
+            }
+            _ => open_store(&dedup, allow_evicting_redis).await?,
         })
     } else {
         None
@@ -179,6 +182,16 @@ impl Job for Running {
         }
         Ok(runtime::run(config, sessions, handlers, store, options, reloads, shutdown).await?)
     }
+}
+
+async fn open_store(location: &Location, allow_evicting_redis: bool) -> anyhow::Result<Store> {
+    Store::open(location, allow_evicting_redis).await.context("cannot open the idempotency store")
+}
+
+/// Whether two Redis URLs name one deployment: one server, one key prefix.
+fn same_deployment(a: &str, b: &str) -> bool {
+    use crate::broker::redis::Location;
+    matches!((Location::parse(a), Location::parse(b)), (Ok(a), Ok(b)) if a.url == b.url && a.prefix == b.prefix)
 }
 
 /// Whether two paths name one directory (both exist).

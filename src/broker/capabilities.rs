@@ -65,13 +65,8 @@ pub const EMBEDDED: Capabilities = Capabilities {
 /// Redis (streams): any delay (a sorted set); bodies up to Redis's 512 MiB string; no
 /// priorities, no expiry, no broker arguments (its declare refuses them). Both queue types
 /// are taken and kept alike.
-pub const REDIS: Capabilities = Capabilities {
-    name: "the Redis broker",
-    largest_body: 512 << 20,
-    holds_keys: false,
-    atomic_copy_and_remove: true,
-    ..EMBEDDED
-};
+pub const REDIS: Capabilities =
+    Capabilities { name: "the Redis broker", largest_body: 512 << 20, atomic_copy_and_remove: true, ..EMBEDDED };
 
 /// The in-memory test double: as the embedded broker, unless a test gives it a longest delay.
 pub const MEMORY: Capabilities =

@@ -96,10 +96,22 @@ impl Store {
         Store::Embedded(EmbeddedStore::in_broker(broker))
     }
 
+    /// The store when its keys are the Redis broker's own deployment's (one server, one
+    /// prefix): keys ride on the acks.
+    pub fn riding_redis_acks(self) -> Store {
+        match self {
+            Store::Redis(s) => Store::Redis(s.riding_acks()),
+            other => other,
+        }
+    }
+
     /// Whether completed keys are recorded by the acks themselves
     /// ([`crate::broker::Consumer::ack_recording`]) rather than by [`Store::complete`] first.
     pub fn rides_acks(&self) -> bool {
-        matches!(self, Store::Embedded(s) if s.rides_acks())
+        match self {
+            Store::Embedded(s) => s.rides_acks(),
+            Store::Redis(s) => s.rides_acks(),
+        }
     }
 
     /// Takes the key for `lease` unless it is done or leased by someone else.

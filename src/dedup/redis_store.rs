@@ -18,14 +18,13 @@ use redis::aio::ConnectionManager;
 
 use super::{Claim, StoreError, millis};
 use crate::broker::redis::server::{self, Checks, Purpose};
-
-const DONE: &str = "done";
+use crate::broker::redis::{DONE, idempotency_key};
 
 /// The Redis idempotency store.
 #[derive(Clone)]
 pub struct RedisStore {
     connection: ConnectionManager,
-    /// What every key starts with.
+    /// The deployment's key prefix ([`idempotency_key`] names a key under it).
     prefix: String,
     /// `busy:<runner id>`: the value of this runner's leases.
     lease_value: String,
@@ -34,6 +33,8 @@ pub struct RedisStore {
     release_script: Script,
     /// Why the server may not be used, as its last check found: every call fails with it.
     refused: Arc<Mutex<Option<String>>>,
+    /// The keys are the Redis broker's deployment's: its acks record them.
+    rides_acks: bool,
 }
 
 fn err(e: redis::RedisError) -> StoreError {
@@ -59,7 +60,7 @@ impl RedisStore {
         server::check(&mut connection, &location, &user, &shown, &checks).await.map_err(|e| refusal(&e))?;
         let store = RedisStore {
             connection,
-            prefix: format!("{}dedup:", location.prefix),
+            prefix: location.prefix.clone(),
             lease_value: format!("busy:{}", uuid::Uuid::now_v7()),
             claim_script: Script::new(
                 "#!lua flags=allow-oom
@@ -76,10 +77,21 @@ impl RedisStore {
                  if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
             ),
             refused: Arc::default(),
+            rides_acks: false,
         };
         let watched = (store.connection.clone(), Arc::downgrade(&store.refused));
         tokio::spawn(watch(watched, location, shown, checks));
         Ok(store)
+    }
+
+    /// This store, its keys recorded by the acks of a Redis broker on the same server and
+    /// prefix.
+    pub fn riding_acks(self) -> RedisStore {
+        RedisStore { rides_acks: true, ..self }
+    }
+
+    pub fn rides_acks(&self) -> bool {
+        self.rides_acks
     }
 
     /// Fails while the server's last check refused it.
@@ -95,7 +107,7 @@ impl RedisStore {
         let mut c = self.connection.clone();
         let answer: String = self
             .claim_script
-            .key(format!("{}{key}", self.prefix))
+            .key(idempotency_key(&self.prefix, key))
             .arg(&self.lease_value)
             .arg(millis(lease).max(1))
             .invoke_async(&mut c)
@@ -120,7 +132,7 @@ impl RedisStore {
         let ttl = u64::try_from(millis(ttl)).unwrap_or(u64::MAX).max(1);
         let mut invocation = self.complete_script.prepare_invoke();
         for key in keys {
-            invocation.key(format!("{}{key}", self.prefix));
+            invocation.key(idempotency_key(&self.prefix, key));
         }
         invocation.arg(DONE).arg(ttl).invoke_async::<i64>(&mut c).await.map(|_| ()).map_err(err)
     }
@@ -128,7 +140,7 @@ impl RedisStore {
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {
         let mut c = self.connection.clone();
         self.release_script
-            .key(format!("{}{key}", self.prefix))
+            .key(idempotency_key(&self.prefix, key))
             .arg(&self.lease_value)
             .invoke_async::<i64>(&mut c)
             .await

@@ -83,6 +83,15 @@ const BROKER: &str = "the Redis broker";
 /// Where this broker looks for declarations, as a refusal on an empty one says.
 const PLACE: &str = "under this prefix";
 
+/// An idempotency key's name under a deployment's `prefix`: the idempotency store's keys
+/// (`crate::dedup`) beside the broker's, which the broker's acks can record done.
+pub fn idempotency_key(prefix: &str, key: &str) -> String {
+    format!("{prefix}dedup:{key}")
+}
+
+/// The value of an idempotency key recorded done.
+pub const DONE: &str = "done";
+
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "sluice:";
 
@@ -835,6 +844,32 @@ impl Consumer for RedisConsumer {
         }
         let mut invocation = self.broker.inner.scripts.ack.key(self.broker.stream(&s.queue));
         invocation.arg(&s.own.name);
+        for d in settled {
+            invocation.arg(&d.tag.id);
+        }
+        let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
+        s.settled(settled.iter().map(|d| d.tag.id.as_str()));
+        Ok(())
+    }
+
+    /// [`RedisConsumer::ack`] with the keys set done in the same script: one round trip, and
+    /// on a server that syncs every write (`appendfsync always`) one sync fewer per batch.
+    async fn ack_recording(
+        &self,
+        settled: &[RedisDelivery],
+        keys: &[String],
+        ttl: Duration,
+    ) -> Result<(), BrokerError> {
+        let s = &self.state;
+        if !s.is_live() {
+            return Err(BrokerError::Lost("consumer closed".into()));
+        }
+        let mut invocation = self.broker.inner.scripts.ack_recording.key(self.broker.stream(&s.queue));
+        for key in keys {
+            invocation.key(idempotency_key(self.broker.prefix(), key));
+        }
+        let ttl = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        invocation.arg(&s.own.name).arg(DONE).arg(ttl);
         for d in settled {
             invocation.arg(&d.tag.id);
         }

@@ -239,6 +239,23 @@ end
 return done
 "#;
 
+/// [`ACK`], and the idempotency keys `KEYS[2..]` recorded done (value `ARGV[2]`) for `ARGV[3]`
+/// ms, in one step: entries `ARGV[4..]`. The keys are the idempotency store's (`dedup:` under
+/// the deployment's prefix), so a duplicate's claim finds them done.
+const ACK_RECORDING: &str = r#"
+for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
+local done = 0
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], 'g', ARGV[i], ARGV[i], 1, ARGV[1])
+  if #p > 0 then
+    redis.call('XACK', KEYS[1], 'g', ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    done = done + 1
+  end
+end
+return done
+"#;
+
 /// Hands back what consumer `ARGV[1]` of stream `KEYS[1]` holds: its pending entries go to
 /// `returned` idle for `ARGV[2]` ms (past the lease, so the next claim takes them), then the
 /// consumer is forgotten (`KEYS[2]` its registration, `KEYS[3]` a single-active lease it held).
@@ -340,6 +357,7 @@ pub(super) struct Scripts {
     pub delay: Script,
     pub claim: Script,
     pub ack: Script,
+    pub ack_recording: Script,
     pub hand_back: Script,
     pub counts: Script,
     pub read: Script,
@@ -358,6 +376,7 @@ impl Scripts {
             delay: with_prelude(ALLOW_OOM, DELAY),
             claim: with_prelude(ALLOW_OOM, CLAIM),
             ack: plain(ALLOW_OOM, ACK),
+            ack_recording: plain(ALLOW_OOM, ACK_RECORDING),
             hand_back: plain(ALLOW_OOM, HAND_BACK),
             counts: with_prelude(NO_WRITES, COUNTS),
             read: plain(NO_WRITES, READ),

@@ -4,14 +4,16 @@
 # to `sluice demo-receiver`, MESSAGES published with `publish --jsonl`, then `run
 # --exit-when-idle` timed as a whole process. The sides alternate; the ratios of the medians
 # come last. A side written BINARY@off runs the same pipeline with idempotency off, so
-# `bench-ab.sh B@off B` is what idempotency costs.
+# `bench-ab.sh B@off B` is what idempotency costs; BINARY@KIND runs that side on another
+# broker, so `bench-ab.sh --broker redis B@quorum B` puts Redis beside a quorum queue.
 #
-# --broker: embedded (a fresh directory per run, the default), quorum or classic (a queue of
-# that type on RabbitMQ at 127.0.0.1:5672, a fresh vhost per run, the idempotency keys in the
-# run's state directory), redis (Redis at $REDIS, default redis://127.0.0.1:6379, a fresh key
-# prefix per run, the keys beside the messages). --rabbitmq is --broker quorum.
+# KIND (--broker, or a side's own): embedded (a fresh directory per run, the default), quorum
+# or classic (a queue of that type on RabbitMQ at 127.0.0.1:5672, a fresh vhost per run, the
+# idempotency keys in the run's state directory), redis (Redis at $REDIS, default
+# redis://127.0.0.1:6379, a fresh key prefix per run, the keys beside the messages).
+# --rabbitmq is --broker quorum.
 #
-#   scripts/bench-ab.sh [--broker KIND] OLD_SLUICE[@off] NEW_SLUICE[@off] [MESSAGES] [RUNS]   # defaults: 30000 5
+#   scripts/bench-ab.sh [--broker KIND] OLD_SLUICE[@off][@KIND] NEW_SLUICE[@off][@KIND] [MESSAGES] [RUNS]   # defaults: 30000 5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=embedded
@@ -19,28 +21,36 @@ case ${1:-} in
   --rabbitmq) kind=quorum; shift ;;
   --broker) kind=$2; shift 2 ;;
 esac
-case $kind in embedded | quorum | classic | redis) ;; *) echo "--broker: embedded, quorum, classic or redis" >&2; exit 2 ;; esac
-side() { # SPEC -> "binary pipeline"
-  local binary=${1%@off} pipeline=p
-  [[ $1 == *@off ]] && pipeline=p-off
-  echo "$(realpath "$binary") $pipeline"
+known() { case $1 in embedded | quorum | classic | redis) ;; *) echo "a broker is embedded, quorum, classic or redis, not $1" >&2; exit 2 ;; esac; }
+known "$kind"
+side() { # SPEC -> "binary pipeline kind"
+  local binary=${1%%@*} pipeline=p side_kind=$kind tag
+  IFS=@ read -ra tags <<<"${1#"$binary"}"
+  for tag in "${tags[@]}"; do
+    case $tag in "") ;; off) pipeline=p-off ;; *) known "$tag"; side_kind=$tag ;; esac
+  done
+  echo "$(realpath "$binary") $pipeline $side_kind"
 }
-read -r old old_pipeline < <(side "$1")
-read -r new new_pipeline < <(side "$2")
+read -r old old_pipeline old_kind < <(side "$1")
+read -r new new_pipeline new_kind < <(side "$2")
 messages=${3:-30000}
 runs=${4:-5}
 redis=${REDIS:-redis://127.0.0.1:6379}
 source scripts/bench-lib.sh
 
-queue_type=""
-[[ $kind == classic ]] && queue_type=classic
-happy_path "$new" "$messages" "$queue_type"
+happy_path "$new" "$messages"
+# A classic queue's pipelines, beside the quorum (default) ones.
+for pipeline in p p-off; do
+  mkdir -p "$tmp/$pipeline-classic"
+  sed 's/^    concurrency:/    type: classic\n    concurrency:/' "$tmp/$pipeline/p.yaml" >"$tmp/$pipeline-classic/p.yaml"
+done
 
-# run_once BINARY PIPELINE: prints messages/s, CPU seconds (user + system) and peak RSS (MiB)
-# of one drain.
+# run_once BINARY PIPELINE KIND: prints messages/s, CPU seconds (user + system) and peak RSS
+# (MiB) of one drain.
 run_once() {
-  local dir broker=()
+  local dir broker=() kind=$3
   dir=$(mktemp -d "$tmp/run.XXXX")
+  [[ $kind == classic ]] && set -- "$1" "$2-classic" "$3"
   case $kind in
     quorum | classic)
       make_vhost "sluice-bench-ab-$$-${dir##*.}"
@@ -61,13 +71,13 @@ run_once() {
   rm -rf "$dir"
 }
 
-echo "broker $kind; old: $old ($old_pipeline); new: $new ($new_pipeline); load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "old: $old ($old_pipeline, $old_kind); new: $new ($new_pipeline, $new_kind); load average $(cut -d' ' -f1-3 /proc/loadavg)"
 results=()
 for i in $(seq "$runs"); do
   for build in old new; do
-    binary=$old pipeline=$old_pipeline
-    [[ $build == new ]] && binary=$new pipeline=$new_pipeline
-    read -r rate cpu rss < <(run_once "$binary" "$pipeline")
+    binary=$old pipeline=$old_pipeline side_kind=$old_kind
+    [[ $build == new ]] && binary=$new pipeline=$new_pipeline side_kind=$new_kind
+    read -r rate cpu rss < <(run_once "$binary" "$pipeline" "$side_kind")
     printf '%s run %d: %6d messages/s, %5.2f CPU s, %4d MiB peak RSS\n' "$build" "$i" "$rate" "$cpu" "$rss"
     results+=("$build $rate $cpu $rss")
   done

@@ -23,11 +23,10 @@ make_vhost() {
 # drop_vhost: deletes the current vhost.
 drop_vhost() { rabbitmqctl -q delete_vhost "$vhost" >/dev/null; vhost=""; }
 
-# happy_path SLUICE MESSAGES [QUEUE_TYPE]: the happy path of bench-ab.sh and
-# profile-happy-path.sh: a `sluice demo-receiver` (receiver, port), the pipeline $tmp/p (one
-# webhook queue, concurrency 50, idempotency on; a quorum queue on RabbitMQ unless QUEUE_TYPE
-# says classic), the same with idempotency off in $tmp/p-off, and MESSAGES payloads in
-# $tmp/m.jsonl.
+# happy_path SLUICE MESSAGES: the happy path of bench-ab.sh and profile-happy-path.sh: a
+# `sluice demo-receiver` (receiver, port), the pipeline $tmp/p (one webhook queue, concurrency
+# 50, idempotency on; a quorum queue on RabbitMQ), the same with idempotency off in
+# $tmp/p-off, and MESSAGES payloads in $tmp/m.jsonl.
 happy_path() {
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   "$1" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
@@ -41,7 +40,6 @@ queues:
   bench.work:
     bind: [{exchange: bench, routing_key: work}]
     concurrency: 50
-${3:+    type: $3}
     handler:
       webhook: {url: "http://127.0.0.1:$port/hook"}
 YAML

@@ -232,9 +232,9 @@ async fn kill_of_its_node(cluster: &Cluster) -> Recovery {
 
 /// SIGSTOP of sluice's node for 24 s, then SIGCONT: the heartbeat notices it, sluice moves on,
 /// and the thawed node's return costs no second pause. The bound, 20 s, is the heartbeat's
-/// 2 × 5 s and the net tick's 7.5–12.5 s (which must pass before a queue whose leader the node
-/// held takes a consumer elsewhere) with room: about 12 s here, timers rather than CPU, so a
-/// busy machine does not move it much. 24 s is 4 s above the bound, so a sluice that waited
+/// 2 × 2 s and the net tick's 7.5–12.5 s (which must pass before a queue whose leader the node
+/// held takes a consumer elsewhere) with room: 6–7 s here, about 12 s when the node led the
+/// queue, timers rather than CPU, so a busy machine does not move it much. 24 s is 4 s above the bound, so a sluice that waited
 /// for the thaw fails, and well past the net tick, so the cluster declares the node down.
 async fn freeze_of_its_node(cluster: &Cluster) -> Recovery {
     lose_its_node(cluster, "freeze", Duration::from_secs(24), Duration::from_secs(20)).await

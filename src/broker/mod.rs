@@ -83,6 +83,8 @@ pub struct Outgoing {
     pub body: Vec<u8>,
     pub message_id: Option<String>,
     pub kind: Option<String>,
+    /// The body's media type; `application/json` when none is given.
+    pub content_type: Option<String>,
     /// Seconds since the epoch.
     pub timestamp: Option<u64>,
     /// Delivered before lower ones from a queue with priority levels (RabbitMQ only).
@@ -403,6 +405,10 @@ pub trait Delivery: Send + Sync + 'static {
     /// The `timestamp` property, seconds since the epoch.
     fn timestamp(&self) -> Option<u64>;
     fn message_id(&self) -> Option<&str>;
+    /// The producer's name for what the message is (AMQP `type`), where it set one.
+    fn kind(&self) -> Option<&str>;
+    /// The body's media type (AMQP `content_type`), where the producer set one.
+    fn content_type(&self) -> Option<&str>;
     /// The exchange and routing key the message was published with, as far as the broker
     /// keeps them (a delayed or redriven copy may carry the broker's own).
     fn route(&self) -> Option<&Route>;

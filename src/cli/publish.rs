@@ -126,6 +126,7 @@ fn outgoing(envelope: &Envelope, priority: Option<u8>) -> Outgoing {
         body: envelope.encode(),
         message_id: Some(envelope.id.clone()),
         kind: Some(envelope.kind.clone()),
+        content_type: None,
         timestamp,
         priority,
         headers: Headers::from([(

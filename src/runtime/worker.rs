@@ -621,6 +621,12 @@ mod tests {
         fn message_id(&self) -> Option<&str> {
             Some("m-1")
         }
+        fn kind(&self) -> Option<&str> {
+            None
+        }
+        fn content_type(&self) -> Option<&str> {
+            None
+        }
         fn route(&self) -> Option<&crate::broker::Route> {
             None
         }

@@ -40,6 +40,7 @@ fn message(body: &str) -> Outgoing {
         body: body.as_bytes().to_vec(),
         message_id: Some(format!("id-{body}")),
         kind: Some("t".into()),
+        content_type: None,
         timestamp: Some(1_700_000_000),
         priority: None,
         headers: Headers::from([(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1))]),

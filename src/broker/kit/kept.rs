@@ -72,6 +72,14 @@ pub struct Kept<Tag> {
     pub(crate) live: Arc<AtomicBool>,
 }
 
+impl Kept<()> {
+    /// A message of no broker (a message file, a test's message), to decode and render as a
+    /// delivery; it cannot be acked.
+    pub fn standalone(body: Bytes, properties: Properties) -> Kept<()> {
+        Kept::whole((), body, properties, Arc::new(AtomicBool::new(false)))
+    }
+}
+
 impl<Tag> Kept<Tag> {
     /// A delivery of `body` whole.
     pub(crate) fn whole(tag: Tag, body: Bytes, properties: Properties, live: Arc<AtomicBool>) -> Kept<Tag> {

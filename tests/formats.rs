@@ -339,3 +339,137 @@ fn validate_names_fields_a_format_lacks() {
         "cloudevents has data and source:\n{text}"
     );
 }
+
+/// Issue 34: `sluice publish --format ... --header K=V` writes each format as its queue reads
+/// it; the metadata reaches templates.
+async fn the_cli_publishes_each_format<P: Place>(place: P) {
+    let receiver = Receiver::ok().await;
+    let queue = |name: &str, format: &str, key: &str| {
+        format!(
+            "  {name}:\n    format: {format}\n    bind: [{{exchange: ev, routing_key: \"{key}\"}}]\n    handler:\n      webhook:\n        url: \"{}/{name}\"\n        headers: {{X-Tenant: \"{{{{headers.x-tenant}}}}\", X-Route: \"{{{{exchange}}}}/{{{{routing_key}}}}\"}}\n",
+            receiver.uri()
+        )
+    };
+    let dir = support::pipeline(&format!(
+        "version: 1\nexchanges:\n  ev: {{type: topic}}\nqueues:\n{}{}{}",
+        queue("plain", "json", "json.#"),
+        queue("events", "cloudevents", "ce.#"),
+        queue("opaque", "bytes", "bytes.#"),
+    ));
+    let broker = place.connect().await;
+    support::declare(dir.path(), &broker).await;
+    broker.close().await;
+    let blob = dir.path().join("blob.bin");
+    std::fs::write(&blob, b"\x08\x96\x01\xff\x00").expect("write");
+    let blob = blob.to_str().expect("utf-8 path");
+    let common = ["publish", "--exchange", "ev", "--header", "x-tenant=acme"];
+    let runs: [&[&str]; 4] = [
+        &[
+            "--format",
+            "json",
+            "--routing-key",
+            "json.order",
+            "--type",
+            "order.created",
+            "--payload",
+            r#"{"order":1}"#,
+            "--idempotency-key",
+            "j-9",
+        ],
+        &[
+            "--format",
+            "cloudevents",
+            "--source",
+            "/cli",
+            "--routing-key",
+            "ce.a",
+            "--type",
+            "order.paid",
+            "--payload",
+            r#"{"n":2}"#,
+            "--idempotency-key",
+            "c-1",
+        ],
+        &[
+            "--format",
+            "cloudevents",
+            "--structured",
+            "--source",
+            "/cli",
+            "--routing-key",
+            "ce.b",
+            "--type",
+            "order.paid",
+            "--payload",
+            r#"{"n":3}"#,
+            "--idempotency-key",
+            "c-2",
+        ],
+        &[
+            "--format",
+            "bytes",
+            "--routing-key",
+            "bytes.z",
+            "--type",
+            "blob",
+            "--payload-file",
+            blob,
+            "--content-type",
+            "application/x-protobuf",
+            "--idempotency-key",
+            "b-9",
+        ],
+    ];
+    for args in runs {
+        let all: Vec<&str> = common.iter().chain(args).copied().collect();
+        let out = cli(&all, &place.url()).await;
+        assert_eq!(out.code, Some(0), "{all:?}: {}", out.stderr);
+    }
+    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
+    let want: BTreeSet<String> = ["j-9", "/cli c-1", "/cli c-2", "b-9"].map(str::to_string).into();
+    support::wait_until(Duration::from_secs(60), "every published message handled", || async {
+        receiver.succeeded_keys() == want
+    })
+    .await;
+    assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
+    let hit = |key: &str| receiver.hits_for(key).into_iter().next().unwrap_or_else(|| panic!("{key} handled"));
+    let rows = [
+        ("j-9", "/plain", "application/json", "ev/json.order"),
+        ("/cli c-1", "/events", "application/json", "ev/ce.a"),
+        ("/cli c-2", "/events", "application/cloudevents+json", "ev/ce.b"),
+        ("b-9", "/opaque", "application/x-protobuf", "ev/bytes.z"),
+    ];
+    for (key, target, content_type, route) in rows {
+        let hit = hit(key);
+        assert_eq!(hit.target, target, "{key}");
+        assert_eq!(hit.header("content-type"), Some(content_type), "{key}");
+        assert_eq!((hit.header("x-tenant"), hit.header("x-route")), (Some("acme"), Some(route)), "{key}");
+    }
+    assert_eq!(hit("j-9").body, br#"{"order":1}"#);
+    assert_eq!(hit("/cli c-1").body, br#"{"n":2}"#);
+    assert_eq!(
+        (hit("/cli c-1").header("ce-source"), hit("/cli c-1").header("ce-type")),
+        (Some("/cli"), Some("order.paid"))
+    );
+    let structured = hit("/cli c-2").json();
+    assert_eq!(
+        (&structured["id"], &structured["source"], &structured["data"]),
+        (&json!("c-2"), &json!("/cli"), &json!({"n": 3}))
+    );
+    assert_eq!(hit("b-9").body, b"\x08\x96\x01\xff\x00");
+
+    // What a format cannot carry is refused before anything is sent.
+    for (args, error) in [
+        (&["--format", "json", "--delay", "10s"][..], "a message of format json has none"),
+        (&["--structured"][..], "add --format cloudevents"),
+        (&["--format", "cloudevents"][..], "--source"),
+    ] {
+        let all: Vec<&str> =
+            ["publish", "--exchange", "ev", "--type", "t", "--payload", "{}"].iter().chain(args).copied().collect();
+        let out = cli(&all, &place.url()).await;
+        assert_ne!(out.code, Some(0), "{all:?}");
+        assert!(out.stderr.contains(error), "{all:?}: {}", out.stderr);
+    }
+}
+
+on_every_broker!(the_cli_publishes_each_format);

@@ -81,7 +81,8 @@ fn context(
             }
         }
     }
-    let mut fields = message.fields()?;
+    let reads_headers = templates.iter().any(|t| t.roots().iter().any(|(root, _)| root == "headers"));
+    let mut fields = message.fields(reads_headers)?;
     fields.insert("attempt".into(), json!(attempt));
     fields.insert("queue".into(), json!(queue));
     fields.insert("env".into(), Value::Object(env));

@@ -187,8 +187,9 @@ impl<'a> Message<'a> {
         }
     }
 
-    /// The fields templates read beside `attempt`, `queue` and `env`.
-    pub fn fields(&self) -> Result<serde_json::Map<String, Value>, envelope::Malformed> {
+    /// The fields templates read beside `attempt`, `queue` and `env`; `headers` only when
+    /// `with_headers` (every header turned into JSON, for templates that read them).
+    pub fn fields(&self, with_headers: bool) -> Result<serde_json::Map<String, Value>, envelope::Malformed> {
         let e = &self.envelope;
         let route = self.delivery.route();
         let mut fields = serde_json::Map::new();
@@ -196,7 +197,9 @@ impl<'a> Message<'a> {
         fields.insert("type".into(), Value::from(e.kind.as_str()));
         fields.insert("occurred_at".into(), e.occurred_at.as_deref().map_or(Value::Null, Value::from));
         fields.insert("idempotency_key".into(), Value::from(e.idempotency_key()));
-        fields.insert("headers".into(), Value::Object(self.delivery.headers().into_iter().collect()));
+        if with_headers {
+            fields.insert("headers".into(), Value::Object(self.delivery.headers().into_iter().collect()));
+        }
         fields.insert("routing_key".into(), route.map_or(Value::Null, |r| Value::from(r.routing_key.as_str())));
         fields.insert("exchange".into(), route.map_or(Value::Null, |r| Value::from(r.exchange.as_str())));
         fields.insert("content_type".into(), self.delivery.content_type().map_or(Value::Null, Value::from));

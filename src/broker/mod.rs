@@ -36,8 +36,8 @@
 //!    and blocks nothing behind it; a delay longer than [`Capabilities::longest_delay`] is
 //!    held that long (the runtime serves the rest in hops), never less
 //!    (`delays_are_exact_and_block_nothing`).
-//! 6. **Copies keep the message**: a copy has the original's body and properties, its headers
-//!    edited as [`Edits`] says (`dead_letter_and_redrive_keep_the_message_and_edit_headers`).
+//! 6. **Copies keep the message**: a copy has the original's body and properties (message id,
+//!    type, content type, timestamp), its headers edited as [`Edits`] says (`dead_letter_and_redrive_keep_the_message_and_edit_headers`).
 //! 7. **Conflicts are named**: declaring what exists with other settings fails naming the
 //!    setting and both values (`a_differing_declaration_names_the_setting_and_both_values`).
 //! 8. **One at a time where asked**: a single-active-consumer queue delivers to one consumer

@@ -146,6 +146,9 @@ fn messages() -> Vec<Sent> {
     ]
 }
 
+/// Bodies a json queue cannot read: not JSON, and not UTF-8.
+const MALFORMED: [&[u8]; 2] = [b"{not json", b"\xff\xfe\x00"];
+
 fn is_poison(body: &[u8]) -> bool {
     body.windows(6).any(|w| w == b"poison")
 }
@@ -216,17 +219,23 @@ async fn each_format_is_handled_retried_dead_lettered_and_redriven_as_sent<P: Pl
     for s in &sent {
         broker.publish("ev", s.routing_key, s.message.clone()).await.expect("publish confirmed");
     }
-    // Not JSON, for a json queue: dead-lettered as malformed, never handled.
-    broker
-        .publish("ev", "json.bad", Outgoing { body: b"{not json".to_vec(), ..Outgoing::default() })
-        .await
-        .expect("publish");
+    // Hostile input: not JSON, or not even UTF-8, for a json queue; a CloudEvent whose id is
+    // too long to be a key: each dead-lettered as malformed, never handled, nothing lost.
+    for body in MALFORMED {
+        broker
+            .publish("ev", "json.bad", Outgoing { body: body.to_vec(), ..Outgoing::default() })
+            .await
+            .expect("publish");
+    }
+    let long_id = "i".repeat(10_000);
+    let hostile = props(br#"{"n":1}"#, None, None, None, attributes("ce-", &long_id, "/orders"));
+    broker.publish("ev", "ce.bad", hostile).await.expect("publish");
     let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
     let good: BTreeSet<String> = sent.iter().filter(|s| !is_poison(&s.message.body)).map(|s| s.key.clone()).collect();
     support::wait_until(Duration::from_secs(60), "every good message handled and the rest dead-lettered", || async {
         receiver.succeeded_keys() == good
-            && place.depth("plain.dlq").await == 2
-            && place.depth("events.dlq").await == 1
+            && place.depth("plain.dlq").await == 3
+            && place.depth("events.dlq").await == 2
             && place.depth("opaque.dlq").await == 1
     })
     .await;
@@ -255,9 +264,14 @@ async fn each_format_is_handled_retried_dead_lettered_and_redriven_as_sent<P: Pl
     let plain = &dead["plain.dlq"];
     let reasons: BTreeSet<String> = plain.iter().map(|(_, _, h)| h[envelope::REASON_HEADER].to_string()).collect();
     assert_eq!(reasons, BTreeSet::from(["\"malformed\"".to_string(), "\"permanent\"".to_string()]));
-    let malformed = plain.iter().find(|(body, _, _)| body == b"{not json").expect("the malformed body, kept");
-    let error = malformed.2[envelope::ERROR_HEADER].as_str().unwrap_or_default().to_string();
-    assert!(error.contains("not a JSON document (format: json)"), "{error}");
+    for bad in MALFORMED {
+        let malformed = plain.iter().find(|(body, _, _)| body == bad).expect("the malformed body, kept");
+        let error = malformed.2[envelope::ERROR_HEADER].as_str().unwrap_or_default().to_string();
+        assert!(error.contains("not a JSON document (format: json)"), "{error}");
+    }
+    let too_long = dead["events.dlq"].iter().find(|(_, _, h)| h[envelope::REASON_HEADER] == "malformed");
+    let error = too_long.and_then(|(_, _, h)| h[envelope::ERROR_HEADER].as_str()).unwrap_or_default();
+    assert!(error.contains("\"id\" is 10000 bytes, over the 4096"), "{error}");
     for s in sent.iter().filter(|s| is_poison(&s.message.body)) {
         let queue = format!("{}.dlq", s.queue);
         let (body, properties, headers) = dead[&queue]
@@ -308,7 +322,8 @@ async fn each_format_is_handled_retried_dead_lettered_and_redriven_as_sent<P: Pl
     .await;
     assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
     assert_eq!(receiver.hits().len(), before, "every copy was a duplicate");
-    assert_eq!(place.depth("plain.dlq").await, 1, "only the malformed body is left");
+    let left = (place.depth("plain.dlq").await, place.depth("events.dlq").await, place.depth("opaque.dlq").await);
+    assert_eq!(left, (2, 1, 0), "only the malformed bodies are left");
     broker.close().await;
 }
 

@@ -151,9 +151,10 @@ impl<'a> Message<'a> {
         Ok(Message { format, envelope, has_payload, event, delivery })
     }
 
-    /// The body as text, for a `bytes` message's `body`, when it is UTF-8.
+    /// A `bytes` message's `body`: the body as text, when it is UTF-8 (other formats have no
+    /// such field).
     pub fn text(&self) -> Option<&str> {
-        std::str::from_utf8(self.delivery.body()).ok()
+        std::str::from_utf8(self.delivery.body()).ok().filter(|_| self.format == Format::Bytes)
     }
 
     /// The content type the body is forwarded with (the default webhook body), and the headers

@@ -488,3 +488,66 @@ async fn the_cli_publishes_each_format<P: Place>(place: P) {
 }
 
 on_every_broker!(the_cli_publishes_each_format);
+
+/// Issue 34: `sluice test` gives each queue the message in its format: a `json` body with the
+/// id as its message id, a structured CloudEvent, bytes from `body`; the filters and templates
+/// read the metadata, and the default webhook body is the message as sent.
+#[test]
+fn sluice_test_gives_messages_in_each_format() {
+    let pipeline = r#"version: 1
+exchanges:
+  ev: {type: topic}
+queues:
+  plain:
+    format: json
+    bind:
+      - exchange: ev
+        routing_key: "json.#"
+        filter: {field: headers.x-tenant, eq: acme}
+    handler:
+      webhook: {url: "http://127.0.0.1:9/{{routing_key}}/{{payload.n}}", headers: {X-Type: "{{type}}"}}
+  events:
+    format: cloudevents
+    bind: [{exchange: ev, routing_key: "ce.#"}]
+    handler:
+      webhook: {url: "http://127.0.0.1:9/{{urlencode source}}/{{subject}}", headers: {X-Data: "{{json data}}"}}
+  opaque:
+    format: bytes
+    bind: [{exchange: ev, routing_key: "bytes.#"}]
+    handler:
+      webhook: {url: "http://127.0.0.1:9/bytes", headers: {X-Body: "{{body}}"}}
+"#;
+    let tests = r#"version: 1
+tests:
+  - name: plain JSON from acme
+    message: {exchange: ev, routing_key: json.order, id: j-1, type: order.created, headers: {x-tenant: acme}, payload: {n: 5}}
+    expect:
+      queues: [plain]
+      requests:
+        plain:
+          url: "http://127.0.0.1:9/json.order/5"
+          headers: {idempotency-key: j-1, x-type: order.created, content-type: application/json}
+          body: {n: 5}
+  - name: plain JSON from elsewhere
+    message: {exchange: ev, routing_key: json.order, headers: {x-tenant: other}, payload: {n: 5}}
+    expect: {queues: [], outcomes: {plain: filtered}}
+  - name: a CloudEvent
+    message: {exchange: ev, routing_key: ce.paid, id: c-1, source: /shop, subject: o-7, payload: {amount: 3}}
+    expect:
+      requests:
+        events:
+          url: "http://127.0.0.1:9/%2Fshop/o-7"
+          headers: {idempotency-key: /shop c-1, x-data: '{"amount":3}', content-type: application/cloudevents+json}
+  - name: bytes
+    message: {exchange: ev, routing_key: bytes.x, id: b-1, body: "raw text", content_type: text/plain}
+    expect:
+      requests:
+        opaque:
+          headers: {x-body: raw text, content-type: text/plain, idempotency-key: b-1}
+"#;
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("p.yaml"), pipeline).expect("write");
+    std::fs::write(dir.path().join("p.test.yaml"), tests).expect("write");
+    let out = support::sluice_cli(&["test", dir.path().to_str().expect("utf-8")], &[], Duration::from_secs(30));
+    assert!(out.stdout.ends_with("test result: ok. 4 passed; 0 failed\n"), "{}\n{}", out.stdout, out.stderr);
+}

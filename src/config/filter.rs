@@ -783,6 +783,12 @@ mod tests {
             "{field: payload.amount, lte: 1e308}",
             "{field: payload.currency, in: [EUR, \"1e400\"]}",
             "{field: payload.tags, exists: true}",
+            // Issue 34: the broker's metadata, in every format (a header's name may hold dots).
+            "{field: headers.x-tenant, eq: acme}",
+            "{field: headers.x.y, exists: true}",
+            "{field: routing_key, prefix: order.}",
+            "{field: exchange, in: [orders]}",
+            "{field: content_type, eq: application/json}",
         ];
         for filter in filters {
             assert_eq!(diagnostics(filter), [], "{filter}");
@@ -823,6 +829,17 @@ mod tests {
                 "{field: payload.amount, eq: \"100\"}",
                 (9, 45),
                 "payload.amount is an integer by the payload schema; it never equals \"100\"",
+            ),
+            ("{field: headers, eq: acme}", (9, 25), "\"headers\": name the header, as in headers.x-tenant"),
+            (
+                "{field: routing_key.x, eq: a}",
+                (9, 25),
+                "\"routing_key.x\": the message's routing_key has no fields; only payload does",
+            ),
+            (
+                "{field: source, eq: /orders}",
+                (9, 25),
+                "\"source\" is not a field of a message of format envelope: a filter reads id, type, idempotency_key, occurred_at, routing_key, exchange, content_type, version, payload, headers.NAME and paths into payload (payload.amount)",
             ),
             (
                 "{field: type, gte: 3}",

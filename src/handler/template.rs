@@ -731,6 +731,21 @@ mod tests {
         }
     }
 
+    /// Issue 34: the variables a template starts from, each where it is first written, for
+    /// checking against the fields of the queue's format; not those inside `each` or `with`.
+    #[test]
+    fn roots_are_collected_where_they_are_first_written() {
+        let t = Template::compile(
+            "{{headers.x-tenant}}/{{#if (eq source 1)}}{{data.a}}{{/if}}{{#each payload}}{{body}}{{/each}}{{source}}",
+            Escape::Plain,
+        )
+        .expect("compiles");
+        let roots: Vec<(&str, usize)> = t.roots().iter().map(|(r, o)| (r.as_str(), *o)).collect();
+        assert_eq!(roots, [("headers", 2), ("source", 31), ("data", 44), ("payload", 67)]);
+        let paths: Vec<(&str, &str)> = t.payload_paths().iter().map(|p| (p.root.as_str(), p.text.as_str())).collect();
+        assert_eq!(paths, [("data", "data.a"), ("payload", "payload")]);
+    }
+
     #[test]
     fn env_vars_are_collected() {
         let t = Template::compile("{{env.B}}{{env.A}}{{env.B}}", Escape::Plain).unwrap();

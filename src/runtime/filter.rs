@@ -340,4 +340,52 @@ mod tests {
         assert!(holds(Root::OccurredAt, Op::Exists(false)));
         assert!(!holds(Root::Payload, Op::Exists(true)), "no payload parsed: none read");
     }
+
+    /// Issue 34: every format's metadata (headers, route, content type) and a CloudEvent's and
+    /// bytes' own fields, as the message carries them; absent where it carries none.
+    #[test]
+    fn metadata_and_format_fields() {
+        use crate::broker::{HeaderValue, Route};
+        let headers = [
+            ("x-tenant".to_string(), HeaderValue::Str("acme".into())),
+            ("x-tier".to_string(), HeaderValue::Int(3)),
+            ("ce-id".to_string(), HeaderValue::Str("A-1".into())),
+            ("ce-source".to_string(), HeaderValue::Str("/orders".into())),
+            ("ce-type".to_string(), HeaderValue::Str("order.created".into())),
+            ("ce-subject".to_string(), HeaderValue::Str("o-7".into())),
+        ];
+        let properties = Properties {
+            headers: headers.into(),
+            content_type: Some("application/json".into()),
+            route: Some(Route { exchange: "ev".into(), routing_key: "order.created".into() }),
+            ..Properties::default()
+        };
+        let delivery = Kept::standalone(br#"{"n":1}"#.as_slice().into(), properties);
+        let decoded = format::Message::decode(Format::CloudEvents, &delivery).expect("a CloudEvent");
+        let message = Message { message: &decoded, payload: None };
+        let holds = |root: Root, path: &[&str], op: Op| {
+            let field = Field { root, path: path.iter().map(|s| s.to_string()).collect() };
+            matches(&Filter::Test { field, op }, &message)
+        };
+        assert!(holds(Root::Header, &["x-tenant"], Op::Eq(json!("acme"))));
+        assert!(holds(Root::Header, &["x-tenant"], Op::In(Values::new(vec![json!("acme")]))));
+        assert!(holds(Root::Header, &["x-tier"], Op::Gte(n(json!(3)))));
+        assert!(holds(Root::Header, &["x-absent"], Op::Exists(false)));
+        assert!(holds(Root::RoutingKey, &[], Op::Prefix("order.".into())));
+        assert!(holds(Root::Exchange, &[], Op::Eq(json!("ev"))));
+        assert!(holds(Root::ContentType, &[], Op::Eq(json!("application/json"))));
+        assert!(holds(Root::Source, &[], Op::Eq(json!("/orders"))));
+        assert!(holds(Root::Subject, &[], Op::Eq(json!("o-7"))));
+        assert!(holds(Root::SpecVersion, &[], Op::Eq(json!("1.0"))));
+        assert!(holds(Root::Time, &[], Op::Exists(false)));
+        assert!(holds(Root::IdempotencyKey, &[], Op::Eq(json!("/orders A-1"))));
+        assert!(holds(Root::Body, &[], Op::Exists(false)), "a CloudEvent has no body field");
+        let delivery = Kept::standalone(b"plain text".as_slice().into(), Properties::default());
+        let decoded = format::Message::decode(Format::Bytes, &delivery).expect("bytes");
+        let message = Message { message: &decoded, payload: None };
+        let field = Field { root: Root::Body, path: Vec::new() };
+        assert!(matches(&Filter::Test { field, op: Op::Prefix("plain".into()) }, &message));
+        let field = Field { root: Root::RoutingKey, path: Vec::new() };
+        assert!(matches(&Filter::Test { field, op: Op::Exists(false) }, &message), "no route: absent");
+    }
 }

@@ -284,13 +284,14 @@ fn plain<'a>(delivery: &dyn Delivery, payload: Cow<'a, RawValue>) -> Envelope<'a
 }
 
 /// The attribute a header carries in binary mode (`cloudEvents:id`, `cloudEvents_id`,
-/// `ce-id`, `ce_id`), named in lower case.
+/// `ce-id`, `ce_id`), named in lower case; attribute names are letters and digits (so one is
+/// always a valid HTTP header name once sent on as `ce-NAME`).
 fn attribute(header: &str) -> Option<String> {
     let lower = header.to_ascii_lowercase();
     ["cloudevents:", "cloudevents_", "ce-", "ce_"]
         .iter()
         .find_map(|prefix| lower.strip_prefix(prefix))
-        .filter(|name| !name.is_empty())
+        .filter(|name| !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric()))
         .map(str::to_string)
 }
 

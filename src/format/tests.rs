@@ -114,6 +114,8 @@ fn cloudevents_in_binary_mode() {
         h.insert(name("subject"), HeaderValue::Str("o-7".into()));
         h.insert(name("tenant"), HeaderValue::Str("acme ü".into()));
         h.insert(name("time"), HeaderValue::Int(1_798_135_200));
+        // Not an attribute name: not read, never sent on as a header.
+        h.insert(name("bad\r\nname"), HeaderValue::Str("x".into()));
         let properties = Properties { content_type: Some("application/json".into()), ..routed(h) };
         let d = delivery(br#"{"order_id":7}"#, properties);
         let m = Message::decode(Format::CloudEvents, &d).expect("a CloudEvent");
@@ -128,6 +130,7 @@ fn cloudevents_in_binary_mode() {
         assert_eq!(content_type, "application/json");
         assert!(forwarded.contains(&("ce-id".to_string(), "A-1".to_string())), "{forwarded:?}");
         assert!(forwarded.contains(&("ce-tenant".to_string(), "acme %C3%BC".to_string())), "{forwarded:?}");
+        assert!(forwarded.iter().all(|(name, _)| !name.contains("bad")), "{forwarded:?}");
         assert_eq!(m.payload_bytes(), br#"{"order_id":7}"#);
     }
     // Data of another type: no `data` for templates; declared JSON that is not: unreadable.

@@ -50,9 +50,11 @@ pub const WAL_LIMIT: i64 = 4 << 20;
 const IN_PLACE: usize = 1 << 20;
 
 /// The file's layout, recorded in `meta`: 2 since bodies are stored apart and idempotency keys
-/// kept (files without the record are of layout 1, converted on opening). A file of a later
-/// layout is refused, not misread.
-const LAYOUT: i64 = 2;
+/// kept (files without the record are of layout 1, converted on opening), 3 since messages keep
+/// their content type (for message formats: an earlier sluice copying a message would drop
+/// it). A file of a later layout is refused, not misread; one of an earlier layout is converted
+/// by `run`, not read by the commands that only read.
+const LAYOUT: i64 = 3;
 
 /// Milliseconds since the epoch: the clock of `visible_at` and lease ends.
 pub(crate) fn now_ms() -> i64 {

@@ -346,6 +346,11 @@ fn validate_names_fields_a_format_lacks() {
         "a message of format bytes has no payload (its body is {{body}}, as text)",
         ":24:",
         "\"payload.amount\" is not a field of a message of format cloudevents",
+        // A CloudEvent's data is checked against the payload schema.
+        ":35:",
+        "data.order_idd cannot be in a payload of this queue: the schema allows no field \"order_idd\" in data",
+        ":38:",
+        "data.nope cannot be in a payload of this queue",
     ] {
         assert!(text.contains(expected), "{expected:?} not in:\n{text}");
     }
@@ -516,6 +521,10 @@ queues:
     bind: [{exchange: ev, routing_key: "bytes.#"}]
     handler:
       webhook: {url: "http://127.0.0.1:9/bytes", headers: {X-Body: "{{body}}"}}
+  enveloped:
+    bind: [{exchange: ev, routing_key: "env.#", filter: {field: routing_key, prefix: env.keep}}]
+    handler:
+      webhook: {url: "http://127.0.0.1:9/{{exchange}}/{{routing_key}}/{{headers.x-tenant}}/{{payload.n}}"}
 "#;
     let tests = r#"version: 1
 tests:
@@ -544,10 +553,17 @@ tests:
       requests:
         opaque:
           headers: {x-body: raw text, content-type: text/plain, idempotency-key: b-1}
+  - name: an envelope reads the metadata too
+    message: {exchange: ev, routing_key: env.keep, headers: {x-tenant: acme}, payload: {n: 1}}
+    expect:
+      requests: {enveloped: {url: "http://127.0.0.1:9/ev/env.keep/acme/1"}}
+  - name: an envelope filtered by its routing key
+    message: {exchange: ev, routing_key: env.drop, payload: {n: 1}}
+    expect: {queues: [], outcomes: {enveloped: filtered}}
 "#;
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("p.yaml"), pipeline).expect("write");
     std::fs::write(dir.path().join("p.test.yaml"), tests).expect("write");
     let out = support::sluice_cli(&["test", dir.path().to_str().expect("utf-8")], &[], Duration::from_secs(30));
-    assert!(out.stdout.ends_with("test result: ok. 4 passed; 0 failed\n"), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.ends_with("test result: ok. 6 passed; 0 failed\n"), "{}\n{}", out.stdout, out.stderr);
 }

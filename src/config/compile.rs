@@ -475,7 +475,7 @@ impl Compiler<'_> {
         let payload = self.format.payload();
         for path in t.payload_paths().iter().filter(|p| Some(p.root.as_str()) == payload) {
             let steps: Vec<&str> = path.steps.iter().map(String::as_str).collect();
-            if let Some(why) = super::filter::ruled_out(&schema.schema, &steps) {
+            if let Some(why) = super::filter::ruled_out(&schema.schema, &path.root, &steps) {
                 let message = format!("{} cannot be in a payload of this queue: {why}", path.text);
                 let pos = file.offset_pos(pointer, t.source(), path.offset);
                 self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));

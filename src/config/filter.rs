@@ -481,7 +481,8 @@ impl Checker<'_> {
         }
         let Some(schema) = self.schema else { return Some(None) };
         let steps: Vec<&str> = field.path.iter().map(String::as_str).collect();
-        match reach(schema, schema, &steps, "payload", Steps::Fields, 0) {
+        let root = self.format.payload().unwrap_or("payload");
+        match reach(schema, schema, &steps, root, Steps::Fields, 0) {
             Ok(leaves) => Some(declared_types(schema, &leaves)),
             Err(why) => {
                 self.error(pointer, format!("{text} cannot be in a payload of this queue: {why}"));
@@ -495,10 +496,11 @@ impl Checker<'_> {
 const MAX_REF_DEPTH: usize = 32;
 
 /// Why no payload the queue's `schema` accepts has anything at `steps` (`["order", "id"]` for
-/// `payload.order.id`), if so: for a template's path, where a step may also index a list
-/// (`payload.items.0.sku`), as templates read them.
-pub(super) fn ruled_out(schema: &Value, steps: &[&str]) -> Option<String> {
-    reach(schema, schema, steps, "payload", Steps::FieldsAndIndexes, 0).err()
+/// `payload.order.id`; `root` names the payload, `payload` or a CloudEvent's `data`), if so:
+/// for a template's path, where a step may also index a list (`payload.items.0.sku`), as
+/// templates read them.
+pub(super) fn ruled_out(schema: &Value, root: &str, steps: &[&str]) -> Option<String> {
+    reach(schema, schema, steps, root, Steps::FieldsAndIndexes, 0).err()
 }
 
 /// What a step of a path reads.

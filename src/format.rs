@@ -161,7 +161,12 @@ impl<'a> Message<'a> {
     /// it takes along (a binary-mode CloudEvent's attributes as `ce-*`, as CloudEvents over
     /// HTTP has them).
     pub fn forwarded(&self) -> (String, Vec<(String, String)>) {
-        let given = self.delivery.content_type().filter(|c| !c.trim().is_empty()).map(str::to_string);
+        // One an HTTP header cannot carry (a line break) is as none.
+        let given = self
+            .delivery
+            .content_type()
+            .filter(|c| !c.trim().is_empty() && !c.chars().any(char::is_control))
+            .map(str::to_string);
         match (self.format, &self.event) {
             (Format::Envelope, _) => ("application/json".into(), Vec::new()),
             (Format::Json, _) => (given.unwrap_or_else(|| "application/json".into()), Vec::new()),

@@ -185,6 +185,10 @@ fn bytes_are_opaque() {
     let m = Message::decode(Format::Bytes, &d).expect("any body");
     assert_eq!((m.envelope.id.as_str(), m.envelope.kind.as_str()), ("b-1", "order.created"));
     assert_eq!(m.forwarded(), ("application/x-protobuf".to_string(), Vec::new()));
+    let hostile = Properties { content_type: Some("text/plain\r\nx-evil: 1".into()), ..Properties::default() };
+    let d = delivery(b"x", hostile);
+    let m = Message::decode(Format::Bytes, &d).expect("any body");
+    assert_eq!(m.forwarded().0, "application/octet-stream", "a content type no header can carry is none");
     let d = delivery(b"plain text", Properties::default());
     let m = Message::decode(Format::Bytes, &d).expect("any body");
     assert_eq!(m.fields(true).expect("fields")["body"], json!("plain text"));

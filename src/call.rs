@@ -1,5 +1,6 @@
-//! From a message to a ready call: renders the handler's templates against the envelope, adds
-//! the headers (or env vars) every handler receives, and signs webhooks. A command's
+//! From a message to a ready call: renders the handler's templates against the message (its
+//! fields in its queue's format, [`crate::format`]), adds the headers (or env vars) every
+//! handler receives, and signs webhooks. A command's
 //! environment is built whole here, from an allowlist of the runner's variables and what the
 //! pipeline names. `sluice render` prints what this produces; the runtime has it run by the
 //! [`Execute`] it is given ([`Handlers`] in a runner).

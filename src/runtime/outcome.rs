@@ -1,8 +1,8 @@
 //! What a delivery's outcome is, decided without a broker: the checks before a handler runs
-//! (size, envelope, binding filters, payload schema, templates), the disposition a handler's
-//! result leads to, and what settling a disposition does ([`Effect`]). The worker runs these
-//! around the real handler; `sluice test` runs them around a simulated one, so both classify
-//! every message the same way.
+//! (size, the message in its queue's format, binding filters, payload schema, templates), the
+//! disposition a handler's result leads to, and what settling a disposition does
+//! ([`Effect`]). The worker runs these around the real handler; `sluice test` runs them around
+//! a simulated one, so both classify every message the same way.
 //!
 //! No IO here: no broker, no idempotency store, no handler call.
 

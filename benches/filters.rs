@@ -16,9 +16,10 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use serde_json::json;
-use sluice::broker::{Headers, Route};
+use sluice::broker::{Headers, Kept, Properties, Route};
 use sluice::config::{Config, Queue};
 use sluice::envelope::Envelope;
+use sluice::format::{Format, Message};
 use sluice::runtime::{filter, outcome};
 
 const ROUNDS: usize = 9;
@@ -80,7 +81,9 @@ fn main() {
         "created_by": "checkout-service", "note": "leave at the door"
     });
     let body = Envelope::new("order.created", &payload, Some("order:1234".into())).encode();
-    let envelope = Envelope::decode(&body).expect("an envelope");
+    let delivery = Kept::standalone(body.clone().into(), Properties::default());
+    let decoded = Message::decode(Format::Envelope, &delivery).expect("an envelope");
+    let envelope = &decoded.envelope;
     let route = Route { exchange: "orders".into(), routing_key: "order.created".into() };
     let headers = Headers::new();
     let queue = |name: &str| -> &Queue { &config.queues[name] };
@@ -91,22 +94,23 @@ fn main() {
     );
     for name in ["plain", "by_type", "by_payload"] {
         let q = queue(name);
-        let ns = time(|| outcome::filter(q, &envelope, Some(&route), &headers, 1).is_ok());
+        let ns = time(|| outcome::filter(q, &decoded, Some(&route), &headers, 1).is_ok());
         println!("  outcome::filter, queue {name:<10} {ns:>8.1}");
     }
     // Refused by the first binding's filter, let in by the second's lack of one: the bindings
     // disagree, so the message is routed again to tell which of them took it.
     let small = Envelope::new("order.created", &json!({"amount_cents": 500, "currency": "EUR"}), None).encode();
-    let small = Envelope::decode(&small).expect("an envelope");
+    let small = Kept::standalone(small.into(), Properties::default());
+    let small = Message::decode(Format::Envelope, &small).expect("an envelope");
     let ns = time(|| outcome::filter(queue("by_payload"), &small, Some(&route), &headers, 1).is_ok());
     println!("  outcome::filter, by_payload, refused  {ns:>8.1}");
     let parsed = envelope.payload_value().expect("a payload");
-    let message = filter::Message { envelope: &envelope, payload: Some(&parsed) };
+    let message = filter::Message { message: &decoded, payload: Some(&parsed) };
     let q = queue("by_payload");
     let ns = time(|| filter::admits(q, Some(&route), &headers, &message));
     println!("  filter::admits alone, payload parsed    {ns:>8.1}");
-    let parsed_small = small.payload_value().expect("a payload");
-    let refused = filter::Message { envelope: &small, payload: Some(&parsed_small) };
+    let parsed_small = small.envelope.payload_value().expect("a payload");
+    let refused = filter::Message { message: &small, payload: Some(&parsed_small) };
     let ns = time(|| filter::admits(q, Some(&route), &headers, &refused));
     println!("  filter::admits alone, refused (routing) {ns:>8.1}");
     let first = q.bindings[0].filter.as_ref().expect("by_payload's first binding has a filter");

@@ -1,5 +1,6 @@
-//! From a message to a ready call: renders the handler's templates against the envelope, adds
-//! the headers (or env vars) every handler receives, and signs webhooks. A command's
+//! From a message to a ready call: renders the handler's templates against the message (its
+//! fields in its queue's format, [`crate::format`]), adds the headers (or env vars) every
+//! handler receives, and signs webhooks. A command's
 //! environment is built whole here, from an allowlist of the runner's variables and what the
 //! pipeline names. `sluice render` prints what this produces; the runtime has it run by the
 //! [`Execute`] it is given ([`Handlers`] in a runner).
@@ -7,7 +8,6 @@
 //! It stands between the config and [`crate::handler`]: it reads the queue's config and
 //! hands the handlers a ready request, so the handlers never read the config themselves.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -15,10 +15,10 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use handlebars::Context;
 use serde_json::{Map, Value, json};
-use sha2::{Digest as _, Sha256};
 
 use crate::config::{Handler, Queue, StdinMode};
-use crate::envelope::{Envelope, Malformed};
+use crate::envelope::Malformed;
+use crate::format;
 use crate::handler::auth::OAuth2;
 use crate::handler::command::{self, Invocation, Stdin};
 use crate::handler::rules::Rules;
@@ -28,7 +28,7 @@ use crate::handler::{HandlerError, Observed};
 
 /// One message as a handler sees it.
 pub struct Message<'a> {
-    pub envelope: &'a Envelope<'a>,
+    pub message: &'a format::Message<'a>,
     /// The body as received: the default webhook body (shared, not copied) and command stdin.
     pub body: &'a Bytes,
     pub attempt: u32,
@@ -63,10 +63,11 @@ pub enum PrepareError {
     Payload(#[from] Malformed),
 }
 
-/// The template context of a message: the envelope's fields, attempt, queue, and the
-/// environment variables the templates name (as `***` when `redact`, for printing).
+/// The template context of a message: its fields ([`format::Message::fields`]), attempt,
+/// queue, and the environment variables the templates name (as `***` when `redact`, for
+/// printing).
 fn context(
-    envelope: &Envelope,
+    message: &format::Message<'_>,
     attempt: u32,
     queue: &str,
     templates: &[&Template],
@@ -81,18 +82,12 @@ fn context(
             }
         }
     }
-    let value = json!({
-        "id": envelope.id,
-        "type": envelope.kind,
-        "version": envelope.version,
-        "occurred_at": envelope.occurred_at,
-        "idempotency_key": envelope.idempotency_key(),
-        "attempt": attempt,
-        "queue": queue,
-        "payload": envelope.payload_value()?,
-        "env": env,
-    });
-    Ok(Context::from(value))
+    let reads_headers = templates.iter().any(|t| t.roots().iter().any(|(root, _)| root == "headers"));
+    let mut fields = message.fields(reads_headers)?;
+    fields.insert("attempt".into(), json!(attempt));
+    fields.insert("queue".into(), json!(queue));
+    fields.insert("env".into(), Value::Object(env));
+    Ok(Context::from(Value::Object(fields)))
 }
 
 fn render(template: &Template, field: &str, ctx: &Context) -> Result<String, PrepareError> {
@@ -155,16 +150,22 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                     })?
                 }
             };
-            let body = match &w.body {
-                Some(t) => Bytes::from(render(t, "body", ctx)?),
-                None => message.body.clone(),
+            // The default body is the message's as received, with its content type (and a
+            // binary-mode CloudEvent's attributes); a rendered one is JSON.
+            let (body, content_type, forwarded) = match &w.body {
+                Some(t) => (Bytes::from(render(t, "body", ctx)?), "application/json".to_string(), Vec::new()),
+                None => {
+                    let (content_type, forwarded) = message.message.forwarded();
+                    (message.body.clone(), content_type, forwarded)
+                }
             };
             let mut headers = vec![
-                ("content-type".to_string(), "application/json".to_string()),
+                ("content-type".to_string(), content_type),
                 ("idempotency-key".to_string(), message.idempotency_key.to_string()),
-                ("x-sluice-message-id".to_string(), message.envelope.id.clone()),
+                ("x-sluice-message-id".to_string(), message.message.envelope.id.clone()),
                 ("x-sluice-attempt".to_string(), attempt),
             ];
+            headers.extend(forwarded);
             if let Some(tp) = message.traceparent {
                 headers.push(("traceparent".to_string(), tp.to_string()));
             }
@@ -192,7 +193,7 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                     }
                 };
                 let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default();
-                let signed = webhook::signature_headers(keys, &message.envelope.id, now as i64, &body);
+                let signed = webhook::signature_headers(keys, &message.message.envelope.id, now as i64, &body);
                 headers.extend(signed.into_iter().map(|(k, v)| (k.to_string(), v)));
             }
             let method = reqwest::Method::from_bytes(w.method.as_bytes()).unwrap_or(reqwest::Method::POST);
@@ -220,7 +221,7 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
                 }
             }
             set_env(&mut env, "SLUICE_IDEMPOTENCY_KEY", message.idempotency_key.to_string());
-            set_env(&mut env, "SLUICE_MESSAGE_ID", message.envelope.id.clone());
+            set_env(&mut env, "SLUICE_MESSAGE_ID", message.message.envelope.id.clone());
             set_env(&mut env, "SLUICE_ATTEMPT", attempt);
             if let Some(tp) = message.traceparent {
                 set_env(&mut env, "TRACEPARENT", tp.to_string());
@@ -230,7 +231,7 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
             }
             let stdin = match c.stdin {
                 StdinMode::Envelope => Stdin::Bytes(message.body.clone()),
-                StdinMode::Payload => Stdin::Bytes(within(message.body, message.envelope.payload.get().as_bytes())),
+                StdinMode::Payload => Stdin::Bytes(within(message.body, message.message.payload_bytes())),
                 StdinMode::None => Stdin::Null,
             };
             Ok(Call::Command(Invocation {
@@ -250,7 +251,7 @@ fn prepare(handler: &Handler, message: &Message<'_>, ctx: &Context, redact: bool
 /// handler call. With `redact`, environment values render as `***` (for `sluice render`).
 pub struct Renderer<'a> {
     queue: &'a Queue,
-    envelope: &'a Envelope<'a>,
+    message: &'a format::Message<'a>,
     attempt: u32,
     ctx: Context,
     redact: bool,
@@ -260,7 +261,7 @@ impl<'a> Renderer<'a> {
     /// Fails only for a payload that does not parse, which a decoded envelope's always does.
     pub fn new(
         queue: &'a Queue,
-        envelope: &'a Envelope<'a>,
+        message: &'a format::Message<'a>,
         attempt: u32,
         redact: bool,
     ) -> Result<Renderer<'a>, PrepareError> {
@@ -270,28 +271,29 @@ impl<'a> Renderer<'a> {
         let ctx = if used.iter().all(|t| t.literal().is_some()) {
             Context::null()
         } else {
-            context(envelope, attempt, &queue.name, &used, redact)?
+            context(message, attempt, &queue.name, &used, redact)?
         };
-        Ok(Renderer { queue, envelope, attempt, ctx, redact })
+        Ok(Renderer { queue, message, attempt, ctx, redact })
     }
 
     /// The idempotency key as stored and sent downstream: the queue's template, else the
-    /// envelope's key; the message id when either is blank (a key shared by every such message
+    /// message's own ([`Envelope::idempotency_key`](crate::envelope::Envelope::idempotency_key):
+    /// a CloudEvent's is its source and id); the message id when either is blank (a key shared by every such message
     /// would run only the first); a long one by its digest ([`effective_key`]).
     pub fn key(&self) -> Result<String, PrepareError> {
         let key = match self.queue.idempotency.as_ref().and_then(|i| i.key.as_ref()) {
             Some(key) => render(key, "idempotency key", &self.ctx)?,
-            None => self.envelope.idempotency_key().to_string(),
+            None => self.message.envelope.idempotency_key().to_string(),
         };
-        let key = if crate::envelope::is_blank(&key) { self.envelope.id.clone() } else { key };
+        let key = if crate::envelope::is_blank(&key) { self.message.envelope.id.clone() } else { key };
         Ok(effective_key(key))
     }
 
-    /// The handler's request or invocation; `body` is the delivery's body as received.
-    pub fn call(&self, body: &Bytes, key: &str, traceparent: Option<&str>) -> Result<Call, PrepareError> {
+    /// The handler's request or invocation.
+    pub fn call(&self, key: &str, traceparent: Option<&str>) -> Result<Call, PrepareError> {
         let message = Message {
-            envelope: self.envelope,
-            body,
+            message: self.message,
+            body: self.message.delivery.body(),
             attempt: self.attempt,
             queue: &self.queue.name,
             idempotency_key: key,
@@ -312,14 +314,7 @@ pub fn effective_key(key: String) -> String {
     if key.len() <= MAX_KEY_BYTES {
         return key;
     }
-    let digest = Sha256::digest(key.as_bytes());
-    let mut text = String::with_capacity(7 + 64);
-    text.push_str("sha256:");
-    for byte in digest {
-        // Writing to a String cannot fail.
-        let _ = write!(text, "{byte:02x}");
-    }
-    text
+    format::sha256_id(key.as_bytes())
 }
 
 /// `part` as a slice of `whole` when it lies inside it (a decoded payload borrows the body),
@@ -376,7 +371,10 @@ pub async fn execute(call: Call, shared: &reqwest::Client, observed: &mut Observ
 
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest as _, Sha256};
+
     use super::*;
+    use crate::envelope::Envelope;
 
     /// Issue 9: a payload handed to stdin shares the delivery's bytes instead of copying them.
     #[test]

@@ -370,6 +370,13 @@ impl<'de> Visitor<'de> for Parses {
     }
 }
 
+/// `text` as a borrowed JSON document, when it parses into a value ([`Parses`]): what every
+/// format with a JSON payload checks of it at decode.
+pub fn json_document(text: &[u8]) -> Result<&RawValue, serde_json::Error> {
+    serde_json::from_slice::<Parses>(text)?;
+    serde_json::from_slice(text)
+}
+
 /// Whether an idempotency key (or id) is empty or only white space: no key at all.
 pub fn is_blank(key: &str) -> bool {
     key.trim().is_empty()

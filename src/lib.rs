@@ -15,6 +15,7 @@ pub mod config;
 pub mod dedup;
 pub mod envelope;
 pub mod file;
+pub mod format;
 pub mod handler;
 pub mod ops;
 pub mod reload;

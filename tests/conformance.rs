@@ -127,6 +127,8 @@ fn message(body: &str) -> Outgoing {
     Outgoing {
         body: body.as_bytes().to_vec(),
         message_id: Some(format!("id-{body}")),
+        kind: Some("t".into()),
+        content_type: Some("application/x-test".into()),
         timestamp: Some(1_700_000_000),
         ..Outgoing::default()
     }
@@ -441,6 +443,7 @@ async fn dead_letter_and_redrive_keep_the_message_and_edit_headers<S: Subject>(s
     let (mut dead, dead_consumer) = broker.browse("q.dlq", Credit::at_most(1)).await.expect("browse the dead letters");
     let copy = next(&mut dead, "the dead-lettered copy").await;
     assert_eq!((body(&copy).as_str(), copy.message_id(), copy.timestamp()), ("m", Some("id-m"), Some(1_700_000_000)));
+    assert_eq!((copy.kind(), copy.content_type()), (Some("t"), Some("application/x-test")), "the properties stay");
     for (name, value) in &failure {
         assert_eq!(copy.header(name).as_ref(), Some(value), "{name} on the dead-lettered copy");
     }
@@ -462,6 +465,7 @@ async fn dead_letter_and_redrive_keep_the_message_and_edit_headers<S: Subject>(s
         (body(&again).as_str(), again.message_id(), again.timestamp()),
         ("m", Some("id-m"), Some(1_700_000_000))
     );
+    assert_eq!((again.kind(), again.content_type()), (Some("t"), Some("application/x-test")), "the properties stay");
     for name in envelope::FAILURE_HEADERS {
         assert_eq!(again.header(name), None, "{name} dropped on redrive");
     }
@@ -710,6 +714,7 @@ async fn a_delivery_shows_what_was_published<S: Subject>(subject: S) {
     let d = next(&mut deliveries, "the message").await;
     assert_eq!((body(&d).as_str(), d.size()), ("m", 1));
     assert_eq!((d.message_id(), d.timestamp()), (Some("id-m"), Some(1_700_000_000)));
+    assert_eq!((d.kind(), d.content_type()), (Some("t"), Some("application/x-test")));
     let route = d.route().map(|r| (r.exchange.as_str(), r.routing_key.as_str()));
     assert_eq!(route, Some(("ev", "order.paid")));
     assert_eq!((d.header("n"), d.header("absent")), (Some(HeaderValue::Int(7)), None));

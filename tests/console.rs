@@ -296,14 +296,7 @@ async fn hostile_messages_are_shown_inert() {
     let secret = || Headers::from([("authorization".to_string(), HeaderValue::Str("Bearer leaked-secret".into()))]);
     for (id, body) in &bodies {
         let id = Some(format!("hostile-{id}"));
-        let message = Outgoing {
-            body: body.clone(),
-            message_id: id,
-            kind: None,
-            timestamp: None,
-            priority: None,
-            headers: secret(),
-        };
+        let message = Outgoing { body: body.clone(), message_id: id, headers: secret(), ..Outgoing::default() };
         broker.publish("ev", "x", message).await.expect("publish confirmed");
     }
     publish(&broker, "ev", "x", "answered-with-markup", json!({})).await;

@@ -152,6 +152,36 @@ fn the_test_file_example_passes() {
     assert!(stdout(&out).ends_with("test result: ok. 1 passed; 0 failed\n"), "{}", stdout(&out));
 }
 
+// Issue 34: the example of message formats validates, and `sluice test` renders each format's
+// message as the text says.
+#[test]
+fn the_formats_example_validates_and_renders() {
+    let example = block_after(&readme(), "### Message formats", "yaml");
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("p.yaml"), example).expect("write");
+    let tests = r#"version: 1
+tests:
+  - name: a plain JSON order
+    message: {exchange: orders, routing_key: order.created, payload: {order_id: 7}}
+    expect:
+      queues: [orders.created]
+      requests: {orders.created: {url: "https://shop.example/hooks/order.created/7"}}
+  - name: a CloudEvent from the shop
+    message: {exchange: orders, routing_key: event.paid, type: order.paid, source: "https://shop.example/orders", payload: {order_id: 9}}
+    expect:
+      queues: [orders.events]
+      requests: {orders.events: {url: "https://crm.example/events/https%3A%2F%2Fshop.example%2Forders/9"}}
+  - name: a CloudEvent from elsewhere
+    message: {exchange: orders, routing_key: event.paid, source: "https://other.example/", payload: {order_id: 9}}
+    expect: {queues: [], outcomes: {orders.events: filtered}}
+"#;
+    std::fs::write(dir.path().join("p.test.yaml"), tests).expect("write");
+    let out = sluice().arg("validate").arg(dir.path()).output().expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let out = sluice().arg("test").arg(dir.path()).output().expect("runs");
+    assert!(stdout(&out).ends_with("test result: ok. 3 passed; 0 failed\n"), "{}", stdout(&out));
+}
+
 // Issue 24: the example of binding filters validates against a payload schema that rules out
 // other fields, and routes and filters as the text says.
 #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use sluice::broker::amqp::Amqp;
-use sluice::broker::{BrokerError, Headers, Outgoing, Publish as _};
+use sluice::broker::{BrokerError, Outgoing, Publish as _};
 use sluice::envelope::Envelope;
 use support::*;
 
@@ -241,14 +241,7 @@ fn stop(sluice: &mut Sluice) -> String {
 /// broker returns an unroutable mandatory message: nothing was enqueued).
 async fn publish_if_routable(broker: &Amqp, routing_key: &str, key: &str) -> bool {
     let envelope = Envelope::new("test.event", &json!({}), Some(key.to_string()));
-    let message = Outgoing {
-        body: envelope.encode(),
-        message_id: None,
-        kind: None,
-        timestamp: None,
-        priority: None,
-        headers: Headers::new(),
-    };
+    let message = Outgoing { body: envelope.encode(), ..Outgoing::default() };
     match broker.publish("ev", routing_key, message).await {
         Ok(()) => true,
         Err(BrokerError::Unroutable { .. }) => false,

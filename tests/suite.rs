@@ -32,6 +32,7 @@ mod env_interpolation;
 mod failure_injection;
 mod filters;
 mod footguns;
+mod formats;
 mod hardening;
 mod hostile;
 mod hostile_handlers;

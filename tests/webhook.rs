@@ -378,9 +378,11 @@ async fn a_dot_segment_value_is_refused_before_the_call() {
     for (user, expected) in cases {
         let envelope = sluice::envelope::Envelope::new("t", &serde_json::json!({"user": user}), None);
         let body = bytes::Bytes::from(envelope.encode());
-        let renderer = sluice::call::Renderer::new(queue, &envelope, 1, false).expect("payload parses");
+        let delivery = sluice::broker::Kept::standalone(body, Default::default());
+        let message = sluice::format::Message::decode(queue.format, &delivery).expect("an envelope");
+        let renderer = sluice::call::Renderer::new(queue, &message, 1, false).expect("payload parses");
         let key = renderer.key().expect("key");
-        let call = renderer.call(&body, &key, None);
+        let call = renderer.call(&key, None);
         match (call, expected) {
             (Ok(call), Some(_)) => {
                 assert_eq!(sluice::call::execute(call, &client, &mut Default::default()).await, Ok(()), "{user:?}");

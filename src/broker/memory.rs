@@ -476,6 +476,8 @@ impl Publish for Memory {
             properties: Properties {
                 headers: message.headers,
                 message_id: message.message_id,
+                kind: message.kind,
+                content_type: message.content_type,
                 timestamp: message.timestamp,
                 route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
             },

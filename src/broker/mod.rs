@@ -36,8 +36,8 @@
 //!    and blocks nothing behind it; a delay longer than [`Capabilities::longest_delay`] is
 //!    held that long (the runtime serves the rest in hops), never less
 //!    (`delays_are_exact_and_block_nothing`).
-//! 6. **Copies keep the message**: a copy has the original's body and properties, its headers
-//!    edited as [`Edits`] says (`dead_letter_and_redrive_keep_the_message_and_edit_headers`).
+//! 6. **Copies keep the message**: a copy has the original's body and properties (message id,
+//!    type, content type, timestamp), its headers edited as [`Edits`] says (`dead_letter_and_redrive_keep_the_message_and_edit_headers`).
 //! 7. **Conflicts are named**: declaring what exists with other settings fails naming the
 //!    setting and both values (`a_differing_declaration_names_the_setting_and_both_values`).
 //! 8. **One at a time where asked**: a single-active-consumer queue delivers to one consumer
@@ -83,6 +83,8 @@ pub struct Outgoing {
     pub body: Vec<u8>,
     pub message_id: Option<String>,
     pub kind: Option<String>,
+    /// The body's media type; `application/json` when none is given.
+    pub content_type: Option<String>,
     /// Seconds since the epoch.
     pub timestamp: Option<u64>,
     /// Delivered before lower ones from a queue with priority levels (RabbitMQ only).
@@ -403,6 +405,10 @@ pub trait Delivery: Send + Sync + 'static {
     /// The `timestamp` property, seconds since the epoch.
     fn timestamp(&self) -> Option<u64>;
     fn message_id(&self) -> Option<&str>;
+    /// The producer's name for what the message is (AMQP `type`), where it set one.
+    fn kind(&self) -> Option<&str>;
+    /// The body's media type (AMQP `content_type`), where the producer set one.
+    fn content_type(&self) -> Option<&str>;
     /// The exchange and routing key the message was published with, as far as the broker
     /// keeps them (a delayed or redriven copy may carry the broker's own).
     fn route(&self) -> Option<&Route>;

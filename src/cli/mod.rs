@@ -30,7 +30,6 @@ use crate::broker::{BrokerError, Operate};
 use crate::call::{self, Call};
 use crate::config::{self, Format};
 use crate::dedup::Location;
-use crate::envelope::Envelope;
 use crate::handler::command::Stdin;
 use crate::runtime::Readiness;
 use crate::runtime::gate::Pauses;
@@ -808,10 +807,13 @@ fn render(config: &mut config::Config, queue: &str, message: &Path, attempt: u32
     q.resolve_webhook_url()?;
     let body =
         bytes::Bytes::from(std::fs::read(message).with_context(|| format!("cannot read {}", message.display()))?);
-    let envelope = Envelope::decode(&body).with_context(|| format!("{}", message.display()))?;
-    let renderer = call::Renderer::new(q, &envelope, attempt, true)?;
+    // A message file is its body alone: no broker gave it an id, a type or headers.
+    let delivery = crate::broker::Kept::standalone(body, crate::broker::Properties::default());
+    let decoded = crate::format::Message::decode(q.format, &delivery)
+        .with_context(|| format!("{} (format: {})", message.display(), q.format))?;
+    let renderer = call::Renderer::new(q, &decoded, attempt, true)?;
     let mut out = String::new();
-    match renderer.call(&body, &renderer.key()?, None)? {
+    match renderer.call(&renderer.key()?, None)? {
         Call::Webhook { request, timeout, oauth2, .. } => {
             let mut url = request.url;
             // Environment values are shown as ***; one may hold the URL's credentials.

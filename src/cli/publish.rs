@@ -8,6 +8,11 @@
 //! message is held about twice at most (its payload parsed and its body, or its body and the
 //! copy a publish takes).
 //! Each message starts a new trace (its `traceparent` header).
+//!
+//! `--format` writes the messages as a queue of that format reads them (issue 34): the
+//! envelope; a `json` body with the id and type as message properties; a CloudEvent in binary
+//! mode (attributes as `cloudEvents:*` application properties) or, `--structured`, as one JSON
+//! object; or `bytes` as given. `--header` sets headers on every message.
 
 use std::borrow::Cow;
 use std::io::BufRead;
@@ -26,6 +31,7 @@ use crate::app;
 use crate::broker::{BrokerError, HeaderValue, Headers, Operate, Outgoing, Publish};
 use crate::config::MAX_MESSAGE_BYTES;
 use crate::envelope::{Envelope, TRACEPARENT_HEADER, Timestamp};
+use crate::format::Format;
 use crate::trace::TraceContext;
 
 /// Confirms awaited at once in bulk mode: enough to keep the channel busy.
@@ -67,6 +73,25 @@ pub struct Args {
     /// The messages' priority, for a queue with `priority` levels (RabbitMQ): higher first.
     #[arg(long)]
     priority: Option<u8>,
+    /// How the messages are written: envelope (sluice's own), json (the payload as the body,
+    /// the id and type as message properties), cloudevents (binary mode: the attributes as
+    /// cloudEvents:* properties, the payload as data; --structured: the whole event as JSON),
+    /// or bytes (the text of --payload, or the file of --payload-file, as it is).
+    #[arg(long, default_value = "envelope", value_parser = parse_format)]
+    format: Format,
+    /// A CloudEvent's source (--format cloudevents).
+    #[arg(long, required_if_eq("format", "cloudevents"))]
+    source: Option<String>,
+    /// A CloudEvent in structured mode (application/cloudevents+json).
+    #[arg(long)]
+    structured: bool,
+    /// The messages' content type; default application/json (application/octet-stream for
+    /// bytes, application/cloudevents+json for a structured CloudEvent).
+    #[arg(long)]
+    content_type: Option<String>,
+    /// A header set on every message, NAME=VALUE (repeatable).
+    #[arg(long = "header", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
     #[command(flatten)]
     broker: BrokerArg,
     #[command(flatten)]
@@ -80,6 +105,36 @@ fn parse_key(text: &str) -> Result<String, String> {
         return Err("an empty idempotency key would be shared by every message published with it; leave out --idempotency-key to key each message by its id".into());
     }
     Ok(text.to_string())
+}
+
+fn parse_format(text: &str) -> Result<Format, String> {
+    Format::parse(text).ok_or_else(|| {
+        let names: Vec<&str> = Format::ALL.iter().map(|f| f.name()).collect();
+        format!("\"{text}\" is not a format: one of {}", names.join(", "))
+    })
+}
+
+fn parse_header(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((name, value)) if !name.trim().is_empty() => Ok((name.to_string(), value.to_string())),
+        _ => Err(format!("\"{text}\" is not NAME=VALUE")),
+    }
+}
+
+/// Refuses what the format cannot carry: a schedule outside an envelope (only an envelope has
+/// `not_before`), `--structured` outside CloudEvents, a `--jsonl` file of bytes.
+fn check_format(args: &Args) -> anyhow::Result<()> {
+    let format = args.format;
+    if format != Format::Envelope && (args.delay.is_some() || args.at.is_some()) {
+        bail!("--delay and --at set an envelope's not_before; a message of format {format} has none");
+    }
+    if args.structured && format != Format::CloudEvents {
+        bail!("--structured writes a CloudEvent: add --format cloudevents");
+    }
+    if format == Format::Bytes && args.jsonl.is_some() {
+        bail!("--jsonl holds one JSON payload a line; publish bytes with --payload or --payload-file");
+    }
+    Ok(())
 }
 
 fn parse_time(text: &str) -> Result<Timestamp, String> {
@@ -120,19 +175,71 @@ fn envelope(args: &Args, payload: &serde_json::Value, key: Option<String>, at: O
     envelope
 }
 
-fn outgoing(envelope: &Envelope, priority: Option<u8>) -> Outgoing {
+/// The properties and headers every message of the command has: a new trace, `--header`s,
+/// the time, the priority, the content type; `id` and `kind` as its message id and type.
+fn base(args: &Args, id: &str, kind: &str) -> Outgoing {
     let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).ok();
+    let mut headers =
+        Headers::from([(TRACEPARENT_HEADER.to_string(), HeaderValue::Str(TraceContext::new_root().to_string()))]);
+    headers.extend(args.headers.iter().map(|(name, value)| (name.clone(), HeaderValue::Str(value.clone()))));
     Outgoing {
-        body: envelope.encode(),
-        message_id: Some(envelope.id.clone()),
-        kind: Some(envelope.kind.clone()),
+        body: Vec::new(),
+        message_id: Some(id.to_string()),
+        kind: Some(kind.to_string()),
+        content_type: args.content_type.clone(),
         timestamp,
-        priority,
-        headers: Headers::from([(
-            TRACEPARENT_HEADER.to_string(),
-            HeaderValue::Str(TraceContext::new_root().to_string()),
-        )]),
+        priority: args.priority,
+        headers,
     }
+}
+
+/// The message of `envelope`, written in the command's format (not `bytes`, see
+/// [`bytes_message`]). Outside an envelope, `--idempotency-key` is the message's id (what
+/// `json` and `cloudevents` queues key by).
+fn outgoing(args: &Args, envelope: &Envelope) -> Outgoing {
+    let id = match args.format {
+        Format::Envelope => &envelope.id,
+        _ => args.idempotency_key.as_ref().unwrap_or(&envelope.id),
+    };
+    let mut message = base(args, id, &envelope.kind);
+    let payload = envelope.payload.get();
+    message.body = match (args.format, args.structured) {
+        (Format::Envelope, _) => envelope.encode(),
+        (Format::Json | Format::Bytes, _) => payload.as_bytes().to_vec(),
+        (Format::CloudEvents, false) => {
+            let time = envelope.occurred_at.clone().unwrap_or_default();
+            let source = args.source.clone().unwrap_or_default();
+            for (name, value) in [
+                ("specversion", "1.0".to_string()),
+                ("id", id.clone()),
+                ("source", source),
+                ("type", envelope.kind.clone()),
+                ("time", time),
+            ] {
+                message.headers.insert(format!("cloudEvents:{name}"), HeaderValue::Str(value));
+            }
+            payload.as_bytes().to_vec()
+        }
+        (Format::CloudEvents, true) => {
+            message.content_type.get_or_insert_with(|| "application/cloudevents+json".into());
+            let event = serde_json::json!({
+                "specversion": "1.0", "id": id, "source": args.source, "type": envelope.kind,
+                "time": envelope.occurred_at, "datacontenttype": "application/json", "data": &*envelope.payload,
+            });
+            // A JSON value always serializes.
+            serde_json::to_vec(&event).unwrap_or_default()
+        }
+    };
+    message
+}
+
+/// A `bytes` message: `body` as it is.
+fn bytes_message(args: &Args, body: Vec<u8>) -> Outgoing {
+    let id = args.idempotency_key.clone().unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+    let mut message = base(args, &id, &args.kind);
+    message.content_type.get_or_insert_with(|| "application/octet-stream".into());
+    message.body = body;
+    message
 }
 
 /// Runs `sluice publish`: learns the limits of the queues the messages would reach (where
@@ -144,7 +251,9 @@ pub async fn publish(mut args: Args) -> anyhow::Result<()> {
     // What can be checked without the broker is, before connecting. Every message of one
     // command has the same time: `--delay` counts from the start.
     let at = not_before(&args, SystemTime::now());
+    check_format(&args)?;
     let input = match (&args.payload, &args.payload_file, &args.jsonl) {
+        (Some(text), _, _) if args.format == Format::Bytes => Input::Bytes(text.clone().into_bytes()),
         (Some(text), _, _) => Input::Payload(serde_json::from_str(text).context("--payload is not JSON")?),
         (None, Some(path), _) => Input::File(path),
         (None, None, Some(path)) => Input::Lines(path),
@@ -179,6 +288,8 @@ impl app::Job for PublishAll<'_> {
 /// The messages to publish.
 enum Input<'a> {
     Payload(serde_json::Value),
+    /// A `bytes` body given as text.
+    Bytes(Vec<u8>),
     /// A payload file, read once the limits are known.
     File(&'a Path),
     /// A `--jsonl` file, checked once the limits are known.
@@ -231,15 +342,25 @@ async fn publish_all<B: Publish>(
     let path = match input {
         Input::Lines(path) => path,
         Input::Payload(payload) => {
-            let envelope = envelope(args, payload, args.idempotency_key.clone(), at);
-            return publish_one(session, args, envelope, limit.as_ref()).await;
+            let message = outgoing(args, &envelope(args, payload, args.idempotency_key.clone(), at));
+            return publish_one(session, args, message, limit.as_ref()).await;
+        }
+        Input::Bytes(body) => {
+            return publish_one(session, args, bytes_message(args, body.clone()), limit.as_ref()).await;
+        }
+        Input::File(path) if args.format == Format::Bytes => {
+            let body = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            return publish_one(session, args, bytes_message(args, body), limit.as_ref()).await;
         }
         Input::File(path) => {
             if let Some(limit) = &limit {
                 limit.check_file(path)?;
             }
             let envelope = file_envelope(path, args, at)?;
-            return publish_one(session, args, envelope, limit.as_ref()).await;
+            let message = outgoing(args, &envelope);
+            // Held once: the envelope's payload is in the message's body now.
+            drop(envelope);
+            return publish_one(session, args, message, limit.as_ref()).await;
         }
     };
     let total = check_lines(path, args, at, limit.as_ref())?;
@@ -250,7 +371,7 @@ async fn publish_all<B: Publish>(
         let Line { number, payload } = line?;
         let payload = payload.with_context(|| format!("{}:{number} changed since it was checked", path.display()))?;
         // Built once: a message sent again after a lost session keeps its id and key.
-        batch.push(outgoing(&envelope(args, &payload, None, at), args.priority));
+        batch.push(outgoing(args, &envelope(args, &payload, None, at)));
         if batch.len() == BATCH {
             send_confirmed(session, args, &batch, &progress).await?;
             batch.clear();
@@ -277,15 +398,13 @@ fn file_envelope(path: &Path, args: &Args, at: Option<Timestamp>) -> anyhow::Res
     Ok(envelope)
 }
 
-/// Checks and publishes the message of `envelope`, which goes once its body is made.
+/// Checks and publishes `message`.
 async fn publish_one<B: Publish>(
     session: &mut Session<'_, '_, B>,
     args: &Args,
-    envelope: Envelope<'static>,
+    message: Outgoing,
     limit: Option<&Limit>,
 ) -> anyhow::Result<usize> {
-    let message = outgoing(&envelope, args.priority);
-    drop(envelope);
     if let Some(limit) = limit {
         limit.check(message.body.len(), "the message")?;
     }
@@ -304,7 +423,7 @@ impl Limit {
     /// The limit of the queues a message of `args` would reach; none when the broker cannot
     /// tell (RabbitMQ), or when a queue's is unknown (declared by an earlier version).
     async fn of<B: Publish>(broker: &B, args: &Args) -> Result<Option<Limit>, BrokerError> {
-        let headers = outgoing(&Envelope::new(&args.kind, &serde_json::Value::Null, None), None).headers;
+        let headers = base(args, "", &args.kind).headers;
         let Some(limits) = broker.body_limits(&args.exchange, &args.routing_key, &headers).await? else {
             return Ok(None);
         };
@@ -494,7 +613,7 @@ fn check_lines(path: &Path, args: &Args, at: Option<Timestamp>, limit: Option<&L
         let Line { number, payload } = line?;
         let what = || format!("the message of {}:{number}", path.display());
         let size = match (payload, limit) {
-            (Ok(payload), Some(_)) => envelope(args, &payload, None, at).encode().len(),
+            (Ok(payload), Some(_)) => outgoing(args, &envelope(args, &payload, None, at)).body.len(),
             (Ok(_), None) => 0,
             (Err(Unusable::OverCap(_)), Some(limit)) => {
                 return Err(limit.refusal(&format!("{} is over {cap} bytes", what())));

@@ -18,6 +18,7 @@ use super::{
     StdinMode, Tls, Validation, Webhook, raw,
 };
 use crate::file::{ReadError, read_regular};
+use crate::format::Format;
 use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
@@ -117,8 +118,15 @@ pub(super) fn load(paths: &[PathBuf], env: &Env, progress: &Progress) -> Validat
         ));
     }
     let before = diags.len();
-    let mut compiler =
-        Compiler { diags: &mut diags, cluster: Vec::new(), complete, unresolved: &unresolved, progress, schema: None };
+    let mut compiler = Compiler {
+        diags: &mut diags,
+        cluster: Vec::new(),
+        complete,
+        unresolved: &unresolved,
+        progress,
+        schema: None,
+        format: Format::default(),
+    };
     let config = compiler.compile(parsed);
     let cluster = compiler.cluster;
     // What the semantic checks say about a refused node (or a handler that lost its refused
@@ -301,6 +309,8 @@ struct Compiler<'a> {
     /// The payload schema of the queue being compiled, which its templates' paths are checked
     /// against as its filters' fields are.
     schema: Option<PayloadSchema>,
+    /// The format of the queue being compiled, whose fields its templates may read.
+    format: Format,
 }
 
 /// Where a name was first defined: file and position, for "defined twice" messages.
@@ -421,6 +431,7 @@ impl Compiler<'_> {
                         self.diags.push(file.diag(Severity::Warning, pointer, message));
                     }
                 }
+                self.format_fields(file, pointer, &t);
                 self.payload_paths(file, pointer, &t);
                 Some(t)
             }
@@ -435,13 +446,36 @@ impl Compiler<'_> {
         }
     }
 
+    /// Errors for the variables of template `t` (at `pointer`) that messages of the queue's
+    /// format do not have: rendering one fails for every message, which is dead-lettered.
+    fn format_fields(&mut self, file: &SourceFile, pointer: &str, t: &Template) {
+        let format = self.format;
+        for (root, offset) in t.roots() {
+            if matches!(root.as_str(), "attempt" | "queue" | "env") || format.has(root) {
+                continue;
+            }
+            let instead = match (root.as_str(), format.payload()) {
+                ("payload" | "data", Some(payload)) => format!(" (its JSON payload is {{{{{payload}}}}})"),
+                ("payload" | "data", None) => " (its body is {{body}}, as text)".to_string(),
+                _ => String::new(),
+            };
+            let message = format!(
+                "a message of format {format} has no {root}{instead}: templates read {}, attempt, queue and env",
+                format.fields().join(", ")
+            );
+            let pos = file.offset_pos(pointer, t.source(), *offset);
+            self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
+        }
+    }
+
     /// Errors for the paths of template `t` (at `pointer`) that no payload the queue's schema
     /// accepts has: rendering one fails for every message, which is dead-lettered (`template`).
     fn payload_paths(&mut self, file: &SourceFile, pointer: &str, t: &Template) {
         let Some(schema) = &self.schema else { return };
-        for path in t.payload_paths() {
+        let payload = self.format.payload();
+        for path in t.payload_paths().iter().filter(|p| Some(p.root.as_str()) == payload) {
             let steps: Vec<&str> = path.steps.iter().map(String::as_str).collect();
-            if let Some(why) = super::filter::ruled_out(&schema.schema, &steps) {
+            if let Some(why) = super::filter::ruled_out(&schema.schema, &path.root, &steps) {
                 let message = format!("{} cannot be in a payload of this queue: {why}", path.text);
                 let pos = file.offset_pos(pointer, t.source(), path.offset);
                 self.diags.push(file.diag_at(pos, Severity::Error, pointer, message));
@@ -458,6 +492,9 @@ impl Compiler<'_> {
     ) -> Option<Queue> {
         let base = format!("/queues/{}", escape_token(name));
         let diags_before = self.diags.len();
+        // The schema allows only the formats' names.
+        self.format = q.format.as_deref().and_then(Format::parse).unwrap_or_default();
+        let format = self.format;
 
         let max_message_bytes = self.max_message_bytes(file, &format!("{base}/max_message_bytes"), q.max_message_bytes);
         let payload_schema =
@@ -473,10 +510,9 @@ impl Compiler<'_> {
                 self.error(file, &format!("{pointer}/exchange"), message);
             }
             let schema = payload_schema.as_ref().map(|s| &s.schema);
-            let filter = b
-                .filter
-                .as_ref()
-                .and_then(|f| super::filter::compile(file, &format!("{pointer}/filter"), f, schema, self.diags));
+            let filter = b.filter.as_ref().and_then(|f| {
+                super::filter::compile(file, &format!("{pointer}/filter"), f, schema, format, self.diags)
+            });
             bindings.push(Binding {
                 exchange: b.exchange,
                 exchange_kind,
@@ -580,6 +616,7 @@ impl Compiler<'_> {
             priority,
             arguments: q.arguments,
             max_message_bytes,
+            format,
             payload_schema,
             concurrency,
             adaptive,

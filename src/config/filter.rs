@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 use super::diagnostic::{Diagnostic, Severity};
 use super::source::{SourceFile, escape_token};
 use super::suggest;
+use crate::format::Format;
 
 /// A binding's condition on a message: the queue takes a message through this binding only
 /// when it holds.
@@ -33,7 +34,8 @@ pub struct Field {
     pub path: Vec<String>,
 }
 
-/// The envelope fields a condition may read.
+/// The fields of a message a condition may read (which of them a message has depends on its
+/// queue's format, [`Format::has`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Root {
     Id,
@@ -41,16 +43,40 @@ pub enum Root {
     Version,
     OccurredAt,
     IdempotencyKey,
+    /// The JSON payload: an envelope's or a `json` message's `payload`, a CloudEvent's `data`.
     Payload,
+    /// A header, named by the one step below `headers`.
+    Header,
+    RoutingKey,
+    Exchange,
+    ContentType,
+    Source,
+    Subject,
+    Time,
+    SpecVersion,
+    DataContentType,
+    /// A `bytes` message's body, as text.
+    Body,
 }
 
-const ROOTS: [(&str, Root); 6] = [
+const ROOTS: [(&str, Root); 17] = [
     ("id", Root::Id),
     ("type", Root::Type),
     ("version", Root::Version),
     ("occurred_at", Root::OccurredAt),
     ("idempotency_key", Root::IdempotencyKey),
     ("payload", Root::Payload),
+    ("data", Root::Payload),
+    ("headers", Root::Header),
+    ("routing_key", Root::RoutingKey),
+    ("exchange", Root::Exchange),
+    ("content_type", Root::ContentType),
+    ("source", Root::Source),
+    ("subject", Root::Subject),
+    ("time", Root::Time),
+    ("specversion", Root::SpecVersion),
+    ("datacontenttype", Root::DataContentType),
+    ("body", Root::Body),
 ];
 
 /// How a condition tests its field's value. A missing field fails every test but
@@ -158,15 +184,17 @@ const OPERATORS: [&str; 8] = ["eq", "in", "gt", "gte", "lt", "lte", "exists", "p
 const COMBINATORS: [&str; 3] = ["all", "any", "not"];
 
 /// Checks the filter at `pointer` and builds it; `None` after any error (each reported).
-/// `schema` is the queue's payload schema, when it has one.
+/// `schema` is the queue's payload schema, when it has one; `format` says which fields its
+/// messages have.
 pub(super) fn compile(
     file: &SourceFile,
     pointer: &str,
     value: &Value,
     schema: Option<&Value>,
+    format: Format,
     diags: &mut Vec<Diagnostic>,
 ) -> Option<Filter> {
-    let mut checker = Checker { file, schema, diags, failed: false };
+    let mut checker = Checker { file, schema, format, diags, failed: false };
     let filter = checker.filter(pointer, value);
     if checker.failed { None } else { filter }
 }
@@ -174,6 +202,7 @@ pub(super) fn compile(
 struct Checker<'a> {
     file: &'a SourceFile,
     schema: Option<&'a Value>,
+    format: Format,
     diags: &'a mut Vec<Diagnostic>,
     failed: bool,
 }
@@ -287,29 +316,50 @@ impl Checker<'_> {
     }
 
     fn field(&mut self, pointer: &str, text: &str) -> Option<Field> {
-        let mut segments = text.split('.');
-        let first = segments.next().unwrap_or_default();
-        let Some(&(_, root)) = ROOTS.iter().find(|(name, _)| *name == first) else {
-            let close = suggest::closest(first, ROOTS.iter().map(|(name, _)| *name))
+        let format = self.format;
+        let (first, rest) = match text.split_once('.') {
+            Some((first, rest)) => (first, Some(rest)),
+            None => (text, None),
+        };
+        let root = ROOTS.iter().find(|(name, _)| *name == first).map(|(_, root)| *root);
+        let Some(root) = root.filter(|_| format.has(first)) else {
+            let fields = format.fields();
+            let close = suggest::closest(first, fields.iter().copied())
                 .map(|c| format!("; did you mean \"{c}\"?"))
                 .unwrap_or_default();
+            let paths = match format.payload() {
+                Some(payload) => format!(" and paths into {payload} ({payload}.amount)"),
+                None => String::new(),
+            };
+            let fields: Vec<&str> = fields.into_iter().filter(|f| *f != "headers").collect();
             self.error(
                 pointer,
                 format!(
-                    "\"{text}\" is not a field of a message: a filter reads id, type, version, occurred_at, idempotency_key, or payload and paths into it (payload.amount){close}"
+                    "\"{text}\" is not a field of a message of format {format}: a filter reads {}, headers.NAME{paths}{close}",
+                    fields.join(", ")
                 ),
             );
             return None;
         };
-        let path: Vec<String> = segments.map(str::to_string).collect();
+        if root == Root::Header {
+            return match rest.filter(|name| !name.is_empty()) {
+                Some(name) => Some(Field { root, path: vec![name.to_string()] }),
+                None => {
+                    self.error(pointer, format!("\"{text}\": name the header, as in headers.x-tenant"));
+                    None
+                }
+            };
+        }
+        let path: Vec<String> = rest.map(|rest| rest.split('.').map(str::to_string).collect()).unwrap_or_default();
         if root != Root::Payload && !path.is_empty() {
-            self.error(pointer, format!("\"{text}\": the envelope's {first} has no fields; only payload does"));
+            let whose = format.payload().map(|p| format!("; only {p} does")).unwrap_or_default();
+            self.error(pointer, format!("\"{text}\": the message's {first} has no fields{whose}"));
             return None;
         }
         if path.iter().any(String::is_empty) {
             self.error(
                 pointer,
-                format!("\"{text}\" has an empty step: write payload.a.b, with no dot doubled or at the end"),
+                format!("\"{text}\" has an empty step: write {first}.a.b, with no dot doubled or at the end"),
             );
             return None;
         }
@@ -411,13 +461,28 @@ impl Checker<'_> {
         let fixed = |t: &[&str]| Some(Some(t.iter().map(|s| s.to_string()).collect()));
         match field.root {
             // A null occurred_at or idempotency_key reads as absent: `exists: false` tests it.
-            Root::Id | Root::Type | Root::OccurredAt | Root::IdempotencyKey => return fixed(&["string"]),
+            Root::Id
+            | Root::Type
+            | Root::OccurredAt
+            | Root::IdempotencyKey
+            | Root::RoutingKey
+            | Root::Exchange
+            | Root::ContentType
+            | Root::Source
+            | Root::Subject
+            | Root::Time
+            | Root::SpecVersion
+            | Root::DataContentType
+            | Root::Body => return fixed(&["string"]),
             Root::Version => return fixed(&["integer"]),
+            // Text or an integer, as the producer set it.
+            Root::Header => return Some(None),
             Root::Payload => {}
         }
         let Some(schema) = self.schema else { return Some(None) };
         let steps: Vec<&str> = field.path.iter().map(String::as_str).collect();
-        match reach(schema, schema, &steps, "payload", Steps::Fields, 0) {
+        let root = self.format.payload().unwrap_or("payload");
+        match reach(schema, schema, &steps, root, Steps::Fields, 0) {
             Ok(leaves) => Some(declared_types(schema, &leaves)),
             Err(why) => {
                 self.error(pointer, format!("{text} cannot be in a payload of this queue: {why}"));
@@ -431,10 +496,11 @@ impl Checker<'_> {
 const MAX_REF_DEPTH: usize = 32;
 
 /// Why no payload the queue's `schema` accepts has anything at `steps` (`["order", "id"]` for
-/// `payload.order.id`), if so: for a template's path, where a step may also index a list
-/// (`payload.items.0.sku`), as templates read them.
-pub(super) fn ruled_out(schema: &Value, steps: &[&str]) -> Option<String> {
-    reach(schema, schema, steps, "payload", Steps::FieldsAndIndexes, 0).err()
+/// `payload.order.id`; `root` names the payload, `payload` or a CloudEvent's `data`), if so:
+/// for a template's path, where a step may also index a list (`payload.items.0.sku`), as
+/// templates read them.
+pub(super) fn ruled_out(schema: &Value, root: &str, steps: &[&str]) -> Option<String> {
+    reach(schema, schema, steps, root, Steps::FieldsAndIndexes, 0).err()
 }
 
 /// What a step of a path reads.
@@ -719,6 +785,12 @@ mod tests {
             "{field: payload.amount, lte: 1e308}",
             "{field: payload.currency, in: [EUR, \"1e400\"]}",
             "{field: payload.tags, exists: true}",
+            // Issue 34: the broker's metadata, in every format (a header's name may hold dots).
+            "{field: headers.x-tenant, eq: acme}",
+            "{field: headers.x.y, exists: true}",
+            "{field: routing_key, prefix: order.}",
+            "{field: exchange, in: [orders]}",
+            "{field: content_type, eq: application/json}",
         ];
         for filter in filters {
             assert_eq!(diagnostics(filter), [], "{filter}");
@@ -760,6 +832,17 @@ mod tests {
                 (9, 45),
                 "payload.amount is an integer by the payload schema; it never equals \"100\"",
             ),
+            ("{field: headers, eq: acme}", (9, 25), "\"headers\": name the header, as in headers.x-tenant"),
+            (
+                "{field: routing_key.x, eq: a}",
+                (9, 25),
+                "\"routing_key.x\": the message's routing_key has no fields; only payload does",
+            ),
+            (
+                "{field: source, eq: /orders}",
+                (9, 25),
+                "\"source\" is not a field of a message of format envelope: a filter reads id, type, idempotency_key, occurred_at, routing_key, exchange, content_type, version, payload, headers.NAME and paths into payload (payload.amount)",
+            ),
             (
                 "{field: type, gte: 3}",
                 (9, 36),
@@ -768,13 +851,13 @@ mod tests {
             (
                 "{field: paylod.amount, gte: 3}",
                 (9, 25),
-                "\"paylod.amount\" is not a field of a message: a filter reads id, type, version, occurred_at, idempotency_key, or payload and paths into it (payload.amount); did you mean \"payload\"?",
+                "\"paylod.amount\" is not a field of a message of format envelope: a filter reads id, type, idempotency_key, occurred_at, routing_key, exchange, content_type, version, payload, headers.NAME and paths into payload (payload.amount); did you mean \"payload\"?",
             ),
             ("{field: occurred_at, eq: null}", (9, 42), "occurred_at is a string; it never equals null"),
             (
                 "{field: type.name, eq: a}",
                 (9, 25),
-                "\"type.name\": the envelope's type has no fields; only payload does",
+                "\"type.name\": the message's type has no fields; only payload does",
             ),
             (
                 "{field: payload..amount, eq: 1}",

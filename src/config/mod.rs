@@ -86,6 +86,8 @@ pub struct Queue {
     pub arguments: BTreeMap<String, serde_json::Value>,
     /// A bigger body is dead-lettered as `too_large`, unparsed.
     pub max_message_bytes: usize,
+    /// How its messages are read.
+    pub format: crate::format::Format,
     pub payload_schema: Option<PayloadSchema>,
     /// Prefetch, and the most handlers in flight at once.
     pub concurrency: NonZeroU16,

@@ -55,6 +55,8 @@ pub struct Queue {
     pub arguments: BTreeMap<String, serde_json::Value>,
     /// Bytes as an integer, or text with a unit (`16MiB`).
     pub max_message_bytes: Option<serde_json::Value>,
+    /// `envelope` (the default), `json`, `cloudevents` or `bytes`.
+    pub format: Option<String>,
     pub payload_schema: Option<String>,
     pub concurrency: Option<Concurrency>,
     pub circuit_breaker: Option<CircuitBreaker>,

@@ -15,9 +15,30 @@ use handlebars::{
 };
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 
-/// The variables a template may start from.
-pub const ROOTS: &[&str] =
-    &["id", "type", "version", "occurred_at", "idempotency_key", "attempt", "queue", "payload", "env"];
+/// The variables a template may start from, in any message format (which of them a message
+/// has depends on its queue's format: [`crate::format::Format::has`]).
+pub const ROOTS: &[&str] = &[
+    "id",
+    "type",
+    "version",
+    "occurred_at",
+    "idempotency_key",
+    "attempt",
+    "queue",
+    "payload",
+    "env",
+    "headers",
+    "routing_key",
+    "exchange",
+    "content_type",
+    "source",
+    "subject",
+    "time",
+    "specversion",
+    "datacontenttype",
+    "data",
+    "body",
+];
 
 const HELPERS: &[&str] = &[
     "json",
@@ -60,9 +81,12 @@ pub struct Template {
     escape: Escape,
     compiled: handlebars::Template,
     env: Vec<String>,
-    /// The paths into the payload it reads from the root (not those relative to an `each` or
-    /// `with` block), for checking against the queue's payload schema.
+    /// The paths into the payload (`payload` or `data`) it reads from the root (not those
+    /// relative to an `each` or `with` block), for checking against the queue's payload schema.
     payload: Vec<PayloadPath>,
+    /// The variables it starts from, each where it is first written (bytes), for checking
+    /// against the fields of the queue's format.
+    roots: Vec<(String, usize)>,
     /// The output of a template with no expression, which every render returns.
     literal: Option<String>,
 }
@@ -74,8 +98,10 @@ pub struct PayloadPath {
     pub offset: usize,
     /// The path as written (`payload.order.id`).
     pub text: String,
-    /// Its steps below `payload`, up to the first that is not a name (`this`, `..`).
+    /// Its steps below `payload` (or `data`), up to the first that is not a name (`this`, `..`).
     pub steps: Vec<String>,
+    /// `payload` or `data`.
+    pub root: String,
 }
 
 /// Why a template cannot be used.
@@ -100,9 +126,9 @@ impl Template {
     /// Compiles `source` and checks every variable it names.
     pub fn compile(source: &str, escape: Escape) -> Result<Template, TemplateError> {
         let compiled = handlebars::Template::compile(source).map_err(|e| syntax_error(source, &e))?;
-        let mut reads = Reads { source, env: Vec::new(), payload: Vec::new() };
+        let mut reads = Reads { source, env: Vec::new(), payload: Vec::new(), roots: Vec::new() };
         reads.template(&compiled, escape, true)?;
-        let Reads { mut env, payload, .. } = reads;
+        let Reads { mut env, payload, roots, .. } = reads;
         env.sort();
         env.dedup();
         let literal = compiled
@@ -114,7 +140,7 @@ impl Template {
                 _ => None,
             })
             .collect::<Option<String>>();
-        Ok(Template { source: source.to_string(), escape, compiled, env, payload, literal })
+        Ok(Template { source: source.to_string(), escape, compiled, env, payload, roots, literal })
     }
 
     /// The template's text as written.
@@ -131,6 +157,11 @@ impl Template {
     /// is written.
     pub fn payload_paths(&self) -> &[PayloadPath] {
         &self.payload
+    }
+
+    /// The variables the template starts from, each with where it is first written (bytes).
+    pub fn roots(&self) -> &[(String, usize)] {
+        &self.roots
     }
 
     /// What every render returns, when the template is plain text with no expression.
@@ -339,6 +370,7 @@ struct Reads<'s> {
     /// `{{env.NAME}}`.
     env: Vec<String>,
     payload: Vec<PayloadPath>,
+    roots: Vec<(String, usize)>,
 }
 
 impl Reads<'_> {
@@ -403,6 +435,14 @@ impl Reads<'_> {
                     PathSeg::Named(n) => Some(n.as_str()),
                     _ => None,
                 });
+                let first = names.clone().next().flatten();
+                if let Some(root) = first
+                    && ROOTS.contains(&root)
+                    && !self.roots.iter().any(|(r, _)| r == root)
+                {
+                    let offset = self.source.get(at..).and_then(|rest| rest.find(raw.as_str())).map_or(at, |i| at + i);
+                    self.roots.push((root.to_string(), offset));
+                }
                 match names.next().flatten() {
                     Some("env") => {
                         if let Some(Some(var)) = names.next() {
@@ -410,12 +450,12 @@ impl Reads<'_> {
                         }
                         Ok(())
                     }
-                    Some("payload") => {
+                    Some(root @ ("payload" | "data")) => {
                         let steps = names.map_while(|n| n.map(str::to_string)).collect();
                         // The expression's text from its start holds the path as written.
                         let offset =
                             self.source.get(at..).and_then(|rest| rest.find(raw.as_str())).map_or(at, |i| at + i);
-                        self.payload.push(PayloadPath { offset, text: raw.clone(), steps });
+                        self.payload.push(PayloadPath { offset, text: raw.clone(), steps, root: root.to_string() });
                         Ok(())
                     }
                     Some(root) if ROOTS.contains(&root) => Ok(()),
@@ -689,6 +729,21 @@ mod tests {
                 assert_eq!(&source[*offset..*offset + text.len()], *text, "{source}");
             }
         }
+    }
+
+    /// Issue 34: the variables a template starts from, each where it is first written, for
+    /// checking against the fields of the queue's format; not those inside `each` or `with`.
+    #[test]
+    fn roots_are_collected_where_they_are_first_written() {
+        let t = Template::compile(
+            "{{headers.x-tenant}}/{{#if (eq source 1)}}{{data.a}}{{/if}}{{#each payload}}{{body}}{{/each}}{{source}}",
+            Escape::Plain,
+        )
+        .expect("compiles");
+        let roots: Vec<(&str, usize)> = t.roots().iter().map(|(r, o)| (r.as_str(), *o)).collect();
+        assert_eq!(roots, [("headers", 2), ("source", 31), ("data", 44), ("payload", 67)]);
+        let paths: Vec<(&str, &str)> = t.payload_paths().iter().map(|p| (p.root.as_str(), p.text.as_str())).collect();
+        assert_eq!(paths, [("data", "data.a"), ("payload", "payload")]);
     }
 
     #[test]

@@ -175,7 +175,8 @@ pub fn describe<D: Delivery>(delivery: &D, now: u64) -> Entry {
         .or(death.time);
     Entry {
         id: delivery.message_id().map(str::to_string).or_else(|| envelope.as_ref().map(|e| e.id.clone())),
-        kind: envelope.as_ref().map(|e| e.kind.clone()),
+        // Outside an envelope (a queue of another format), the broker's type.
+        kind: envelope.as_ref().map(|e| e.kind.clone()).or_else(|| delivery.kind().map(str::to_string)),
         reason: text(&headers, envelope::REASON_HEADER).or(death.reason),
         error: text(&headers, envelope::ERROR_HEADER),
         attempts: headers.get(envelope::ATTEMPTS_HEADER).and_then(Value::as_i64).or(death.count),

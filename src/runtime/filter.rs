@@ -16,13 +16,13 @@ use serde_json::{Number, Value};
 use crate::broker::{HeaderValue, Headers, Route};
 use crate::config::filter::{Field, Op, Root};
 use crate::config::{Binding, Filter, Queue};
-use crate::envelope::Envelope;
+use crate::format;
 use crate::topology::route;
 
-/// What a filter reads of a message: its envelope, and its payload parsed when a filter of the
-/// queue reads the payload.
+/// What a filter reads of a message: the message as decoded, and its payload parsed when a
+/// filter of the queue reads the payload.
 pub struct Message<'a> {
-    pub envelope: &'a Envelope<'a>,
+    pub message: &'a format::Message<'a>,
     pub payload: Option<&'a Value>,
 }
 
@@ -83,6 +83,8 @@ pub fn matches(filter: &Filter, message: &Message<'_>) -> bool {
 /// A field's value as found in a message, borrowed where it can be.
 enum Found<'v> {
     Str(&'v str),
+    /// A header's text.
+    Owned(String),
     Num(Number),
     Json(&'v Value),
 }
@@ -91,6 +93,7 @@ impl Found<'_> {
     fn text(&self) -> Option<&str> {
         match self {
             Found::Str(s) => Some(s),
+            Found::Owned(s) => Some(s),
             Found::Json(Value::String(s)) => Some(s),
             _ => None,
         }
@@ -107,6 +110,7 @@ impl Found<'_> {
         match (self, want) {
             (Found::Json(value), want) => equal(value, want),
             (Found::Str(s), Value::String(w)) => s == w,
+            (Found::Owned(s), Value::String(w)) => s == w,
             (Found::Num(n), Value::Number(w)) => compare(n, w) == Some(Ordering::Equal),
             _ => false,
         }
@@ -115,7 +119,10 @@ impl Found<'_> {
 
 /// The field's value in the message; `None` when absent.
 fn lookup<'v>(field: &Field, message: &Message<'v>) -> Option<Found<'v>> {
-    let e = message.envelope;
+    let m = message.message;
+    let e = &m.envelope;
+    let delivery = m.delivery;
+    let event = m.event.as_ref();
     match field.root {
         Root::Id => Some(Found::Str(&e.id)),
         Root::Type => Some(Found::Str(&e.kind)),
@@ -127,6 +134,19 @@ fn lookup<'v>(field: &Field, message: &Message<'v>) -> Option<Found<'v>> {
             let value = field.path.iter().try_fold(message.payload?, |node, step| node.as_object()?.get(step))?;
             Some(Found::Json(value))
         }
+        Root::Header => match delivery.header(field.path.first()?)? {
+            HeaderValue::Str(s) => Some(Found::Owned(s)),
+            HeaderValue::Int(i) => Some(Found::Num(Number::from(i))),
+        },
+        Root::RoutingKey => delivery.route().map(|r| Found::Str(&r.routing_key)),
+        Root::Exchange => delivery.route().map(|r| Found::Str(&r.exchange)),
+        Root::ContentType => delivery.content_type().map(Found::Str),
+        Root::Source => event.map(|e| Found::Str(&e.source)),
+        Root::Subject => event?.subject.as_deref().map(Found::Str),
+        Root::Time => event?.time.as_deref().map(Found::Str),
+        Root::SpecVersion => event.map(|e| Found::Str(&e.specversion)),
+        Root::DataContentType => event?.datacontenttype.as_deref().map(Found::Str),
+        Root::Body => m.text().map(Found::Str),
     }
 }
 
@@ -139,6 +159,7 @@ fn test(op: &Op, found: Option<Found<'_>>) -> bool {
         Op::Eq(want) => found.equals(want),
         Op::In(wanted) => match &found {
             Found::Str(s) => wanted.contains_str(s),
+            Found::Owned(s) => wanted.contains_str(s),
             Found::Num(n) => wanted.contains_number(n),
             Found::Json(value) => wanted.contains(value),
         },
@@ -193,7 +214,9 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::broker::{Kept, Properties};
     use crate::config::filter::Values;
+    use crate::format::Format;
 
     fn n(v: Value) -> Number {
         match v {
@@ -265,10 +288,11 @@ mod tests {
 
     fn message_test(op: Op, payload: Value) -> bool {
         let body = json!({"id": "m-1", "type": "order.created", "payload": payload}).to_string();
-        let envelope = Envelope::decode(body.as_bytes()).expect("an envelope");
-        let payload = envelope.payload_value().expect("a payload");
+        let delivery = Kept::standalone(body.into(), Properties::default());
+        let decoded = format::Message::decode(Format::Envelope, &delivery).expect("an envelope");
+        let payload = decoded.envelope.payload_value().expect("a payload");
         let field = Field { root: Root::Payload, path: vec!["x".into()] };
-        let message = Message { envelope: &envelope, payload: Some(&payload) };
+        let message = Message { message: &decoded, payload: Some(&payload) };
         matches(&Filter::Test { field, op }, &message)
     }
 
@@ -300,8 +324,9 @@ mod tests {
     #[test]
     fn envelope_fields_as_the_producer_sent_them() {
         let body = json!({"id": "m-1", "type": "order.created", "version": 2, "payload": {}}).to_string();
-        let envelope = Envelope::decode(body.as_bytes()).expect("an envelope");
-        let message = Message { envelope: &envelope, payload: None };
+        let delivery = Kept::standalone(body.into(), Properties::default());
+        let decoded = format::Message::decode(Format::Envelope, &delivery).expect("an envelope");
+        let message = Message { message: &decoded, payload: None };
         let holds =
             |root: Root, op: Op| matches(&Filter::Test { field: Field { root, path: Vec::new() }, op }, &message);
         assert!(holds(Root::Type, Op::Prefix("order.".into())));
@@ -314,5 +339,53 @@ mod tests {
         assert!(holds(Root::IdempotencyKey, Op::Exists(false)));
         assert!(holds(Root::OccurredAt, Op::Exists(false)));
         assert!(!holds(Root::Payload, Op::Exists(true)), "no payload parsed: none read");
+    }
+
+    /// Issue 34: every format's metadata (headers, route, content type) and a CloudEvent's and
+    /// bytes' own fields, as the message carries them; absent where it carries none.
+    #[test]
+    fn metadata_and_format_fields() {
+        use crate::broker::{HeaderValue, Route};
+        let headers = [
+            ("x-tenant".to_string(), HeaderValue::Str("acme".into())),
+            ("x-tier".to_string(), HeaderValue::Int(3)),
+            ("ce-id".to_string(), HeaderValue::Str("A-1".into())),
+            ("ce-source".to_string(), HeaderValue::Str("/orders".into())),
+            ("ce-type".to_string(), HeaderValue::Str("order.created".into())),
+            ("ce-subject".to_string(), HeaderValue::Str("o-7".into())),
+        ];
+        let properties = Properties {
+            headers: headers.into(),
+            content_type: Some("application/json".into()),
+            route: Some(Route { exchange: "ev".into(), routing_key: "order.created".into() }),
+            ..Properties::default()
+        };
+        let delivery = Kept::standalone(br#"{"n":1}"#.as_slice().into(), properties);
+        let decoded = format::Message::decode(Format::CloudEvents, &delivery).expect("a CloudEvent");
+        let message = Message { message: &decoded, payload: None };
+        let holds = |root: Root, path: &[&str], op: Op| {
+            let field = Field { root, path: path.iter().map(|s| s.to_string()).collect() };
+            matches(&Filter::Test { field, op }, &message)
+        };
+        assert!(holds(Root::Header, &["x-tenant"], Op::Eq(json!("acme"))));
+        assert!(holds(Root::Header, &["x-tenant"], Op::In(Values::new(vec![json!("acme")]))));
+        assert!(holds(Root::Header, &["x-tier"], Op::Gte(n(json!(3)))));
+        assert!(holds(Root::Header, &["x-absent"], Op::Exists(false)));
+        assert!(holds(Root::RoutingKey, &[], Op::Prefix("order.".into())));
+        assert!(holds(Root::Exchange, &[], Op::Eq(json!("ev"))));
+        assert!(holds(Root::ContentType, &[], Op::Eq(json!("application/json"))));
+        assert!(holds(Root::Source, &[], Op::Eq(json!("/orders"))));
+        assert!(holds(Root::Subject, &[], Op::Eq(json!("o-7"))));
+        assert!(holds(Root::SpecVersion, &[], Op::Eq(json!("1.0"))));
+        assert!(holds(Root::Time, &[], Op::Exists(false)));
+        assert!(holds(Root::IdempotencyKey, &[], Op::Eq(json!("/orders A-1"))));
+        assert!(holds(Root::Body, &[], Op::Exists(false)), "a CloudEvent has no body field");
+        let delivery = Kept::standalone(b"plain text".as_slice().into(), Properties::default());
+        let decoded = format::Message::decode(Format::Bytes, &delivery).expect("bytes");
+        let message = Message { message: &decoded, payload: None };
+        let field = Field { root: Root::Body, path: Vec::new() };
+        assert!(matches(&Filter::Test { field, op: Op::Prefix("plain".into()) }, &message));
+        let field = Field { root: Root::RoutingKey, path: Vec::new() };
+        assert!(matches(&Filter::Test { field, op: Op::Exists(false) }, &message), "no route: absent");
     }
 }

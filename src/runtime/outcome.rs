@@ -1,21 +1,20 @@
 //! What a delivery's outcome is, decided without a broker: the checks before a handler runs
-//! (size, envelope, binding filters, payload schema, templates), the disposition a handler's
-//! result leads to, and what settling a disposition does ([`Effect`]). The worker runs these
-//! around the real handler; `sluice test` runs them around a simulated one, so both classify
-//! every message the same way.
+//! (size, the message in its queue's format, binding filters, payload schema, templates), the
+//! disposition a handler's result leads to, and what settling a disposition does
+//! ([`Effect`]). The worker runs these around the real handler; `sluice test` runs them around
+//! a simulated one, so both classify every message the same way.
 //!
 //! No IO here: no broker, no idempotency store, no handler call.
 
 use std::time::Duration;
 
-use bytes::Bytes;
-
 use super::filter;
 use crate::backoff;
-use crate::broker::{HeaderValue, Headers, Route};
+use crate::broker::{Delivery, HeaderValue, Headers, Route};
 use crate::call::{Call, PrepareError, Renderer};
 use crate::config::Queue;
-use crate::envelope::{self, Envelope, Reason, dead_letter_headers};
+use crate::envelope::{self, Reason, dead_letter_headers};
+use crate::format::Message;
 use crate::handler::HandlerError;
 
 /// How a delivery ends. Every delivery gets exactly one.
@@ -77,15 +76,16 @@ fn attempt_header(attempt: u32) -> Headers {
     Headers::from([(envelope::ATTEMPT_HEADER.to_string(), HeaderValue::Int(i64::from(attempt)))])
 }
 
-/// Decodes a delivery's body of `size` bytes (a body over the queue's limit may not have been
-/// read: then it is empty); a body too large or not an envelope is dead-lettered.
-pub fn decode<'a>(q: &Queue, body: &'a Bytes, size: usize, attempt: u32) -> Result<Envelope<'a>, Disposition> {
+/// Decodes a delivery in the queue's format (a body over the queue's limit may not have been
+/// read: then it is empty); a body too large or not a message of the format is dead-lettered.
+pub fn decode<'a>(q: &Queue, delivery: &'a dyn Delivery, attempt: u32) -> Result<Message<'a>, Disposition> {
     let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
+    let size = delivery.size();
     if size > q.max_message_bytes {
         let error = format!("{size} bytes is over the queue's max_message_bytes of {}", q.max_message_bytes);
         return Err(dead(Reason::TooLarge, error));
     }
-    Envelope::decode(body).map_err(|e| dead(Reason::Malformed, e.to_string()))
+    Message::decode(q.format, delivery).map_err(|e| dead(Reason::Malformed, e.to_string()))
 }
 
 /// Whether `q` takes the message through one of its bindings' filters ([`filter::admits`]):
@@ -94,7 +94,7 @@ pub fn decode<'a>(q: &Queue, body: &'a Bytes, size: usize, attempt: u32) -> Resu
 /// are what the message was published with, as far as known.
 pub fn filter(
     q: &Queue,
-    envelope: &Envelope<'_>,
+    message: &Message<'_>,
     route: Option<&Route>,
     headers: &Headers,
     attempt: u32,
@@ -102,8 +102,8 @@ pub fn filter(
     if q.bindings.iter().all(|b| b.filter.is_none()) {
         return Ok(());
     }
-    let payload = if filter::reads_payload(q) {
-        let parsed = envelope.payload_value().map_err(|e| Disposition::DeadLetter {
+    let payload = if filter::reads_payload(q) && message.has_payload {
+        let parsed = message.envelope.payload_value().map_err(|e| Disposition::DeadLetter {
             reason: Reason::Malformed,
             error: e.to_string(),
             attempts: attempt,
@@ -112,7 +112,7 @@ pub fn filter(
     } else {
         None
     };
-    let message = filter::Message { envelope, payload: payload.as_ref() };
+    let message = filter::Message { message, payload: payload.as_ref() };
     if filter::admits(q, route, headers, &message) { Ok(()) } else { Err(Disposition::Filtered) }
 }
 
@@ -120,16 +120,19 @@ pub fn filter(
 /// handler's call; a message that fails either is dead-lettered.
 pub fn prepare(
     q: &Queue,
-    envelope: &Envelope<'_>,
-    body: &Bytes,
+    message: &Message<'_>,
     attempt: u32,
     traceparent: Option<&str>,
 ) -> Result<(String, Call), Disposition> {
     let dead = |reason, error: String| Disposition::DeadLetter { reason, error, attempts: attempt };
     if let Some(schema) = &q.payload_schema {
-        let payload = envelope.payload_value().map_err(|e| dead(Reason::Malformed, e.to_string()))?;
+        let name = q.format.payload().unwrap_or("payload");
+        if !message.has_payload {
+            return Err(dead(Reason::Schema, format!("the message has no JSON {name} for the payload schema")));
+        }
+        let payload = message.envelope.payload_value().map_err(|e| dead(Reason::Malformed, e.to_string()))?;
         if let Some(e) = schema.validator.iter_errors(&payload).next() {
-            return Err(dead(Reason::Schema, format!("payload{}: {e}", e.instance_path().as_str())));
+            return Err(dead(Reason::Schema, format!("{name}{}: {e}", e.instance_path().as_str())));
         }
     }
     let unprepared = |e: PrepareError| {
@@ -140,9 +143,9 @@ pub fn prepare(
         };
         dead(reason, e.to_string())
     };
-    let renderer = Renderer::new(q, envelope, attempt, false).map_err(unprepared)?;
+    let renderer = Renderer::new(q, message, attempt, false).map_err(unprepared)?;
     let key = renderer.key().map_err(unprepared)?;
-    let call = renderer.call(body, &key, traceparent).map_err(unprepared)?;
+    let call = renderer.call(&key, traceparent).map_err(unprepared)?;
     Ok((key, call))
 }
 

@@ -360,7 +360,12 @@ impl Inspect for File {
                     .collect();
                 Message {
                     body: body.into(),
-                    properties: Properties { headers, message_id, timestamp: timestamp.map(|t| t as u64), route: None },
+                    properties: Properties {
+                        headers,
+                        message_id,
+                        timestamp: timestamp.map(|t| t as u64),
+                        ..Properties::default()
+                    },
                 }
             })
             .collect()

@@ -325,15 +325,15 @@ impl Worker {
         if keep {
             seen.message_id = delivery.message_id().map(str::to_string);
         }
-        let body = delivery.body();
-        let envelope = outcome::decode(q, body, delivery.size(), attempt)?;
-        events::decoded(message, &envelope, delivery.message_id().is_some());
+        let decoded = outcome::decode(q, delivery, attempt)?;
+        let envelope = &decoded.envelope;
+        events::decoded(message, envelope, delivery.message_id().is_some());
         if keep {
             seen.message_id.get_or_insert_with(|| envelope.id.clone());
             seen.idempotency_key = Some(envelope.idempotency_key().to_string());
         }
         let headers = filter::headers(q, |name| delivery.header(name));
-        outcome::filter(q, &envelope, delivery.route(), &headers, attempt)?;
+        outcome::filter(q, &decoded, delivery.route(), &headers, attempt)?;
         // Before anything is rendered or waited for: a scheduled message holds no slot.
         if let Some(after) = envelope.due_in(clock::now()) {
             return Err(Disposition::Scheduled { attempt, after });
@@ -347,7 +347,7 @@ impl Worker {
             }
             seen.trace_id = Some(hex);
         }
-        outcome::prepare(q, &envelope, body, attempt, Some(&context.to_string()))
+        outcome::prepare(q, &decoded, attempt, Some(&context.to_string()))
     }
 
     /// Runs a prepared call once the gate and the rate limiter let it, under an idempotency
@@ -620,6 +620,12 @@ mod tests {
         }
         fn message_id(&self) -> Option<&str> {
             Some("m-1")
+        }
+        fn kind(&self) -> Option<&str> {
+            None
+        }
+        fn content_type(&self) -> Option<&str> {
+            None
         }
         fn route(&self) -> Option<&crate::broker::Route> {
             None

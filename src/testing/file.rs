@@ -52,6 +52,12 @@ pub struct Message {
     pub idempotency_key: Option<String>,
     pub not_before: Option<String>,
     pub attempt: Option<u32>,
+    /// A CloudEvent's source and subject (format `cloudevents`).
+    pub source: Option<String>,
+    pub subject: Option<String>,
+    /// The body as text (format `bytes`), and its content type (any format but `envelope`).
+    pub body: Option<String>,
+    pub content_type: Option<String>,
 }
 
 fn empty_object() -> Value {

@@ -14,11 +14,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::file::{HeaderArg, Request, Response, Test};
-use crate::broker::{HeaderValue, Headers, Route};
+use super::file::{self, HeaderArg, Request, Response, Test};
+use crate::broker::{Delivery as _, HeaderValue, Headers, Kept, Properties, Route};
 use crate::call::Call;
 use crate::config::source::escape_token;
 use crate::config::{Config, Queue};
+use crate::format::Format;
 use crate::handler::command::{self, Stdin};
 use crate::handler::{HandlerError, webhook};
 use crate::runtime::outcome;
@@ -71,24 +72,6 @@ impl Suite {
     pub fn run(&self, index: usize, test: &Test) -> Vec<Mismatch> {
         let base = format!("/tests/{index}");
         let m = &test.message;
-        let mut envelope = json!({
-            "id": m.id.clone().unwrap_or_else(|| format!("test-{}", index + 1)),
-            "type": m.kind.clone().unwrap_or_else(|| if m.routing_key.is_empty() { "test".into() } else { m.routing_key.clone() }),
-            "payload": m.payload,
-        });
-        // A `not_before` is checked like any field, and the test runs as at that time.
-        let fields =
-            [("occurred_at", &m.occurred_at), ("idempotency_key", &m.idempotency_key), ("not_before", &m.not_before)];
-        for (key, value) in fields {
-            if let Some(value) = value {
-                envelope[key] = Value::from(value.as_str());
-            }
-        }
-        if let Some(version) = m.version {
-            envelope["version"] = Value::from(version);
-        }
-        // Serializing a JSON value cannot fail.
-        let body = Bytes::from(serde_json::to_vec(&envelope).unwrap_or_default());
         let headers: Headers = m
             .headers
             .iter()
@@ -115,7 +98,10 @@ impl Suite {
         let reached: BTreeMap<&str, Reached> = targets
             .iter()
             .filter_map(|name| self.config.queues.get(name))
-            .map(|q| (q.name.as_str(), self.handle(q, &body, &route, &headers, attempt, test.responses.get(&q.name))))
+            .map(|q| {
+                let delivery = delivery(q.format, m, index, &route, &headers);
+                (q.name.as_str(), self.handle(q, &delivery, attempt, test.responses.get(&q.name)))
+            })
             .collect();
         // A queue whose binding filters refuse the message is routed to, but not reached.
         let taken: Vec<String> =
@@ -168,15 +154,7 @@ impl Suite {
 
     /// What one queue does with the message: the runtime's checks and rendering, then the
     /// simulated answer classified as the handler classifies a real one.
-    fn handle(
-        &self,
-        q: &Queue,
-        body: &Bytes,
-        route: &Route,
-        headers: &Headers,
-        attempt: u32,
-        response: Option<&Response>,
-    ) -> Reached {
+    fn handle(&self, q: &Queue, delivery: &Kept<()>, attempt: u32, response: Option<&Response>) -> Reached {
         if let Some(reason) = self.refused.get(&q.name) {
             return Reached { call: None, outcome: "not run".into(), error: Some(reason.clone()) };
         }
@@ -184,21 +162,78 @@ impl Suite {
             let (outcome, error) = describe(disposition);
             Reached { call, outcome, error }
         };
-        let envelope = match outcome::decode(q, body, body.len(), attempt) {
-            Ok(e) => e,
+        let message = match outcome::decode(q, delivery, attempt) {
+            Ok(message) => message,
             Err(disposition) => return ended(disposition, None),
         };
-        if let Err(disposition) = outcome::filter(q, &envelope, Some(route), headers, attempt) {
+        let headers = crate::runtime::filter::headers(q, |name| delivery.header(name));
+        if let Err(disposition) = outcome::filter(q, &message, delivery.route(), &headers, attempt) {
             return ended(disposition, None);
         }
         // No trace context: a traceparent is random per delivery, so a test could not expect it.
-        let (_key, call) = match outcome::prepare(q, &envelope, body, attempt, None) {
+        let (_key, call) = match outcome::prepare(q, &message, attempt, None) {
             Ok(prepared) => prepared,
             Err(disposition) => return ended(disposition, None),
         };
         let result = simulate(&call, response.unwrap_or(&Response::default()));
         ended(outcome::disposition(q, result, attempt), Some(call))
     }
+}
+
+/// Test `index`'s message as a delivery to a queue of `format`: an envelope; the payload as
+/// a `json` body; a structured CloudEvent (its `source` and `subject` from the test); the
+/// test's `body` (else the payload's text) as `bytes`. The id and type are the broker's
+/// message id and type, outside an envelope.
+fn delivery(format: Format, m: &file::Message, index: usize, route: &Route, headers: &Headers) -> Kept<()> {
+    let id = m.id.clone().unwrap_or_else(|| format!("test-{}", index + 1));
+    let kind =
+        m.kind.clone().unwrap_or_else(|| if m.routing_key.is_empty() { "test".into() } else { m.routing_key.clone() });
+    let mut properties = Properties {
+        headers: headers.clone(),
+        message_id: Some(id.clone()),
+        kind: Some(kind.clone()),
+        content_type: m.content_type.clone(),
+        route: Some(route.clone()),
+        ..Properties::default()
+    };
+    let body = match format {
+        Format::Envelope => {
+            let mut envelope = json!({"id": id, "type": kind, "payload": m.payload});
+            // A `not_before` is checked like any field, and the test runs as at that time.
+            let fields = [
+                ("occurred_at", &m.occurred_at),
+                ("idempotency_key", &m.idempotency_key),
+                ("not_before", &m.not_before),
+            ];
+            for (key, value) in fields {
+                if let Some(value) = value {
+                    envelope[key] = Value::from(value.as_str());
+                }
+            }
+            if let Some(version) = m.version {
+                envelope["version"] = Value::from(version);
+            }
+            envelope.to_string().into_bytes()
+        }
+        Format::Json => m.payload.to_string().into_bytes(),
+        Format::CloudEvents => {
+            let source = m.source.clone().unwrap_or_else(|| "sluice-test".into());
+            let mut event = json!({"specversion": "1.0", "id": id, "source": source, "type": kind, "data": m.payload});
+            for (key, value) in [("subject", &m.subject), ("time", &m.occurred_at)] {
+                if let Some(value) = value {
+                    event[key] = Value::from(value.as_str());
+                }
+            }
+            properties.content_type.get_or_insert_with(|| "application/cloudevents+json".into());
+            event.to_string().into_bytes()
+        }
+        Format::Bytes => match (&m.body, &m.payload) {
+            (Some(body), _) => body.clone().into_bytes(),
+            (None, Value::String(text)) => text.clone().into_bytes(),
+            (None, payload) => payload.to_string().into_bytes(),
+        },
+    };
+    Kept::standalone(Bytes::from(body), properties)
 }
 
 const NOT_REACHED: &str = "not reached";

@@ -523,7 +523,7 @@ pub async fn publish<B: Publish>(
 
 /// Publishes any body (e.g. a malformed one) with headers.
 pub async fn publish_raw<B: Publish>(broker: &B, exchange: &str, routing_key: &str, body: Vec<u8>, headers: Headers) {
-    let message = Outgoing { body, message_id: None, kind: None, timestamp: None, priority: None, headers };
+    let message = Outgoing { body, headers, ..Outgoing::default() };
     broker.publish(exchange, routing_key, message).await.expect("publish confirmed");
 }
 

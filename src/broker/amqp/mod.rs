@@ -379,6 +379,14 @@ impl Delivery for AmqpDelivery {
         self.delivery.properties.message_id().as_ref().map(|s| s.as_str())
     }
 
+    fn kind(&self) -> Option<&str> {
+        self.delivery.properties.kind().as_ref().map(|s| s.as_str())
+    }
+
+    fn content_type(&self) -> Option<&str> {
+        self.delivery.properties.content_type().as_ref().map(|s| s.as_str())
+    }
+
     fn route(&self) -> Option<&Route> {
         Some(&self.route)
     }
@@ -638,8 +646,9 @@ impl Broker for Amqp {
 
 impl Publish for Amqp {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
+        let content_type = message.content_type.unwrap_or_else(|| "application/json".into());
         let mut properties = BasicProperties::default()
-            .with_content_type("application/json".into())
+            .with_content_type(content_type.into())
             .with_delivery_mode(2)
             .with_headers(headers_table(&FieldTable::default(), &message.headers));
         if let Some(id) = message.message_id {

@@ -407,11 +407,10 @@ async fn renew_all(inner: Weak<Inner>) {
 }
 
 /// What the embedded broker keeps of a delivery to settle and copy it: its row, its body by
-/// reference (what its copies carry), and its type.
+/// reference (what its copies carry).
 pub struct Row {
     id: i64,
     body: Body,
-    kind: Option<String>,
 }
 
 /// A delivery from the embedded broker.
@@ -419,9 +418,9 @@ pub type EmbeddedDelivery = Kept<Row>;
 
 /// A stored message as delivered (to a consumer whose deliveries are `live`).
 fn delivery(stored: Stored, live: Arc<AtomicBool>) -> EmbeddedDelivery {
-    let NewMessage { body, kind, properties } = stored.message;
+    let NewMessage { body, properties } = stored.message;
     Kept {
-        tag: Row { id: stored.id, body, kind },
+        tag: Row { id: stored.id, body },
         body: stored.body,
         size: usize::try_from(stored.size).unwrap_or(usize::MAX),
         properties,
@@ -431,8 +430,7 @@ fn delivery(stored: Stored, live: Arc<AtomicBool>) -> EmbeddedDelivery {
 
 /// A copy of a delivered message with its headers edited (its body by reference).
 fn copy(original: &EmbeddedDelivery, edits: &Edits) -> NewMessage {
-    let Row { body, kind, .. } = &original.tag;
-    NewMessage { body: body.clone(), kind: kind.clone(), properties: original.copied_properties(edits) }
+    NewMessage { body: original.tag.body.clone(), properties: original.copied_properties(edits) }
 }
 
 /// The deliveries of one consumer.
@@ -563,8 +561,8 @@ impl Broker for Embedded {
 
 impl Publish for Embedded {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        let (body, kind, properties) = kept::published(store::BROKER, exchange, routing_key, message)?;
-        let message = NewMessage { body: Body::New(body), kind, properties };
+        let (body, properties) = kept::published(store::BROKER, exchange, routing_key, message)?;
+        let message = NewMessage { body: Body::New(body), properties };
         self.call(|reply| Op::Publish { exchange: exchange.into(), routing_key: routing_key.into(), message, reply })
             .await
     }

@@ -50,9 +50,11 @@ pub const WAL_LIMIT: i64 = 4 << 20;
 const IN_PLACE: usize = 1 << 20;
 
 /// The file's layout, recorded in `meta`: 2 since bodies are stored apart and idempotency keys
-/// kept (files without the record are of layout 1, converted on opening). A file of a later
-/// layout is refused, not misread.
-const LAYOUT: i64 = 2;
+/// kept (files without the record are of layout 1, converted on opening), 3 since messages keep
+/// their content type (for message formats: an earlier sluice copying a message would drop
+/// it). A file of a later layout is refused, not misread; one of an earlier layout is converted
+/// by `run`, not read by the commands that only read.
+const LAYOUT: i64 = 3;
 
 /// Milliseconds since the epoch: the clock of `visible_at` and lease ends.
 pub(crate) fn now_ms() -> i64 {
@@ -75,7 +77,6 @@ pub(super) enum Body {
 #[derive(Debug, Clone)]
 pub(super) struct NewMessage {
     pub body: Body,
-    pub kind: Option<String>,
     pub properties: Properties,
 }
 
@@ -380,7 +381,7 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
             }
         }
     };
-    let (message_id, kind) = (text(3, "message_id")?, text(4, "kind")?);
+    let (message_id, kind, content_type) = (text(3, "message_id")?, text(4, "kind")?, text(8, "content_type")?);
     // Absent from rows written before sluice kept them, or by another program.
     let route = match (text(6, "exchange")?, text(7, "routing_key")?) {
         (Some(exchange), Some(routing_key)) => Some(Route { exchange, routing_key }),
@@ -398,7 +399,8 @@ fn read_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(i64, NewMessage, Vec<Str
             None
         }
     };
-    Ok((id, NewMessage { body, kind, properties: Properties { headers, message_id, timestamp, route } }, faults))
+    let properties = Properties { headers, message_id, kind, content_type, timestamp, route };
+    Ok((id, NewMessage { body, properties }, faults))
 }
 
 /// Gives what could be read of message row `id` of `queue` the dead-letter headers of reason
@@ -603,6 +605,8 @@ impl Store {
         // Where a message was published to, for binding filters; rows from before have none.
         add_column(&tx, "messages", "exchange TEXT").map_err(sql)?;
         add_column(&tx, "messages", "routing_key TEXT").map_err(sql)?;
+        // The body's media type, for message formats; rows from before have none.
+        add_column(&tx, "messages", "content_type TEXT").map_err(sql)?;
         if !bodies_apart {
             // A file of an earlier version keeps each body in its row: it moves to `bodies`,
             // under the row's id.
@@ -1008,8 +1012,9 @@ impl Store {
         }
         let timestamp = m.properties.timestamp.map(|t| i64::try_from(t).unwrap_or(i64::MAX));
         db.prepare_cached(
-            "INSERT INTO messages (queue, visible_at, body, headers, message_id, kind, timestamp, exchange, routing_key)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            "INSERT INTO messages (queue, visible_at, body, headers, message_id, kind, timestamp, exchange, routing_key,
+                 content_type)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
         )
         .and_then(|mut s| {
             let (exchange, routing_key) = m.properties.route.as_ref().map(|r| (&r.exchange, &r.routing_key)).unzip();
@@ -1019,10 +1024,11 @@ impl Store {
                 body,
                 headers::encode(&m.properties.headers),
                 m.properties.message_id,
-                m.kind,
+                m.properties.kind,
                 timestamp,
                 exchange,
-                routing_key
+                routing_key,
+                m.properties.content_type
             ])
         })
         .map_err(|e| self.error(e))?;
@@ -1094,7 +1100,7 @@ impl Store {
             .prepare_cached(
                 "UPDATE messages SET visible_at = ?3, lease_owner = ?4
                  WHERE queue = ?1 AND visible_at = 0 AND id <= ?2
-                 RETURNING id, body, headers, message_id, kind, timestamp, exchange, routing_key",
+                 RETURNING id, body, headers, message_id, kind, timestamp, exchange, routing_key, content_type",
             )
             .map_err(e)?;
         let rows =
@@ -1367,7 +1373,7 @@ impl Store {
         let e = |err| self.error(err);
         let mut s = db
             .prepare_cached(
-                "SELECT id, body, headers, message_id, kind, timestamp, exchange, routing_key FROM messages
+                "SELECT id, body, headers, message_id, kind, timestamp, exchange, routing_key, content_type FROM messages
                  WHERE queue = ?1 AND id > ?2 AND id <= ?3 ORDER BY id LIMIT ?4",
             )
             .map_err(e)?;

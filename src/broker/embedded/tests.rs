@@ -40,6 +40,7 @@ fn message(body: &str) -> Outgoing {
         body: body.as_bytes().to_vec(),
         message_id: Some(format!("id-{body}")),
         kind: Some("t".into()),
+        content_type: None,
         timestamp: Some(1_700_000_000),
         priority: None,
         headers: Headers::from([(envelope::ATTEMPT_HEADER.into(), HeaderValue::Int(1))]),
@@ -770,6 +771,33 @@ async fn a_file_with_bodies_in_its_rows_moves_them_apart() {
     broker.declare(&work_plan()).await.expect("declare");
     let (mut deliveries, _consumer) = broker.consume("work", Credit::at_most(1)).await.expect("consume");
     assert_eq!(text(&next(&mut deliveries).await), "old");
+}
+
+/// Issue 34: a file of layout 2 (messages without a content type) is converted by `run`, its
+/// messages read as before, and left to `run` by the commands that only read.
+#[tokio::test]
+async fn a_file_without_content_types_is_converted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join(FILE);
+    let broker = Embedded::open(&path).expect("open");
+    broker.declare(&work_plan()).await.expect("declare");
+    broker.publish("", "work", message("old")).await.expect("publish");
+    broker.close().await;
+    drop(broker);
+    let db = rusqlite::Connection::open(&path).expect("open");
+    db.execute_batch("ALTER TABLE messages DROP COLUMN content_type; UPDATE meta SET value = 2 WHERE key = 'layout';")
+        .expect("as layout 2 had it");
+    drop(db);
+    let refused = super::reader::ReadOnly::open_dir(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.contains("`sluice run` converts it"), "{refused}");
+    let broker = Embedded::open(&path).expect("converted");
+    let sent = Outgoing { content_type: Some("application/x-protobuf".into()), ..message("new") };
+    broker.publish("", "work", sent).await.expect("publish");
+    let (mut deliveries, _consumer) = broker.consume("work", Credit::at_most(2)).await.expect("consume");
+    let (old, new) = (next(&mut deliveries).await, next(&mut deliveries).await);
+    assert_eq!((text(&old).as_str(), old.content_type(), old.kind()), ("old", None, Some("t")));
+    assert_eq!((text(&new).as_str(), new.content_type()), ("new", Some("application/x-protobuf")));
+    assert!(super::reader::ReadOnly::open_dir(dir.path()).is_ok(), "read once converted");
 }
 
 #[tokio::test]

@@ -25,21 +25,25 @@ pub(crate) const CLAIM_BYTES: u64 = 4 << 20;
 pub struct Properties {
     pub headers: Headers,
     pub message_id: Option<String>,
+    /// The producer's name for what the message is (AMQP `type`).
+    pub kind: Option<String>,
+    /// The body's media type (AMQP `content_type`).
+    pub content_type: Option<String>,
     /// Seconds since the epoch.
     pub timestamp: Option<u64>,
     /// The exchange and routing key it was published with (a copy keeps its original's).
     pub route: Option<Route>,
 }
 
-/// A message to publish as these brokers keep it: its body, its type and its properties, with
-/// the route it is published with. Refused with a priority, which they do not keep (`broker`
+/// A message to publish as these brokers keep it: its body and its properties, with the route
+/// it is published with. Refused with a priority, which they do not keep (`broker`
 /// names the one refusing).
 pub(crate) fn published(
     broker: &str,
     exchange: &str,
     routing_key: &str,
     message: Outgoing,
-) -> Result<(Bytes, Option<String>, Properties), BrokerError> {
+) -> Result<(Bytes, Properties), BrokerError> {
     if message.priority.is_some() {
         return Err(BrokerError::Conflict(
             format!("{broker} has no message priorities: publish without --priority, or run on RabbitMQ").into(),
@@ -48,10 +52,12 @@ pub(crate) fn published(
     let properties = Properties {
         headers: message.headers,
         message_id: message.message_id,
+        kind: message.kind,
+        content_type: message.content_type,
         timestamp: message.timestamp,
         route: Some(Route { exchange: exchange.into(), routing_key: routing_key.into() }),
     };
-    Ok((message.body.into(), message.kind, properties))
+    Ok((message.body.into(), properties))
 }
 
 /// A message handed to a consumer.
@@ -64,6 +70,14 @@ pub struct Kept<Tag> {
     pub(crate) properties: Properties,
     /// Its consumer is open: it may still be acked.
     pub(crate) live: Arc<AtomicBool>,
+}
+
+impl Kept<()> {
+    /// A message of no broker (a message file, a test's message), to decode and render as a
+    /// delivery; it cannot be acked.
+    pub fn standalone(body: Bytes, properties: Properties) -> Kept<()> {
+        Kept::whole((), body, properties, Arc::new(AtomicBool::new(false)))
+    }
 }
 
 impl<Tag> Kept<Tag> {
@@ -99,6 +113,14 @@ impl<Tag: Send + Sync + 'static> Delivery for Kept<Tag> {
 
     fn message_id(&self) -> Option<&str> {
         self.properties.message_id.as_deref()
+    }
+
+    fn kind(&self) -> Option<&str> {
+        self.properties.kind.as_deref()
+    }
+
+    fn content_type(&self) -> Option<&str> {
+        self.properties.content_type.as_deref()
     }
 
     fn route(&self) -> Option<&Route> {
@@ -152,16 +174,23 @@ mod tests {
             body: b"{}".to_vec(),
             message_id: Some("m1".into()),
             kind: Some("t".into()),
+            content_type: Some("application/octet-stream".into()),
             timestamp: Some(42),
             headers: [("h".to_string(), HeaderValue::Int(1))].into(),
             ..Outgoing::default()
         };
-        let (body, kind, properties) =
+        let (body, properties) =
             published("the test broker", "ev", "a.b", message.clone()).expect("no priority: published");
-        assert_eq!((body.as_ref(), kind.as_deref()), (&b"{}"[..], Some("t")));
+        assert_eq!(body.as_ref(), &b"{}"[..]);
         let route = Some(Route { exchange: "ev".into(), routing_key: "a.b".into() });
-        let want =
-            Properties { headers: message.headers.clone(), message_id: Some("m1".into()), timestamp: Some(42), route };
+        let want = Properties {
+            headers: message.headers.clone(),
+            message_id: Some("m1".into()),
+            kind: Some("t".into()),
+            content_type: Some("application/octet-stream".into()),
+            timestamp: Some(42),
+            route,
+        };
         assert_eq!(properties, want);
         let refused = published("the test broker", "ev", "a.b", Outgoing { priority: Some(5), ..message });
         let refused = refused.err().map(|e| e.to_string()).unwrap_or_default();

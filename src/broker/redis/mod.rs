@@ -609,7 +609,6 @@ async fn listen(inner: Weak<Inner>, channel: String, stop: CancellationToken) {
 #[derive(Debug, Clone, Default)]
 struct Message {
     body: Bytes,
-    kind: Option<String>,
     properties: Properties,
 }
 
@@ -621,8 +620,11 @@ impl Message {
         if let Some(id) = &p.message_id {
             fields.push(("i", id.clone().into_bytes()));
         }
-        if let Some(kind) = &self.kind {
+        if let Some(kind) = &p.kind {
             fields.push(("k", kind.clone().into_bytes()));
+        }
+        if let Some(content_type) = &p.content_type {
+            fields.push(("c", content_type.clone().into_bytes()));
         }
         if let Some(ts) = p.timestamp {
             fields.push(("t", ts.to_string().into_bytes()));
@@ -647,7 +649,8 @@ impl Message {
             match name.as_slice() {
                 b"b" => m.body = Bytes::copy_from_slice(value),
                 b"i" => m.properties.message_id = Some(text()),
-                b"k" => m.kind = Some(text()),
+                b"k" => m.properties.kind = Some(text()),
+                b"c" => m.properties.content_type = Some(text()),
                 b"t" => m.properties.timestamp = text().parse().ok(),
                 b"h" => m.properties.headers = headers::decode_lossy(value),
                 b"x" => exchange = Some(text()),
@@ -758,8 +761,8 @@ impl Claimer for RedisClaimer {
             .filter_map(|pair| match pair {
                 [Value::BulkString(id), Value::Array(fields)] => {
                     let id = String::from_utf8_lossy(id).into_owned();
-                    let Message { body, kind, properties } = Message::from_fields(fields);
-                    Some(Kept::whole(Entry { id, kind }, body, properties, s.live.clone()))
+                    let Message { body, properties } = Message::from_fields(fields);
+                    Some(Kept::whole(Entry { id }, body, properties, s.live.clone()))
                 }
                 _ => None,
             })
@@ -800,11 +803,9 @@ async fn hand_back(broker: &Redis, s: &ConsumerState) {
     }
 }
 
-/// What the Redis broker keeps of a delivery to settle and copy it: its entry's id and its
-/// type.
+/// What the Redis broker keeps of a delivery to settle and copy it: its entry's id.
 pub struct Entry {
     id: String,
-    kind: Option<String>,
 }
 
 /// A delivery from the Redis broker.
@@ -812,11 +813,7 @@ pub type RedisDelivery = Kept<Entry>;
 
 /// A copy of a delivered message with its headers edited.
 fn edited(original: &RedisDelivery, edits: &Edits) -> Message {
-    Message {
-        body: original.body.clone(),
-        kind: original.tag.kind.clone(),
-        properties: original.copied_properties(edits),
-    }
+    Message { body: original.body.clone(), properties: original.copied_properties(edits) }
 }
 
 /// The deliveries of one consumer.
@@ -1027,8 +1024,8 @@ impl Broker for Redis {
 
 impl Publish for Redis {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        let (body, kind, properties) = kept::published(BROKER, exchange, routing_key, message)?;
-        let message = Message { body, kind, properties };
+        let (body, properties) = kept::published(BROKER, exchange, routing_key, message)?;
+        let message = Message { body, properties };
         let mut stale = false;
         for _ in 0..5 {
             let t = self.topology(stale).await;
@@ -1125,9 +1122,9 @@ impl Operate for Redis {
             },
             _ => None,
         });
-        Ok(Some(first.map(|(id, Message { body, kind, properties })| {
+        Ok(Some(first.map(|(id, Message { body, properties })| {
             // Read, not delivered: nothing to settle.
-            Kept::whole(Entry { id, kind }, body, properties, Arc::new(AtomicBool::new(false)))
+            Kept::whole(Entry { id }, body, properties, Arc::new(AtomicBool::new(false)))
         })))
     }
 }
@@ -1238,9 +1235,10 @@ mod tests {
     fn message_fields_round_trip() {
         let m = Message {
             body: Bytes::from_static(b"{\"a\":1}\x00\xff"),
-            kind: Some("t".into()),
             properties: Properties {
                 message_id: Some("m1".into()),
+                kind: Some("t".into()),
+                content_type: Some("application/octet-stream".into()),
                 timestamp: Some(42),
                 headers: [("s".to_string(), HeaderValue::Str("v".into())), ("n".to_string(), HeaderValue::Int(-3))]
                     .into(),
@@ -1253,7 +1251,7 @@ mod tests {
             .flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), Value::BulkString(v)])
             .collect();
         let back = Message::from_fields(&values);
-        assert_eq!((back.body, back.kind), (m.body, m.kind));
+        assert_eq!(back.body, m.body);
         assert_eq!(back.properties, m.properties);
     }
 }

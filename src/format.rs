@@ -354,6 +354,27 @@ fn within_limit(name: &str, value: String) -> Result<String, Unreadable> {
     Ok(value)
 }
 
+/// The envelope of a CloudEvent: its `source` and `id` the default idempotency key, its `data`
+/// (when JSON) the payload; and whether it has one.
+fn event_envelope<'a>(
+    id: String,
+    kind: String,
+    source: &str,
+    time: Option<String>,
+    payload: Option<&'a RawValue>,
+) -> (Envelope<'a>, bool) {
+    let envelope = Envelope {
+        idempotency_key: Some(format!("{source} {id}")),
+        id,
+        kind,
+        version: 1,
+        occurred_at: time,
+        not_before: None,
+        payload: payload.map_or_else(|| Cow::Owned(null()), Cow::Borrowed),
+    };
+    (envelope, payload.is_some())
+}
+
 fn binary_event(
     delivery: &dyn Delivery,
     mut attributes: BTreeMap<String, String>,
@@ -379,16 +400,7 @@ fn binary_event(
             Some(_) => None,
             None => envelope::json_document(body).ok(),
         };
-    let has_payload = payload.is_some();
-    let envelope = Envelope {
-        idempotency_key: Some(format!("{source} {id}")),
-        id,
-        kind,
-        version: 1,
-        occurred_at: time.clone(),
-        not_before: None,
-        payload: payload.map_or_else(|| Cow::Owned(null()), Cow::Borrowed),
-    };
+    let (envelope, has_payload) = event_envelope(id, kind, &source, time.clone(), payload);
     let binary = attributes.into_iter().collect();
     Ok((envelope, has_payload, Event { specversion, source, subject, time, datacontenttype, binary }))
 }
@@ -429,16 +441,7 @@ fn structured_event(body: &[u8], declared: bool) -> Result<(Envelope<'_>, bool, 
         ),
         None => None,
     };
-    let has_payload = payload.is_some();
-    let envelope = Envelope {
-        idempotency_key: Some(format!("{source} {id}")),
-        id,
-        kind,
-        version: 1,
-        occurred_at: time.clone(),
-        not_before: None,
-        payload: payload.map_or_else(|| Cow::Owned(null()), Cow::Borrowed),
-    };
+    let (envelope, has_payload) = event_envelope(id, kind, &source, time.clone(), payload);
     let event =
         Event { specversion, source, subject, time, datacontenttype: event.datacontenttype, binary: Vec::new() };
     Ok((envelope, has_payload, event))

@@ -13,19 +13,7 @@ use std::time::{Duration, SystemTime};
 use serde_json::{Value, json};
 use sluice::broker::{Broker as _, HeaderValue, Headers};
 use sluice::envelope::{self, Envelope};
-use support::{Finished, Place, Receiver, Reply, Sluice};
-
-/// Runs `sluice ARGS --broker URL` off the async runtime (the receiver keeps serving).
-async fn cli(args: &[&str], url: &str) -> Finished {
-    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    args.extend(["--broker".to_string(), url.to_string()]);
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        support::sluice_cli(&args, &[], Duration::from_secs(120))
-    })
-    .await
-    .expect("cli task")
-}
+use support::{Finished, Place, Receiver, Reply, Sluice, broker_cli};
 
 fn ok(finished: &Finished) -> &str {
     assert_eq!(finished.code, Some(0), "stdout: {}\nstderr: {}", finished.stdout, finished.stderr);
@@ -96,7 +84,7 @@ async fn messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_
     // the idempotency store must not take the redriven copies for duplicates.
     down.store(false, Ordering::SeqCst);
     let dir_arg = dir.path().to_str().expect("utf-8 path");
-    let redriven = cli(&["dlq", "redrive", "work", "--pipelines", dir_arg], &place.url()).await;
+    let redriven = broker_cli(&["dlq", "redrive", "work", "--pipelines", dir_arg], &place.url()).await;
     assert!(ok(&redriven).starts_with("20 message(s) redriven to work"), "{}", redriven.stdout);
     support::wait_until(Duration::from_secs(60), "every redriven message handled", || async {
         receiver.succeeded_keys().len() == 20
@@ -135,7 +123,7 @@ async fn filters_and_dry_run_select_exactly_the_messages_they_name<P: Place>(pla
         async move {
             let mut args = vec!["dlq", "list", "work", "--pipelines", d, "--format", "json"];
             args.extend_from_slice(extra);
-            json_ids(ok(&cli(&args, &url).await))
+            json_ids(ok(&broker_cli(&args, &url).await))
         }
     };
     let pick = |f: &dyn Fn(usize) -> bool| -> Vec<String> {
@@ -148,7 +136,7 @@ async fn filters_and_dry_run_select_exactly_the_messages_they_name<P: Place>(pla
     // Issue 31 (left by round 3): a list stopped by its --limit says so, and blames no other
     // client (the embedded broker's said "another client (a runner, another `sluice dlq`) took
     // or holds them" at every --limit).
-    let limited = cli(&["dlq", "list", "work", "--pipelines", d, "--limit", "2"], &url).await;
+    let limited = broker_cli(&["dlq", "list", "work", "--pipelines", d, "--limit", "2"], &url).await;
     assert_eq!(ok(&limited).lines().count(), 3, "a header and two rows: {}", limited.stdout);
     assert!(
         limited.stderr.contains("note: 7 message(s) of work.dlq not read: the list stopped at its --limit")
@@ -157,11 +145,12 @@ async fn filters_and_dry_run_select_exactly_the_messages_they_name<P: Place>(pla
         limited.stderr
     );
 
-    let dry = cli(&["dlq", "redrive", "work", "--pipelines", d, "--reason", "permanent", "--dry-run"], &url).await;
+    let dry =
+        broker_cli(&["dlq", "redrive", "work", "--pipelines", d, "--reason", "permanent", "--dry-run"], &url).await;
     assert!(ok(&dry).starts_with("3 message(s) would be redriven to work (dry run)"), "{}", dry.stdout);
     assert_eq!((place.depth("work.dlq").await, place.depth("work").await), (9, 0), "a dry run moves nothing");
 
-    let moved = cli(&["dlq", "redrive", "work", "--pipelines", d, "--since", "30m", "--limit", "2"], &url).await;
+    let moved = broker_cli(&["dlq", "redrive", "work", "--pipelines", d, "--since", "30m", "--limit", "2"], &url).await;
     assert!(ok(&moved).starts_with("2 message(s) redriven to work"), "{}", moved.stdout);
     let in_work: Vec<String> = place
         .drain_queue("work")
@@ -173,9 +162,9 @@ async fn filters_and_dry_run_select_exactly_the_messages_they_name<P: Place>(pla
     let left = list(&[]).await;
     assert_eq!(left, pick(&|n| n != 2 && n != 5));
 
-    let refused = cli(&["dlq", "purge", "work", "--pipelines", d, "--reason", "permanent"], &url).await;
+    let refused = broker_cli(&["dlq", "purge", "work", "--pipelines", d, "--reason", "permanent"], &url).await;
     assert_eq!(refused.code, Some(1), "purge without --yes deletes nothing");
-    let purged = cli(&["dlq", "purge", "work", "--pipelines", d, "--reason", "permanent", "--yes"], &url).await;
+    let purged = broker_cli(&["dlq", "purge", "work", "--pipelines", d, "--reason", "permanent", "--yes"], &url).await;
     assert!(ok(&purged).starts_with("3 message(s) purged"), "{}", purged.stdout);
     assert_eq!(place.depth("work.dlq").await, 4);
 }
@@ -190,7 +179,7 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json<P: Place>(p
     broker.close().await;
     let (url, d) = (place.url(), dir.path().to_str().expect("utf-8 path"));
 
-    let text = cli(&["dlq", "list", "work", "--pipelines", d], &url).await;
+    let text = broker_cli(&["dlq", "list", "work", "--pipelines", d], &url).await;
     let lines: Vec<&str> = ok(&text).lines().collect();
     assert_eq!(lines.len(), 2, "{}", text.stdout);
     let header: Vec<&str> = lines[0].split_whitespace().collect();
@@ -200,7 +189,7 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json<P: Place>(p
     assert!(row[5].starts_with("1m"), "age about 90 s: {}", lines[1]);
     assert_eq!(&row[6..], ["key-1", "HTTP", "503:", "down"]);
 
-    let json = cli(&["dlq", "list", "work", "--pipelines", d, "--format", "json"], &url).await;
+    let json = broker_cli(&["dlq", "list", "work", "--pipelines", d, "--format", "json"], &url).await;
     let listed: Value = serde_json::from_str(ok(&json)).expect("json");
     let entry = &listed[0];
     assert_eq!(entry["id"], id.as_str());
@@ -211,15 +200,15 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json<P: Place>(p
     assert_eq!(entry["idempotency_key"], "key-1");
     assert!(entry["age_seconds"].as_u64().is_some_and(|a| (89..120).contains(&a)), "{entry}");
 
-    let shown = cli(&["dlq", "show", "work", &id, "--pipelines", d, "--format", "json"], &url).await;
+    let shown = broker_cli(&["dlq", "show", "work", &id, "--pipelines", d, "--format", "json"], &url).await;
     let shown: Value = serde_json::from_str(ok(&shown)).expect("json");
     assert_eq!(shown["headers"]["x-sluice-source-queue"], "work");
     assert_eq!(shown["body"]["idempotency_key"], "key-1");
-    let missing = cli(&["dlq", "show", "work", "no-such-id", "--pipelines", d], &url).await;
+    let missing = broker_cli(&["dlq", "show", "work", "no-such-id", "--pipelines", d], &url).await;
     assert_eq!(missing.code, Some(1));
     assert!(missing.stderr.contains("no message with id \"no-such-id\" in work.dlq"), "{}", missing.stderr);
 
-    let status = cli(&["status", d, "--format", "json"], &url).await;
+    let status = broker_cli(&["status", d, "--format", "json"], &url).await;
     let status: Value = serde_json::from_str(ok(&status)).expect("json");
     let row = &status["queues"][0];
     assert_eq!(row["queue"], "work");
@@ -229,7 +218,7 @@ async fn list_show_and_status_print_a_known_state_as_tables_and_json<P: Place>(p
     assert_eq!(row["dead_lettered"], 1);
     assert!(row["oldest_dead_letter_age_seconds"].as_u64().is_some_and(|a| (89..120).contains(&a)), "{row}");
     assert_eq!(status["retries_waiting"], 0);
-    let table = cli(&["status", d], &url).await;
+    let table = broker_cli(&["status", d], &url).await;
     let lines: Vec<&str> = ok(&table).lines().collect();
     assert_eq!(
         lines[0].split_whitespace().collect::<Vec<_>>(),
@@ -247,7 +236,7 @@ async fn plan_against_the_broker_names_missing_objects_and_conflicts_with_both_v
         "    type: quorum\n    max_length: 100\n    handler:\n      webhook: {url: \"http://127.0.0.1:9/hook\"}\n",
     );
     let (url, d) = (place.url(), dir.path().to_str().expect("utf-8 path"));
-    let fresh = cli(&["plan", d], &url).await;
+    let fresh = broker_cli(&["plan", d], &url).await;
     let fresh_text = ok(&fresh).to_string();
     assert!(fresh_text.contains("missing exchange \"ev\""), "{fresh_text}");
     assert!(fresh_text.contains("missing queue \"work\""), "{fresh_text}");
@@ -262,10 +251,10 @@ async fn plan_against_the_broker_names_missing_objects_and_conflicts_with_both_v
     let broker = place.connect().await;
     support::declare(running.path(), &broker).await;
     broker.close().await;
-    let matching = cli(&["plan", running.path().to_str().expect("utf-8 path")], &url).await;
+    let matching = broker_cli(&["plan", running.path().to_str().expect("utf-8 path")], &url).await;
     assert!(ok(&matching).contains("matches the files"), "{}", matching.stdout);
 
-    let conflict = cli(&["plan", d, "--format", "json"], &url).await;
+    let conflict = broker_cli(&["plan", d, "--format", "json"], &url).await;
     assert_eq!(conflict.code, Some(1), "a conflict fails the plan: {}", conflict.stderr);
     let both: Value = serde_json::from_str(&conflict.stdout).expect("json");
     let drift = both["drift"].as_array().expect("drift");
@@ -279,7 +268,7 @@ async fn plan_against_the_broker_names_missing_objects_and_conflicts_with_both_v
     assert!(both["plan"]["queues"].is_array());
     // Nothing was changed by looking.
     let running = running.path().to_str().expect("utf-8 path");
-    assert!(ok(&cli(&["plan", running], &url).await).contains("matches the files"), "the queue is as it was");
+    assert!(ok(&broker_cli(&["plan", running], &url).await).contains("matches the files"), "the queue is as it was");
 }
 
 async fn kill_9_in_the_middle_of_a_redrive_of_1000_loses_nothing<P: Place>(place: P) {
@@ -353,9 +342,9 @@ async fn a_redrive_of_thousands_at_full_speed_leaves_none_behind<P: Place>(place
     let (url, d) = (place.url(), dir.path().to_str().expect("utf-8 path"));
     let jsonl = jsonl.to_str().expect("utf-8 path");
     let args = ["publish", "--exchange", "", "--routing-key", "work.dlq", "--type", "t", "--jsonl", jsonl];
-    let _ = ok(&cli(&args, &url).await);
+    let _ = ok(&broker_cli(&args, &url).await);
     assert_eq!(place.depth("work.dlq").await, 5000);
-    let redriven = cli(&["dlq", "redrive", "work", "--pipelines", d], &url).await;
+    let redriven = broker_cli(&["dlq", "redrive", "work", "--pipelines", d], &url).await;
     assert!(ok(&redriven).starts_with("5000 message(s) redriven to work"), "{}", redriven.stdout);
     assert_eq!((place.depth("work").await, place.depth("work.dlq").await), (5000, 0));
 }
@@ -439,18 +428,18 @@ async fn status_counts_what_the_named_runners_hold_as_unacked<P: Place>(place: P
     let url = place.url();
     // The runner's gauges and the broker's counts settle within a poll.
     support::wait_until(Duration::from_secs(30), "unacked 3, ready 7, one consumer", || async {
-        let status = cli(&["status", d, "--admin", &admin, "--format", "json"], &url).await;
+        let status = broker_cli(&["status", d, "--admin", &admin, "--format", "json"], &url).await;
         let row = serde_json::from_str::<Value>(ok(&status)).expect("json")["queues"][0].clone();
         row["unacked"] == 3 && row["ready"] == 7 && row["consumers"] == 1 && row["circuit"] == "closed"
     })
     .await;
-    let table = cli(&["status", d, "--admin", &admin], &url).await;
+    let table = broker_cli(&["status", d, "--admin", &admin], &url).await;
     let lines: Vec<&str> = ok(&table).lines().collect();
     assert_eq!(&lines[1].split_whitespace().collect::<Vec<_>>()[..4], ["work", "7", "3", "1"], "{}", table.stdout);
     assert_eq!(lines[1].split_whitespace().last(), Some("closed"), "{}", table.stdout);
-    let without = cli(&["status", d], &url).await;
+    let without = broker_cli(&["status", d], &url).await;
     assert!(ok(&without).contains("UNACKED: name the runners with --admin"), "{}", without.stdout);
-    let down = cli(&["status", d, "--admin", "127.0.0.1:9"], &url).await;
+    let down = broker_cli(&["status", d, "--admin", "127.0.0.1:9"], &url).await;
     assert_eq!(down.code, Some(1));
     assert!(down.stderr.contains("cannot read the runner's metrics at http://127.0.0.1:9/metrics"), "{}", down.stderr);
 }
@@ -492,7 +481,7 @@ async fn a_redrive_after_a_killed_one_names_what_the_dead_one_still_holds<P: Pla
     first.kill().expect("kill -9");
     let _ = first.wait();
 
-    let second = cli(&["dlq", "redrive", "work", "--pipelines", &d], &place.url()).await;
+    let second = broker_cli(&["dlq", "redrive", "work", "--pipelines", &d], &place.url()).await;
     ok(&second);
     // What the dead one still holds is left, and said: how many, until when.
     let left = place.depth("work.dlq").await;
@@ -507,7 +496,7 @@ async fn a_redrive_after_a_killed_one_names_what_the_dead_one_still_holds<P: Pla
     }
     // Once the lease ends, a redrive moves the rest.
     support::wait_until(Duration::from_secs(90), "a redrive leaves none", || async {
-        ok(&cli(&["dlq", "redrive", "work", "--pipelines", &d], &place.url()).await);
+        ok(&broker_cli(&["dlq", "redrive", "work", "--pipelines", &d], &place.url()).await);
         place.depth("work.dlq").await == 0
     })
     .await;

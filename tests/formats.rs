@@ -19,7 +19,7 @@ use sluice::broker::{
 };
 use sluice::envelope;
 use sluice::format::sha256_id;
-use support::{Finished, Place, Receiver, Reply, Sluice};
+use support::{Place, Receiver, Reply, Sluice, broker_cli};
 
 /// One message as a producer sends it, and the key sluice must hand the receiver for it.
 struct Sent {
@@ -175,17 +175,6 @@ async fn browse<B: Operate>(broker: &B, queue: &str) -> Vec<(Vec<u8>, Outgoing, 
     out
 }
 
-async fn cli(args: &[&str], url: &str) -> Finished {
-    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    args.extend(["--broker".to_string(), url.to_string()]);
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        support::sluice_cli(&args, &[], Duration::from_secs(120))
-    })
-    .await
-    .expect("cli task")
-}
-
 fn pipeline(receiver: &Receiver) -> tempfile::TempDir {
     let queue = |name: &str, format: &str, key: &str| {
         format!(
@@ -293,7 +282,8 @@ async fn each_format_is_handled_retried_dead_lettered_and_redriven_as_sent<P: Pl
     mended.store(true, Ordering::SeqCst);
     let d = dir.path().to_str().expect("utf-8 path");
     for queue in ["plain", "events", "opaque"] {
-        let redriven = cli(&["dlq", "redrive", queue, "--pipelines", d, "--reason", "permanent"], &place.url()).await;
+        let redriven =
+            broker_cli(&["dlq", "redrive", queue, "--pipelines", d, "--reason", "permanent"], &place.url()).await;
         assert_eq!(redriven.code, Some(0), "{}", redriven.stderr);
     }
     let poisoned: Vec<&Sent> = sent.iter().filter(|s| is_poison(&s.message.body)).collect();
@@ -442,7 +432,7 @@ async fn the_cli_publishes_each_format<P: Place>(place: P) {
     ];
     for args in runs {
         let all: Vec<&str> = common.iter().chain(args).copied().collect();
-        let out = cli(&all, &place.url()).await;
+        let out = broker_cli(&all, &place.url()).await;
         assert_eq!(out.code, Some(0), "{all:?}: {}", out.stderr);
     }
     let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
@@ -486,7 +476,7 @@ async fn the_cli_publishes_each_format<P: Place>(place: P) {
     ] {
         let all: Vec<&str> =
             ["publish", "--exchange", "ev", "--type", "t", "--payload", "{}"].iter().chain(args).copied().collect();
-        let out = cli(&all, &place.url()).await;
+        let out = broker_cli(&all, &place.url()).await;
         assert_ne!(out.code, Some(0), "{all:?}");
         assert!(out.stderr.contains(error), "{all:?}: {}", out.stderr);
     }

@@ -671,6 +671,19 @@ pub struct Finished {
     pub peak_rss_kib: u64,
 }
 
+/// Runs `sluice ARGS --broker URL` off the async runtime (a receiver in the test keeps
+/// serving), within two minutes.
+pub async fn broker_cli(args: &[&str], url: &str) -> Finished {
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--broker".to_string(), url.to_string()]);
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        sluice_cli(&args, &[], Duration::from_secs(120))
+    })
+    .await
+    .expect("cli task")
+}
+
 /// Runs `sluice ARGS` to completion with extra environment variables; killed (and the test
 /// failed) if it takes longer than `deadline`.
 pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Finished {

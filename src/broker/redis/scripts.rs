@@ -223,12 +223,13 @@ end
 return out
 "#;
 
-/// Acks entries `ARGV[2..]` of stream `KEYS[1]` that are still pending for consumer `ARGV[1]`
-/// (one another consumer took over after its lease ran out stays): acked and deleted at once.
-/// Safe in any order and overlapping. Answers how many it removed.
-const ACK: &str = r#"
+/// Acks entries `ARGV[first..]` of stream `KEYS[1]` that are still pending for consumer
+/// `ARGV[1]` (one another consumer took over after its lease ran out stays): acked and deleted
+/// at once. Safe in any order and overlapping. Answers how many it removed. The script that
+/// runs it sets `first`.
+const ACK_ENTRIES: &str = r#"
 local done = 0
-for i = 2, #ARGV do
+for i = first, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], 'g', ARGV[i], ARGV[i], 1, ARGV[1])
   if #p > 0 then
     redis.call('XACK', KEYS[1], 'g', ARGV[i])
@@ -239,21 +240,15 @@ end
 return done
 "#;
 
-/// [`ACK`], and the idempotency keys `KEYS[2..]` recorded done (value `ARGV[2]`) for `ARGV[3]`
-/// ms, in one step: entries `ARGV[4..]`. The keys are the idempotency store's (`dedup:` under
-/// the deployment's prefix), so a duplicate's claim finds them done.
+/// [`ACK_ENTRIES`] for entries `ARGV[2..]`.
+const ACK: &str = "local first = 2\n";
+
+/// [`ACK_ENTRIES`] for entries `ARGV[4..]`, and the idempotency keys `KEYS[2..]` recorded done
+/// (value `ARGV[2]`) for `ARGV[3]` ms, in one step. The keys are the idempotency store's
+/// (`dedup:` under the deployment's prefix), so a duplicate's claim finds them done.
 const ACK_RECORDING: &str = r#"
 for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3]) end
-local done = 0
-for i = 4, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], 'g', ARGV[i], ARGV[i], 1, ARGV[1])
-  if #p > 0 then
-    redis.call('XACK', KEYS[1], 'g', ARGV[i])
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    done = done + 1
-  end
-end
-return done
+local first = 4
 "#;
 
 /// Hands back what consumer `ARGV[1]` of stream `KEYS[1]` holds: its pending entries go to
@@ -375,8 +370,8 @@ impl Scripts {
             move_entry: with_prelude(ALLOW_OOM, MOVE),
             delay: with_prelude(ALLOW_OOM, DELAY),
             claim: with_prelude(ALLOW_OOM, CLAIM),
-            ack: plain(ALLOW_OOM, ACK),
-            ack_recording: plain(ALLOW_OOM, ACK_RECORDING),
+            ack: plain(ALLOW_OOM, &format!("{ACK}{ACK_ENTRIES}")),
+            ack_recording: plain(ALLOW_OOM, &format!("{ACK_RECORDING}{ACK_ENTRIES}")),
             hand_back: plain(ALLOW_OOM, HAND_BACK),
             counts: with_prelude(NO_WRITES, COUNTS),
             read: plain(NO_WRITES, READ),

@@ -19,8 +19,9 @@ use serde_json::json;
 use sluice::broker::{Headers, Kept, Properties, Route};
 use sluice::config::{Config, Queue};
 use sluice::envelope::Envelope;
-use sluice::format::{Format, Message};
+use sluice::format::Message;
 use sluice::runtime::{filter, outcome};
+use sluice::vocab::format::Format;
 
 const ROUNDS: usize = 9;
 const CALLS: usize = 100_000;

@@ -9,34 +9,10 @@
 //! says the broker's limit and the pipeline is not refused.
 
 pub use crate::vocab::capabilities::{Capabilities, HandBack, Ordering};
-use crate::vocab::{ExchangeKind, MAX_MESSAGE_BYTES, QueueKind};
+use crate::vocab::{ExchangeKind, QueueKind};
 
-const EVERY_QUEUE_TYPE: &[QueueKind] = &[QueueKind::Quorum, QueueKind::Classic];
-const EVERY_EXCHANGE_KIND: &[ExchangeKind] =
-    &[ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers];
-
-/// RabbitMQ: everything sluice offers; delays up to the delay cascade's longest (about 38
-/// days); bodies up to the 512 MiB it takes whatever it is configured to.
-pub const RABBITMQ: Capabilities = Capabilities {
-    name: "RabbitMQ",
-    longest_delay: Some(super::amqp::MAX_DELAY),
-    largest_body: MAX_MESSAGE_BYTES,
-    priorities: true,
-    message_ttl: true,
-    max_length: true,
-    queue_types: EVERY_QUEUE_TYPE,
-    exchange_kinds: EVERY_EXCHANGE_KIND,
-    orderings: &[Ordering::SingleActiveConsumer],
-    arguments: true,
-    hand_back: HandBack::PerMessage,
-    leases: false,
-    holds_acks: true,
-    holds_keys: false,
-    browse_in_order: true,
-    atomic_copy_and_remove: false,
-    admits_past_max_length: 1,
-    counts_waiting_consumers: false,
-};
+/// RabbitMQ's, with its delay cascade in `amqp`.
+pub use super::amqp::CAPABILITIES as RABBITMQ;
 
 /// The embedded broker (SQLite): any delay; bodies up to SQLite's default 1 GB; no priorities,
 /// no expiry, no broker arguments (its declare refuses them). Both queue types are taken and
@@ -48,8 +24,8 @@ pub const EMBEDDED: Capabilities = Capabilities {
     priorities: false,
     message_ttl: false,
     max_length: true,
-    queue_types: EVERY_QUEUE_TYPE,
-    exchange_kinds: EVERY_EXCHANGE_KIND,
+    queue_types: QueueKind::ALL,
+    exchange_kinds: ExchangeKind::ALL,
     orderings: &[Ordering::SingleActiveConsumer],
     arguments: false,
     hand_back: HandBack::PerMessage,

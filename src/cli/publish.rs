@@ -31,8 +31,8 @@ use crate::app;
 use crate::broker::{BrokerError, HeaderValue, Headers, Operate, Outgoing, Publish};
 use crate::config::MAX_MESSAGE_BYTES;
 use crate::envelope::{Envelope, TRACEPARENT_HEADER, Timestamp};
-use crate::format::Format;
 use crate::trace::TraceContext;
+use crate::vocab::format::Format;
 
 /// Confirms awaited at once in bulk mode: enough to keep the channel busy.
 const IN_FLIGHT: usize = 256;

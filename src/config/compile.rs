@@ -18,11 +18,11 @@ use super::{
     StdinMode, Tls, Validation, Webhook, raw,
 };
 use crate::file::{ReadError, read_regular};
-use crate::format::Format;
 use crate::handler::auth::{OAuth2, SecretSource};
 use crate::handler::rules::Rules;
 use crate::handler::template::{Escape, Template, TemplateError};
 use crate::handler::webhook::TlsPem;
+use crate::vocab::format::Format;
 
 /// The most a `tls:` file (PEM certificates or a key) may hold: a CA bundle is ~200 KiB.
 pub(crate) const MAX_PEM_BYTES: u64 = 1 << 20;

@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use super::diagnostic::{Diagnostic, Severity};
 use super::source::{SourceFile, escape_token};
 use super::suggest;
-use crate::format::Format;
+use crate::vocab::format::Format;
 
 /// A binding's condition on a message: the queue takes a message through this binding only
 /// when it holds.

@@ -87,7 +87,7 @@ pub struct Queue {
     /// A bigger body is dead-lettered as `too_large`, unparsed.
     pub max_message_bytes: usize,
     /// How its messages are read.
-    pub format: crate::format::Format,
+    pub format: crate::vocab::format::Format,
     pub payload_schema: Option<PayloadSchema>,
     /// Prefetch, and the most handlers in flight at once.
     pub concurrency: NonZeroU16,

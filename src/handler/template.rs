@@ -16,7 +16,7 @@ use handlebars::{
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 
 /// The variables a template may start from, in any message format (which of them a message
-/// has depends on its queue's format: [`crate::format::Format::has`]).
+/// has depends on its queue's format: [`crate::vocab::format::Format::has`]).
 pub const ROOTS: &[&str] = &[
     "id",
     "type",

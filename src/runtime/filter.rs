@@ -216,7 +216,7 @@ mod tests {
     use super::*;
     use crate::broker::{Kept, Properties};
     use crate::config::filter::Values;
-    use crate::format::Format;
+    use crate::vocab::format::Format;
 
     fn n(v: Value) -> Number {
         match v {

@@ -19,13 +19,13 @@ use crate::broker::{Delivery as _, HeaderValue, Headers, Kept, Properties, Route
 use crate::call::Call;
 use crate::config::source::escape_token;
 use crate::config::{Config, Queue};
-use crate::format::Format;
 use crate::handler::command::{self, Stdin};
 use crate::handler::{HandlerError, webhook};
 use crate::runtime::outcome;
 use crate::runtime::outcome::Disposition;
 use crate::topology::route;
 use crate::topology::{self, Plan};
+use crate::vocab::format::Format;
 
 /// One difference between what a test expects and what happened.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -1,11 +1,13 @@
 //! The words the pipeline files and the brokers share, on a floor below both: exchange and queue
-//! kinds, durations as written, the largest body any broker takes, "did you mean", and what a
-//! broker can honour ([`capabilities::Capabilities`]). `config` reads them out of files (and
+//! kinds, durations as written, the largest body any broker takes, "did you mean", what a
+//! broker can honour ([`capabilities::Capabilities`]) and the message formats
+//! ([`format::Format`]). `config` reads them out of files (and
 //! re-exports them for its users), `broker` speaks them; neither imports the other for them.
 //!
 //! Nothing here reads a file, knows a pipeline or talks to a broker.
 
 pub mod capabilities;
+pub mod format;
 pub mod suggest;
 
 use std::time::Duration;
@@ -21,6 +23,9 @@ pub enum ExchangeKind {
 }
 
 impl ExchangeKind {
+    pub const ALL: &[ExchangeKind] =
+        &[ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers];
+
     /// The AMQP name of the type.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -50,6 +55,10 @@ impl ExchangeKind {
 pub enum QueueKind {
     Quorum,
     Classic,
+}
+
+impl QueueKind {
+    pub const ALL: &[QueueKind] = &[QueueKind::Quorum, QueueKind::Classic];
 }
 
 /// RabbitMQ refuses messages over 512 MiB whatever it is configured to.

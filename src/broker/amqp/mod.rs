@@ -28,6 +28,11 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
 
+use crate::vocab::{
+    self,
+    capabilities::{self, Capabilities},
+};
+
 use self::declare::DestinationKind;
 pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
 use super::kit::AckWindow;
@@ -59,6 +64,29 @@ impl Default for Timeouts {
 /// 5 s, and a false alarm needs a server silent for 4 s. A heartbeat is an 8-byte frame, sent
 /// only when the connection has carried nothing else for a while.
 pub const HEARTBEAT_SECONDS: u16 = 2;
+
+/// RabbitMQ: everything sluice offers; delays up to the delay cascade's longest (about 38
+/// days); bodies up to the 512 MiB it takes whatever it is configured to.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    name: "RabbitMQ",
+    longest_delay: Some(MAX_DELAY),
+    largest_body: vocab::MAX_MESSAGE_BYTES,
+    priorities: true,
+    message_ttl: true,
+    max_length: true,
+    queue_types: vocab::QueueKind::ALL,
+    exchange_kinds: vocab::ExchangeKind::ALL,
+    orderings: &[capabilities::Ordering::SingleActiveConsumer],
+    arguments: true,
+    hand_back: capabilities::HandBack::PerMessage,
+    leases: false,
+    holds_acks: true,
+    holds_keys: false,
+    browse_in_order: true,
+    atomic_copy_and_remove: false,
+    admits_past_max_length: 1,
+    counts_waiting_consumers: false,
+};
 
 /// How long closing a connection may wait for the broker's answer.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -618,8 +646,8 @@ impl Broker for Amqp {
         Ok(total)
     }
 
-    fn capabilities(&self) -> crate::broker::Capabilities {
-        crate::broker::capabilities::RABBITMQ
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
     fn is_connected(&self) -> bool {

@@ -73,6 +73,20 @@ pub const REDIS: Capabilities = Capabilities {
     ..EMBEDDED
 };
 
+/// NATS JetStream: any delay (a NAK with the time left); bodies up to the server's default
+/// `max_payload` of 1 MiB; no priorities, no expiry, no broker arguments, no single active
+/// consumer (nats-server 2.9 has no pinned consumers). sluice routes every exchange kind
+/// itself. A delayed copy waits in its queue's stream, so `max_length` counts it.
+pub const JETSTREAM: Capabilities = Capabilities {
+    name: "the JetStream broker",
+    largest_body: 1 << 20,
+    orderings: &[],
+    holds_keys: false,
+    atomic_copy_and_remove: false,
+    counts_waiting_consumers: false,
+    ..EMBEDDED
+};
+
 /// The in-memory test double: as the embedded broker, unless a test gives it a longest delay.
 pub const MEMORY: Capabilities =
     Capabilities { name: "the in-memory broker", leases: false, holds_keys: false, ..EMBEDDED };

@@ -338,6 +338,59 @@ impl Place for RedisPrefix {
     }
 }
 
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A name prefix of its own on the shared NATS server (JetStream), for one test: its streams
+/// and buckets are removed on drop.
+pub struct NatsPrefix {
+    pub prefix: String,
+    /// Extra URL parameters (`&lease=2s`).
+    pub params: String,
+}
+
+impl NatsPrefix {
+    /// A prefix whose deliveries are leased for 5 s, not the default 30 s (as `RedisPrefix`).
+    pub fn new() -> NatsPrefix {
+        NatsPrefix::with("&lease=5s")
+    }
+
+    /// A prefix with extra URL parameters (`&lease=2s`); fails (never skips) when NATS is down.
+    pub fn with(params: &str) -> NatsPrefix {
+        if TcpStream::connect_timeout(&"127.0.0.1:4222".parse().expect("address"), Duration::from_secs(2)).is_err() {
+            panic!("NATS is not reachable at {NATS_URL}. Start it with `nats-server -js &`.");
+        }
+        NatsPrefix { prefix: owned_name(), params: params.to_string() }
+    }
+}
+
+impl Drop for NatsPrefix {
+    fn drop(&mut self) {
+        let url = self.url();
+        // Drop may run inside a test's runtime: the cleanup gets a runtime of its own.
+        let cleanup = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            runtime.block_on(async {
+                if let Ok(broker) = sluice::broker::jetstream::JetStream::connect(&url).await {
+                    let _ = broker.destroy().await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+impl Place for NatsPrefix {
+    type Broker = sluice::broker::jetstream::JetStream;
+
+    fn url(&self) -> String {
+        format!("{NATS_URL}?prefix={}{}", self.prefix, self.params)
+    }
+
+    async fn connect(&self) -> Self::Broker {
+        sluice::broker::jetstream::JetStream::connect(&self.url()).await.expect("connect to nats")
+    }
+}
+
 /// An HTTP client for the tests, with the TLS provider `sluice` installs. One per process:
 /// each new client parses the system's root certificates (in a test build, about 3 % of the
 /// suite's CPU, polls making one every 200 ms). It keeps no idle connection, which would

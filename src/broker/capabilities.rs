@@ -73,13 +73,13 @@ pub const REDIS: Capabilities = Capabilities {
     ..EMBEDDED
 };
 
-/// NATS JetStream: any delay (a NAK with the time left); bodies up to the server's default
-/// `max_payload` of 1 MiB; no priorities, no expiry, no broker arguments, no single active
+/// NATS JetStream: any delay (a NAK with the time left); bodies up to the 64 MiB NATS allows
+/// (the server's `max_payload`, 1 MiB by default, must be raised for bodies past it); no priorities, no expiry, no broker arguments, no single active
 /// consumer (nats-server 2.9 has no pinned consumers). sluice routes every exchange kind
 /// itself. A delayed copy waits in its queue's stream, so `max_length` counts it.
 pub const JETSTREAM: Capabilities = Capabilities {
     name: "the JetStream broker",
-    largest_body: 1 << 20,
+    largest_body: 64 << 20,
     orderings: &[],
     holds_keys: false,
     atomic_copy_and_remove: false,

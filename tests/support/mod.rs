@@ -217,9 +217,10 @@ impl Place for Vhost {
     }
 }
 
-/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with three tests:
-/// `rabbitmq` (a vhost of its own), `embedded` (a directory of its own) and `redis` (a key
-/// prefix of its own on the shared server).
+/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with four tests:
+/// `rabbitmq` (a vhost of its own), `embedded` (a directory of its own), `redis` (a key
+/// prefix of its own on the shared server) and `jetstream` (a name prefix of its own on the
+/// shared NATS server).
 #[macro_export]
 macro_rules! on_every_broker {
     ($($name:ident),* $(,)?) => {$(
@@ -237,6 +238,11 @@ macro_rules! on_every_broker {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn redis() {
                 super::$name($crate::support::RedisPrefix::new()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn jetstream() {
+                super::$name($crate::support::NatsPrefix::new()).await
             }
         }
     )*};
@@ -389,6 +395,15 @@ impl Place for NatsPrefix {
     async fn connect(&self) -> Self::Broker {
         sluice::broker::jetstream::JetStream::connect(&self.url()).await.expect("connect to nats")
     }
+
+    /// Messages in the queue's stream, delivered or not: a killed runner's deliveries count
+    /// until they are acked, as on RabbitMQ. (Delayed copies count too.)
+    async fn depth(&self, queue: &str) -> u32 {
+        let broker = self.connect().await;
+        let messages = broker.messages(queue).await.unwrap_or_else(|e| panic!("messages in {queue}: {e}"));
+        broker.close().await;
+        messages
+    }
 }
 
 /// An HTTP client for the tests, with the TLS provider `sluice` installs. One per process:
@@ -490,7 +505,7 @@ pub struct Sluice {
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
     /// Unless the args or `env` choose one, the idempotency store is the embedded broker's own
-    /// file, or beside RabbitMQ a state directory in DIR: the default there (`.sluice` in the
+    /// file, or beside RabbitMQ and JetStream a state directory in DIR: the default there (`.sluice` in the
     /// working directory) would be shared by every test and every earlier run, so keys handled
     /// there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
@@ -503,7 +518,7 @@ impl Sluice {
         let log = dir.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
         let file = std::fs::File::create(&log).expect("log file");
         let mut command = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        if url.starts_with("amqp") {
+        if url.starts_with("amqp") || url.starts_with("nats") {
             command.env("SLUICE_DEDUP", dir.join(".sluice"));
         }
         let child = command

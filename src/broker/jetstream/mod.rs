@@ -63,8 +63,9 @@ pub const LEASE: Duration = Duration::from_secs(30);
 /// delayed copy come due).
 pub const POLL: Duration = Duration::from_secs(1);
 
-/// How long a consumer's registration lasts without being written again.
-pub const REGISTRATION: Duration = Duration::from_secs(5);
+/// How long a consumer's registration lasts without being written again (it writes it every
+/// [`POLL`]).
+pub const REGISTRATION: Duration = Duration::from_secs(3);
 
 /// This broker, as a refused declaration names it.
 const BROKER: &str = "the JetStream broker";
@@ -336,6 +337,12 @@ impl JetStream {
         Ok(())
     }
 
+    /// Messages in `queue`'s stream, delivered or not (held, handed back, delayed copies).
+    pub async fn messages(&self, queue: &str) -> Result<u32, BrokerError> {
+        let (messages, _) = self.counts(queue).await?;
+        Ok(u32::try_from(messages).unwrap_or(u32::MAX))
+    }
+
     /// The topology as stored, with its revision (0: none stored).
     async fn stored(&self) -> Result<(Stored, u64), BrokerError> {
         let entry = self.inner.topology.entry("plan").await.map_err(|e| lost("reading the topology", e))?;
@@ -496,8 +503,13 @@ impl JetStream {
         let stream = self.queue_stream(queue).await?;
         let pull: jetstream::consumer::PullConsumer =
             stream.get_consumer(DURABLE).await.map_err(|e| lost("reading a queue's consumer", e))?;
-        let member = Member { name: uuid::Uuid::now_v7().simple().to_string(), replies: Mutex::new(HashMap::new()) };
+        let member = Member {
+            name: uuid::Uuid::now_v7().simple().to_string(),
+            replies: Mutex::new(HashMap::new()),
+            handing_back: tokio::sync::Mutex::new(()),
+        };
         let state = Arc::new(Holder::new(queue, prefetch, member));
+        self.answer_while_alive(&state).await?;
         self.register(&state).await;
         let claimer = JsClaimer {
             broker: self.clone(),
@@ -505,10 +517,54 @@ impl JetStream {
             wake: self.waker(queue).await?,
             renewal: Renewal::new(self.inner.location.lease),
             registered: tokio::time::Instant::now(),
+            due: None,
+            waiting: Vec::new(),
             failures: 0,
         };
         let deliveries = claim::start(claimer, &state);
         Ok((deliveries, JsConsumer { broker: self.clone(), state }))
+    }
+
+    /// The subject a consumer answers on while it lives: statistics ask it, and a killed
+    /// process's consumer has no one to answer (the server says so at once).
+    fn alive_subject(&self, name: &str) -> String {
+        format!("{}.alive.{name}", self.inner.location.prefix)
+    }
+
+    /// Answers on the consumer's alive subject until it closes or is gone.
+    async fn answer_while_alive(&self, s: &Arc<ConsumerState>) -> Result<(), BrokerError> {
+        let mut asks = self
+            .inner
+            .client
+            .subscribe(self.alive_subject(&s.own.name))
+            .await
+            .map_err(|e| lost("subscribing to liveness asks", e))?;
+        let (client, state, stop) = (self.inner.client.clone(), Arc::downgrade(s), self.inner.stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let ask = tokio::select! {
+                    () = stop.cancelled() => return,
+                    ask = asks.next() => ask,
+                };
+                let Some(ask) = ask else { return };
+                if !state.upgrade().is_some_and(|s| s.is_live()) {
+                    return;
+                }
+                if let Some(reply) = ask.reply {
+                    client.publish(reply, Bytes::new()).await.ok();
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Whether the consumer named `name` answers: a dead one's process has no subscription.
+    async fn answers(&self, name: &str) -> bool {
+        let asked = self.inner.client.request(self.alive_subject(name), Bytes::new());
+        match tokio::time::timeout(Duration::from_secs(2), asked).await {
+            Ok(Ok(_)) | Err(_) => true,
+            Ok(Err(e)) => e.kind() != async_nats::RequestErrorKind::NoResponders,
+        }
     }
 
     /// The key of a consumer's registration.
@@ -526,17 +582,33 @@ impl JetStream {
 
     /// Live consumers of `queue` and how many deliveries they hold in all.
     async fn live(&self, queue: &str) -> Result<(u32, u64), BrokerError> {
-        let start = format!("{}.", Location::hex(queue));
-        let mut keys = self.inner.consumers.keys().await.map_err(|e| lost("reading consumers", e))?;
+        // The bucket's subjects, read from its stream's state: the client's key listing waits
+        // for entries counted when it starts, which one expiring meanwhile never sends.
+        let bucket = &self.inner.consumers;
+        let filter = format!("{}{}.>", bucket.prefix, Location::hex(queue));
+        let mut subjects = bucket.stream.info_with_subjects(&filter).await.map_err(|e| lost("reading consumers", e))?;
+        let mut keys = Vec::new();
+        while let Some(subject) = subjects.next().await {
+            let (subject, _) = subject.map_err(|e| lost("reading consumers", e))?;
+            keys.extend(subject.strip_prefix(bucket.prefix.as_str()).map(str::to_string));
+        }
         let (mut consumers, mut held) = (0u32, 0u64);
-        while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| lost("reading consumers", e))?;
-            if !key.starts_with(&start) {
-                continue;
-            }
-            if let Some(value) = self.inner.consumers.get(&key).await.map_err(|e| lost("reading consumers", e))? {
+        for key in keys {
+            let entry = self.inner.consumers.entry(&key).await.map_err(|e| lost("reading consumers", e))?;
+            // A registration not written again for REGISTRATION is a dead consumer's (a killed
+            // process), even before the bucket expires it.
+            let fresh = |e: &kv::Entry| {
+                let age = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos())
+                    .saturating_sub(u128::try_from(e.created.unix_timestamp_nanos()).unwrap_or(0));
+                age < REGISTRATION.as_nanos()
+            };
+            let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put && fresh(e)) else { continue };
+            let name = key.rsplit('.').next().unwrap_or_default();
+            if self.answers(name).await {
                 consumers += 1;
-                held += String::from_utf8_lossy(&value).parse::<u64>().unwrap_or(0);
+                held += String::from_utf8_lossy(&entry.value).parse::<u64>().unwrap_or(0);
             }
         }
         Ok((consumers, held))
@@ -632,6 +704,25 @@ fn now_ms() -> u64 {
     u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// How long after a delayed copy put back is due back its consumer pulls often: the server
+/// makes a NAKed message deliverable up to about a second after its delay, not at once.
+const DUE_SLACK: Duration = Duration::from_secs(2);
+
+/// How long before its due time a delayed copy comes back from the server, to be held by its
+/// consumer for the rest: delays stay exact whatever the server's lateness.
+const EARLY: Duration = Duration::from_secs(2);
+
+/// How often a consumer pulls once a delayed copy is due.
+const DUE_POLL: Duration = Duration::from_millis(50);
+
+/// How long to wait before pulling for a copy due at `due`: until then, or a little once due.
+fn soon(due: tokio::time::Instant, now: tokio::time::Instant) -> Duration {
+    match due.checked_duration_since(now) {
+        Some(left) if !left.is_zero() => left,
+        _ => DUE_POLL,
+    }
+}
+
 /// A consumer as this broker keeps it.
 type ConsumerState = Holder<u64, Member>;
 
@@ -641,6 +732,9 @@ struct Member {
     name: String,
     /// The reply subject of each delivery it holds, by stream sequence: to renew and hand back.
     replies: Mutex<HashMap<u64, String>>,
+    /// Held by its close while it hands back what it held: what a claim on its way took is
+    /// handed back after, so that all of it comes again in queue order.
+    handing_back: tokio::sync::Mutex<()>,
 }
 
 /// A consumer's pulls: what fits its room, without waiting (`no_wait`: nothing is ever
@@ -653,6 +747,11 @@ struct JsClaimer {
     wake: Arc<Notify>,
     renewal: Renewal,
     registered: tokio::time::Instant,
+    /// When the earliest delayed copy this consumer put back comes back: it pulls often then.
+    due: Option<tokio::time::Instant>,
+    /// Delayed copies pulled shortly before they are due, held here (leased, renewed) until
+    /// then: not yet the consumer's deliveries.
+    waiting: Vec<(tokio::time::Instant, JsDelivery)>,
     /// Pulls failed in a row.
     failures: u32,
 }
@@ -660,10 +759,11 @@ struct JsClaimer {
 impl JsClaimer {
     /// Renews the leases of what the consumer holds.
     async fn renew(&mut self, s: &ConsumerState) {
-        let replies: Vec<String> = {
+        let mut replies: Vec<String> = {
             let replies = lock(&s.own.replies);
             s.held().iter().filter_map(|id| replies.get(id).cloned()).collect()
         };
+        replies.extend(self.waiting.iter().map(|(_, d)| d.tag.reply.clone()));
         let renewals = replies.iter().map(|reply| self.broker.settle(reply, jetstream::AckKind::Progress));
         let failed = futures_util::future::join_all(renewals).await.into_iter().find_map(Result::err);
         match failed {
@@ -693,48 +793,49 @@ impl Claimer for JsClaimer {
         if self.renewal.is_due() {
             self.renew(s).await;
         }
-        let wait = POLL.min(self.renewal.every());
         if self.registered.elapsed() >= POLL {
             self.broker.register(s).await;
             self.registered = tokio::time::Instant::now();
         }
-        if ask.room == 0 {
-            return Claimed { within: Some(wait), ..Claimed::default() };
-        }
-        let fetched = self.pull.fetch().max_messages(ask.room).messages().await;
-        let mut messages = match fetched {
-            Ok(messages) => messages,
-            Err(e) => return self.failed(s, lost("pulling", e), wait),
-        };
+        let now = tokio::time::Instant::now();
+        self.due = self.due.filter(|due| now < *due + DUE_SLACK);
+        // Copies held here that came due go first, as the room allows.
         let mut deliveries = Vec::new();
+        self.waiting.sort_by_key(|(due, _)| *due);
+        while deliveries.len() < ask.room && self.waiting.first().is_some_and(|(due, _)| *due <= now) {
+            let (_, d) = self.waiting.remove(0);
+            lock(&s.own.replies).insert(d.tag.sequence, d.tag.reply.clone());
+            deliveries.push(d);
+        }
+        let room = ask.room - deliveries.len();
         let mut taken = 0;
-        let now = now_ms();
-        while let Some(m) = messages.next().await {
-            let m = match m {
-                Ok(m) => m,
-                Err(e) => return self.failed(s, lost("pulling", e), wait),
+        if room > 0 {
+            let fetched = self.pull.fetch().max_messages(room).messages().await;
+            let mut messages = match fetched {
+                Ok(messages) => messages,
+                Err(e) => return self.failed(s, lost("pulling", e)),
             };
-            taken += 1;
-            let (Some(reply), Ok(info)) = (m.reply.clone(), m.info()) else { continue };
-            let sequence = info.stream_sequence;
-            let header = m.headers.as_ref().and_then(|h| h.get(PROPERTIES)).map(|v| v.as_str().to_string());
-            let message = Message::read(m.payload.clone(), header.as_deref());
-            if let Some(due) = message.due.filter(|due| *due > now) {
-                // Not due yet: back to the server until it is.
-                let left = Duration::from_millis(due - now);
-                if let Err(e) = self.broker.settle(reply.as_str(), jetstream::AckKind::Nak(Some(left))).await {
-                    tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot put a delayed copy back");
+            let now = now_ms();
+            while let Some(m) = messages.next().await {
+                let m = match m {
+                    Ok(m) => m,
+                    Err(e) => return self.failed(s, lost("pulling", e)),
+                };
+                taken += 1;
+                let (Some(reply), Ok(info)) = (m.reply.clone(), m.info()) else { continue };
+                let sequence = info.stream_sequence;
+                let header = m.headers.as_ref().and_then(|h| h.get(PROPERTIES)).map(|v| v.as_str().to_string());
+                let Message { body, kind, properties, due } = Message::read(m.payload.clone(), header.as_deref());
+                let kept =
+                    Kept::whole(Tag { sequence, reply: reply.to_string(), kind }, body, properties, s.live.clone());
+                match due.filter(|due| *due > now) {
+                    None => {
+                        lock(&s.own.replies).insert(sequence, reply.to_string());
+                        deliveries.push(kept);
+                    }
+                    Some(due) => self.not_yet(s, kept, Duration::from_millis(due - now)).await,
                 }
-                continue;
             }
-            lock(&s.own.replies).insert(sequence, reply.to_string());
-            let Message { body, kind, properties, .. } = message;
-            deliveries.push(Kept::whole(
-                Tag { sequence, reply: reply.to_string(), kind },
-                body,
-                properties,
-                s.live.clone(),
-            ));
         }
         self.failures = 0;
         if !deliveries.is_empty() {
@@ -742,27 +843,66 @@ impl Claimer for JsClaimer {
             self.broker.register(s).await;
             self.registered = tokio::time::Instant::now();
         }
-        let more = taken >= ask.room;
-        Claimed { deliveries, more, within: Some(wait), failed: None }
+        let more = room > 0 && taken >= room;
+        Claimed { deliveries, more, within: Some(self.wait()), failed: None }
     }
 
     /// NAKs what a claim took after the close, in queue order, to be delivered first.
     async fn hand_back(&mut self, s: &ConsumerState, ids: Vec<u64>) {
+        let _after_the_close = s.own.handing_back.lock().await;
         hand_back(&self.broker, s, ids).await;
     }
 
+    /// Copies held until due go back to the server with the time they have left.
     async fn end(&mut self, s: &ConsumerState) {
+        let now = tokio::time::Instant::now();
+        for (due, d) in std::mem::take(&mut self.waiting) {
+            let left = due.saturating_duration_since(now);
+            if let Err(e) = self.broker.settle(&d.tag.reply, jetstream::AckKind::Nak(Some(left))).await {
+                tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot put a delayed copy back; it comes back when its lease runs out");
+            }
+        }
         let _ = self.broker.inner.consumers.purge(self.broker.registration(s)).await;
     }
 }
 
 impl JsClaimer {
     /// A pull that failed: the stream ends with it after a few in a row.
-    fn failed(&mut self, s: &ConsumerState, e: BrokerError, wait: Duration) -> Claimed<Tag> {
+    fn failed(&mut self, s: &ConsumerState, e: BrokerError) -> Claimed<Tag> {
         self.failures += 1;
         tracing::warn!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
         let failed = (self.failures >= 5).then_some(e);
-        Claimed { within: Some(wait), failed, ..Claimed::default() }
+        Claimed { within: Some(self.wait()), failed, ..Claimed::default() }
+    }
+
+    /// A copy pulled `left` before it is due: held here when that is at most [`EARLY`]; else
+    /// NAKed to come back [`EARLY`] before its time (the server redelivers a NAKed message
+    /// up to about a second after its delay), and pulled for often from then.
+    async fn not_yet(&mut self, s: &ConsumerState, kept: JsDelivery, left: Duration) {
+        let now = tokio::time::Instant::now();
+        if left <= EARLY {
+            self.waiting.push((now + left, kept));
+            return;
+        }
+        let back = left - EARLY;
+        self.due = Some(self.due.map_or(now + back, |due| due.min(now + back)));
+        if let Err(e) = self.broker.settle(&kept.tag.reply, jetstream::AckKind::Nak(Some(back))).await {
+            tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot put a delayed copy back; it comes back when its lease runs out");
+        }
+    }
+
+    /// How long to wait before pulling again: a poll, a third of the lease (to renew), when a
+    /// copy held here comes due, or soon once one put back is due back.
+    fn wait(&self) -> Duration {
+        let now = tokio::time::Instant::now();
+        let mut wait = POLL.min(self.renewal.every());
+        if let Some(due) = self.due {
+            wait = wait.min(soon(due, now));
+        }
+        if let Some(due) = self.waiting.iter().map(|(due, _)| *due).min() {
+            wait = wait.min(due.saturating_duration_since(now));
+        }
+        wait
     }
 }
 
@@ -842,8 +982,10 @@ impl Consumer for JsConsumer {
 
     async fn close(&self) {
         let s = &self.state;
+        let handing_back = s.own.handing_back.lock().await;
         let held = s.close();
         hand_back(&self.broker, s, held).await;
+        drop(handing_back);
         let _ = self.broker.inner.consumers.purge(self.broker.registration(s)).await;
     }
 }
@@ -939,11 +1081,16 @@ impl Broker for JetStream {
     }
 
     /// Deliveries not acked (held under a lease, delayed copies put back until due), in every
-    /// declared queue.
+    /// declared work queue. Dead-letter queues take no delayed copies, and what a browse of
+    /// one handed back counts as not acked until it is read again: they are left out.
     async fn delayed(&self) -> Result<u32, BrokerError> {
         let (stored, _) = self.stored().await?;
         let mut total = 0u64;
-        for queue in stored.queues.keys() {
+        for (queue, declaration) in &stored.queues {
+            let role: serde_json::Value = serde_json::from_str(declaration).unwrap_or_default();
+            if role.get("role").and_then(serde_json::Value::as_str) == Some("dead_letter") {
+                continue;
+            }
             total += self.counts(queue).await?.1;
         }
         Ok(u32::try_from(total).unwrap_or(u32::MAX))

@@ -365,7 +365,32 @@ impl NatsPrefix {
         if TcpStream::connect_timeout(&"127.0.0.1:4222".parse().expect("address"), Duration::from_secs(2)).is_err() {
             panic!("NATS is not reachable at {NATS_URL}. Start it with `nats-server -js &`.");
         }
+        NatsPrefix::sweep();
         NatsPrefix { prefix: owned_name(), params: params.to_string() }
+    }
+
+    /// Deletes, once per test process, the streams and buckets killed runs left under prefixes
+    /// of their own on the shared server.
+    fn sweep() {
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| {
+            let sweep = std::thread::spawn(|| {
+                use futures_util::StreamExt as _;
+                let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+                runtime.block_on(async {
+                    let Ok(client) = async_nats::connect("127.0.0.1:4222").await else { return };
+                    let js = async_nats::jetstream::new(client);
+                    let names: Vec<String> = js.stream_names().filter_map(|n| async { n.ok() }).collect().await;
+                    for name in names {
+                        let prefix = name.strip_prefix("KV_").unwrap_or(&name);
+                        if prefix.split('_').next().is_some_and(left_by_a_dead_run) {
+                            let _ = js.delete_stream(&name).await;
+                        }
+                    }
+                });
+            });
+            let _ = sweep.join();
+        });
     }
 }
 

@@ -1,7 +1,8 @@
 //! Issue 32 item 1: `validate --broker` and `run` refuse, at file:line:column, what the chosen
 //! broker cannot honour, naming the capability and the broker; the broker's kind alone says
-//! what it can, so nothing is connected to. One test per capability refused, on Redis and on
-//! the embedded broker; and a pipeline every broker honours passes on each.
+//! what it can, so nothing is connected to. One test per capability refused, on Redis, on
+//! the embedded broker and on JetStream; and a pipeline every broker honours passes on each
+//! (on JetStream, without what it lacks: `ordered`, bodies past 64 MiB).
 
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ fn brokers(dir: &std::path::Path) -> Vec<(String, &'static str)> {
         ("redis://127.0.0.1:6379/5".to_string(), "the Redis broker"),
         (redis_nowhere(), "the Redis broker"),
         (dir.join("broker").to_str().expect("utf-8").to_string(), "the embedded broker"),
+        (format!("nats://127.0.0.1:{}", support::free_port()), "the JetStream broker"),
     ]
 }
 
@@ -102,12 +104,30 @@ queues:
 fn a_pipeline_every_broker_honours_passes_on_each() {
     let dir = support::pipeline(EVERYWHERE);
     let path = dir.path().to_str().expect("utf-8");
+    let jetstream = support::pipeline(
+        &EVERYWHERE.replace("    ordered: true\n", "").replace("max_message_bytes: 512MiB", "max_message_bytes: 64MiB"),
+    );
     let mut all = brokers(dir.path());
     all.push(("amqp://guest:guest@127.0.0.1:5672/%2f".to_string(), "RabbitMQ"));
-    for (broker, _) in all {
+    for (broker, name) in all {
+        let path = match name {
+            "the JetStream broker" => jetstream.path().to_str().expect("utf-8"),
+            _ => path,
+        };
         let out = sluice_cli(&["validate", path, "--broker", &broker], &[], Duration::from_secs(20));
         assert_eq!(out.code, Some(0), "--broker {broker}: {out:?}");
     }
+}
+
+// Issue 35: JetStream (nats-server 2.9) has no single active consumer; `ordered` is refused.
+#[test]
+fn ordered_is_refused_on_jetstream() {
+    let dir = support::pipeline(EVERYWHERE);
+    let path = dir.path().to_str().expect("utf-8");
+    let nats = format!("nats://127.0.0.1:{}", support::free_port());
+    let out = sluice_cli(&["validate", path, "--broker", &nats], &[], Duration::from_secs(20));
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stdout.contains("/queues/work/ordered: the JetStream broker"), "{}", out.stdout);
 }
 
 // Issue 32 item 1: `run` refuses the same, before it connects (nothing listens at the URL).

@@ -38,6 +38,7 @@ mod hostile;
 mod hostile_handlers;
 mod hostile_tree;
 mod idempotency;
+mod jetstream_broker;
 mod large_messages;
 mod log_hygiene;
 mod logs;

@@ -11,6 +11,7 @@ use crate::admin::api::Connect;
 use crate::broker::amqp::{self, Amqp};
 use crate::broker::embedded::{self, Embedded};
 use crate::broker::failover::Failover;
+use crate::broker::jetstream::{self, JetStream};
 use crate::broker::redis::{self, Redis};
 use crate::broker::render::Picture;
 use crate::broker::{Broker as _, BrokerError, Capabilities, Operate, capabilities};
@@ -149,6 +150,38 @@ impl Kind for RedisServer<'_> {
             Box::pin(async move { Redis::connect(&url).await })
         });
         (dial.limit(Failover::new(vec![amqp::redact(url)], open), 3), reconnect)
+    }
+}
+
+/// The servers of one NATS deployment (one `--broker` value, comma-separated, with sluice's
+/// parameters).
+pub struct NatsServers<'a>(pub &'a str);
+
+impl Kind for NatsServers<'_> {
+    type Broker = JetStream;
+    const CAPABILITIES: Capabilities = capabilities::JETSTREAM;
+
+    fn display(&self) -> String {
+        self.0.split(',').map(amqp::redact).collect::<Vec<_>>().join(",")
+    }
+
+    fn picture(&self, plan: &Plan) -> anyhow::Result<Picture> {
+        Ok(jetstream::picture(plan, &jetstream::Location::parse(self.0)?))
+    }
+
+    fn nodes(&self) -> usize {
+        jetstream::Location::parse(self.0).map_or(1, |l| l.servers.len())
+    }
+
+    fn sessions<'a>(&'a self, dial: &Dial<'a>) -> (Sessions<'a, JetStream>, Connect<JetStream>) {
+        let url = self.0;
+        let open: Opener<'_, JetStream> = Box::new(move |_| Box::pin(JetStream::connect(url)));
+        let owned = url.to_string();
+        let reconnect: Connect<JetStream> = Arc::new(move || {
+            let url = owned.clone();
+            Box::pin(async move { JetStream::connect(&url).await })
+        });
+        (dial.limit(Failover::new(vec![self.display()], open), 3), reconnect)
     }
 }
 

@@ -30,7 +30,7 @@ use crate::broker::render::Picture;
 use crate::broker::{Broker, BrokerError, Capabilities, Operate};
 use crate::runtime::Readiness;
 use crate::topology::Plan;
-use kinds::{Directory, Kind, Rabbitmq, RedisServer};
+use kinds::{Directory, Kind, NatsServers, Rabbitmq, RedisServer};
 
 /// The embedded broker's directory when `--broker` is not given, beside the idempotency
 /// store's, and the state directory of runners on other brokers.
@@ -40,6 +40,7 @@ pub const DEFAULT_BROKER: &str = ".sluice";
 pub enum Endpoint<'a> {
     Amqp(Rabbitmq<'a>),
     Redis(RedisServer<'a>),
+    JetStream(NatsServers<'a>),
     Embedded(Directory<'a>),
 }
 
@@ -50,6 +51,7 @@ macro_rules! by_kind {
         match $endpoint {
             Endpoint::Amqp($kind) => $body,
             Endpoint::Redis($kind) => $body,
+            Endpoint::JetStream($kind) => $body,
             Endpoint::Embedded($kind) => $body,
         }
     };
@@ -57,12 +59,15 @@ macro_rules! by_kind {
 
 /// What a `--broker` value is, or why it is none.
 fn classify(value: &str) -> anyhow::Result<Option<&str>> {
-    if ["amqp://", "amqps://", "redis://", "rediss://"].iter().any(|scheme| value.starts_with(scheme)) {
+    if ["amqp://", "amqps://", "redis://", "rediss://", "nats://", "tls://"]
+        .iter()
+        .any(|scheme| value.starts_with(scheme))
+    {
         return Ok(Some(value));
     }
     if let Some((scheme, _)) = value.split_once("://") {
         anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, or a directory for the embedded broker",
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, nats:// or tls:// for NATS JetStream, or a directory for the embedded broker",
             amqp::redact(value)
         );
     }
@@ -120,6 +125,14 @@ impl<'a> Endpoint<'a> {
             (0, [dir]) => Ok(Endpoint::Embedded(Directory(Path::new(*dir)))),
             (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => {
                 Ok(Endpoint::Redis(RedisServer(url)))
+            }
+            (1, [url]) if url.starts_with("nats://") || url.starts_with("tls://") => {
+                Ok(Endpoint::JetStream(NatsServers(url)))
+            }
+            (_, _) if urls.iter().any(|u| u.starts_with("nats://") || u.starts_with("tls://")) => {
+                anyhow::bail!(
+                    "--broker names NATS servers and something else; give one value, the servers comma-separated (nats://a:4222,nats://b:4222)"
+                )
             }
             (_, _) if urls.iter().any(|u| u.starts_with("redis")) => {
                 anyhow::bail!("--broker names a Redis server and something else; give one redis:// URL")
@@ -253,6 +266,7 @@ mod tests {
         match Endpoint::parse(&values) {
             Ok(Endpoint::Amqp(kinds::Rabbitmq(urls))) => format!("rabbitmq, {} node(s)", urls.len()),
             Ok(Endpoint::Redis(kinds::RedisServer(url))) => format!("redis {url}"),
+            Ok(Endpoint::JetStream(kinds::NatsServers(url))) => format!("nats {url}"),
             Ok(Endpoint::Embedded(kinds::Directory(dir))) => format!("embedded in {}", dir.display()),
             Err(e) => format!("error: {}", e.to_string().split(';').next().unwrap_or_default()),
         }
@@ -265,6 +279,8 @@ mod tests {
             (&["amqps://a/v", " amqp://b/v ", ""], "rabbitmq, 2 node(s)"),
             (&["redis://h:6379"], "redis redis://h:6379"),
             (&["state"], "embedded in state"),
+            (&["nats://a:4222,tls://b:4222"], "nats nats://a:4222,tls://b:4222"),
+            (&["nats://a:4222", "nats://b:4222"], "error: --broker names NATS servers and something else"),
             (&["http://h"], "error: --broker http://h: \"http://\" is not a broker"),
             (&["rabbitmq:5672"], "error: --broker rabbitmq:5672: looks like HOST:PORT"),
             (&["redis://h", "amqp://h/v"], "error: --broker names a Redis server and something else"),

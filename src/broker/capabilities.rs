@@ -44,6 +44,20 @@ pub const EMBEDDED: Capabilities = Capabilities {
 pub const REDIS: Capabilities =
     Capabilities { name: "the Redis broker", largest_body: 512 << 20, atomic_copy_and_remove: true, ..EMBEDDED };
 
+/// NATS JetStream: any delay (a NAK with the time left); bodies up to the 64 MiB NATS allows
+/// (the server's `max_payload`, 1 MiB by default, must be raised for bodies past it); no priorities, no expiry, no broker arguments, no single active
+/// consumer (nats-server 2.9 has no pinned consumers). sluice routes every exchange kind
+/// itself. A delayed copy waits in its queue's stream, so `max_length` counts it.
+pub const JETSTREAM: Capabilities = Capabilities {
+    name: "the JetStream broker",
+    largest_body: 64 << 20,
+    orderings: &[],
+    holds_keys: false,
+    atomic_copy_and_remove: false,
+    counts_waiting_consumers: false,
+    ..EMBEDDED
+};
+
 /// The in-memory test double: as the embedded broker, unless a test gives it a longest delay.
 pub const MEMORY: Capabilities =
     Capabilities { name: "the in-memory broker", leases: false, holds_keys: false, ..EMBEDDED };

@@ -55,6 +55,7 @@ pub mod capabilities;
 mod declaration;
 pub mod embedded;
 pub mod failover;
+pub mod jetstream;
 pub(crate) mod kit;
 /// The in-memory test double: public (hidden) so that the conformance suite in `tests/` runs
 /// the same test bodies against it as against every real broker.

@@ -622,9 +622,10 @@ fn init_logging(format: LogFormat) -> Option<crate::trace::Exporter> {
     use tracing_subscriber::{Layer as _, layer::SubscriberExt as _, util::SubscriberInitExt as _};
     // lapin logs, per failed connection attempt, three ERROR lines for what sluice reports in
     // one (every error lapin returns reaches sluice), and a returned (unroutable) message
-    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back.
+    // whole at WARN, payload included. RUST_LOG=lapin=warn brings its lines back. async-nats
+    // says "connected" at INFO on every connection, which sluice's own lines cover.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=off,async_nats=warn"));
     let filter = filter
         .and(filter_fn(crate::trace::not_a_delivery_span))
         .and(filter_fn(not_an_amqp_frame_dump))

@@ -217,9 +217,10 @@ impl Place for Vhost {
     }
 }
 
-/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with three tests:
-/// `rabbitmq` (a vhost of its own), `embedded` (a directory of its own) and `redis` (a key
-/// prefix of its own on the shared server).
+/// For each `async fn NAME<P: Place>(place: P)` named, a module NAME with four tests:
+/// `rabbitmq` (a vhost of its own), `embedded` (a directory of its own), `redis` (a key
+/// prefix of its own on the shared server) and `jetstream` (a name prefix of its own on the
+/// shared NATS server).
 #[macro_export]
 macro_rules! on_every_broker {
     ($($name:ident),* $(,)?) => {$(
@@ -237,6 +238,11 @@ macro_rules! on_every_broker {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn redis() {
                 super::$name($crate::support::RedisPrefix::new()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn jetstream() {
+                super::$name($crate::support::NatsPrefix::new()).await
             }
         }
     )*};
@@ -335,6 +341,93 @@ impl Place for RedisPrefix {
     async fn depth(&self, queue: &str) -> u32 {
         let mut c = self.raw();
         redis::cmd("XLEN").arg(format!("{}s:{queue}", self.prefix)).query(&mut c).expect("XLEN")
+    }
+}
+
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A name prefix of its own on the shared NATS server (JetStream), for one test: its streams
+/// and buckets are removed on drop.
+pub struct NatsPrefix {
+    pub prefix: String,
+    /// Extra URL parameters (`&lease=2s`).
+    pub params: String,
+}
+
+impl NatsPrefix {
+    /// A prefix whose deliveries are leased for 5 s, not the default 30 s (as `RedisPrefix`).
+    pub fn new() -> NatsPrefix {
+        NatsPrefix::with("&lease=5s")
+    }
+
+    /// A prefix with extra URL parameters (`&lease=2s`); fails (never skips) when NATS is down.
+    pub fn with(params: &str) -> NatsPrefix {
+        if TcpStream::connect_timeout(&"127.0.0.1:4222".parse().expect("address"), Duration::from_secs(2)).is_err() {
+            panic!("NATS is not reachable at {NATS_URL}. Start it with `nats-server -js &`.");
+        }
+        NatsPrefix::sweep();
+        NatsPrefix { prefix: owned_name(), params: params.to_string() }
+    }
+
+    /// Deletes, once per test process, the streams and buckets killed runs left under prefixes
+    /// of their own on the shared server.
+    fn sweep() {
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| {
+            let sweep = std::thread::spawn(|| {
+                use futures_util::StreamExt as _;
+                let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+                runtime.block_on(async {
+                    let Ok(client) = async_nats::connect("127.0.0.1:4222").await else { return };
+                    let js = async_nats::jetstream::new(client);
+                    let names: Vec<String> = js.stream_names().filter_map(|n| async { n.ok() }).collect().await;
+                    for name in names {
+                        let prefix = name.strip_prefix("KV_").unwrap_or(&name);
+                        if prefix.split('_').next().is_some_and(left_by_a_dead_run) {
+                            let _ = js.delete_stream(&name).await;
+                        }
+                    }
+                });
+            });
+            let _ = sweep.join();
+        });
+    }
+}
+
+impl Drop for NatsPrefix {
+    fn drop(&mut self) {
+        let url = self.url();
+        // Drop may run inside a test's runtime: the cleanup gets a runtime of its own.
+        let cleanup = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            runtime.block_on(async {
+                if let Ok(broker) = sluice::broker::jetstream::JetStream::connect(&url).await {
+                    let _ = broker.destroy().await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+impl Place for NatsPrefix {
+    type Broker = sluice::broker::jetstream::JetStream;
+
+    fn url(&self) -> String {
+        format!("{NATS_URL}?prefix={}{}", self.prefix, self.params)
+    }
+
+    async fn connect(&self) -> Self::Broker {
+        sluice::broker::jetstream::JetStream::connect(&self.url()).await.expect("connect to nats")
+    }
+
+    /// Messages in the queue's stream, delivered or not: a killed runner's deliveries count
+    /// until they are acked, as on RabbitMQ. (Delayed copies count too.)
+    async fn depth(&self, queue: &str) -> u32 {
+        let broker = self.connect().await;
+        let messages = broker.messages(queue).await.unwrap_or_else(|e| panic!("messages in {queue}: {e}"));
+        broker.close().await;
+        messages
     }
 }
 
@@ -437,7 +530,7 @@ pub struct Sluice {
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
     /// Unless the args or `env` choose one, the idempotency store is the embedded broker's own
-    /// file, or beside RabbitMQ a state directory in DIR: the default there (`.sluice` in the
+    /// file, or beside RabbitMQ and JetStream a state directory in DIR: the default there (`.sluice` in the
     /// working directory) would be shared by every test and every earlier run, so keys handled
     /// there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
@@ -450,7 +543,7 @@ impl Sluice {
         let log = dir.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
         let file = std::fs::File::create(&log).expect("log file");
         let mut command = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        if url.starts_with("amqp") {
+        if url.starts_with("amqp") || url.starts_with("nats") {
             command.env("SLUICE_DEDUP", dir.join(".sluice"));
         }
         let child = command

@@ -4,7 +4,7 @@
 //! naming what is missing; it must not read or write the broker's storage, nor decide when the
 //! copy is stale (each broker knows its version: a counter in its file, a key on its server).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use super::lock;
@@ -38,6 +38,22 @@ pub fn exchange_kind(text: &str) -> Option<ExchangeKind> {
     [ExchangeKind::Direct, ExchangeKind::Fanout, ExchangeKind::Topic, ExchangeKind::Headers]
         .into_iter()
         .find(|k| k.as_str() == text)
+}
+
+/// A binding as stored (its JSON).
+pub fn binding_text(b: &BindingDecl) -> String {
+    serde_json::to_string(b).unwrap_or_default()
+}
+
+/// A binding from its stored JSON; `None` from what is none.
+pub fn binding_from(text: &str) -> Option<BindingDecl> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let s = |name: &str| v.get(name).and_then(serde_json::Value::as_str).map(str::to_string);
+    let arguments = match v.get("arguments") {
+        Some(serde_json::Value::Object(map)) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        _ => BTreeMap::new(),
+    };
+    Some(BindingDecl { exchange: s("exchange")?, queue: s("queue")?, routing_key: s("routing_key")?, arguments })
 }
 
 impl<V> Topology<V> {

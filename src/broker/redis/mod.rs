@@ -39,7 +39,7 @@ pub(crate) mod server;
 
 pub use server::{Checks, Purpose};
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -57,7 +57,7 @@ use super::declaration::{self, unsupported};
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
 use super::kit::kept::{self, CLAIM_BYTES};
 use super::kit::lease::Renewal;
-use super::kit::topology::{self, Cache, QueueRule};
+use super::kit::topology::{self, Cache, QueueRule, binding_from, binding_text};
 use super::kit::{headers, lock};
 use super::render::Picture;
 use super::{
@@ -549,21 +549,6 @@ fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written
         }
         _ => Err(BrokerError::Lost(format!("redis: unexpected answer from a script: {answer}").into())),
     }
-}
-
-/// A binding as stored (its JSON).
-fn binding_text(b: &BindingDecl) -> String {
-    serde_json::to_string(b).unwrap_or_default()
-}
-
-fn binding_from(text: &str) -> Option<BindingDecl> {
-    let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    let s = |name: &str| v.get(name).and_then(serde_json::Value::as_str).map(str::to_string);
-    let arguments = match v.get("arguments") {
-        Some(serde_json::Value::Object(map)) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        _ => BTreeMap::new(),
-    };
-    Some(BindingDecl { exchange: s("exchange")?, queue: s("queue")?, routing_key: s("routing_key")?, arguments })
 }
 
 /// Listens on the wake channel, poking the consumers of the stream each message names;

@@ -639,7 +639,6 @@ impl JetStream {
 #[derive(Debug, Clone, Default)]
 struct Message {
     body: Bytes,
-    kind: Option<String>,
     properties: Properties,
     /// When it is due, ms since the epoch (a delayed copy).
     due: Option<u64>,
@@ -656,8 +655,11 @@ impl Message {
         if let Some(id) = &p.message_id {
             put("i", id.clone().into());
         }
-        if let Some(kind) = &self.kind {
+        if let Some(kind) = &p.kind {
             put("k", kind.clone().into());
+        }
+        if let Some(content_type) = &p.content_type {
+            put("c", content_type.clone().into());
         }
         if let Some(ts) = p.timestamp {
             put("t", ts.into());
@@ -686,10 +688,11 @@ impl Message {
         };
         Message {
             body,
-            kind: text("k"),
             properties: Properties {
                 headers: text("h").map(|h| headers::decode_lossy(h.as_bytes())).unwrap_or_default(),
                 message_id: text("i"),
+                kind: text("k"),
+                content_type: text("c"),
                 timestamp: o.get("t").and_then(serde_json::Value::as_u64),
                 route,
             },
@@ -825,9 +828,8 @@ impl Claimer for JsClaimer {
                 let (Some(reply), Ok(info)) = (m.reply.clone(), m.info()) else { continue };
                 let sequence = info.stream_sequence;
                 let header = m.headers.as_ref().and_then(|h| h.get(PROPERTIES)).map(|v| v.as_str().to_string());
-                let Message { body, kind, properties, due } = Message::read(m.payload.clone(), header.as_deref());
-                let kept =
-                    Kept::whole(Tag { sequence, reply: reply.to_string(), kind }, body, properties, s.live.clone());
+                let Message { body, properties, due } = Message::read(m.payload.clone(), header.as_deref());
+                let kept = Kept::whole(Tag { sequence, reply: reply.to_string() }, body, properties, s.live.clone());
                 match due.filter(|due| *due > now) {
                     None => {
                         lock(&s.own.replies).insert(sequence, reply.to_string());
@@ -924,7 +926,6 @@ async fn hand_back(broker: &JetStream, s: &ConsumerState, mut ids: Vec<u64>) {
 pub struct Tag {
     sequence: u64,
     reply: String,
-    kind: Option<String>,
 }
 
 /// A delivery from the JetStream broker.
@@ -935,12 +936,7 @@ pub type JsDeliveries = KeptDeliveries<Tag>;
 
 /// A copy of a delivered message with its headers edited.
 fn edited(original: &JsDelivery, edits: &Edits, due: Option<u64>) -> Message {
-    Message {
-        body: original.body.clone(),
-        kind: original.tag.kind.clone(),
-        properties: original.copied_properties(edits),
-        due,
-    }
+    Message { body: original.body.clone(), properties: original.copied_properties(edits), due }
 }
 
 /// A consumer of the JetStream broker. Cheap to clone; clones share the consumer.
@@ -1123,10 +1119,10 @@ fn refused(q: &crate::topology::QueueDecl) -> Option<String> {
 
 impl Publish for JetStream {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
-        let (body, kind, properties) = kept::published(BROKER, exchange, routing_key, message)?;
+        let (body, properties) = kept::published(BROKER, exchange, routing_key, message)?;
         let t = self.topology().await?;
         let targets = t.route(exchange, routing_key, &properties.headers, PLACE)?;
-        let message = Message { body, kind, properties, due: None };
+        let message = Message { body, properties, due: None };
         // One id for every try and every queue: each stream dedups its own copy.
         let id = uuid::Uuid::now_v7().to_string();
         for queue in &targets {
@@ -1206,9 +1202,10 @@ mod tests {
     fn properties_round_trip_through_the_header() {
         let m = Message {
             body: Bytes::from_static(b"{}"),
-            kind: Some("t".into()),
             properties: Properties {
                 message_id: Some("m\n1".into()),
+                kind: Some("t".into()),
+                content_type: Some("application/cloudevents+json".into()),
                 timestamp: Some(42),
                 headers: [("s".to_string(), HeaderValue::Str("v\r\n".into())), ("n".to_string(), HeaderValue::Int(-3))]
                     .into(),
@@ -1219,7 +1216,7 @@ mod tests {
         let header = m.properties_json();
         assert!(!header.contains('\n') && !header.contains('\r'), "{header}");
         let back = Message::read(m.body.clone(), Some(&header));
-        assert_eq!((back.kind, back.due), (m.kind, m.due));
+        assert_eq!(back.due, m.due);
         assert_eq!(back.properties, m.properties);
     }
 }

@@ -10,16 +10,21 @@ pub fn process() -> &'static str {
     static PROCESS: OnceLock<String> = OnceLock::new();
     PROCESS.get_or_init(|| {
         let pid = std::process::id();
-        format!("{pid}:{}:{}", started(pid).unwrap_or_default(), pid_namespace())
+        format!("{pid}:{}:{}", started(pid).flatten().unwrap_or_default(), pid_namespace())
     })
 }
 
 /// A process's start time (clock ticks since boot, `/proc/PID/stat` field 22), where the
-/// system says.
-fn started(pid: u32) -> Option<u64> {
+/// system says; `Some(None)` for a process that has ended but not been reaped yet (a zombie:
+/// its entry stays, with its start time, until its parent waits for it).
+fn started(pid: u32) -> Option<Option<u64>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The name (field 2) is in parentheses and may hold spaces: count after its end.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    if matches!(fields.next()?, "Z" | "X" | "x") {
+        return Some(None);
+    }
+    Some(fields.nth(18)?.parse().ok())
 }
 
 /// This process's pid namespace (the inode `/proc/self/ns/pid` names), or 0 where the system
@@ -46,7 +51,7 @@ pub fn alive(holder: &str) -> bool {
     }
     match libc::pid_t::try_from(pid) {
         Ok(pid) if pid > 0 => match started(pid.unsigned_abs()) {
-            Some(now) => now == start,
+            Some(now) => now == Some(start),
             // Unreadable: gone, unless the pid still answers (a `/proc` mounted to hide other
             // users' processes).
             None => exists(pid),
@@ -81,5 +86,26 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().expect("spawn true");
         child.wait().expect("wait");
         assert!(!alive(&format!("{}:1:{namespace}", child.id())), "a process that exited and was reaped");
+    }
+
+    /// A runner killed under a parent that has not waited for it yet (a test harness, a shell,
+    /// a container's first process) is a zombie: its entry keeps its start time, but it holds
+    /// nothing any more.
+    #[test]
+    fn a_process_that_ended_unreaped_is_not_alive() {
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().expect("spawn sleep");
+        let pid = child.id();
+        let start = started(pid).flatten().expect("a running process has a start time");
+        let namespace = pid_namespace();
+        let holder = format!("{pid}:{start}:{namespace}");
+        assert!(alive(&holder), "running");
+        child.kill().expect("kill");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while started(pid) != Some(None) {
+            assert!(std::time::Instant::now() < deadline, "the child became a zombie");
+            std::thread::yield_now();
+        }
+        assert!(!alive(&holder), "a zombie is not alive");
+        child.wait().expect("reap");
     }
 }

@@ -1440,3 +1440,50 @@ async fn a_dead_lettered_message_releases_or_holds_its_key() {
         assert!(ended.is_ok(), "{ended:?}");
     }
 }
+
+/// Issue 34 part 3: a reload that changes an `order_by` queue drains it whole, past the grace:
+/// the key's next message, waiting behind a call that outlives the grace, runs only after that
+/// call ended, on the new worker.
+#[tokio::test(start_paused = true)]
+async fn a_reload_of_an_order_by_queue_drains_it_whole_first() {
+    let pipeline = Pipeline::new();
+    let script = Script::new(|job| if job.args[1] == "0" { Answer::ok().held() } else { Answer::ok() });
+    let grace = Duration::from_millis(100);
+    let config = pipeline.config(&[("work", keyed(""))]);
+    let runner = Runner::start(config, &script, None, grace).await;
+    for n in 0..3 {
+        runner.publish("work", keyed_message("a", n)).await;
+    }
+    wait_until("a 0 running, a 1 and a 2 waiting behind it", || {
+        script.started("runs") == 1 && runner.look.unacked("work") == 3
+    })
+    .await;
+
+    // Ordered by another template (the same keys here): the queue changes.
+    let changed = command(&["runs", "{{payload.k}}", "{{payload.n}}"], "    order_by: \"k-{{payload.k}}\"\n");
+    let mut reload = {
+        let config = pipeline.config(&[("work", changed)]);
+        let (applied, outcome) = oneshot::channel();
+        runner.reloads.send(Reload { config, applied }).unwrap_or_else(|_| panic!("run has ended"));
+        outcome
+    };
+    // Ten graces later the reload still waits for a 0, and nothing else started.
+    tokio::time::sleep(grace * 10).await;
+    assert_eq!(script.started("runs"), 1, "a call started beside a 0: {:?}", script.events());
+    assert!(reload.try_recv().is_err(), "the reload applied before the queue was drained");
+    script.mark();
+    script.open();
+    let diff = reload.await.expect("answered").expect("applied");
+    assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
+    wait_until("a's three handled", || script.ended("runs").len() == 3 && runner.settled("work")).await;
+    let order: Vec<String> = script.ended("runs").iter().map(|j| j.args.join(" ")).collect();
+    assert_eq!(order, ["a 0", "a 1", "a 2"]);
+    let events = script.events().clone();
+    let mark = events.iter().position(|e| matches!(e, Event::Mark)).expect("marked");
+    assert!(
+        events[mark..].iter().any(|e| matches!(e, Event::End(j) if j.args[1] == "0")),
+        "a 0 ended after the grace: {events:?}"
+    );
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}

@@ -590,6 +590,14 @@ impl Compiler<'_> {
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
         let order_by = self.order_by(file, &base, q.order_by.as_deref(), q.on_dead_letter.as_deref(), q.ordered);
+        // An order_by queue's retries wait in the runner, the delivery unacked all along.
+        if order_by.is_some() && retry.window(timeout) >= CONSUMER_TIMEOUT {
+            let message = format!(
+                "an order_by queue retries in the runner, holding the message unacked: its retry window of {} (every attempt, its timeout and backoff) reaches the broker's consumer timeout (30m); keep it below",
+                humantime::format_duration(retry.window(timeout))
+            );
+            self.error(file, &format!("{base}/retry"), message);
+        }
         let payload_schema = self.schema.take();
         let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let dead_letter = q.dead_letter.queue.unwrap_or_else(|| format!("{name}.dlq"));

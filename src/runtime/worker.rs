@@ -396,14 +396,20 @@ impl Worker {
             } else {
                 lane.push_back(delivery);
             }
-            let blocked = waiting.iter().filter(|(_, w)| !w.is_empty()).count() + held.len();
-            self.events.keys_blocked(blocked);
+            self.count_blocked(&waiting, &held);
             redriven || (!busy && !held.contains_key(&key))
         };
         if start {
             let (worker, broker, lanes) = (self.clone(), broker.clone(), lanes.clone());
             tracker.spawn(async move { worker.lane(broker, lanes, key, acks).await });
         }
+    }
+
+    /// Tells `sluice_keys_blocked`: the keys with deliveries waiting behind a busy one, and
+    /// the held ones.
+    fn count_blocked<D>(&self, waiting: &HashMap<String, VecDeque<D>>, held: &HashMap<String, String>) {
+        let behind = waiting.iter().filter(|(key, w)| !w.is_empty() && !held.contains_key(*key)).count();
+        self.events.keys_blocked(behind + held.len());
     }
 
     /// Runs a key's lane: its deliveries one at a time, each settled before the next starts,
@@ -417,6 +423,12 @@ impl Worker {
     ) {
         let hold = self.queue().order_by.as_ref().is_some_and(|o| o.on_dead_letter == OnDeadLetter::Hold);
         while let Some(delivery) = lanes.next(&key) {
+            {
+                // In the order `enqueue` takes them.
+                let waiting = lanes.lock();
+                let held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                self.count_blocked(&waiting, &held);
+            }
             let end = match lanes.ending.is_cancelled() {
                 true => LaneEnd::GaveUp,
                 false => self.run_in_lane(&broker, delivery, &lanes.ending, &acks, hold).await,
@@ -429,6 +441,9 @@ impl Worker {
                     return;
                 }
                 LaneEnd::GaveUp => {
+                    // Unsettled, it goes back to the broker: no lane of this consumer may
+                    // start another message, which could overtake it.
+                    lanes.ending.cancel();
                     let left = lanes.lock().remove(&key).map_or(0, |w| w.len());
                     for _ in 0..=left {
                         self.events.settled();

@@ -1,7 +1,8 @@
 //! Issue 34 part 2, per-key ordering end to end on every broker: an `order_by` queue hands the
 //! receiver each key's messages in publish order, a failed first attempt retried before the
 //! key's next message, while keys run in parallel; a poison message releases its key, or
-//! holds it until it is redriven.
+//! holds it until it is redriven; on RabbitMQ, a standby runner takes over a killed one in key
+//! order.
 
 use crate::support;
 
@@ -136,3 +137,64 @@ async fn a_poison_message_holds_its_key_until_redriven<P: Place>(place: P) {
 }
 
 on_every_broker!(a_poison_message_releases_its_key, a_poison_message_holds_its_key_until_redriven);
+
+/// Issue 34: two runners on RabbitMQ, the active one killed (`kill -9`) mid-stream: the
+/// standby takes over, and for every key the receiver still sees its messages' first
+/// successes in publish order. Without idempotency: with the two runners' shared embedded
+/// store, the standby found the killed runner's keys busy for over a minute (see the
+/// branch's report).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_takes_over_a_killed_runner_in_key_order() {
+    const KEYS: usize = 10;
+    const EACH: usize = 20;
+    let place = support::Vhost::new();
+    let receiver = Receiver::start(|hit, earlier| {
+        let (_, n) = key_and_n(hit);
+        match n % 5 == 2 && earlier == 0 {
+            true => Reply::status(503),
+            false => Reply::ok().after(Duration::from_millis(20)),
+        }
+    })
+    .await;
+    let dir = pipeline(&receiver, "    concurrency: 4\n    idempotency: {enabled: false}\n");
+    let broker = place.connect().await;
+    support::declare(dir.path(), &broker).await;
+    for n in 0..EACH {
+        for k in 0..KEYS {
+            support::publish(&broker, "ev", "order", &format!("c{k}-{n}"), serde_json::json!({"k": k})).await;
+        }
+    }
+    let active = Sluice::run(dir.path(), &place.url(), &[]);
+    support::wait_until(Duration::from_secs(60), "the first runner consuming", || async {
+        !receiver.succeeded_keys().is_empty()
+    })
+    .await;
+    let mut standby = Sluice::run(dir.path(), &place.url(), &[]);
+    support::wait_until(Duration::from_secs(60), "the standby attached", || async {
+        standby.log().contains("consuming")
+    })
+    .await;
+    support::wait_until(Duration::from_secs(60), "a third handled", || async {
+        receiver.succeeded_keys().len() >= KEYS * EACH / 3
+    })
+    .await;
+    assert!(receiver.succeeded_keys().len() < KEYS * EACH, "all handled before the kill");
+    active.signal(libc::SIGKILL);
+    support::wait_until(Duration::from_secs(120), "every message handled by the standby", || async {
+        receiver.succeeded_keys().len() == KEYS * EACH
+    })
+    .await;
+    let mut firsts = BTreeMap::<String, Vec<usize>>::new();
+    for hit in receiver.hits().iter().filter(|h| h.succeeded()) {
+        let (k, n) = key_and_n(hit);
+        let seen = firsts.entry(k).or_default();
+        if !seen.contains(&n) {
+            seen.push(n);
+        }
+    }
+    for (k, ns) in &firsts {
+        assert_eq!(ns, &(0..EACH).collect::<Vec<_>>(), "{k}'s first successes");
+    }
+    assert_eq!(standby.stop(Duration::from_secs(30)), Some(0), "{}", standby.log());
+    broker.close().await;
+}

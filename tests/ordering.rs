@@ -97,7 +97,7 @@ async fn a_poison_message_releases_or_holds_its_key<P: Place>(place: P, hold: bo
     for (key, k) in [("a-0", "a"), ("a-1", "a"), ("b-0", "b"), ("b-1", "b"), ("b-2", "b")] {
         support::publish(&broker, "ev", "order", key, serde_json::json!({"k": k})).await;
     }
-    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
+    let (mut runner, admin) = support::run_with_admin(dir.path(), &place.url(), "work").await;
     support::wait_until(Duration::from_secs(60), "the poison dead-lettered and b handled", || async {
         place.depth("work.dlq").await == 1
             && ["b-0", "b-1", "b-2"].iter().all(|k| receiver.succeeded_keys().contains(*k))
@@ -111,6 +111,10 @@ async fn a_poison_message_releases_or_holds_its_key<P: Place>(place: P, hold: bo
     } else {
         // b's messages came after a's: a-1 was delivered before them, and held.
         assert!(receiver.hits_for("a-1").is_empty(), "a-1 ran while its key was held");
+        support::wait_until(Duration::from_secs(30), "the held key counted as blocked", || async {
+            support::gauge(&admin, "sluice_keys_blocked", "work").await == Some(1.0)
+        })
+        .await;
         mended.store(true, Ordering::SeqCst);
         let d = dir.path().to_str().expect("utf-8 path");
         let redriven = broker_cli(&["dlq", "redrive", "work", "--pipelines", d], &place.url()).await;
@@ -122,6 +126,7 @@ async fn a_poison_message_releases_or_holds_its_key<P: Place>(place: P, hold: bo
         let a: Vec<String> =
             receiver.hits().iter().filter(|h| h.key().starts_with("a-")).map(|h| h.key().to_string()).collect();
         assert_eq!(a, ["a-0", "a-0", "a-1"], "the redriven poison before a's next");
+        assert_eq!(support::gauge(&admin, "sluice_keys_blocked", "work").await, Some(0.0), "no key blocked any more");
     }
     assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
     assert_eq!(place.depth("work").await, 0);

@@ -437,7 +437,10 @@ impl Worker {
                 LaneEnd::Next => {}
                 LaneEnd::Hold(id) => {
                     warn!(queue = %self.queue().name, key, message_id = id, "key held: its message was dead-lettered; the key's later messages wait until it is redriven");
-                    self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(key, id);
+                    let waiting = lanes.lock();
+                    let mut held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    held.insert(key, id);
+                    self.count_blocked(&waiting, &held);
                     return;
                 }
                 LaneEnd::GaveUp => {

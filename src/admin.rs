@@ -123,6 +123,10 @@ fn describe_metrics() {
     describe_gauge!("sluice_dlq_depth", "Messages in the queue's dead-letter queue, as last polled.");
     describe_gauge!("sluice_queue_consumers", "Consumers attached to the queue (every runner's), as last polled.");
     describe_gauge!("sluice_in_flight", "Deliveries being handled, by queue.");
+    describe_gauge!(
+        "sluice_keys_blocked",
+        "An order_by queue's keys with messages waiting behind a busy or held one, by queue."
+    );
     describe_counter!("sluice_retries_total", "Retry copies scheduled, by queue.");
     describe_counter!("sluice_config_reloads_total", "Reloads of the pipeline files, by result (applied, rejected).");
     describe_gauge!("sluice_circuit_state", "The queue's circuit breaker: 0 closed, 1 half-open, 2 open.");

@@ -257,6 +257,17 @@ pub struct Renderer<'a> {
     redact: bool,
 }
 
+/// The ordering key of a message of an `order_by` queue (`None` for another queue), as its
+/// template renders it over the message, at attempt 1 (a key never depends on the attempt).
+pub fn order_key(queue: &Queue, message: &format::Message<'_>) -> Result<Option<String>, PrepareError> {
+    let Some(order_by) = &queue.order_by else { return Ok(None) };
+    let ctx = match order_by.key.literal() {
+        Some(_) => Context::null(),
+        None => context(message, 1, &queue.name, &[&order_by.key], false)?,
+    };
+    render(&order_by.key, "order_by", &ctx).map(Some)
+}
+
 impl<'a> Renderer<'a> {
     /// Fails only for a payload that does not parse, which a decoded envelope's always does.
     pub fn new(

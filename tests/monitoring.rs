@@ -24,6 +24,7 @@ const SCALARS: &[&str] = &[
     "sluice_queue_depth",
     "sluice_dlq_depth",
     "sluice_in_flight",
+    "sluice_keys_blocked",
     "sluice_retries_total",
     "sluice_config_reloads_total",
     "sluice_queue_consumers",

@@ -214,6 +214,24 @@ tests:
     assert!(stdout(&out).ends_with("test result: ok. 4 passed; 0 failed\n"), "{}", stdout(&out));
 }
 
+// Issue 34: the per-key ordering example validates; its key naming a field its format does not
+// have (`subject` is a CloudEvent's) is an error at `order_by`.
+#[test]
+fn the_order_by_example_validates_and_its_key_is_checked() {
+    let example = block_after(&readme(), "## Per-key ordering", "yaml");
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("p.yaml"), &example).expect("write");
+    let out = sluice().arg("validate").arg(dir.path()).output().expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let wrong = example.replace("{{payload.customer_id}}", "{{subject}}");
+    assert_ne!(wrong, example, "the example orders by {{{{payload.customer_id}}}}");
+    std::fs::write(dir.path().join("p.yaml"), wrong).expect("write");
+    let out = sluice().arg("validate").arg(dir.path()).output().expect("runs");
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let said = format!("{}{}", stdout(&out), String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("/queues/orders.sync/order_by"), "{said}");
+}
+
 // Issue 21: the example of `${VAR}` in a pipeline file, what `validate` says without the
 // variables, and the call `render` shows with them.
 #[test]

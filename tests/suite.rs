@@ -43,6 +43,7 @@ mod large_messages;
 mod log_hygiene;
 mod logs;
 mod monitoring;
+mod ordering;
 mod outbound_auth;
 mod overlapping_acks;
 mod packaging;

@@ -64,6 +64,13 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
         if q.ordered && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
             refuse(file, format!("{base}/ordered"), "ordered queues (a single active consumer)".into());
         }
+        if q.order_by.is_some() && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
+            refuse(
+                file,
+                format!("{base}/order_by"),
+                "per-key ordering (order_by, over a single active consumer)".into(),
+            );
+        }
         if q.max_message_bytes > capabilities.largest_body {
             let what = format!("bodies over {} bytes (max_message_bytes)", capabilities.largest_body);
             refuse(file, format!("{base}/max_message_bytes"), what);

@@ -14,8 +14,8 @@ use super::interpolate::{Env, interpolate};
 use super::source::{self, SourceFile, escape_token};
 use super::{
     Backoff, Binding, CONSUMER_TIMEOUT, CircuitBreaker, Command, Config, Exchange, ExchangeKind, Handler, Idempotency,
-    Jitter, MAX_RETRY_DELAY, PayloadSchema, Progress, Queue, QueueKind, RateLimit, RetryPolicy, SecretError, Signing,
-    StdinMode, Tls, Validation, Webhook, raw,
+    Jitter, MAX_RETRY_DELAY, OnDeadLetter, OrderBy, PayloadSchema, Progress, Queue, QueueKind, RateLimit, RetryPolicy,
+    SecretError, Signing, StdinMode, Tls, Validation, Webhook, raw,
 };
 use crate::file::{ReadError, read_regular};
 use crate::handler::auth::{OAuth2, SecretSource};
@@ -589,6 +589,15 @@ impl Compiler<'_> {
         let timeout = handler.timeout();
         let retry = self.retry(file, &format!("{base}/retry"), &q.retry);
         let idempotency = self.idempotency(file, &base, &q.idempotency, &retry, timeout);
+        let order_by = self.order_by(file, &base, q.order_by.as_deref(), q.on_dead_letter.as_deref(), q.ordered);
+        // An order_by queue's retries wait in the runner, the delivery unacked all along.
+        if order_by.is_some() && retry.window(timeout) >= CONSUMER_TIMEOUT {
+            let message = format!(
+                "an order_by queue retries in the runner, holding the message unacked: its retry window of {} (every attempt, its timeout and backoff) reaches the broker's consumer timeout (30m); keep it below",
+                humantime::format_duration(retry.window(timeout))
+            );
+            self.error(file, &format!("{base}/retry"), message);
+        }
         let payload_schema = self.schema.take();
         let payload_schema_source = payload_schema.as_ref().map(|s| s.schema.clone());
         let dead_letter = q.dead_letter.queue.unwrap_or_else(|| format!("{name}.dlq"));
@@ -623,6 +632,7 @@ impl Compiler<'_> {
             circuit_breaker,
             rate_limit,
             ordered: q.ordered,
+            order_by,
             handler,
             retry,
             idempotency,
@@ -1141,6 +1151,38 @@ impl Compiler<'_> {
             multiplier: d.multiplier,
             jitter: Jitter::None,
         }
+    }
+
+    /// `order_by` and `on_dead_letter`: a key template checked like the handler's; neither
+    /// beside `ordered` (which orders the whole queue), and no `on_dead_letter` without a key.
+    fn order_by(
+        &mut self,
+        file: &SourceFile,
+        queue: &str,
+        key: Option<&str>,
+        on_dead_letter: Option<&str>,
+        ordered: bool,
+    ) -> Option<OrderBy> {
+        let Some(key) = key else {
+            if on_dead_letter.is_some() {
+                self.error(
+                    file,
+                    &format!("{queue}/on_dead_letter"),
+                    "on_dead_letter says what dead-lettering does to a key's order; it needs order_by",
+                );
+            }
+            return None;
+        };
+        let pointer = format!("{queue}/order_by");
+        if ordered {
+            self.error(file, &pointer, "an ordered queue already handles its messages one at a time in queue order; order_by orders them per key: use one or the other");
+        }
+        let key = self.template(file, &pointer, key, Escape::Plain)?;
+        let on_dead_letter = match on_dead_letter {
+            Some("hold") => OnDeadLetter::Hold,
+            _ => OnDeadLetter::Release,
+        };
+        Some(OrderBy { key, on_dead_letter })
     }
 
     fn idempotency(

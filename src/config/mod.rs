@@ -97,6 +97,8 @@ pub struct Queue {
     pub circuit_breaker: Option<CircuitBreaker>,
     pub rate_limit: Option<RateLimit>,
     pub ordered: bool,
+    /// Per-key ordering: one message of a key at a time, in arrival order.
+    pub order_by: Option<OrderBy>,
     pub handler: Handler,
     pub retry: RetryPolicy,
     /// `None` when idempotency is turned off for this queue.
@@ -111,6 +113,24 @@ pub struct Queue {
     /// The queue's definition as its file writes it, before `${VAR}` substitution: what the
     /// admin port shows, which must not hold what the environment fills in.
     pub written: serde_json::Value,
+}
+
+/// A queue's per-key ordering (`order_by`).
+#[derive(Debug, Clone)]
+pub struct OrderBy {
+    /// The key's template.
+    pub key: Template,
+    /// What dead-lettering a message does to its key.
+    pub on_dead_letter: OnDeadLetter,
+}
+
+/// What dead-lettering a message of an `order_by` queue does to its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDeadLetter {
+    /// The key's next message runs.
+    Release,
+    /// The key stays blocked until its dead-lettered message is redriven (or the runner restarts).
+    Hold,
 }
 
 /// A compiled JSON Schema that payloads must satisfy.
@@ -458,6 +478,7 @@ impl Queue {
             }
         }
         out.extend(self.idempotency.as_ref().and_then(|i| i.key.as_ref()).map(|t| ("idempotency key".to_string(), t)));
+        out.extend(self.order_by.as_ref().map(|o| ("order_by".to_string(), &o.key)));
         out
     }
 

@@ -63,6 +63,10 @@ pub struct Queue {
     pub rate_limit: Option<String>,
     #[serde(default)]
     pub ordered: bool,
+    /// A template over the message: messages with the same key are handled one at a time.
+    pub order_by: Option<String>,
+    /// `release` (the default) or `hold`: what dead-lettering does to its key's lane.
+    pub on_dead_letter: Option<String>,
     pub handler: Handler,
     #[serde(default)]
     pub retry: Retry,

@@ -214,6 +214,9 @@ mod tests {
                     "token_url": "https://idp.example/token", "client_id": "c", "client_secret_env": "S"
                 }});
             }
+            if path.first().is_some_and(|s| s == "on_dead_letter") {
+                base["order_by"] = serde_json::json!("{{payload.k}}");
+            }
             if path.first().is_some_and(|s| s == "concurrency") && path.len() > 1 {
                 base["concurrency"] = serde_json::json!({"max": 4});
             }

@@ -112,6 +112,8 @@ pub struct QueueEvents {
     queue: String,
     activity: Arc<Activity>,
     in_flight: Gauge,
+    /// An `order_by` queue's keys with messages waiting behind them, or held.
+    keys_blocked: Gauge,
     lag: Gauge,
     duration: Histogram,
     success: Counter,
@@ -131,6 +133,7 @@ impl QueueEvents {
             queue: queue.to_string(),
             activity,
             in_flight: gauge!("sluice_in_flight", "queue" => queue.to_string()),
+            keys_blocked: gauge!("sluice_keys_blocked", "queue" => queue.to_string()),
             lag: gauge!("sluice_consumer_lag_seconds", "queue" => queue.to_string()),
             duration: histogram!("sluice_handler_duration_seconds", "queue" => queue.to_string()),
             success: outcome("success"),
@@ -153,6 +156,11 @@ impl QueueEvents {
     }
 
     /// A delivery is settled (acked, or left to the broker to redeliver).
+    /// How many of an `order_by` queue's keys have messages waiting behind them, or are held.
+    pub fn keys_blocked(&self, keys: usize) {
+        self.keys_blocked.set(keys as f64);
+    }
+
     pub fn settled(&self) {
         self.in_flight.decrement(1.0);
         self.log.live().in_flight_by(-1);
@@ -295,8 +303,9 @@ fn attempt(disposition: &Disposition, seen: Seen) -> Attempt {
 
 /// Every gauge of a queue but `sluice_in_flight`, all idle at 0: no messages, no consumers,
 /// no lag, circuit closed, no handler allowed, not paused.
-const QUEUE_GAUGES: [&str; 7] = [
+const QUEUE_GAUGES: [&str; 8] = [
     "sluice_queue_depth",
+    "sluice_keys_blocked",
     "sluice_dlq_depth",
     "sluice_queue_consumers",
     "sluice_consumer_lag_seconds",

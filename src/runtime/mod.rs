@@ -3,7 +3,8 @@
 //! replaced without touching the others. One apply path, `apply(diff(old, new))`, serves
 //! start-up (old = empty), reconnect (a new session starts from empty again) and reload.
 //!
-//! A reload drains a queue it changes or removes within the grace; a worker whose calls
+//! A reload drains a queue it changes or removes within the grace (an `order_by` queue, before
+//! or after, whole: see [`RunningQueue::drain_whole`]); a worker whose calls
 //! outlive it is retired, not cut off: its calls run on, holding their deliveries (nothing
 //! goes back to the broker to be delivered again beside them) and their slots (the queue's
 //! next worker counts them against its concurrency), and it closes its consumer once they
@@ -196,6 +197,14 @@ impl RunningQueue {
         Some(self)
     }
 
+    /// Stops consuming and waits for the worker to end, however long its calls take (their
+    /// timeout bounds them): an `order_by` queue's next worker must not run a key's message
+    /// beside its previous one. Its lanes hand back at once what has not started.
+    async fn drain_whole(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+
     /// Hands back what the worker still holds and waits for it to end.
     async fn release(self) {
         self.release.cancel();
@@ -247,7 +256,13 @@ impl<B: Broker> Running<B> {
             })?;
         }
         let stopping: Vec<RunningQueue> = diff.to_stop().filter_map(|name| self.queues.remove(name)).collect();
-        self.drain(stopping).await;
+        // A queue ordered by key, before or after, is drained whole before its next worker
+        // starts; the others within the grace.
+        let (keyed, stopping): (Vec<_>, Vec<_>) = stopping.into_iter().partition(|q| {
+            q.worker.queue().order_by.is_some() || new.queues.get(&q.name).is_some_and(|n| n.order_by.is_some())
+        });
+        let keyed = futures_util::future::join_all(keyed.into_iter().map(RunningQueue::drain_whole));
+        futures_util::future::join(self.drain(stopping), keyed).await;
         // Pauses and slots outlive the workers: a reload keeps a paused queue paused, and
         // the calls still running count against the new worker's limit.
         self.shared.pauses.keep(new.queues.keys());

@@ -1321,3 +1321,169 @@ async fn a_delay_longer_than_the_broker_holds_is_served_in_hops_and_never_early(
     let (ended, ..) = runner.stop(GRACE).await;
     assert!(ended.is_ok(), "{ended:?}");
 }
+
+/// An `order_by` queue's body: keyed by the payload's `k`, the handler told the key and the
+/// message's number `n`, `extra` YAML after.
+fn keyed(extra: &str) -> String {
+    command(&["runs", "{{payload.k}}", "{{payload.n}}"], &format!("    order_by: \"{{{{payload.k}}}}\"\n{extra}"))
+}
+
+/// A keyed message: key `k`, number `n` (its idempotency key `k-n`).
+fn keyed_message(k: &str, n: usize) -> Vec<u8> {
+    message(&format!("{k}-{n}"), &json!({"k": k, "n": n}))
+}
+
+/// Issue 34: an `order_by` queue handles each key's messages one at a time in publish order,
+/// a failed first attempt retried before the key's next message starts, while the keys run
+/// in parallel.
+#[tokio::test(start_paused = true)]
+async fn an_order_by_queue_keeps_each_keys_order_and_runs_keys_in_parallel() {
+    keys_in_order(memory).await;
+}
+
+/// Issue 34: the same on the embedded broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_order_by_queue_keeps_each_keys_order_on_the_embedded_broker() {
+    keys_in_order(embedded).await;
+}
+
+async fn keys_in_order<B: Publish>(new: NewBroker<B>) {
+    const KEYS: usize = 6;
+    const EACH: usize = 8;
+    let pipeline = Pipeline::new();
+    // Every third message fails its first attempt.
+    let script = Script::new(|job| {
+        let n: usize = job.args[1].parse().unwrap_or_default();
+        match n.is_multiple_of(3) && job.attempt == 1 {
+            true => transient().after(Duration::from_millis(5)),
+            false => Answer::ok().after(Duration::from_millis(10)),
+        }
+    });
+    let (broker, look) = new();
+    let config = pipeline.config(&[("work", keyed("    concurrency: 4\n"))]);
+    let store = store_for(look.as_ref(), &pipeline).await;
+    let runner = Runner::start_on(broker, look, config, script.handlers(), store, GRACE).await;
+    for n in 0..EACH {
+        for k in 0..KEYS {
+            runner.publish("work", keyed_message(&format!("key{k}"), n)).await;
+        }
+    }
+    let total = KEYS * EACH + EACH.div_ceil(3) * KEYS;
+    wait_until("every message handled", || script.lines("runs").len() == total && runner.settled("work")).await;
+
+    let events = script.events().clone();
+    let (mut running, mut most) = (BTreeMap::<String, usize>::new(), 0);
+    let mut succeeded = BTreeMap::<String, Vec<String>>::new();
+    for event in &events {
+        match event {
+            Event::Start(job) => {
+                let busy = running.entry(job.args[0].clone()).or_default();
+                *busy += 1;
+                assert_eq!(*busy, 1, "two calls of {} at once: {events:?}", job.args[0]);
+                most = most.max(running.values().sum());
+            }
+            Event::End(job) => {
+                *running.entry(job.args[0].clone()).or_default() -= 1;
+                let n: usize = job.args[1].parse().expect("n");
+                if !n.is_multiple_of(3) || job.attempt > 1 {
+                    succeeded.entry(job.args[0].clone()).or_default().push(job.args[1].clone());
+                }
+            }
+            Event::Mark => {}
+        }
+    }
+    let in_order: Vec<String> = (0..EACH).map(|n| n.to_string()).collect();
+    for k in 0..KEYS {
+        assert_eq!(succeeded[&format!("key{k}")], in_order, "key{k}'s successes");
+    }
+    assert!(most > 1, "the keys never ran in parallel");
+    assert!(most <= 4, "{most} calls at once, over the concurrency");
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}
+
+/// Issue 34: a poison message dead-lettered: with `release` its key's next message runs;
+/// with `hold` it waits, unacked, while other keys run, until the poison is redriven.
+#[tokio::test(start_paused = true)]
+async fn a_dead_lettered_message_releases_or_holds_its_key() {
+    for hold in [false, true] {
+        let pipeline = Pipeline::new();
+        let poisoned = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let poison = poisoned.clone();
+        let script = Script::new(move |job| {
+            let bad = job.args == ["a", "0"] && poison.load(std::sync::atomic::Ordering::SeqCst);
+            if bad { permanent() } else { Answer::ok() }
+        });
+        let extra = if hold { "    on_dead_letter: hold\n" } else { "" };
+        let config = pipeline.config(&[("work", keyed(extra))]);
+        let runner = Runner::start(config, &script, None, GRACE).await;
+        let bad = keyed_message("a", 0);
+        for body in [bad.clone(), keyed_message("a", 1), keyed_message("b", 0)] {
+            runner.publish("work", body).await;
+        }
+        let handled = |line: &str| script.ended("runs").iter().any(|j| j.args.join(" ") == line);
+        wait_until("the poison dead-lettered and b handled", || runner.depth("work.dlq") == 1 && handled("b 0")).await;
+        if !hold {
+            wait_until("a's next message runs", || handled("a 1") && runner.settled("work")).await;
+        } else {
+            wait_until("a's next message held, unacked", || runner.look.unacked("work") == 1).await;
+            assert!(!handled("a 1"), "a's next message ran while its key was held");
+            // Redriven (the same message again), it runs first and frees the key.
+            poisoned.store(false, std::sync::atomic::Ordering::SeqCst);
+            runner.publish("work", bad.clone()).await;
+            wait_until("the redriven message, then a's next", || handled("a 1") && runner.settled("work")).await;
+            let a: Vec<String> =
+                script.ended("runs").iter().filter(|j| j.args[0] == "a").map(|j| j.args.join(" ")).collect();
+            assert_eq!(a, ["a 0", "a 0", "a 1"], "the redriven poison before a's next");
+        }
+        let (ended, ..) = runner.stop(GRACE).await;
+        assert!(ended.is_ok(), "{ended:?}");
+    }
+}
+
+/// Issue 34 part 3: a reload that changes an `order_by` queue drains it whole, past the grace:
+/// the key's next message, waiting behind a call that outlives the grace, runs only after that
+/// call ended, on the new worker.
+#[tokio::test(start_paused = true)]
+async fn a_reload_of_an_order_by_queue_drains_it_whole_first() {
+    let pipeline = Pipeline::new();
+    let script = Script::new(|job| if job.args[1] == "0" { Answer::ok().held() } else { Answer::ok() });
+    let grace = Duration::from_millis(100);
+    let config = pipeline.config(&[("work", keyed(""))]);
+    let runner = Runner::start(config, &script, None, grace).await;
+    for n in 0..3 {
+        runner.publish("work", keyed_message("a", n)).await;
+    }
+    wait_until("a 0 running, a 1 and a 2 waiting behind it", || {
+        script.started("runs") == 1 && runner.look.unacked("work") == 3
+    })
+    .await;
+
+    // Ordered by another template (the same keys here): the queue changes.
+    let changed = command(&["runs", "{{payload.k}}", "{{payload.n}}"], "    order_by: \"k-{{payload.k}}\"\n");
+    let mut reload = {
+        let config = pipeline.config(&[("work", changed)]);
+        let (applied, outcome) = oneshot::channel();
+        runner.reloads.send(Reload { config, applied }).unwrap_or_else(|_| panic!("run has ended"));
+        outcome
+    };
+    // Ten graces later the reload still waits for a 0, and nothing else started.
+    tokio::time::sleep(grace * 10).await;
+    assert_eq!(script.started("runs"), 1, "a call started beside a 0: {:?}", script.events());
+    assert!(reload.try_recv().is_err(), "the reload applied before the queue was drained");
+    script.mark();
+    script.open();
+    let diff = reload.await.expect("answered").expect("applied");
+    assert_eq!(diff, Diff { changed: names(&["work"]), ..Diff::default() });
+    wait_until("a's three handled", || script.ended("runs").len() == 3 && runner.settled("work")).await;
+    let order: Vec<String> = script.ended("runs").iter().map(|j| j.args.join(" ")).collect();
+    assert_eq!(order, ["a 0", "a 1", "a 2"]);
+    let events = script.events().clone();
+    let mark = events.iter().position(|e| matches!(e, Event::Mark)).expect("marked");
+    assert!(
+        events[mark..].iter().any(|e| matches!(e, Event::End(j) if j.args[1] == "0")),
+        "a 0 ended after the grace: {events:?}"
+    );
+    let (ended, ..) = runner.stop(GRACE).await;
+    assert!(ended.is_ok(), "{ended:?}");
+}

@@ -13,6 +13,7 @@
 //! ack, make them duplicates).
 
 use std::any::Any;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -37,7 +38,7 @@ use super::{Readiness, clock, filter};
 use crate::backoff;
 use crate::broker::{Broker, BrokerError, Consumer, Credit, Delivery, Edits, Headers, Target};
 use crate::call::{Call, Execute};
-use crate::config::Queue;
+use crate::config::{OnDeadLetter, Queue};
 use crate::dedup::{self, Claim, Store};
 use crate::envelope::{self, Reason, attempt_in};
 use crate::handler::{HandlerError, Observed};
@@ -59,6 +60,9 @@ const STORE_DOWN_WAIT: Duration = Duration::from_secs(5);
 /// How long a batch whose acks fail is retried before the session ends. The embedded broker's
 /// leases, renewed meanwhile if the store takes writes at all, last as long.
 pub const ACK_RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// An `order_by` queue's prefetch, per handler it may run at once.
+const LANE_PREFETCH: u16 = 4;
 
 /// The longest pause between two attempts to ack a batch.
 const ACK_BACKOFF_CAP: Duration = Duration::from_secs(2);
@@ -88,6 +92,45 @@ pub struct Worker {
     /// then ends as on a damaged broker, and the run with it.
     damaged: std::sync::OnceLock<BrokerError>,
     damaged_found: tokio::sync::Notify,
+    /// An `order_by` queue's keys held by a dead-lettered message (`on_dead_letter: hold`), by
+    /// that message's id: the key's next message is that one, redriven.
+    held: std::sync::Mutex<HashMap<String, String>>,
+}
+
+/// The lanes of an `order_by` queue's consumer: per key with a message being handled (or
+/// held), the deliveries waiting behind it, in arrival order. They stay unacked, within the
+/// consumer's prefetch.
+struct Lanes<D> {
+    waiting: std::sync::Mutex<HashMap<String, VecDeque<D>>>,
+    /// Cancelled when the consumer stops: a lane then starts nothing more, and what it holds
+    /// goes back to the broker unsettled, in order.
+    ending: CancellationToken,
+}
+
+impl<D> Lanes<D> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VecDeque<D>>> {
+        self.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The key's next delivery; none left: the lane ends (its key is free).
+    fn next(&self, key: &str) -> Option<D> {
+        let mut waiting = self.lock();
+        let next = waiting.get_mut(key).and_then(VecDeque::pop_front);
+        if next.is_none() {
+            waiting.remove(key);
+        }
+        next
+    }
+}
+
+/// How a lane's delivery ended.
+enum LaneEnd {
+    /// Settled: the key's next message may run.
+    Next,
+    /// Dead-lettered under `on_dead_letter: hold`: the key waits for this message id.
+    Hold(String),
+    /// The consumer stopped first: handed back unsettled.
+    GaveUp,
 }
 
 impl Worker {
@@ -106,11 +149,12 @@ impl Worker {
             Some(DefaultDirectRateLimiter::direct(quota))
         });
         let events = QueueEvents::new(&queue.name, activity.clone(), activity.attempts.of(&queue.name));
-        let (damaged, damaged_found) = Default::default();
-        Worker { queue, limiter, handlers, activity, store, events, gate, readiness, damaged, damaged_found }
+        let (damaged, damaged_found, held) = Default::default();
+        Worker { queue, limiter, handlers, activity, store, events, gate, readiness, damaged, damaged_found, held }
     }
 
-    fn queue(&self) -> &Queue {
+    /// The queue it consumes, as its config defines it.
+    pub fn queue(&self) -> &Queue {
         &self.queue
     }
 
@@ -169,9 +213,19 @@ impl Worker {
         changes: &mut Changes,
     ) -> Result<bool, BrokerError> {
         let queue = self.queue();
+        // What waits behind a busy key takes prefetch too: more of it keeps the other keys busy.
+        let credit = match queue.order_by {
+            Some(_) => prefetch.saturating_mul(LANE_PREFETCH),
+            None => prefetch,
+        };
         let (mut deliveries, consumer) =
-            broker.consume_within(&queue.name, Credit::at_most(prefetch), queue.max_message_bytes).await?;
-        info!(queue = %queue.name, prefetch, adaptive = queue.adaptive, "consuming");
+            broker.consume_within(&queue.name, Credit::at_most(credit), queue.max_message_bytes).await?;
+        info!(queue = %queue.name, prefetch = credit, adaptive = queue.adaptive, "consuming");
+        let lanes = queue
+            .order_by
+            .as_ref()
+            .map(|_| Arc::new(Lanes { waiting: Default::default(), ending: CancellationToken::new() }));
+        let end_lanes = || lanes.iter().for_each(|l| l.ending.cancel());
         let tracker = TaskTracker::new();
         let (acks, ack_events) = mpsc::unbounded_channel();
         let mut acker = tokio::spawn(self.clone().ack_loop(consumer.clone(), ack_events)).fuse();
@@ -180,6 +234,7 @@ impl Worker {
             tokio::select! {
                 _ = stop.cancelled(), if !stopped => {
                     stopped = true;
+                    end_lanes();
                     if !std::mem::replace(&mut cancelled, true) && let Err(e) = consumer.cancel().await {
                         break Err(e);
                     }
@@ -198,13 +253,17 @@ impl Worker {
                 () = changes.next(), if !cancelled => {
                     if self.gate.mode() != (Mode::Consume { prefetch }) {
                         cancelled = true;
+                        end_lanes();
                         if let Err(e) = consumer.cancel().await {
                             break Err(e);
                         }
                     }
                 }
                 item = deliveries.next() => match item {
-                    Some(Ok(delivery)) => self.clone().start(&tracker, broker, delivery, acks.clone()),
+                    Some(Ok(delivery)) => match &lanes {
+                        Some(lanes) => self.clone().enqueue(&tracker, broker, lanes, delivery, acks.clone()),
+                        None => self.clone().start(&tracker, broker, delivery, acks.clone()),
+                    },
                     Some(Err(e)) => break Err(e),
                     None if cancelled => break Ok(()),
                     None => break Err(BrokerError::Lost(format!("consumer of \"{}\" ended", queue.name).into())),
@@ -212,11 +271,31 @@ impl Worker {
             }
         };
         drop(acks);
+        end_lanes();
         if result.is_ok() {
             self.drain(&tracker, &mut acker, release).await;
         }
+        // What waited behind held keys goes back with the rest.
+        for waiting in lanes.iter().flat_map(|l| std::mem::take(&mut *l.lock())).flat_map(|(_, w)| w) {
+            drop(waiting);
+            self.events.settled();
+            self.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        self.events.keys_blocked(0);
         consumer.close().await;
         result.map(|()| stop.is_cancelled())
+    }
+
+    /// Starts settling a delivery whose disposition is known already (see [`Worker::start`]).
+    fn start_settled<B: Broker>(
+        self: Arc<Self>,
+        tracker: &TaskTracker,
+        broker: &B,
+        delivery: B::Delivery,
+        disposition: Disposition,
+        acks: mpsc::UnboundedSender<Settled<B::Delivery>>,
+    ) {
+        self.start_with(tracker, broker, delivery, Some(disposition), acks);
     }
 
     /// Starts handling a delivery on `tracker`: decide, settle, then hand it to the ack loop.
@@ -225,6 +304,19 @@ impl Worker {
         tracker: &TaskTracker,
         broker: &B,
         delivery: B::Delivery,
+        acks: mpsc::UnboundedSender<Settled<B::Delivery>>,
+    ) {
+        self.start_with(tracker, broker, delivery, None, acks);
+    }
+
+    /// Starts handling a delivery on `tracker`: decide (unless `decided`), settle, then hand it
+    /// to the ack loop.
+    fn start_with<B: Broker>(
+        self: Arc<Self>,
+        tracker: &TaskTracker,
+        broker: &B,
+        delivery: B::Delivery,
+        decided: Option<Disposition>,
         acks: mpsc::UnboundedSender<Settled<B::Delivery>>,
     ) {
         self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -237,8 +329,10 @@ impl Worker {
         tracker.spawn(
             async move {
                 let mut seen = Seen::default();
-                let disposition =
-                    self.decide(&delivery, &message, &mut seen).instrument(trace::handle_span(&receive)).await;
+                let disposition = match decided {
+                    Some(disposition) => disposition,
+                    None => self.decide(&delivery, &message, &mut seen).instrument(trace::handle_span(&receive)).await,
+                };
                 let settled =
                     self.settle(&broker, &delivery, &disposition).instrument(trace::settle_span(&receive)).await;
                 if settled {
@@ -259,6 +353,170 @@ impl Worker {
             .instrument(exported)
             .instrument(logged),
         );
+    }
+
+    /// Puts a delivery of an `order_by` queue in its key's lane: it runs at once when the key
+    /// is free, else waits behind the key's earlier ones; the redriven message that holds its
+    /// key runs first and frees it. One whose key cannot be told is handled alone (decoding
+    /// dead-letters it) or dead-lettered (`template`).
+    fn enqueue<B: Broker>(
+        self: Arc<Self>,
+        tracker: &TaskTracker,
+        broker: &B,
+        lanes: &Arc<Lanes<B::Delivery>>,
+        delivery: B::Delivery,
+        acks: mpsc::UnboundedSender<Settled<B::Delivery>>,
+    ) {
+        let q = self.queue();
+        let (key, id) = match outcome::decode(q, &delivery, attempt_of(&delivery)) {
+            Err(_) => return self.start(tracker, broker, delivery, acks),
+            Ok(message) => match crate::call::order_key(q, &message) {
+                Ok(key) => (key.unwrap_or_default(), message.envelope.id.to_string()),
+                Err(e) => {
+                    let dead = Disposition::DeadLetter {
+                        reason: Reason::Template,
+                        error: e.to_string(),
+                        attempts: attempt_of(&delivery),
+                    };
+                    return self.start_settled(tracker, broker, delivery, dead, acks);
+                }
+            },
+        };
+        self.activity.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.events.received(delivery.timestamp());
+        let start = {
+            let mut waiting = lanes.lock();
+            let mut held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let redriven = held.get(&key) == Some(&id);
+            let busy = waiting.contains_key(&key);
+            let lane = waiting.entry(key.clone()).or_default();
+            if redriven {
+                held.remove(&key);
+                lane.push_front(delivery);
+            } else {
+                lane.push_back(delivery);
+            }
+            self.count_blocked(&waiting, &held);
+            redriven || (!busy && !held.contains_key(&key))
+        };
+        if start {
+            let (worker, broker, lanes) = (self.clone(), broker.clone(), lanes.clone());
+            tracker.spawn(async move { worker.lane(broker, lanes, key, acks).await });
+        }
+    }
+
+    /// Tells `sluice_keys_blocked`: the keys with deliveries waiting behind a busy one, and
+    /// the held ones.
+    fn count_blocked<D>(&self, waiting: &HashMap<String, VecDeque<D>>, held: &HashMap<String, String>) {
+        let behind = waiting.iter().filter(|(key, w)| !w.is_empty() && !held.contains_key(*key)).count();
+        self.events.keys_blocked(behind + held.len());
+    }
+
+    /// Runs a key's lane: its deliveries one at a time, each settled before the next starts,
+    /// until none waits, the key is held, or the consumer stops (what is left goes back).
+    async fn lane<B: Broker>(
+        self: Arc<Self>,
+        broker: B,
+        lanes: Arc<Lanes<B::Delivery>>,
+        key: String,
+        acks: mpsc::UnboundedSender<Settled<B::Delivery>>,
+    ) {
+        let hold = self.queue().order_by.as_ref().is_some_and(|o| o.on_dead_letter == OnDeadLetter::Hold);
+        while let Some(delivery) = lanes.next(&key) {
+            {
+                // In the order `enqueue` takes them.
+                let waiting = lanes.lock();
+                let held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                self.count_blocked(&waiting, &held);
+            }
+            let end = match lanes.ending.is_cancelled() {
+                true => LaneEnd::GaveUp,
+                false => self.run_in_lane(&broker, delivery, &lanes.ending, &acks, hold).await,
+            };
+            match end {
+                LaneEnd::Next => {}
+                LaneEnd::Hold(id) => {
+                    warn!(queue = %self.queue().name, key, message_id = id, "key held: its message was dead-lettered; the key's later messages wait until it is redriven");
+                    let waiting = lanes.lock();
+                    let mut held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    held.insert(key, id);
+                    self.count_blocked(&waiting, &held);
+                    return;
+                }
+                LaneEnd::GaveUp => {
+                    // Unsettled, it goes back to the broker: no lane of this consumer may
+                    // start another message, which could overtake it.
+                    lanes.ending.cancel();
+                    let left = lanes.lock().remove(&key).map_or(0, |w| w.len());
+                    for _ in 0..=left {
+                        self.events.settled();
+                        self.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Handles one delivery of a lane until it is settled: a retry (or a wait: paused, key
+    /// busy elsewhere, not yet due) waits here, holding the delivery and its key, and runs
+    /// again, never overtaken by a copy.
+    async fn run_in_lane<B: Broker>(
+        &self,
+        broker: &B,
+        delivery: B::Delivery,
+        ending: &CancellationToken,
+        acks: &mpsc::UnboundedSender<Settled<B::Delivery>>,
+        hold: bool,
+    ) -> LaneEnd {
+        let message = events::message_span(delivery.message_id());
+        let receive = trace::receive_span(&self.queue().name, &delivery, &message);
+        let mut attempt = attempt_of(&delivery);
+        loop {
+            let mut seen = Seen::default();
+            let disposition = self
+                .decide_at(&delivery, attempt, &message, &mut seen)
+                .instrument(trace::handle_span(&receive))
+                .instrument(message.clone())
+                .await;
+            let again = match &disposition {
+                Disposition::Retry { next, after, .. } => Some((*next, *after)),
+                Disposition::Wait { attempt, after, .. } | Disposition::Scheduled { attempt, after } => {
+                    Some((*attempt, *after))
+                }
+                _ => None,
+            };
+            if let Some((next, after)) = again {
+                self.events.outcome(&disposition, seen);
+                tokio::select! {
+                    () = tokio::time::sleep(after) => {
+                        attempt = next;
+                        continue;
+                    }
+                    () = ending.cancelled() => return LaneEnd::GaveUp,
+                }
+            }
+            if !self.settle(broker, &delivery, &disposition).instrument(trace::settle_span(&receive)).await {
+                return LaneEnd::GaveUp;
+            }
+            self.events.outcome(&disposition, seen);
+            let id = match &disposition {
+                Disposition::DeadLetter { .. } if hold => {
+                    outcome::decode(self.queue(), &delivery, attempt).map(|m| m.envelope.id.to_string()).ok()
+                }
+                _ => None,
+            };
+            let key = match disposition {
+                Disposition::Completed { key } => Some(key),
+                _ => None,
+            };
+            if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
+                self.complete(&[key]).await;
+            }
+            self.events.settled();
+            self.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return id.map_or(LaneEnd::Next, LaneEnd::Hold);
+        }
     }
 
     /// Waits for the calls under way (their timeout bounds them) and their acks, unless
@@ -284,7 +542,18 @@ impl Worker {
     /// as a disposition of this delivery alone: a panic is dead-lettered as `internal`.
     /// What it showed on the way goes into `seen`.
     pub async fn decide<D: Delivery>(&self, delivery: &D, message: &tracing::Span, seen: &mut Seen) -> Disposition {
-        let attempt = attempt_of(delivery);
+        self.decide_at(delivery, attempt_of(delivery), message, seen).await
+    }
+
+    /// [`Worker::decide`] at `attempt` (a lane's retries run in the runner, the delivery's
+    /// header still at its first).
+    async fn decide_at<D: Delivery>(
+        &self,
+        delivery: &D,
+        attempt: u32,
+        message: &tracing::Span,
+        seen: &mut Seen,
+    ) -> Disposition {
         seen.attempt = attempt;
         let decided = async {
             match self.prepare(delivery, attempt, message, seen) {

@@ -122,7 +122,7 @@ pub fn plan(config: &Config) -> Plan {
             kind: q.kind,
             dead_letter: Some(q.dead_letter.clone()),
             max_length: q.max_length,
-            single_active_consumer: q.ordered,
+            single_active_consumer: q.ordered || q.order_by.is_some(),
             message_ttl_ms: q.message_ttl.map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
             max_priority: q.priority,
             arguments: q.arguments.clone(),

@@ -764,6 +764,24 @@ pub struct Finished {
     pub peak_rss_kib: u64,
 }
 
+/// Whether `place`'s broker lacks single active consumer, in which case `validate --broker`
+/// has been checked to refuse the pipeline in `dir` at `setting` (`ordered`, `order_by`)
+/// before anything runs: a body that needs the capability ends there on such a broker.
+pub async fn refused_without_single_active_consumer<P: Place>(place: &P, dir: &Path, setting: &str) -> bool {
+    use sluice::broker::Broker as _;
+    use sluice::broker::capabilities::Ordering;
+    let broker = place.connect().await;
+    let lacks = !broker.capabilities().orderings.contains(&Ordering::SingleActiveConsumer);
+    broker.close().await;
+    if lacks {
+        let path = dir.to_str().expect("utf-8");
+        let refused = broker_cli(&["validate", path], &place.url()).await;
+        assert_eq!(refused.code, Some(1), "{refused:?}");
+        assert!(refused.stdout.contains(&format!("/{setting}: ")), "{}", refused.stdout);
+    }
+    lacks
+}
+
 /// Runs `sluice ARGS --broker URL` off the async runtime (a receiver in the test keeps
 /// serving), within two minutes.
 pub async fn broker_cli(args: &[&str], url: &str) -> Finished {

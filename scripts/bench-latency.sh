@@ -15,19 +15,9 @@ source scripts/bench-lib.sh
 echo "load average at the start $(cut -d' ' -f1-3 /proc/loadavg)"
 for i in $(seq "$runs"); do
   make_vhost "sluice-bench-latency-$$-$i"
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  mkdir -p "$tmp/p$i" "$tmp/run$i"
-  cat >"$tmp/p$i/p.yaml" <<YAML
-version: 1
-exchanges:
-  bench: {type: topic}
-queues:
-  bench.work:
-    bind: [{exchange: bench, routing_key: work}]
-    concurrency: 50
-    handler:
-      webhook: {url: "http://127.0.0.1:$port/hook"}
-YAML
+  port=$(free_port)
+  mkdir -p "$tmp/run$i"
+  bench_pipeline "$tmp/p$i" "$port"
   coproc measure { python3 scripts/bench-latency.py "$url" "$port" "$rate" "$seconds"; }
   read -r ready <&"${measure[0]}"
   [[ $ready == ready ]] || { echo "the receiver did not start" >&2; exit 1; }

@@ -23,16 +23,14 @@ make_vhost() {
 # drop_vhost: deletes the current vhost.
 drop_vhost() { rabbitmqctl -q delete_vhost "$vhost" >/dev/null; vhost=""; }
 
-# happy_path SLUICE MESSAGES: the happy path of bench-ab.sh and profile-happy-path.sh: a
-# `sluice demo-receiver` (receiver, port), the pipeline $tmp/p (one webhook queue, concurrency
-# 50, idempotency on; a quorum queue on RabbitMQ), the same with idempotency off in
-# $tmp/p-off, and MESSAGES payloads in $tmp/m.jsonl.
-happy_path() {
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  "$1" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
-  receiver=$!
-  mkdir -p "$tmp/p"
-  cat >"$tmp/p/p.yaml" <<YAML
+# free_port: a TCP port free on 127.0.0.1 now.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# bench_pipeline DIR PORT: DIR/p.yaml, one webhook queue bench.work (bound to exchange bench,
+# routing key work; concurrency 50, idempotency on) calling http://127.0.0.1:PORT/hook.
+bench_pipeline() {
+  mkdir -p "$1"
+  cat >"$1/p.yaml" <<YAML
 version: 1
 exchanges:
   bench: {type: topic}
@@ -41,8 +39,19 @@ queues:
     bind: [{exchange: bench, routing_key: work}]
     concurrency: 50
     handler:
-      webhook: {url: "http://127.0.0.1:$port/hook"}
+      webhook: {url: "http://127.0.0.1:$2/hook"}
 YAML
+}
+
+# happy_path SLUICE MESSAGES: the happy path of bench-ab.sh and profile-happy-path.sh: a
+# `sluice demo-receiver` (receiver, port), the pipeline $tmp/p (one webhook queue, concurrency
+# 50, idempotency on; a quorum queue on RabbitMQ), the same with idempotency off in
+# $tmp/p-off, and MESSAGES payloads in $tmp/m.jsonl.
+happy_path() {
+  port=$(free_port)
+  "$1" demo-receiver --listen "127.0.0.1:$port" >/dev/null &
+  receiver=$!
+  bench_pipeline "$tmp/p" "$port"
   mkdir -p "$tmp/p-off"
   sed 's/^    handler:/    idempotency: {enabled: false}\n    handler:/' "$tmp/p/p.yaml" >"$tmp/p-off/p.yaml"
   python3 -c "

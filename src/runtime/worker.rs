@@ -337,15 +337,7 @@ impl Worker {
                     self.settle(&broker, &delivery, &disposition).instrument(trace::settle_span(&receive)).await;
                 if settled {
                     self.events.outcome(&disposition, seen);
-                    let key = match disposition {
-                        Disposition::Completed { key } => Some(key),
-                        _ => None,
-                    };
-                    // The ack loop gave up on this session: no ack, but a success is still
-                    // recorded, so its redelivery is a duplicate.
-                    if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
-                        self.complete(&[key]).await;
-                    }
+                    self.to_ack(&acks, delivery, disposition).await;
                 }
                 self.events.settled();
                 self.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -506,16 +498,23 @@ impl Worker {
                 }
                 _ => None,
             };
-            let key = match disposition {
-                Disposition::Completed { key } => Some(key),
-                _ => None,
-            };
-            if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
-                self.complete(&[key]).await;
-            }
+            self.to_ack(acks, delivery, disposition).await;
             self.events.settled();
             self.activity.in_flight.fetch_sub(1, Ordering::SeqCst);
             return id.map_or(LaneEnd::Next, LaneEnd::Hold);
+        }
+    }
+
+    /// Hands a settled delivery to the ack loop, with its key when it completed. When the ack
+    /// loop has given up on this session there is no ack, but a success is still recorded, so
+    /// that its redelivery is a duplicate.
+    async fn to_ack<D>(&self, acks: &mpsc::UnboundedSender<Settled<D>>, delivery: D, disposition: Disposition) {
+        let key = match disposition {
+            Disposition::Completed { key } => Some(key),
+            _ => None,
+        };
+        if let Err(mpsc::error::SendError((_, Some(key)))) = acks.send((delivery, key)) {
+            self.complete(&[key]).await;
         }
     }
 

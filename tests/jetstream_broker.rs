@@ -106,3 +106,21 @@ fn plan_shows_the_streams() {
     assert!(done.stdout.contains(&a), "{}", done.stdout);
     assert!(done.stdout.contains("max_length = 2"), "{}", done.stdout);
 }
+
+/// Several seed servers in one `--broker` value (which the command line splits at the commas):
+/// one refusing connections, the machine's server beside it. The publish reaches the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_seed_servers_in_one_broker_value() {
+    let place = NatsPrefix::new();
+    let receiver = Receiver::ok().await;
+    let dir = webhook_pipeline(&receiver, "");
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    let seeds = format!("nats://127.0.0.1:1,{}", place.url());
+    let published =
+        broker_cli(&["publish", "--exchange", "ev", "--routing-key", "x", "--type", "t", "--payload", "{}"], &seeds)
+            .await;
+    assert_eq!(published.code, Some(0), "{published:?}");
+    assert_eq!(place.depth("work").await, 1, "the message reached the queue");
+    broker.close().await;
+}

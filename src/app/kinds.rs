@@ -153,11 +153,10 @@ impl Kind for RedisServer<'_> {
     }
 }
 
-/// The servers of one NATS deployment (one `--broker` value, comma-separated, with sluice's
-/// parameters).
-pub struct NatsServers<'a>(pub &'a str);
+/// The seed servers of one NATS deployment, comma-separated, with sluice's parameters.
+pub struct NatsServers(pub String);
 
-impl Kind for NatsServers<'_> {
+impl Kind for NatsServers {
     type Broker = JetStream;
     const CAPABILITIES: Capabilities = capabilities::JETSTREAM;
 
@@ -166,15 +165,15 @@ impl Kind for NatsServers<'_> {
     }
 
     fn picture(&self, plan: &Plan) -> anyhow::Result<Picture> {
-        Ok(jetstream::picture(plan, &jetstream::Location::parse(self.0)?))
+        Ok(jetstream::picture(plan, &jetstream::Location::parse(&self.0)?))
     }
 
     fn nodes(&self) -> usize {
-        jetstream::Location::parse(self.0).map_or(1, |l| l.servers.len())
+        jetstream::Location::parse(&self.0).map_or(1, |l| l.servers.len())
     }
 
     fn sessions<'a>(&'a self, dial: &Dial<'a>) -> (Sessions<'a, JetStream>, Connect<JetStream>) {
-        let url = self.0;
+        let url = self.0.as_str();
         let open: Opener<'_, JetStream> = Box::new(move |_| Box::pin(JetStream::connect(url)));
         let owned = url.to_string();
         let reconnect: Connect<JetStream> = Arc::new(move || {

@@ -40,7 +40,7 @@ pub const DEFAULT_BROKER: &str = ".sluice";
 pub enum Endpoint<'a> {
     Amqp(Rabbitmq<'a>),
     Redis(RedisServer<'a>),
-    JetStream(NatsServers<'a>),
+    JetStream(NatsServers),
     Embedded(Directory<'a>),
 }
 
@@ -85,6 +85,11 @@ fn classify(value: &str) -> anyhow::Result<Option<&str>> {
     Ok(None)
 }
 
+/// Whether a `--broker` URL names a NATS server.
+fn is_nats(url: &str) -> bool {
+    url.starts_with("nats://") || url.starts_with("tls://")
+}
+
 /// How many RabbitMQ nodes `--broker` values name (a cluster when more than one), counted
 /// without judging the rest: `validate` and `plan` say what they find in the files first.
 pub fn nodes(values: &[String]) -> usize {
@@ -126,12 +131,13 @@ impl<'a> Endpoint<'a> {
             (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => {
                 Ok(Endpoint::Redis(RedisServer(url)))
             }
-            (1, [url]) if url.starts_with("nats://") || url.starts_with("tls://") => {
-                Ok(Endpoint::JetStream(NatsServers(url)))
+            // The seed servers of one NATS cluster, however `--broker` split them.
+            (n, _) if n > 0 && n == values.len() && urls.iter().all(|u| is_nats(u)) => {
+                Ok(Endpoint::JetStream(NatsServers(urls.join(","))))
             }
-            (_, _) if urls.iter().any(|u| u.starts_with("nats://") || u.starts_with("tls://")) => {
+            (_, _) if urls.iter().any(|u| is_nats(u)) => {
                 anyhow::bail!(
-                    "--broker names NATS servers and something else; give one value, the servers comma-separated (nats://a:4222,nats://b:4222)"
+                    "--broker names NATS servers and something else; give only nats:// or tls:// URLs, the servers of one cluster (nats://a:4222,nats://b:4222)"
                 )
             }
             (_, _) if urls.iter().any(|u| u.starts_with("redis")) => {
@@ -280,7 +286,8 @@ mod tests {
             (&["redis://h:6379"], "redis redis://h:6379"),
             (&["state"], "embedded in state"),
             (&["nats://a:4222,tls://b:4222"], "nats nats://a:4222,tls://b:4222"),
-            (&["nats://a:4222", "nats://b:4222"], "error: --broker names NATS servers and something else"),
+            (&["nats://a:4222", "nats://b:4222"], "nats nats://a:4222,nats://b:4222"),
+            (&["nats://a:4222", "amqp://b/v"], "error: --broker names NATS servers and something else"),
             (&["http://h"], "error: --broker http://h: \"http://\" is not a broker"),
             (&["rabbitmq:5672"], "error: --broker rabbitmq:5672: looks like HOST:PORT"),
             (&["redis://h", "amqp://h/v"], "error: --broker names a Redis server and something else"),

@@ -1,9 +1,9 @@
 //! The Redis broker (issue 23) on a real Redis: the trait's rules it maps its own way (routing
 //! into every bound stream or none, reject-publish, conflicts, hand-back in order on close,
-//! exact delays), and real `sluice` processes on it: a runner killed with `kill -9` whose
-//! leased messages come back, two runners and a publisher on one deployment, and a Redis
-//! restart under load with `appendonly yes` + `appendfsync always` that loses nothing
-//! confirmed. The shared end-to-end bodies run on it through `on_every_broker!`.
+//! exact delays), and a Redis restart under load with `appendonly yes` + `appendfsync always`
+//! that loses nothing confirmed. A runner killed with `kill -9` and two runners on one
+//! deployment are in `leased`; the shared end-to-end bodies run on it through
+//! `on_every_broker!`.
 
 use crate::support;
 
@@ -459,84 +459,6 @@ fn plan_says_the_servers_persistence() {
         assert!(done.stdout.contains("a restart loses"), "{}", done.stdout);
     }
     assert!(done.stdout.contains("missing queue \"a\""), "{}", done.stdout);
-}
-
-/// A webhook pipeline with idempotency on, calling `receiver`.
-fn idempotent_pipeline(receiver: &Receiver, concurrency: u32) -> tempfile::TempDir {
-    webhook_pipeline(receiver, &format!("    concurrency: {concurrency}\n    idempotency: {{ttl: 1h}}\n"))
-}
-
-/// `kill -9` of a runner on Redis mid-work: its leased messages come back once the lease
-/// runs out and a second runner handles them; every message succeeds, and no key succeeds twice
-/// downstream except those the killed runner finished without acking.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_runners_messages_come_back_and_are_handled() {
-    let place = RedisPrefix::with("&lease=2s");
-    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_millis(200))).await;
-    let dir = idempotent_pipeline(&receiver, 8);
-    let broker = place.connect().await;
-    declare(dir.path(), &broker).await;
-    let n = 60;
-    for i in 0..n {
-        publish(&broker, "ev", "x", &format!("k{i}"), json!({"n": i})).await;
-    }
-    let mut first = Sluice::run(dir.path(), &place.url(), &[]);
-    receiver.wait_for(10, Duration::from_secs(30)).await;
-    first.signal(libc::SIGKILL);
-    first.wait(Duration::from_secs(10));
-    let held = place.depth("work").await;
-    assert!(held > 0, "the killed runner left messages");
-    let mut second = Sluice::run(dir.path(), &place.url(), &["--exit-when-idle"]);
-    assert_eq!(second.wait(Duration::from_secs(120)), Some(0), "{}", second.log());
-    let keys: BTreeSet<String> = (0..n).map(|i| format!("k{i}")).collect();
-    assert_eq!(receiver.succeeded_keys(), keys, "every message handled");
-    assert_eq!(place.depth("work").await, 0);
-    // Side effects twice only for keys in flight at the kill (at most the prefetch).
-    let twice = counts(receiver.hits().iter().map(|h| h.key().to_string())).into_values().filter(|c| *c > 1).count();
-    assert!(twice <= 8, "{twice} keys ran twice");
-}
-
-/// Two runners and a publisher (`sluice publish`) on one Redis: every message handled once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_runners_and_a_publisher_share_one_redis() {
-    let place = RedisPrefix::new();
-    let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_millis(20))).await;
-    let dir = idempotent_pipeline(&receiver, 4);
-    let broker = place.connect().await;
-    declare(dir.path(), &broker).await;
-    let mut one = Sluice::run(dir.path(), &place.url(), &[]);
-    let mut two = Sluice::run(dir.path(), &place.url(), &[]);
-    let lines: String = (0..200).map(|i| format!("{{\"n\": {i}}}\n")).collect();
-    let jsonl = dir.path().join("m.jsonl");
-    std::fs::write(&jsonl, lines).expect("jsonl");
-    let published = sluice_cli(
-        &[
-            "publish",
-            "--exchange",
-            "ev",
-            "--routing-key",
-            "x",
-            "--type",
-            "t",
-            "--jsonl",
-            jsonl.to_str().expect("utf-8"),
-            "--broker",
-            &place.url(),
-        ],
-        &[],
-        Duration::from_secs(60),
-    );
-    assert_eq!(published.code, Some(0), "{}", published.stderr);
-    receiver.wait_for(200, Duration::from_secs(60)).await;
-    wait_until(Duration::from_secs(30), "the queue drained", || async { place.depth("work").await == 0 }).await;
-    let hits = receiver.hits();
-    assert_eq!(counts(hits.iter().map(|h| h.key().to_string())).len(), 200);
-    assert_eq!(hits.len(), 200, "each message once");
-    assert_eq!(one.stop(Duration::from_secs(30)), Some(0), "{}", one.log());
-    assert_eq!(two.stop(Duration::from_secs(30)), Some(0), "{}", two.log());
-    for runner in [&one, &two] {
-        assert!(runner.log().contains("persistence"), "{}", runner.log());
-    }
 }
 
 /// A Redis server of the test's own on a free port, in a directory of its own, with the

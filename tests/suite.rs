@@ -40,6 +40,7 @@ mod hostile_tree;
 mod idempotency;
 mod jetstream_broker;
 mod large_messages;
+mod leased;
 mod log_hygiene;
 mod logs;
 mod monitoring;

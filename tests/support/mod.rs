@@ -764,6 +764,11 @@ pub struct Finished {
     pub peak_rss_kib: u64,
 }
 
+/// A webhook pipeline with idempotency on (a 1 h ttl), calling `receiver`.
+pub fn idempotent_pipeline(receiver: &Receiver, concurrency: u32) -> tempfile::TempDir {
+    webhook_pipeline(receiver, &format!("    concurrency: {concurrency}\n    idempotency: {{ttl: 1h}}\n"))
+}
+
 /// Whether `place`'s broker lacks single active consumer, in which case `validate --broker`
 /// has been checked to refuse the pipeline in `dir` at `setting` (`ordered`, `order_by`)
 /// before anything runs: a body that needs the capability ends there on such a broker.

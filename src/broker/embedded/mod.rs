@@ -447,9 +447,7 @@ impl EmbeddedConsumer {
     /// Removes settled messages, recording `done` keys until `until` in the same transaction.
     async fn settle(&self, settled: &[EmbeddedDelivery], done: Vec<String>, until: i64) -> Result<(), BrokerError> {
         let s = &self.state;
-        if !s.is_live() {
-            return Err(BrokerError::Lost("consumer closed".into()));
-        }
+        s.still_open()?;
         let ids: Vec<i64> = settled.iter().map(|d| d.tag.id).collect();
         self.broker.call(|reply| Op::Ack { owner: s.own.owner, ids: ids.clone(), done, until, reply }).await?;
         s.settled(&ids);

@@ -953,9 +953,7 @@ impl Consumer for JsConsumer {
     /// be acked again.
     async fn ack(&self, settled: &[JsDelivery]) -> Result<(), BrokerError> {
         let s = &self.state;
-        if !s.is_live() {
-            return Err(BrokerError::Lost("consumer closed".into()));
-        }
+        s.still_open()?;
         let acks = settled.iter().map(|d| self.broker.settle(&d.tag.reply, jetstream::AckKind::Ack));
         let results = futures_util::future::join_all(acks).await;
         let acked: Vec<u64> =

@@ -81,6 +81,14 @@ impl<Id: Ord + Clone, Own> Holder<Id, Own> {
         self.live.load(Ordering::SeqCst)
     }
 
+    /// Fails once it is closed: what an ack or a settlement checks first.
+    pub fn still_open(&self) -> Result<(), BrokerError> {
+        match self.is_live() {
+            true => Ok(()),
+            false => Err(BrokerError::Lost("consumer closed".into())),
+        }
+    }
+
     /// The ids it holds unsettled (to renew their leases).
     pub fn held(&self) -> Vec<Id> {
         lock(&self.unsettled).iter().cloned().collect()

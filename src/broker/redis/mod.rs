@@ -818,9 +818,7 @@ impl Consumer for RedisConsumer {
     /// be acked again. An entry whose lease ran out and that another consumer took is left to it.
     async fn ack(&self, settled: &[RedisDelivery]) -> Result<(), BrokerError> {
         let s = &self.state;
-        if !s.is_live() {
-            return Err(BrokerError::Lost("consumer closed".into()));
-        }
+        s.still_open()?;
         if settled.is_empty() {
             return Ok(());
         }
@@ -843,9 +841,7 @@ impl Consumer for RedisConsumer {
         ttl: Duration,
     ) -> Result<(), BrokerError> {
         let s = &self.state;
-        if !s.is_live() {
-            return Err(BrokerError::Lost("consumer closed".into()));
-        }
+        s.still_open()?;
         let mut invocation = self.broker.inner.scripts.ack_recording.key(self.broker.stream(&s.queue));
         for key in keys {
             invocation.key(idempotency_key(self.broker.prefix(), key));
@@ -1066,9 +1062,7 @@ impl Operate for Redis {
         edits: &Edits,
     ) -> Result<bool, BrokerError> {
         let s = &consumer.state;
-        if !s.is_live() {
-            return Err(BrokerError::Lost("consumer closed".into()));
-        }
+        s.still_open()?;
         self.move_copy(queue, s, &original.tag.id, &edited(original, edits)).await?;
         s.settled([original.tag.id.as_str()]);
         Ok(true)

@@ -19,11 +19,11 @@ use sluice::broker::{
     Broker, BrokerError, Consumer, Credit, Delivery, Drift, Edits, HeaderValue, Headers, Operate, Outgoing, Publish,
     QueueStats, Target,
 };
-use sluice::config::ExchangeKind;
+use sluice::config::{ExchangeKind, QueueKind};
 use sluice::envelope;
 use sluice::topology::{BindingDecl, ExchangeDecl, Plan, QueueDecl, Role};
 
-use crate::support::{EmbeddedDir, NatsPrefix, Place, RedisPrefix, Vhost};
+use crate::support::{EmbeddedDir, NatsPrefix, Place, RedisPrefix, SqsPrefix, Vhost};
 
 /// How long anything that should happen soon may take before the test fails.
 const DEADLINE: Duration = Duration::from_secs(15);
@@ -123,6 +123,24 @@ impl Subject for OnNats {
     }
 }
 
+/// A name prefix of its own on the suite's SQS emulator, with short leases (as `OnRedis`).
+pub struct OnSqs(SqsPrefix);
+
+/// The lease `OnSqs` asks for.
+const SQS_LEASE: Duration = Duration::from_secs(3);
+
+impl Subject for OnSqs {
+    type Broker = sluice::broker::sqs::Sqs;
+
+    async fn session(&self) -> Self::Broker {
+        self.0.connect().await
+    }
+
+    fn lease(&self) -> Duration {
+        SQS_LEASE
+    }
+}
+
 /// A work queue with no settings.
 fn work(name: &str) -> QueueDecl {
     QueueDecl::new(name, Role::Work)
@@ -203,8 +221,11 @@ where
     (out.iter().map(body).collect(), out)
 }
 
-/// Waits until the broker says `stats` of `queue`.
-async fn wait_for_stats<B: Publish>(broker: &B, queue: &str, stats: QueueStats) {
+/// Waits until the broker says `stats` of `queue` (no consumers, where it counts none).
+async fn wait_for_stats<B: Publish>(broker: &B, queue: &str, mut stats: QueueStats) {
+    if !broker.capabilities().counts_consumers {
+        stats.consumers = 0;
+    }
     let start = Instant::now();
     loop {
         let now = broker.stats(queue).await;
@@ -499,7 +520,14 @@ async fn dead_letter_and_redrive_keep_the_message_and_edit_headers<S: Subject>(s
 /// room.
 async fn a_full_queue_refuses_publishes<S: Subject>(subject: S) {
     let broker = subject.session().await;
-    broker.declare(&queues(vec![QueueDecl { max_length: Some(2), ..work("small") }])).await.expect("declare");
+    let plan = queues(vec![QueueDecl { max_length: Some(2), ..work("small") }]);
+    if !broker.capabilities().max_length {
+        let refused = broker.declare(&plan).await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains("max_length"), "a broker that cannot bound a queue refuses max_length: {refused}");
+        broker.close().await;
+        return;
+    }
+    broker.declare(&plan).await.expect("declare");
     let most = 2 + broker.capabilities().admits_past_max_length;
     let mut accepted = Vec::new();
     let refused = loop {
@@ -538,9 +566,13 @@ async fn a_full_queue_refuses_publishes<S: Subject>(subject: S) {
 /// `max_length`, `x-max-length`) and both values, and none of the settings that agree.
 async fn a_differing_declaration_names_the_setting_and_both_values<S: Subject>(subject: S) {
     let broker = subject.session().await;
+    // The setting that differs: max_length, or the queue's type on a broker without bounds.
+    let bounded = broker.capabilities().max_length;
+    let queue =
+        if bounded { QueueDecl { max_length: Some(1_234_567), ..work("conflicted") } } else { work("conflicted") };
     let plan = Plan {
         exchanges: vec![ExchangeDecl { name: "ev".into(), kind: ExchangeKind::Direct }],
-        queues: vec![QueueDecl { max_length: Some(1_234_567), ..work("conflicted") }],
+        queues: vec![queue],
         bindings: vec![binding("ev", "conflicted", "k", json!(null))],
     };
     broker.declare(&plan).await.expect("declare");
@@ -549,15 +581,21 @@ async fn a_differing_declaration_names_the_setting_and_both_values<S: Subject>(s
     runner_limit.queues[0].max_message_bytes = Some(1024);
     broker.declare(&runner_limit).await.expect("the runner's body limit is not the broker's declaration");
 
-    let mut longer = plan.clone();
-    longer.queues[0].max_length = Some(7_654_321);
-    let Err(BrokerError::Conflict(message)) = broker.declare(&longer).await else { panic!("a conflict") };
+    let mut differing = plan.clone();
+    let (parts, agreeing) = if bounded {
+        differing.queues[0].max_length = Some(7_654_321);
+        (["conflicted", "max_length", "1234567", "7654321"], ["single_active", "dead_letter", "quorum"])
+    } else {
+        differing.queues[0].kind = QueueKind::Classic;
+        (["conflicted", "type", "quorum", "classic"], ["single_active", "dead_letter", "max_length"])
+    };
+    let Err(BrokerError::Conflict(message)) = broker.declare(&differing).await else { panic!("a conflict") };
     let message = message.to_string();
     let words = message.to_lowercase().replace('-', "_");
-    for part in ["conflicted", "max_length", "1234567", "7654321"] {
+    for part in parts {
         assert!(words.contains(part), "{part} in: {message}");
     }
-    for agreeing in ["single_active", "dead_letter", "quorum"] {
+    for agreeing in agreeing {
         assert!(!words.contains(agreeing), "{agreeing} (which agrees) in: {message}");
     }
 
@@ -886,6 +924,7 @@ conformance! {
         rabbitmq: Vhost::new(),
         redis: OnRedis(RedisPrefix::with(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
         jetstream: OnNats(NatsPrefix::with(&format!("&lease={}s", NATS_LEASE.as_secs()))),
+        sqs: OnSqs(SqsPrefix::with(&format!("&lease={}s", SQS_LEASE.as_secs()))),
     }
     tests {
         every_exchange_type_routes_as_rabbitmq_does,

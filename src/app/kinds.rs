@@ -14,6 +14,7 @@ use crate::broker::failover::Failover;
 use crate::broker::jetstream::{self, JetStream};
 use crate::broker::redis::{self, Redis};
 use crate::broker::render::Picture;
+use crate::broker::sqs::{self, Sqs};
 use crate::broker::{Broker as _, BrokerError, Capabilities, Operate, capabilities};
 use crate::topology::Plan;
 
@@ -179,6 +180,33 @@ impl Kind for NatsServers {
         let reconnect: Connect<JetStream> = Arc::new(move || {
             let url = owned.clone();
             Box::pin(async move { JetStream::connect(&url).await })
+        });
+        (dial.limit(Failover::new(vec![self.display()], open), 3), reconnect)
+    }
+}
+
+/// An SQS deployment: its region, prefix and endpoint, as one `sqs://` URL.
+pub struct SqsQueues<'a>(pub &'a str);
+
+impl Kind for SqsQueues<'_> {
+    type Broker = Sqs;
+    const CAPABILITIES: Capabilities = capabilities::SQS;
+
+    fn display(&self) -> String {
+        self.0.to_string()
+    }
+
+    fn picture(&self, plan: &Plan) -> anyhow::Result<Picture> {
+        Ok(sqs::picture(plan, &sqs::Location::parse(self.0)?))
+    }
+
+    fn sessions<'a>(&'a self, dial: &Dial<'a>) -> (Sessions<'a, Sqs>, Connect<Sqs>) {
+        let url = self.0;
+        let open: Opener<'_, Sqs> = Box::new(move |_| Box::pin(Sqs::connect(url)));
+        let owned = url.to_string();
+        let reconnect: Connect<Sqs> = Arc::new(move || {
+            let url = owned.clone();
+            Box::pin(async move { Sqs::connect(&url).await })
         });
         (dial.limit(Failover::new(vec![self.display()], open), 3), reconnect)
     }

@@ -30,7 +30,7 @@ use crate::broker::render::Picture;
 use crate::broker::{Broker, BrokerError, Capabilities, Operate};
 use crate::runtime::Readiness;
 use crate::topology::Plan;
-use kinds::{Directory, Kind, NatsServers, Rabbitmq, RedisServer};
+use kinds::{Directory, Kind, NatsServers, Rabbitmq, RedisServer, SqsQueues};
 
 /// The embedded broker's directory when `--broker` is not given, beside the idempotency
 /// store's, and the state directory of runners on other brokers.
@@ -41,6 +41,7 @@ pub enum Endpoint<'a> {
     Amqp(Rabbitmq<'a>),
     Redis(RedisServer<'a>),
     JetStream(NatsServers),
+    Sqs(SqsQueues<'a>),
     Embedded(Directory<'a>),
 }
 
@@ -52,6 +53,7 @@ macro_rules! by_kind {
             Endpoint::Amqp($kind) => $body,
             Endpoint::Redis($kind) => $body,
             Endpoint::JetStream($kind) => $body,
+            Endpoint::Sqs($kind) => $body,
             Endpoint::Embedded($kind) => $body,
         }
     };
@@ -59,7 +61,7 @@ macro_rules! by_kind {
 
 /// What a `--broker` value is, or why it is none.
 fn classify(value: &str) -> anyhow::Result<Option<&str>> {
-    if ["amqp://", "amqps://", "redis://", "rediss://", "nats://", "tls://"]
+    if ["amqp://", "amqps://", "redis://", "rediss://", "nats://", "tls://", "sqs://"]
         .iter()
         .any(|scheme| value.starts_with(scheme))
     {
@@ -67,7 +69,7 @@ fn classify(value: &str) -> anyhow::Result<Option<&str>> {
     }
     if let Some((scheme, _)) = value.split_once("://") {
         anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, nats:// or tls:// for NATS JetStream, or a directory for the embedded broker",
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, nats:// or tls:// for NATS JetStream, sqs:// for Amazon SQS, or a directory for the embedded broker",
             amqp::redact(value)
         );
     }
@@ -130,6 +132,10 @@ impl<'a> Endpoint<'a> {
             (0, [dir]) => Ok(Endpoint::Embedded(Directory(Path::new(*dir)))),
             (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => {
                 Ok(Endpoint::Redis(RedisServer(url)))
+            }
+            (1, [url]) if url.starts_with("sqs://") => Ok(Endpoint::Sqs(SqsQueues(url))),
+            (_, _) if urls.iter().any(|u| u.starts_with("sqs://")) => {
+                anyhow::bail!("--broker names an SQS deployment and something else; give one sqs:// URL")
             }
             // The seed servers of one NATS cluster, however `--broker` split them.
             (n, _) if n > 0 && n == values.len() && urls.iter().all(|u| is_nats(u)) => {
@@ -273,6 +279,7 @@ mod tests {
             Ok(Endpoint::Amqp(kinds::Rabbitmq(urls))) => format!("rabbitmq, {} node(s)", urls.len()),
             Ok(Endpoint::Redis(kinds::RedisServer(url))) => format!("redis {url}"),
             Ok(Endpoint::JetStream(kinds::NatsServers(url))) => format!("nats {url}"),
+            Ok(Endpoint::Sqs(kinds::SqsQueues(url))) => format!("sqs {url}"),
             Ok(Endpoint::Embedded(kinds::Directory(dir))) => format!("embedded in {}", dir.display()),
             Err(e) => format!("error: {}", e.to_string().split(';').next().unwrap_or_default()),
         }
@@ -288,6 +295,8 @@ mod tests {
             (&["nats://a:4222,tls://b:4222"], "nats nats://a:4222,tls://b:4222"),
             (&["nats://a:4222", "nats://b:4222"], "nats nats://a:4222,nats://b:4222"),
             (&["nats://a:4222", "amqp://b/v"], "error: --broker names NATS servers and something else"),
+            (&["sqs://us-east-1/shop?endpoint=http://h:5000"], "sqs sqs://us-east-1/shop?endpoint=http://h:5000"),
+            (&["sqs://us-east-1", "amqp://b/v"], "error: --broker names an SQS deployment and something else"),
             (&["http://h"], "error: --broker http://h: \"http://\" is not a broker"),
             (&["rabbitmq:5672"], "error: --broker rabbitmq:5672: looks like HOST:PORT"),
             (&["redis://h", "amqp://h/v"], "error: --broker names a Redis server and something else"),

@@ -35,6 +35,7 @@ pub const EMBEDDED: Capabilities = Capabilities {
     browse_in_order: true,
     atomic_copy_and_remove: false,
     admits_past_max_length: 0,
+    counts_consumers: true,
     counts_waiting_consumers: true,
 };
 
@@ -54,6 +55,24 @@ pub const JETSTREAM: Capabilities = Capabilities {
     orderings: &[],
     holds_keys: false,
     atomic_copy_and_remove: false,
+    counts_waiting_consumers: false,
+    ..EMBEDDED
+};
+
+/// Amazon SQS (standard queues): a copy waits at most 15 minutes (longer delays in hops);
+/// bodies up to 256 KiB (the message with its attributes; send a reference to a larger blob
+/// kept elsewhere); no bound on a queue, no priorities, no expiry, no broker arguments, no
+/// single active consumer. sluice routes every exchange kind itself. SQS does not know a
+/// queue's consumers, and delivers in no strict order.
+pub const SQS: Capabilities = Capabilities {
+    name: "the SQS broker",
+    longest_delay: Some(super::sqs::LONGEST_DELAY),
+    largest_body: 256 << 10,
+    max_length: false,
+    orderings: &[],
+    holds_keys: false,
+    browse_in_order: false,
+    counts_consumers: false,
     counts_waiting_consumers: false,
     ..EMBEDDED
 };

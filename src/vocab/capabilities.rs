@@ -67,6 +67,8 @@ pub struct Capabilities {
     /// How many messages a queue at its `max_length` takes past it before refusing
     /// publishes (a quorum queue checks the limit only once it is exceeded: one).
     pub admits_past_max_length: usize,
+    /// Whether queue statistics count a queue's consumers at all (SQS does not know them).
+    pub counts_consumers: bool,
     /// Whether queue statistics count the consumers of a single-active-consumer queue that
     /// wait their turn.
     pub counts_waiting_consumers: bool,

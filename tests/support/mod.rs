@@ -431,6 +431,72 @@ impl Place for NatsPrefix {
     }
 }
 
+/// Where the suite's SQS emulator answers: `SLUICE_TEST_SQS_ENDPOINT`, else the moto server
+/// `.ci/run` starts.
+pub fn sqs_endpoint() -> String {
+    std::env::var("SLUICE_TEST_SQS_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
+}
+
+/// A name prefix of its own on the suite's SQS emulator (moto), for one test: every queue
+/// under it is deleted on drop.
+pub struct SqsPrefix {
+    pub prefix: String,
+    /// Extra URL parameters (`&lease=3s`).
+    pub params: String,
+}
+
+impl SqsPrefix {
+    /// A prefix whose deliveries are leased for 5 s, not the default 30 s (as `RedisPrefix`).
+    pub fn new() -> SqsPrefix {
+        SqsPrefix::with("&lease=5s")
+    }
+
+    /// A prefix with extra URL parameters; fails (never skips) when the emulator is down.
+    pub fn with(params: &str) -> SqsPrefix {
+        let endpoint = sqs_endpoint();
+        let address = endpoint.trim_start_matches("http://").trim_end_matches('/').to_string();
+        let reachable = std::net::ToSocketAddrs::to_socket_addrs(&address)
+            .ok()
+            .and_then(|mut a| a.next())
+            .is_some_and(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok());
+        if !reachable {
+            panic!(
+                "no SQS emulator answers at {endpoint}. Start moto with `pip install 'moto[server]' && moto_server -H 127.0.0.1 -p 5000 &` (or set SLUICE_TEST_SQS_ENDPOINT)."
+            );
+        }
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        SqsPrefix { prefix: format!("t{}", &id[id.len() - 16..]), params: params.to_string() }
+    }
+}
+
+impl Drop for SqsPrefix {
+    fn drop(&mut self) {
+        let url = self.url();
+        // Drop may run inside a test's runtime: the cleanup gets a runtime of its own.
+        let cleanup = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            runtime.block_on(async {
+                if let Ok(broker) = sluice::broker::sqs::Sqs::connect(&url).await {
+                    let _ = broker.destroy().await;
+                }
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+impl Place for SqsPrefix {
+    type Broker = sluice::broker::sqs::Sqs;
+
+    fn url(&self) -> String {
+        format!("sqs://us-east-1/{}?endpoint={}{}", self.prefix, sqs_endpoint(), self.params)
+    }
+
+    async fn connect(&self) -> Self::Broker {
+        sluice::broker::sqs::Sqs::connect(&self.url()).await.expect("connect to the SQS emulator")
+    }
+}
+
 /// An HTTP client for the tests, with the TLS provider `sluice` installs. One per process:
 /// each new client parses the system's root certificates (in a test build, about 3 % of the
 /// suite's CPU, polls making one every 200 ms). It keeps no idle connection, which would

@@ -34,7 +34,7 @@ use crate::vocab::{
 };
 
 use self::declare::DestinationKind;
-pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, Declarations, MAX_DELAY, declarations, delay_route};
+pub use self::declare::{DELAY_LEVELS, DELAY_UNIT, DELIVERY_LIMIT, Declarations, MAX_DELAY, declarations, delay_route};
 use super::kit::AckWindow;
 use super::{
     Broker, BrokerError, Cause, Consumer, Credit, DeadLetterRecord, Delivery, Drift, Edits, HeaderValue, Headers,
@@ -85,6 +85,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     browse_in_order: true,
     atomic_copy_and_remove: false,
     admits_past_max_length: 1,
+    counts_consumers: true,
     counts_waiting_consumers: false,
 };
 

@@ -9,6 +9,7 @@
 //! and writes.
 
 mod ack_window;
+pub mod carried;
 pub mod claim;
 pub mod headers;
 pub mod kept;

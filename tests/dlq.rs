@@ -56,7 +56,9 @@ fn json_ids(stdout: &str) -> Vec<String> {
     listed.iter().map(|e| e["id"].as_str().expect("id").to_string()).collect()
 }
 
-async fn messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_a_redrive<P: Place>(place: P) {
+pub(crate) async fn messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_a_redrive<P: Place>(
+    place: P,
+) {
     let down = Arc::new(AtomicBool::new(true));
     let flag = down.clone();
     let receiver =

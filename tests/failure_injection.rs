@@ -175,7 +175,7 @@ fn bodies(dead: &[(Vec<u8>, std::collections::BTreeMap<String, HeaderValue>)]) -
     dead.iter().map(|(b, _)| String::from_utf8_lossy(b).into_owned()).collect()
 }
 
-async fn poison_messages_are_dead_lettered_at_once_and_the_next_message_is_processed<P: Place>(place: P) {
+pub(crate) async fn poison_messages_are_dead_lettered_at_once_and_the_next_message_is_processed<P: Place>(place: P) {
     let receiver = Receiver::start(|hit, _| match hit.key() {
         "poison-422" => Reply::status(422).body("order 7 is unknown"),
         _ => Reply::ok(),

@@ -1,5 +1,5 @@
 //! Real `sluice` processes on the brokers whose consumers hold leases on a server (Redis,
-//! JetStream): a runner killed with `kill -9` whose leased messages come back and are handled,
+//! JetStream, SQS): a runner killed with `kill -9` whose leased messages come back and are handled,
 //! and two runners with publishers (`publish --jsonl` and a single `publish`, separate
 //! processes) on one deployment, each message handled once.
 
@@ -89,4 +89,14 @@ async fn two_runners_and_publishers_share_one_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_runners_and_publishers_share_one_jetstream() {
     two_runners_and_publishers_share_one_deployment(NatsPrefix::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_runners_messages_come_back_on_sqs() {
+    a_killed_runners_messages_come_back_and_are_handled(SqsPrefix::with("&lease=3s")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runners_and_publishers_share_one_sqs_deployment() {
+    two_runners_and_publishers_share_one_deployment(SqsPrefix::new()).await;
 }

@@ -22,7 +22,7 @@ fn pipeline_for(receiver: &Receiver, yaml: &str) -> tempfile::TempDir {
     pipeline(&yaml.replace(RECEIVER, receiver.uri()))
 }
 
-async fn fan_out_delivers_once_per_bound_queue<P: Place>(place: P) {
+pub(crate) async fn fan_out_delivers_once_per_bound_queue<P: Place>(place: P) {
     let receiver = Receiver::ok().await;
     let dir = pipeline_for(
         &receiver,

@@ -11,7 +11,7 @@ use support::*;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
-async fn retry_exhaustion_calls_exactly_max_attempts_then_dead_letters<P: Place>(place: P) {
+pub(crate) async fn retry_exhaustion_calls_exactly_max_attempts_then_dead_letters<P: Place>(place: P) {
     let server = MockServer::start().await;
     Mock::given(method("POST")).respond_with(ResponseTemplate::new(503)).mount(&server).await;
     let dir = work_pipeline(&format!(

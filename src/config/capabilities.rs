@@ -3,6 +3,7 @@
 //! capability and the broker. The values are the brokers' own; this reads them, never a broker.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use super::source::escape_token;
 use super::{Config, Validation};
@@ -24,10 +25,38 @@ impl Validation {
     /// `capabilities` cannot honour (the config is then none): what `validate --broker`, `run`
     /// and a reload check before anything is declared.
     pub fn check_capabilities(&mut self, capabilities: &Capabilities) {
+        self.fit_default_body_limits(capabilities.largest_body);
         if let Some(config) = &self.config {
             let refusals: Vec<_> =
                 refusals(capabilities, config).into_iter().map(|r| (r.file, r.pointer, r.message)).collect();
             self.refuse(refusals);
+        }
+    }
+}
+
+impl Validation {
+    /// Lowers to `largest` the body limit of each queue that left `max_message_bytes` to its
+    /// default (16 MiB) on a broker that keeps no body that large (SQS: 256 KiB); a limit the
+    /// file gives is checked, and refused past `largest`, as it is.
+    fn fit_default_body_limits(&mut self, largest: usize) {
+        let Some(config) = &self.config else { return };
+        let defaulted: Vec<String> = config
+            .queues
+            .values()
+            .filter(|q| q.max_message_bytes > largest)
+            .filter(|q| {
+                let pointer = format!("/queues/{}/max_message_bytes", escape_token(&q.name));
+                let given = self.sources.get(&q.file).and_then(|text| super::source::parse(&q.file, text.clone()).ok());
+                !given.is_some_and(|file| file.value.pointer(&pointer).is_some())
+            })
+            .map(|q| q.name.clone())
+            .collect();
+        let Some(config) = &mut self.config else { return };
+        for name in defaulted {
+            // Checked as loaded, before anything shares the queue.
+            if let Some(q) = config.queues.get_mut(&name).and_then(Arc::get_mut) {
+                q.max_message_bytes = largest;
+            }
         }
     }
 }

@@ -495,6 +495,15 @@ impl Place for SqsPrefix {
     async fn connect(&self) -> Self::Broker {
         sluice::broker::sqs::Sqs::connect(&self.url()).await.expect("connect to the SQS emulator")
     }
+
+    /// Messages in the queue, visible or not: a killed runner's deliveries count until they
+    /// are deleted, as on RabbitMQ. (Delayed copies count too.)
+    async fn depth(&self, queue: &str) -> u32 {
+        let broker = self.connect().await;
+        let messages = broker.messages(queue).await.unwrap_or_else(|e| panic!("messages in {queue}: {e}"));
+        broker.close().await;
+        messages
+    }
 }
 
 /// An HTTP client for the tests, with the TLS provider `sluice` installs. One per process:
@@ -596,7 +605,7 @@ pub struct Sluice {
 impl Sluice {
     /// Starts `sluice run DIR --broker URL` with extra args; stderr goes to a log file in DIR.
     /// Unless the args or `env` choose one, the idempotency store is the embedded broker's own
-    /// file, or beside RabbitMQ and JetStream a state directory in DIR: the default there (`.sluice` in the
+    /// file, or beside RabbitMQ, JetStream and SQS a state directory in DIR: the default there (`.sluice` in the
     /// working directory) would be shared by every test and every earlier run, so keys handled
     /// there would be skipped here as duplicates.
     pub fn run(dir: &Path, url: &str, extra: &[&str]) -> Sluice {
@@ -609,7 +618,7 @@ impl Sluice {
         let log = dir.join(format!("sluice-{}.log", uuid::Uuid::now_v7()));
         let file = std::fs::File::create(&log).expect("log file");
         let mut command = Command::new(env!("CARGO_BIN_EXE_sluice"));
-        if url.starts_with("amqp") || url.starts_with("nats") {
+        if ["amqp", "nats", "sqs"].iter().any(|scheme| url.starts_with(scheme)) {
             command.env("SLUICE_DEDUP", dir.join(".sluice"));
         }
         let child = command

@@ -333,6 +333,17 @@ impl Sqs {
         Ok(())
     }
 
+    /// Messages in `queue`, visible or not (held, delayed).
+    pub async fn messages(&self, queue: &str) -> Result<u32, BrokerError> {
+        let names = [
+            "ApproximateNumberOfMessages",
+            "ApproximateNumberOfMessagesNotVisible",
+            "ApproximateNumberOfMessagesDelayed",
+        ];
+        let total: u64 = self.attributes(queue, &names).await?.iter().sum();
+        Ok(u32::try_from(total).unwrap_or(u32::MAX))
+    }
+
     /// Calls `action`, noting whether SQS answered.
     async fn call(&self, action: &str, input: &Value) -> Result<Value, AwsError> {
         let answer = self.inner.aws.call(action, input).await;

@@ -59,7 +59,7 @@ macro_rules! by_kind {
 
 /// What a `--broker` value is, or why it is none.
 fn classify(value: &str) -> anyhow::Result<Option<&str>> {
-    if ["amqp://", "amqps://", "redis://", "rediss://", "nats://", "tls://"]
+    if ["amqp://", "amqps://", "redis://", "rediss://", crate::broker::redis::link::SENTINEL, "nats://", "tls://"]
         .iter()
         .any(|scheme| value.starts_with(scheme))
     {
@@ -67,7 +67,7 @@ fn classify(value: &str) -> anyhow::Result<Option<&str>> {
     }
     if let Some((scheme, _)) = value.split_once("://") {
         anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, nats:// or tls:// for NATS JetStream, or a directory for the embedded broker",
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis://, rediss:// or redis+sentinel:// for Redis, nats:// or tls:// for NATS JetStream, or a directory for the embedded broker",
             amqp::redact(value)
         );
     }
@@ -120,6 +120,12 @@ impl<'a> Endpoint<'a> {
     /// takes them in its own order, so runners spread over them.
     pub fn parse(values: &'a [String]) -> anyhow::Result<Endpoint<'a>> {
         let values: Vec<&str> = values.iter().map(|u| u.trim()).filter(|u| !u.is_empty()).collect();
+        // The sentinels of one Redis deployment, however `--broker` split them.
+        if let [first, ..] = values.as_slice()
+            && first.starts_with(crate::broker::redis::link::SENTINEL)
+        {
+            return Ok(Endpoint::Redis(RedisServer(values.join(",").into())));
+        }
         let mut urls = Vec::new();
         for value in &values {
             if let Some(url) = classify(value)? {
@@ -129,7 +135,7 @@ impl<'a> Endpoint<'a> {
         match (urls.len(), values.as_slice()) {
             (0, [dir]) => Ok(Endpoint::Embedded(Directory(Path::new(*dir)))),
             (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => {
-                Ok(Endpoint::Redis(RedisServer(url)))
+                Ok(Endpoint::Redis(RedisServer((*url).into())))
             }
             // The seed servers of one NATS cluster, however `--broker` split them.
             (n, _) if n > 0 && n == values.len() && urls.iter().all(|u| is_nats(u)) => {
@@ -284,6 +290,7 @@ mod tests {
             (&["amqp://h/%2f"], "rabbitmq, 1 node(s)"),
             (&["amqps://a/v", " amqp://b/v ", ""], "rabbitmq, 2 node(s)"),
             (&["redis://h:6379"], "redis redis://h:6379"),
+            (&["redis+sentinel://a:26379", "b:26379/m?prefix=p"], "redis redis+sentinel://a:26379,b:26379/m?prefix=p"),
             (&["state"], "embedded in state"),
             (&["nats://a:4222,tls://b:4222"], "nats nats://a:4222,tls://b:4222"),
             (&["nats://a:4222", "nats://b:4222"], "nats nats://a:4222,nats://b:4222"),

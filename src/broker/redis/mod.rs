@@ -32,8 +32,12 @@
 //! watches its server while it lives.
 //!
 //! URL: `redis://[user:password@]host:port[/db][?prefix=P&lease=DUR]` or `rediss://` (TLS);
-//! `prefix` (default `sluice:`) keeps deployments and tests on one server apart.
+//! `prefix` (default `sluice:`) keeps deployments and tests on one server apart. Through
+//! Sentinels: `redis+sentinel://[user:password@]s1:26379,s2:26379/MASTER_NAME[/db][?prefix=…]`,
+//! the user and password the data nodes' (the sentinels are asked without); the primary they
+//! name is checked with `ROLE` and found again after any loss ([`link`]).
 
+pub mod link;
 mod scripts;
 pub(crate) mod server;
 
@@ -47,11 +51,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 use redis::Value;
-use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use self::link::{Link, Timeouts};
 use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
@@ -202,8 +206,7 @@ pub struct Redis {
 }
 
 struct Inner {
-    client: redis::Client,
-    connection: ConnectionManager,
+    connection: Link,
     location: Location,
     /// The URL without its password, for messages.
     shown: String,
@@ -246,19 +249,12 @@ impl Redis {
     pub async fn open(url: &str, checks: &Checks) -> Result<Redis, BrokerError> {
         let location = Location::parse(url)?;
         let shown = super::amqp::redact(url);
-        let client = redis::Client::open(location.url.as_str())
-            .map_err(|e| BrokerError::Connect { url: shown.clone(), reason: Cause::from_error(e) })?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(15)))
-            .set_number_of_retries(2);
-        let mut connection = ConnectionManager::new_with_config(client.clone(), config)
-            .await
-            .map_err(|e| server::opening_error(&shown, e))?;
-        let user = client.get_connection_info().redis_settings().username().unwrap_or("default").to_string();
+        let timeouts = Timeouts { connect: Duration::from_secs(5), response: Duration::from_secs(15) };
+        let mut connection =
+            Link::open(&location.url, timeouts, 2).await.map_err(|e| server::opening_error(&shown, e))?;
+        let user = connection.user();
         server::check(&mut connection, &location, &user, &shown, checks).await?;
         let inner = Arc::new(Inner {
-            client,
             connection,
             location,
             shown,
@@ -297,7 +293,7 @@ impl Redis {
         Some(Persistence { appendonly: value(0)?, appendfsync: value(1)?, save: value(2)? })
     }
 
-    fn conn(&self) -> ConnectionManager {
+    fn conn(&self) -> Link {
         self.inner.connection.clone()
     }
 
@@ -556,9 +552,9 @@ fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written
 async fn listen(inner: Weak<Inner>, channel: String, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        let Some(client) = inner.upgrade().map(|i| i.client.clone()) else { return };
+        let Some(link) = inner.upgrade().map(|i| i.connection.clone()) else { return };
         let subscribed = async {
-            let mut pubsub = client.get_async_pubsub().await?;
+            let mut pubsub = link.pubsub().await?;
             pubsub.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
         };

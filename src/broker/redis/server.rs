@@ -22,9 +22,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
-
 use super::Location;
+use super::link::Link;
 use crate::broker::{BrokerError, Cause};
 
 /// How often a runner's session looks at its server (restarts, policy, role, memory).
@@ -146,7 +145,7 @@ pub struct Server {
 /// Everything `checks` asks of the server behind `c` (with `user`, for `location`), for a
 /// session opening: the password, the role, the policy, the commands; reports a restart.
 pub async fn check(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     location: &Location,
     user: &str,
     shown: &str,
@@ -161,7 +160,7 @@ pub async fn check(
 }
 
 /// `INFO` (server, replication, memory, cluster), or `None` when this user may not run it.
-async fn info(c: &mut ConnectionManager, shown: &str) -> Result<Option<Info>, BrokerError> {
+async fn info(c: &mut Link, shown: &str) -> Result<Option<Info>, BrokerError> {
     let read: Result<String, _> =
         redis::cmd("INFO").arg("server").arg("replication").arg("memory").arg("cluster").query_async(c).await;
     match read {
@@ -174,7 +173,7 @@ async fn info(c: &mut ConnectionManager, shown: &str) -> Result<Option<Info>, Br
 /// The checks `INFO` answers (role, cluster, policy) and a restart, for a session opening
 /// (which warns of an evicting policy allowed) or its watch.
 pub async fn inspect(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     location: &Location,
     shown: &str,
     checks: &Checks,
@@ -182,6 +181,13 @@ pub async fn inspect(
 ) -> Result<Server, BrokerError> {
     let info = info(c, shown).await?;
     if let Some(info) = &info {
+        if info.get("role") == Some("slave") && c.follows_primary() {
+            // A failover made it a replica: the next command asks the sentinels.
+            c.forget();
+            return Err(BrokerError::Lost(
+                "redis: the primary became a replica (a failover); asking the sentinels again".into(),
+            ));
+        }
         if info.get("role") == Some("slave") {
             let primary =
                 format!("{}:{}", info.get("master_host").unwrap_or("?"), info.get("master_port").unwrap_or("?"));
@@ -211,7 +217,7 @@ pub async fn inspect(
 
 /// Refuses a `maxmemory-policy` that can evict (or one that cannot be read) unless allowed.
 async fn policy(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     info: Option<&Info>,
     shown: &str,
     checks: &Checks,
@@ -249,7 +255,7 @@ async fn policy(
 
 /// Reports a restart of the server (its run id is `id` now): at ERROR, and counted, when it
 /// came back without the deployment's topology (its marker, the version key); whether it did.
-async fn restarted(c: &mut ConnectionManager, location: &Location, checks: &Checks, id: &str) -> bool {
+async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str) -> bool {
     let before = {
         let mut seen = checks.seen.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         seen.replace(id.to_string())
@@ -329,7 +335,7 @@ fn wanted(purpose: Purpose) -> Vec<&'static str> {
 /// Refuses a user whose ACL would refuse a command the session runs (nothing is run: the
 /// scripts' `redis.acl_check_cmd` asks), or the scripts themselves.
 async fn permissions(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     location: &Location,
     user: &str,
     shown: &str,

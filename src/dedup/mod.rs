@@ -41,14 +41,14 @@ pub enum Location {
     /// A state directory, whose `broker.db` holds the keys (by default the embedded broker's
     /// directory, else `.sluice`).
     File(PathBuf),
-    /// A Redis URL (`redis://` or `rediss://`).
+    /// A Redis URL (`redis://`, `rediss://` or `redis+sentinel://`).
     Redis(String),
 }
 
 impl Location {
     /// Parses `--dedup`: a redis URL, `file:PATH`, or a path.
     pub fn parse(text: &str) -> Location {
-        if text.starts_with("redis://") || text.starts_with("rediss://") {
+        if ["redis://", "rediss://", crate::broker::redis::link::SENTINEL].iter().any(|s| text.starts_with(s)) {
             Location::Redis(text.to_string())
         } else {
             Location::File(PathBuf::from(text.strip_prefix("file:").unwrap_or(text)))

@@ -78,8 +78,14 @@ impl Target {
 /// A session's connection to its data. Cheap to clone; clones share it.
 #[derive(Clone)]
 pub enum Link {
-    Server { connection: ConnectionManager, client: Client },
+    Server {
+        connection: ConnectionManager,
+        client: Client,
+    },
     Sentinel(Arc<Primary>),
+    /// One connection to the primary, kept for commands that must follow each other on it
+    /// (`WAIT` counts the replicas that have this connection's writes).
+    Pinned(Arc<Primary>, Current),
 }
 
 impl Link {
@@ -122,11 +128,20 @@ impl Link {
         }
     }
 
+    /// This link, its commands all on one connection from now on (one server's manager
+    /// reconnects to the same address; through Sentinels, a failed command does not move it).
+    pub async fn pinned(&self) -> Result<Link, RedisError> {
+        match self {
+            Link::Sentinel(p) => Ok(Link::Pinned(p.clone(), p.connection().await?)),
+            other => Ok(other.clone()),
+        }
+    }
+
     /// The user the data nodes are reached as.
     pub fn user(&self) -> String {
         let settings = match self {
             Link::Server { client, .. } => client.get_connection_info().redis_settings().clone(),
-            Link::Sentinel(p) => p.settings.clone(),
+            Link::Sentinel(p) | Link::Pinned(p, _) => p.settings.clone(),
         };
         settings.username().unwrap_or("default").to_string()
     }
@@ -134,13 +149,13 @@ impl Link {
     /// Whether the primary is found anew after a loss (through Sentinels), so that finding a
     /// replica means a failover, not a wrong URL.
     pub fn follows_primary(&self) -> bool {
-        matches!(self, Link::Sentinel(_))
+        !matches!(self, Link::Server { .. })
     }
 
     /// Drops the connection to the primary, which turned out not to be one any longer: the
     /// next command asks the sentinels.
     pub fn forget(&self) {
-        if let Link::Sentinel(p) = self {
+        if let Link::Sentinel(p) | Link::Pinned(p, _) = self {
             *lock(&p.current) = None;
         }
     }
@@ -149,7 +164,7 @@ impl Link {
     pub async fn pubsub(&self) -> Result<PubSub, RedisError> {
         match self {
             Link::Server { client, .. } => client.get_async_pubsub().await,
-            Link::Sentinel(p) => p.connection().await?.client.get_async_pubsub().await,
+            Link::Sentinel(p) | Link::Pinned(p, _) => p.connection().await?.client.get_async_pubsub().await,
         }
     }
 }
@@ -176,7 +191,7 @@ struct Asking {
 
 /// A connection to a node found a primary.
 #[derive(Clone)]
-struct Current {
+pub struct Current {
     /// Which connection this is (clones of one have the same).
     number: u64,
     connection: MultiplexedConnection,
@@ -251,12 +266,23 @@ impl Primary {
     }
 }
 
+impl Link {
+    /// The primary and the connection a command goes on (Sentinels only).
+    async fn current(&self) -> Result<(&Primary, Current), RedisError> {
+        match self {
+            Link::Sentinel(p) => Ok((p, p.connection().await?)),
+            Link::Pinned(p, current) => Ok((p, current.clone())),
+            Link::Server { .. } => Err(RedisError::from((redis::ErrorKind::Client, "not through Sentinels"))),
+        }
+    }
+}
+
 impl ConnectionLike for Link {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Link::Server { connection, .. } => connection.req_packed_command(cmd),
-            Link::Sentinel(p) => Box::pin(async move {
-                let Current { number, mut connection, .. } = p.connection().await?;
+            Link::Sentinel(_) | Link::Pinned(..) => Box::pin(async move {
+                let (p, Current { number, mut connection, .. }) = self.current().await?;
                 let answer = connection.req_packed_command(cmd).await;
                 if let Err(e) = &answer {
                     p.judge(number, e);
@@ -274,8 +300,8 @@ impl ConnectionLike for Link {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Link::Server { connection, .. } => connection.req_packed_commands(pipeline, offset, count),
-            Link::Sentinel(p) => Box::pin(async move {
-                let Current { number, mut connection, .. } = p.connection().await?;
+            Link::Sentinel(_) | Link::Pinned(..) => Box::pin(async move {
+                let (p, Current { number, mut connection, .. }) = self.current().await?;
                 let answer = connection.req_packed_commands(pipeline, offset, count).await;
                 if let Err(e) = &answer {
                     p.judge(number, e);
@@ -288,7 +314,7 @@ impl ConnectionLike for Link {
     fn get_db(&self) -> i64 {
         match self {
             Link::Server { connection, .. } => connection.get_db(),
-            Link::Sentinel(p) => p.settings.db(),
+            Link::Sentinel(p) | Link::Pinned(p, _) => p.settings.db(),
         }
     }
 }

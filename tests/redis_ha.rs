@@ -166,7 +166,10 @@ async fn kill_the_primary(params: &str) -> Outcome {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let confirmed = stream.stop().await;
     let outcome = outcome(&receiver, &confirmed, killed_at, &url, &sluice).await;
-    eprintln!("kill -9 of the primary {primary} ({params:?}): failover in {failover:?} to {promoted}; {outcome:?}");
+    let Outcome { confirmed, lost, twice, pause } = &outcome;
+    eprintln!(
+        "kill -9 of the primary {primary} ({params:?}): the sentinels named {promoted} after {failover:?}; {confirmed} confirmed, {lost} lost, {twice} handled twice, longest pause between webhook calls {pause:?}"
+    );
     assert_eq!(outcome.twice, 0, "keys handled twice; log:\n{}", sluice.log());
     outcome
 }
@@ -194,7 +197,7 @@ async fn wait_without_a_replica_fails_the_publish() {
     let dir = work_pipeline("    handler: {command: {program: /bin/true}}\n");
     let broker = place.connect().await;
     declare(dir.path(), &broker).await;
-    let message = sluice::broker::Outgoing { body: b"{}".to_vec().into(), ..Default::default() };
+    let message = sluice::broker::Outgoing { body: b"{}".to_vec(), ..Default::default() };
     let refused = broker.publish("ev", "k", message).await.expect_err("no replica has it");
     assert!(refused.is_session_loss(), "retried as a lost session: {refused:?}");
     assert!(refused.to_string().contains("0 replica(s) had a write"), "{refused}");

@@ -78,14 +78,12 @@ impl Target {
 /// A session's connection to its data. Cheap to clone; clones share it.
 #[derive(Clone)]
 pub enum Link {
-    Server {
-        connection: ConnectionManager,
-        client: Client,
-    },
+    /// One server: the manager (cheap to clone) and the client subscriptions open from.
+    Server(Arc<(ConnectionManager, Client)>),
     Sentinel(Arc<Primary>),
     /// One connection to the primary, kept for commands that must follow each other on it
     /// (`WAIT` counts the replicas that have this connection's writes).
-    Pinned(Arc<Primary>, Current),
+    Pinned(Arc<Primary>, Box<Current>),
 }
 
 impl Link {
@@ -100,7 +98,7 @@ impl Link {
                     .set_response_timeout(Some(timeouts.response))
                     .set_number_of_retries(retries);
                 let connection = ConnectionManager::new_with_config(client.clone(), config).await?;
-                Ok(Link::Server { connection, client })
+                Ok(Link::Server(Arc::new((connection, client))))
             }
             Target::Sentinels { sentinels, master, node } => {
                 let settings = node.as_str().into_connection_info()?.redis_settings().clone();
@@ -132,7 +130,7 @@ impl Link {
     /// reconnects to the same address; through Sentinels, a failed command does not move it).
     pub async fn pinned(&self) -> Result<Link, RedisError> {
         match self {
-            Link::Sentinel(p) => Ok(Link::Pinned(p.clone(), p.connection().await?)),
+            Link::Sentinel(p) => Ok(Link::Pinned(p.clone(), Box::new(p.connection().await?))),
             other => Ok(other.clone()),
         }
     }
@@ -140,7 +138,7 @@ impl Link {
     /// The user the data nodes are reached as.
     pub fn user(&self) -> String {
         let settings = match self {
-            Link::Server { client, .. } => client.get_connection_info().redis_settings().clone(),
+            Link::Server(server) => server.1.get_connection_info().redis_settings().clone(),
             Link::Sentinel(p) | Link::Pinned(p, _) => p.settings.clone(),
         };
         settings.username().unwrap_or("default").to_string()
@@ -149,7 +147,7 @@ impl Link {
     /// Whether the primary is found anew after a loss (through Sentinels), so that finding a
     /// replica means a failover, not a wrong URL.
     pub fn follows_primary(&self) -> bool {
-        !matches!(self, Link::Server { .. })
+        !matches!(self, Link::Server(_))
     }
 
     /// Drops the connection to the primary, which turned out not to be one any longer: the
@@ -163,7 +161,7 @@ impl Link {
     /// A subscription connection to the primary (found anew through Sentinels).
     pub async fn pubsub(&self) -> Result<PubSub, RedisError> {
         match self {
-            Link::Server { client, .. } => client.get_async_pubsub().await,
+            Link::Server(server) => server.1.get_async_pubsub().await,
             Link::Sentinel(p) | Link::Pinned(p, _) => p.connection().await?.client.get_async_pubsub().await,
         }
     }
@@ -271,8 +269,8 @@ impl Link {
     async fn current(&self) -> Result<(&Primary, Current), RedisError> {
         match self {
             Link::Sentinel(p) => Ok((p, p.connection().await?)),
-            Link::Pinned(p, current) => Ok((p, current.clone())),
-            Link::Server { .. } => Err(RedisError::from((redis::ErrorKind::Client, "not through Sentinels"))),
+            Link::Pinned(p, current) => Ok((p, (**current).clone())),
+            Link::Server(_) => Err(RedisError::from((redis::ErrorKind::Client, "not through Sentinels"))),
         }
     }
 }
@@ -280,7 +278,10 @@ impl Link {
 impl ConnectionLike for Link {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Link::Server { connection, .. } => connection.req_packed_command(cmd),
+            Link::Server(server) => {
+                let mut connection = server.0.clone();
+                Box::pin(async move { connection.req_packed_command(cmd).await })
+            }
             Link::Sentinel(_) | Link::Pinned(..) => Box::pin(async move {
                 let (p, Current { number, mut connection, .. }) = self.current().await?;
                 let answer = connection.req_packed_command(cmd).await;
@@ -299,7 +300,10 @@ impl ConnectionLike for Link {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Link::Server { connection, .. } => connection.req_packed_commands(pipeline, offset, count),
+            Link::Server(server) => {
+                let mut connection = server.0.clone();
+                Box::pin(async move { connection.req_packed_commands(pipeline, offset, count).await })
+            }
             Link::Sentinel(_) | Link::Pinned(..) => Box::pin(async move {
                 let (p, Current { number, mut connection, .. }) = self.current().await?;
                 let answer = connection.req_packed_commands(pipeline, offset, count).await;
@@ -313,7 +317,7 @@ impl ConnectionLike for Link {
 
     fn get_db(&self) -> i64 {
         match self {
-            Link::Server { connection, .. } => connection.get_db(),
+            Link::Server(server) => server.0.get_db(),
             Link::Sentinel(p) | Link::Pinned(p, _) => p.settings.db(),
         }
     }

@@ -4,7 +4,8 @@
 //!
 //! - the password (`NOAUTH`, `WRONGPASS`);
 //! - a standalone primary: a replica is read-only (and its copy asynchronous), a cluster node
-//!   moves keys away;
+//!   moves keys away. Through Sentinels these apply to the primary found, and a replica found
+//!   by a runner's watch is a failover: the link asks the sentinels again;
 //! - a `maxmemory-policy` that never evicts (`noeviction`): any other lets a full server drop a
 //!   queue's stream or the idempotency keys without a word. `--allow-evicting-redis` runs on
 //!   one anyway, with a warning at every session. A policy that cannot be read (`INFO` and
@@ -272,6 +273,8 @@ async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str)
             run_id = %id,
             "the Redis server restarted and came back empty (no topology under the prefix): the messages queued, retries waiting, dead letters and idempotency keys it held may be lost (does it run with appendonly yes?); declaring the topology again"
         );
+    } else if c.follows_primary() {
+        tracing::info!(run_id_before = %before, run_id = %id, "another Redis primary (a failover), with the deployment's keys");
     } else {
         tracing::info!(run_id_before = %before, run_id = %id, "the Redis server restarted, with the deployment's keys");
     }

@@ -139,7 +139,8 @@ async fn outcome(
 
 /// A runner on a Sentinel set (`params` added to its URL), a steady stream of 100/s, and the
 /// primary killed with `kill -9` once the runner consumes: the sentinels promote a replica, the
-/// runner and the publisher find it through them.
+/// runner and the publisher find it through them, and never run a script on the old primary
+/// started again (empty, a standalone primary for a while).
 async fn kill_the_primary(params: &str) -> Outcome {
     let mut set = tokio::task::block_in_place(SentinelSet::start);
     let url = format!("{}?prefix=t:&lease=5s{params}", set.url());
@@ -162,8 +163,12 @@ async fn kill_the_primary(params: &str) -> Outcome {
     let promoted = tokio::task::block_in_place(|| set.primary());
     let failover = killed_at.elapsed();
     assert_ne!(promoted, primary, "the sentinels still name the killed primary");
-    // The stream goes on under the new primary for a while.
+    // The old primary comes back empty, a standalone primary until the sentinels make it a
+    // replica of the new one; the stream goes on for a while.
+    tokio::task::block_in_place(|| set.node(primary).restart());
     tokio::time::sleep(Duration::from_secs(3)).await;
+    let ran = set.node(primary).info("commandstats").into_keys().filter(|k| k.starts_with("cmdstat_evalsha")).count();
+    assert_eq!(ran, 0, "sluice ran scripts on the restarted old primary; log:\n{}", sluice.log());
     let confirmed = stream.stop().await;
     let outcome = outcome(&receiver, &confirmed, killed_at, &url, &sluice).await;
     let Outcome { confirmed, lost, twice, pause } = &outcome;

@@ -22,6 +22,9 @@ pub const MASTER: &str = "sluice";
 pub struct Server {
     pub port: u16,
     child: Option<Child>,
+    /// How it was started, for [`Server::restart`].
+    dir: std::path::PathBuf,
+    args: Vec<String>,
 }
 
 impl Server {
@@ -41,7 +44,7 @@ impl Server {
         let child = command.spawn().unwrap_or_else(|e| {
             panic!("cannot start redis-server ({e}): install it (apt-get install redis-server) to run these tests")
         });
-        let server = Server { port, child: Some(child) };
+        let server = Server { port, child: Some(child), dir: dir.to_path_buf(), args: args.to_vec() };
         wait(Duration::from_secs(10), &format!("redis-server on port {port} answers"), || server.ping());
         server
     }
@@ -70,6 +73,13 @@ impl Server {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Starts it again as it was first started (a data node comes back empty: nothing on
+    /// disk); dies with the calling thread.
+    pub fn restart(&mut self) {
+        self.kill();
+        *self = Server::start(&self.dir.clone(), self.port, &self.args.clone());
     }
 
     pub fn is_alive(&self) -> bool {

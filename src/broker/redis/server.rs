@@ -209,11 +209,15 @@ pub async fn inspect(
     if checks.purpose != Purpose::Operate {
         policy(c, info.as_ref(), shown, checks, opening).await?;
     }
-    let came_back_empty = match info.as_ref().and_then(|i| i.get("run_id")) {
+    let another = match info.as_ref().and_then(|i| i.get("run_id")) {
         Some(id) if checks.purpose == Purpose::Run => restarted(c, location, checks, id).await,
-        _ => false,
+        _ => None,
     };
-    Ok(Server { info, came_back_empty })
+    if another.is_some() && c.follows_primary() && !opening {
+        // A failover's new primary: what the session runs is asked of it too.
+        permissions(c, location, &c.user(), shown, checks.purpose).await?;
+    }
+    Ok(Server { info, came_back_empty: another == Some(true) })
 }
 
 /// Refuses a `maxmemory-policy` that can evict (or one that cannot be read) unless allowed.
@@ -255,13 +259,14 @@ async fn policy(
 }
 
 /// Reports a restart of the server (its run id is `id` now): at ERROR, and counted, when it
-/// came back without the deployment's topology (its marker, the version key); whether it did.
-async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str) -> bool {
+/// came back without the deployment's topology (its marker, the version key): `None` when the
+/// server is the one seen last, else whether it came back empty.
+async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str) -> Option<bool> {
     let before = {
         let mut seen = checks.seen.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         seen.replace(id.to_string())
     };
-    let Some(before) = before.filter(|b| b != id) else { return false };
+    let before = before.filter(|b| b != id)?;
     let marker = format!("{}v", location.prefix);
     let exists: Result<bool, _> = redis::cmd("EXISTS").arg(&marker).query_async(c).await;
     let empty = exists == Ok(false);
@@ -278,7 +283,7 @@ async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str)
     } else {
         tracing::info!(run_id_before = %before, run_id = %id, "the Redis server restarted, with the deployment's keys");
     }
-    empty
+    Some(empty)
 }
 
 /// Registers the counter of empty restarts at 0, with its help: a runner on Redis shows it

@@ -208,3 +208,20 @@ async fn wait_without_a_replica_fails_the_publish() {
     assert!(refused.to_string().contains("0 replica(s) had a write"), "{refused}");
     broker.close().await;
 }
+
+/// `sluice plan --broker redis+sentinel://…` (given as `--broker` splits it, at its commas)
+/// reads the primary the sentinels name, and says that replication is asynchronous; with
+/// `?wait=1`, that writes wait for a replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_through_the_sentinels_says_how_writes_are_replicated() {
+    let set = tokio::task::block_in_place(SentinelSet::start);
+    let dir = work_pipeline("    handler: {command: {program: /bin/true}}\n");
+    let dir_arg = dir.path().to_str().expect("utf-8");
+    for (params, says) in [("", "replication asynchronous"), ("&wait=1", "wait for 1 replica(s)")] {
+        let url = format!("{}?prefix=p:{params}", set.url());
+        let done = broker_cli(&["plan", dir_arg], &url).await;
+        assert_eq!(done.code, Some(0), "{}", done.stderr);
+        assert!(done.stdout.contains("stream = \"p:s:work\""), "{}", done.stdout);
+        assert!(done.stdout.contains(says), "{params}: {}", done.stdout);
+    }
+}

@@ -225,3 +225,17 @@ async fn plan_through_the_sentinels_says_how_writes_are_replicated() {
         assert!(done.stdout.contains(says), "{params}: {}", done.stdout);
     }
 }
+
+/// A first sentinel that takes connections and never answers (a hung host) holds no session
+/// back for good: the attempt gives up, and the next one starts with the next sentinel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_that_never_answers_is_passed_over() {
+    let set = tokio::task::block_in_place(SentinelSet::start);
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = hung.local_addr().expect("addr").port();
+    let url = set.url().replacen("redis+sentinel://", &format!("redis+sentinel://127.0.0.1:{port},"), 1);
+    let start = Instant::now();
+    let broker = Redis::connect(&format!("{url}?prefix=h:")).await.expect("a session through the next sentinel");
+    eprintln!("a session through the second sentinel after {:?}", start.elapsed());
+    broker.close().await;
+}

@@ -8,8 +8,8 @@
 //! (a primary demoted to a replica) or `MASTERDOWN` is dropped: the next command asks the
 //! sentinels again, never the old address (a restarted old primary is a standalone primary for
 //! a few seconds, until the sentinels make it a replica). Asking again waits a backoff (100 ms,
-//! doubling to 2 s) after a failed attempt: a primary that cannot be found is never asked for
-//! in a loop.
+//! doubling to 2 s) after a failed attempt, which starts the next with the next sentinel: a
+//! primary that cannot be found is never asked for in a loop.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -106,7 +106,8 @@ impl Link {
                     settings: settings.clone(),
                     found: std::sync::atomic::AtomicU64::new(0),
                     sentinel: tokio::sync::Mutex::new(Asking {
-                        sentinel: Sentinel::build(sentinels)?,
+                        sentinel: Sentinel::build(sentinels.clone())?,
+                        sentinels,
                         next: Instant::now(),
                         backoff: BACKOFF.0,
                     }),
@@ -115,6 +116,7 @@ impl Link {
                     config: AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(timeouts.connect))
                         .set_response_timeout(Some(timeouts.response)),
+                    timeouts,
                     current: Mutex::new(None),
                 };
                 let link = Link::Sentinel(Arc::new(primary));
@@ -175,6 +177,7 @@ pub struct Primary {
     /// The data nodes' user, password and database.
     settings: redis::RedisConnectionInfo,
     config: AsyncConnectionConfig,
+    timeouts: Timeouts,
     current: Mutex<Option<Current>>,
     /// How many primaries were found: each connection's number.
     found: std::sync::atomic::AtomicU64,
@@ -183,6 +186,8 @@ pub struct Primary {
 /// The sentinels, and when they may be asked again.
 struct Asking {
     sentinel: Sentinel,
+    /// Their addresses, in the order they are asked (the first that answers is believed).
+    sentinels: Vec<String>,
     next: Instant,
     backoff: Duration,
 }
@@ -208,7 +213,18 @@ impl Primary {
             return Ok(current);
         }
         tokio::time::sleep_until(asking.next).await;
-        match self.find(&mut asking.sentinel).await {
+        // A sentinel that takes no connection and refuses none (a host gone from the
+        // network) must not hold every attempt: each has its time, and a failed one starts
+        // the next with the next sentinel.
+        let within = self.timeouts.connect + self.timeouts.response;
+        let found = tokio::time::timeout(within, self.find(&mut asking.sentinel)).await.unwrap_or_else(|_| {
+            Err(RedisError::from((
+                redis::ErrorKind::Io,
+                "no answer",
+                format!("the sentinels did not name a primary within {within:?}"),
+            )))
+        });
+        match found {
             Ok(found) => {
                 asking.backoff = BACKOFF.0;
                 *lock(&self.current) = Some(found.clone());
@@ -217,6 +233,10 @@ impl Primary {
             Err(e) => {
                 asking.next = Instant::now() + asking.backoff;
                 asking.backoff = (asking.backoff * 2).min(BACKOFF.1);
+                asking.sentinels.rotate_left(1);
+                if let Ok(rotated) = Sentinel::build(asking.sentinels.clone()) {
+                    asking.sentinel = rotated;
+                }
                 tracing::debug!(master = %self.master, error = %e, "redis: no primary found through the sentinels");
                 Err(e)
             }

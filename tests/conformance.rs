@@ -923,6 +923,7 @@ conformance! {
         embedded: EmbeddedDir::new(),
         rabbitmq: Vhost::new(),
         redis: OnRedis(RedisPrefix::with(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
+        redis_sentinel: OnRedis(RedisPrefix::on_sentinels(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
         jetstream: OnNats(NatsPrefix::with(&format!("&lease={}s", NATS_LEASE.as_secs()))),
         sqs: OnSqs(SqsPrefix::with(&format!("&lease={}s", SQS_LEASE.as_secs()))),
     }

@@ -6,8 +6,6 @@
 
 use crate::support;
 
-use std::time::Duration;
-
 use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -107,23 +107,24 @@ async fn first_node(nodes: &[String], timeouts: amqp::Timeouts) -> Result<Amqp, 
     Err(last)
 }
 
-/// A Redis server (and the deployment's key prefix in its URL).
-pub struct RedisServer<'a>(pub &'a str);
+/// A Redis deployment: one server, or the primary a set of Sentinels names (and the key
+/// prefix in its URL).
+pub struct RedisServer<'a>(pub std::borrow::Cow<'a, str>);
 
 impl Kind for RedisServer<'_> {
     type Broker = Redis;
     const CAPABILITIES: Capabilities = capabilities::REDIS;
 
     fn display(&self) -> String {
-        amqp::redact(self.0)
+        amqp::redact(&self.0)
     }
 
     fn picture(&self, plan: &Plan) -> anyhow::Result<Picture> {
-        Ok(redis::picture(plan, &redis::Location::parse(self.0)?))
+        Ok(redis::picture(plan, &redis::Location::parse(&self.0)?))
     }
 
     async fn persistence(&self) -> Option<(String, Option<String>)> {
-        let persistence = match Redis::connect(self.0).await {
+        let persistence = match Redis::connect(&self.0).await {
             Ok(session) => {
                 let p = session.persistence().await;
                 session.close().await;
@@ -135,7 +136,7 @@ impl Kind for RedisServer<'_> {
     }
 
     fn sessions<'a>(&'a self, dial: &Dial<'a>) -> (Sessions<'a, Redis>, Connect<Redis>) {
-        let (url, checks, readiness) = (self.0, dial.redis, dial.readiness);
+        let (url, checks, readiness) = (&*self.0, dial.redis, dial.readiness);
         let open: Opener<'_, Redis> = Box::new(move |_| {
             Box::pin(async move {
                 Redis::open(url, checks).await.inspect_err(|e| {

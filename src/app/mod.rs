@@ -61,15 +61,24 @@ macro_rules! by_kind {
 
 /// What a `--broker` value is, or why it is none.
 fn classify(value: &str) -> anyhow::Result<Option<&str>> {
-    if ["amqp://", "amqps://", "redis://", "rediss://", "nats://", "tls://", "sqs://"]
-        .iter()
-        .any(|scheme| value.starts_with(scheme))
+    if [
+        "amqp://",
+        "amqps://",
+        "redis://",
+        "rediss://",
+        crate::broker::redis::link::SENTINEL,
+        "nats://",
+        "tls://",
+        "sqs://",
+    ]
+    .iter()
+    .any(|scheme| value.starts_with(scheme))
     {
         return Ok(Some(value));
     }
     if let Some((scheme, _)) = value.split_once("://") {
         anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis:// or rediss:// for Redis, nats:// or tls:// for NATS JetStream, sqs:// for Amazon SQS, or a directory for the embedded broker",
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis://, rediss:// or redis+sentinel:// for Redis, nats:// or tls:// for NATS JetStream, sqs:// for Amazon SQS, or a directory for the embedded broker",
             amqp::redact(value)
         );
     }
@@ -122,6 +131,12 @@ impl<'a> Endpoint<'a> {
     /// takes them in its own order, so runners spread over them.
     pub fn parse(values: &'a [String]) -> anyhow::Result<Endpoint<'a>> {
         let values: Vec<&str> = values.iter().map(|u| u.trim()).filter(|u| !u.is_empty()).collect();
+        // The sentinels of one Redis deployment, however `--broker` split them.
+        if let [first, ..] = values.as_slice()
+            && first.starts_with(crate::broker::redis::link::SENTINEL)
+        {
+            return Ok(Endpoint::Redis(RedisServer(values.join(",").into())));
+        }
         let mut urls = Vec::new();
         for value in &values {
             if let Some(url) = classify(value)? {
@@ -131,7 +146,7 @@ impl<'a> Endpoint<'a> {
         match (urls.len(), values.as_slice()) {
             (0, [dir]) => Ok(Endpoint::Embedded(Directory(Path::new(*dir)))),
             (1, [url]) if url.starts_with("redis://") || url.starts_with("rediss://") => {
-                Ok(Endpoint::Redis(RedisServer(url)))
+                Ok(Endpoint::Redis(RedisServer((*url).into())))
             }
             (1, [url]) if url.starts_with("sqs://") => Ok(Endpoint::Sqs(SqsQueues(url))),
             (_, _) if urls.iter().any(|u| u.starts_with("sqs://")) => {
@@ -291,6 +306,7 @@ mod tests {
             (&["amqp://h/%2f"], "rabbitmq, 1 node(s)"),
             (&["amqps://a/v", " amqp://b/v ", ""], "rabbitmq, 2 node(s)"),
             (&["redis://h:6379"], "redis redis://h:6379"),
+            (&["redis+sentinel://a:26379", "b:26379/m?prefix=p"], "redis redis+sentinel://a:26379,b:26379/m?prefix=p"),
             (&["state"], "embedded in state"),
             (&["nats://a:4222,tls://b:4222"], "nats nats://a:4222,tls://b:4222"),
             (&["nats://a:4222", "nats://b:4222"], "nats nats://a:4222,nats://b:4222"),

@@ -41,14 +41,14 @@ pub enum Location {
     /// A state directory, whose `broker.db` holds the keys (by default the embedded broker's
     /// directory, else `.sluice`).
     File(PathBuf),
-    /// A Redis URL (`redis://` or `rediss://`).
+    /// A Redis URL (`redis://`, `rediss://` or `redis+sentinel://`).
     Redis(String),
 }
 
 impl Location {
     /// Parses `--dedup`: a redis URL, `file:PATH`, or a path.
     pub fn parse(text: &str) -> Location {
-        if text.starts_with("redis://") || text.starts_with("rediss://") {
+        if ["redis://", "rediss://", crate::broker::redis::link::SENTINEL].iter().any(|s| text.starts_with(s)) {
             Location::Redis(text.to_string())
         } else {
             Location::File(PathBuf::from(text.strip_prefix("file:").unwrap_or(text)))
@@ -78,7 +78,7 @@ pub fn old_store_advice(old: &Path) -> String {
 #[derive(Clone)]
 pub enum Store {
     Embedded(EmbeddedStore),
-    Redis(RedisStore),
+    Redis(Box<RedisStore>),
 }
 
 impl Store {
@@ -87,7 +87,7 @@ impl Store {
     pub async fn open(location: &Location, allow_evicting_redis: bool) -> Result<Store, StoreError> {
         match location {
             Location::File(dir) => Ok(Store::Embedded(EmbeddedStore::open(dir)?)),
-            Location::Redis(url) => Ok(Store::Redis(RedisStore::open(url, allow_evicting_redis).await?)),
+            Location::Redis(url) => Ok(Store::Redis(Box::new(RedisStore::open(url, allow_evicting_redis).await?))),
         }
     }
 
@@ -100,7 +100,7 @@ impl Store {
     /// prefix): keys ride on the acks.
     pub fn riding_redis_acks(self) -> Store {
         match self {
-            Store::Redis(s) => Store::Redis(s.riding_acks()),
+            Store::Redis(s) => Store::Redis(Box::new(s.riding_acks())),
             other => other,
         }
     }

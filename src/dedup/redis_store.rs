@@ -14,16 +14,16 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use redis::Script;
-use redis::aio::ConnectionManager;
 
 use super::{Claim, StoreError, millis};
+use crate::broker::redis::link::{Link, Timeouts};
 use crate::broker::redis::server::{self, Checks, Purpose};
 use crate::broker::redis::{DONE, idempotency_key};
 
 /// The Redis idempotency store.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Link,
     /// The deployment's key prefix ([`idempotency_key`] names a key under it).
     prefix: String,
     /// `busy:<runner id>`: the value of this runner's leases.
@@ -42,20 +42,16 @@ fn err(e: redis::RedisError) -> StoreError {
 }
 
 impl RedisStore {
-    /// Connects (the manager reconnects by itself after a drop) once the server passes the
+    /// Connects (to one server, reconnecting by itself after a drop, or to the primary the
+    /// sentinels name, found again after a loss) once the server passes the
     /// checks; `allow_evicting` runs on a server whose policy can evict keys.
     pub async fn open(url: &str, allow_evicting: bool) -> Result<RedisStore, StoreError> {
         let location = crate::broker::redis::Location::parse(url).map_err(|e| StoreError::new(e.to_string()))?;
         let shown = crate::broker::amqp::redact(url);
-        let client = redis::Client::open(location.url.as_str()).map_err(err)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(1);
-        let mut connection = ConnectionManager::new_with_config(client.clone(), config)
-            .await
-            .map_err(|e| refusal(&server::opening_error(&shown, e)))?;
-        let user = client.get_connection_info().redis_settings().username().unwrap_or("default").to_string();
+        let timeouts = Timeouts { connect: Duration::from_secs(2), response: Duration::from_secs(2) };
+        let mut connection =
+            Link::open(&location.url, timeouts, 1).await.map_err(|e| refusal(&server::opening_error(&shown, e)))?;
+        let user = connection.user();
         let checks = Checks::new(Purpose::Dedup, allow_evicting);
         server::check(&mut connection, &location, &user, &shown, &checks).await.map_err(|e| refusal(&e))?;
         let store = RedisStore {
@@ -161,7 +157,7 @@ fn refusal(e: &crate::broker::BrokerError) -> StoreError {
 /// connection can find another server, or the same with another policy): a refusal is kept,
 /// logged once, for every call to fail with until a check passes again.
 async fn watch(
-    (mut c, refused): (ConnectionManager, Weak<Mutex<Option<String>>>),
+    (mut c, refused): (Link, Weak<Mutex<Option<String>>>),
     location: crate::broker::redis::Location,
     shown: String,
     checks: Checks,

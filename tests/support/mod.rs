@@ -14,6 +14,7 @@ use sluice::broker::{Broker, HeaderValue, Headers, Operate, Outgoing, Publish};
 use sluice::envelope::Envelope;
 
 pub mod cluster;
+pub mod redis_ha;
 
 pub const RABBIT_HOST: &str = "127.0.0.1:5672";
 
@@ -260,7 +261,10 @@ pub fn require_redis() {
 /// A key prefix of its own on a Redis server (the shared one unless given), for one test:
 /// every key under it is deleted on drop.
 pub struct RedisPrefix {
+    /// What `--broker` takes: a server, or a Sentinel set.
     pub server: String,
+    /// The server that holds the data (`redis://host:port`), for looking at keys.
+    pub data: String,
     pub prefix: String,
     /// Extra URL parameters (`&lease=2s`).
     pub params: String,
@@ -284,10 +288,20 @@ impl RedisPrefix {
     pub fn on(server: &str, params: &str) -> RedisPrefix {
         let prefix = RedisPrefix {
             server: server.to_string(),
+            data: server.to_string(),
             prefix: format!("{}:", owned_name()),
             params: params.to_string(),
         };
         prefix.sweep();
+        prefix
+    }
+
+    /// A prefix on the test process's Sentinel set ([`redis_ha::shared_sentinels`]), with extra
+    /// URL parameters.
+    pub fn on_sentinels(params: &str) -> RedisPrefix {
+        let set = redis_ha::shared_sentinels();
+        let mut prefix = RedisPrefix::on(&format!("redis://127.0.0.1:{}", set.primary()), params);
+        prefix.server = set.url();
         prefix
     }
 
@@ -296,7 +310,7 @@ impl RedisPrefix {
     fn sweep(&self) {
         static SWEPT: std::sync::Once = std::sync::Once::new();
         SWEPT.call_once(|| {
-            let Ok(client) = redis::Client::open(self.server.as_str()) else { return };
+            let Ok(client) = redis::Client::open(self.data.as_str()) else { return };
             let Ok(mut c) = client.get_connection() else { return };
             let keys: Vec<String> = redis::cmd("KEYS").arg("sluice-test-*").query(&mut c).unwrap_or_default();
             let dead: Vec<&String> =
@@ -309,14 +323,14 @@ impl RedisPrefix {
 
     /// A plain connection to the server, for looking at keys.
     pub fn raw(&self) -> redis::Connection {
-        let client = redis::Client::open(self.server.as_str()).expect("redis url");
+        let client = redis::Client::open(self.data.as_str()).expect("redis url");
         client.get_connection().expect("connect to redis")
     }
 }
 
 impl Drop for RedisPrefix {
     fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(self.server.as_str()) else { return };
+        let Ok(client) = redis::Client::open(self.data.as_str()) else { return };
         let Ok(mut c) = client.get_connection() else { return };
         let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query(&mut c).unwrap_or_default();
         for chunk in keys.chunks(500) {

@@ -32,8 +32,12 @@
 //! watches its server while it lives.
 //!
 //! URL: `redis://[user:password@]host:port[/db][?prefix=P&lease=DUR]` or `rediss://` (TLS);
-//! `prefix` (default `sluice:`) keeps deployments and tests on one server apart.
+//! `prefix` (default `sluice:`) keeps deployments and tests on one server apart. Through
+//! Sentinels: `redis+sentinel://[user:password@]s1:26379,s2:26379/MASTER_NAME[/db][?prefix=…]`,
+//! the user and password the data nodes' (the sentinels are asked without); the primary they
+//! name is checked with `ROLE` and found again after any loss ([`link`]).
 
+pub mod link;
 mod scripts;
 pub(crate) mod server;
 
@@ -47,11 +51,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 use redis::Value;
-use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use self::link::{Link, Timeouts};
 use self::scripts::Scripts;
 use super::declaration::{self, unsupported};
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
@@ -102,14 +106,21 @@ pub struct Location {
     pub url: String,
     pub prefix: String,
     pub lease: Duration,
+    /// How many replicas must have a publish, a copy or an ack before it counts as done
+    /// (`?wait=N`, `WAIT`); 0: none (replication is asynchronous).
+    pub wait: u32,
 }
 
+/// How long a write waits for the replicas `?wait=` asks for before it fails.
+pub const WAIT_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Location {
-    /// Parses `redis://…` or `rediss://…`, taking `prefix` and `lease` out of the query.
+    /// Parses `redis://…`, `rediss://…` or `redis+sentinel://…`, taking `prefix`, `lease` and
+    /// `wait` out of the query.
     pub fn parse(url: &str) -> Result<Location, BrokerError> {
         let bad = |reason: String| BrokerError::Connect { url: super::amqp::redact(url), reason: reason.into() };
         let (base, query) = url.split_once('?').unwrap_or((url, ""));
-        let (mut prefix, mut lease, mut rest) = (DEFAULT_PREFIX.to_string(), LEASE, Vec::new());
+        let (mut prefix, mut lease, mut wait, mut rest) = (DEFAULT_PREFIX.to_string(), LEASE, 0, Vec::new());
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("prefix", value)) if !value.is_empty() => prefix = value.to_string(),
@@ -119,12 +130,17 @@ impl Location {
                             || bad(format!("lease={value}: expected a duration of at least 300ms, e.g. 30s")),
                         )?;
                 }
+                Some(("wait", value)) => {
+                    wait = value.parse().map_err(|_| {
+                        bad(format!("wait={value}: expected how many replicas must have a write, e.g. 1"))
+                    })?;
+                }
                 Some(("prefix", _)) => return Err(bad("prefix= is empty".into())),
                 _ => rest.push(pair),
             }
         }
         let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
-        Ok(Location { url, prefix, lease })
+        Ok(Location { url, prefix, lease, wait })
     }
 }
 
@@ -144,6 +160,8 @@ pub struct Persistence {
     pub appendonly: String,
     pub appendfsync: String,
     pub save: String,
+    /// The replicas a write waits for (`?wait=`): 0, replication is asynchronous.
+    pub wait: u32,
 }
 
 impl Persistence {
@@ -173,7 +191,14 @@ impl Persistence {
 
 impl std::fmt::Display for Persistence {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "appendonly {}, appendfsync {}, save \"{}\"", self.appendonly, self.appendfsync, self.save)
+        write!(f, "appendonly {}, appendfsync {}, save \"{}\"", self.appendonly, self.appendfsync, self.save)?;
+        match self.wait {
+            0 => write!(
+                f,
+                "; replication asynchronous: a confirmed publish or ack can be lost when the primary dies before a replica has it (?wait=1 waits for one)"
+            ),
+            n => write!(f, "; a publish, a copy and an ack wait for {n} replica(s) (?wait={n})"),
+        }
     }
 }
 
@@ -202,8 +227,7 @@ pub struct Redis {
 }
 
 struct Inner {
-    client: redis::Client,
-    connection: ConnectionManager,
+    connection: Link,
     location: Location,
     /// The URL without its password, for messages.
     shown: String,
@@ -246,19 +270,12 @@ impl Redis {
     pub async fn open(url: &str, checks: &Checks) -> Result<Redis, BrokerError> {
         let location = Location::parse(url)?;
         let shown = super::amqp::redact(url);
-        let client = redis::Client::open(location.url.as_str())
-            .map_err(|e| BrokerError::Connect { url: shown.clone(), reason: Cause::from_error(e) })?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(15)))
-            .set_number_of_retries(2);
-        let mut connection = ConnectionManager::new_with_config(client.clone(), config)
-            .await
-            .map_err(|e| server::opening_error(&shown, e))?;
-        let user = client.get_connection_info().redis_settings().username().unwrap_or("default").to_string();
+        let timeouts = Timeouts { connect: Duration::from_secs(5), response: Duration::from_secs(15) };
+        let mut connection =
+            Link::open(&location.url, timeouts, 2).await.map_err(|e| server::opening_error(&shown, e))?;
+        let user = connection.user();
         server::check(&mut connection, &location, &user, &shown, checks).await?;
         let inner = Arc::new(Inner {
-            client,
             connection,
             location,
             shown,
@@ -294,10 +311,15 @@ impl Redis {
         pipe.add_command(get("appendonly")).add_command(get("appendfsync")).add_command(get("save"));
         let answers: Vec<Vec<String>> = pipe.query_async(&mut c).await.ok()?;
         let value = |i: usize| answers.get(i).and_then(|a| a.get(1)).cloned();
-        Some(Persistence { appendonly: value(0)?, appendfsync: value(1)?, save: value(2)? })
+        Some(Persistence {
+            appendonly: value(0)?,
+            appendfsync: value(1)?,
+            save: value(2)?,
+            wait: self.inner.location.wait,
+        })
     }
 
-    fn conn(&self) -> ConnectionManager {
+    fn conn(&self) -> Link {
         self.inner.connection.clone()
     }
 
@@ -385,8 +407,34 @@ impl Redis {
         for (name, value) in message.fields() {
             invocation.arg(name).arg(value);
         }
-        let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+        let answer: String = self.durable(&invocation).await?;
         answer_of(&answer, targets, exchange)
+    }
+
+    /// Runs a script that writes what must not be lost: with `?wait=N`, done only once `N`
+    /// replicas have it (`WAIT`, on the connection the script ran on), and failed (to be
+    /// retried) when they do not within [`WAIT_TIMEOUT`].
+    async fn durable<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, BrokerError> {
+        let wait = self.inner.location.wait;
+        if wait == 0 {
+            return invocation.invoke_async(&mut self.conn()).await.map_err(lost);
+        }
+        let mut c = self.conn().pinned().await.map_err(lost)?;
+        let answer = invocation.invoke_async(&mut c).await.map_err(lost)?;
+        let timeout = u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
+        let replicas: u32 = redis::cmd("WAIT").arg(wait).arg(timeout).query_async(&mut c).await.map_err(lost)?;
+        if replicas < wait {
+            return Err(BrokerError::Lost(
+                format!(
+                    "redis: {replicas} replica(s) had a write within {WAIT_TIMEOUT:?}, and ?wait={wait} asks for {wait}: not counted done"
+                )
+                .into(),
+            ));
+        }
+        Ok(answer)
     }
 
     /// Writes a copy into `queue` alone (delayed when `delay` is not zero).
@@ -416,7 +464,7 @@ impl Redis {
         for (name, value) in message.fields() {
             invocation.arg(name).arg(value);
         }
-        let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+        let answer: String = self.durable(&invocation).await?;
         answer_of(&answer, &targets, "")?.done(queue)
     }
 
@@ -438,7 +486,7 @@ impl Redis {
             for (name, value) in message.fields() {
                 invocation.arg(name).arg(value);
             }
-            let answer: String = invocation.invoke_async(&mut self.conn()).await.map_err(lost)?;
+            let answer: String = self.durable(&invocation).await?;
             if answer == "GONE" {
                 return Err(BrokerError::Lost(
                     format!(
@@ -556,9 +604,9 @@ fn answer_of(answer: &str, targets: &[String], exchange: &str) -> Result<Written
 async fn listen(inner: Weak<Inner>, channel: String, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        let Some(client) = inner.upgrade().map(|i| i.client.clone()) else { return };
+        let Some(link) = inner.upgrade().map(|i| i.connection.clone()) else { return };
         let subscribed = async {
-            let mut pubsub = client.get_async_pubsub().await?;
+            let mut pubsub = link.pubsub().await?;
             pubsub.subscribe(&channel).await?;
             Ok::<_, redis::RedisError>(pubsub)
         };
@@ -827,7 +875,7 @@ impl Consumer for RedisConsumer {
         for d in settled {
             invocation.arg(&d.tag.id);
         }
-        let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
+        let _removed: i64 = self.broker.durable(&invocation).await?;
         s.settled(settled.iter().map(|d| d.tag.id.as_str()));
         Ok(())
     }
@@ -851,7 +899,7 @@ impl Consumer for RedisConsumer {
         for d in settled {
             invocation.arg(&d.tag.id);
         }
-        let _removed: i64 = invocation.invoke_async(&mut self.broker.conn()).await.map_err(lost)?;
+        let _removed: i64 = self.broker.durable(&invocation).await?;
         s.settled(settled.iter().map(|d| d.tag.id.as_str()));
         Ok(())
     }
@@ -1197,6 +1245,8 @@ mod tests {
         }
         assert!(Location::parse("redis://h?lease=1ms").is_err());
         assert!(Location::parse("redis://h?prefix=").is_err());
+        assert_eq!(Location::parse("redis://h?wait=1").map(|l| (l.wait, l.url)).ok(), Some((1, "redis://h".into())));
+        assert!(Location::parse("redis://h?wait=one").is_err());
     }
 
     /// A Redis error is kept as the source of the lost session it ends.

@@ -4,7 +4,8 @@
 //!
 //! - the password (`NOAUTH`, `WRONGPASS`);
 //! - a standalone primary: a replica is read-only (and its copy asynchronous), a cluster node
-//!   moves keys away;
+//!   moves keys away. Through Sentinels these apply to the primary found, and a replica found
+//!   by a runner's watch is a failover: the link asks the sentinels again;
 //! - a `maxmemory-policy` that never evicts (`noeviction`): any other lets a full server drop a
 //!   queue's stream or the idempotency keys without a word. `--allow-evicting-redis` runs on
 //!   one anyway, with a warning at every session. A policy that cannot be read (`INFO` and
@@ -22,9 +23,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
-
 use super::Location;
+use super::link::Link;
 use crate::broker::{BrokerError, Cause};
 
 /// How often a runner's session looks at its server (restarts, policy, role, memory).
@@ -146,7 +146,7 @@ pub struct Server {
 /// Everything `checks` asks of the server behind `c` (with `user`, for `location`), for a
 /// session opening: the password, the role, the policy, the commands; reports a restart.
 pub async fn check(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     location: &Location,
     user: &str,
     shown: &str,
@@ -161,7 +161,7 @@ pub async fn check(
 }
 
 /// `INFO` (server, replication, memory, cluster), or `None` when this user may not run it.
-async fn info(c: &mut ConnectionManager, shown: &str) -> Result<Option<Info>, BrokerError> {
+async fn info(c: &mut Link, shown: &str) -> Result<Option<Info>, BrokerError> {
     let read: Result<String, _> =
         redis::cmd("INFO").arg("server").arg("replication").arg("memory").arg("cluster").query_async(c).await;
     match read {
@@ -174,7 +174,7 @@ async fn info(c: &mut ConnectionManager, shown: &str) -> Result<Option<Info>, Br
 /// The checks `INFO` answers (role, cluster, policy) and a restart, for a session opening
 /// (which warns of an evicting policy allowed) or its watch.
 pub async fn inspect(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     location: &Location,
     shown: &str,
     checks: &Checks,
@@ -182,6 +182,13 @@ pub async fn inspect(
 ) -> Result<Server, BrokerError> {
     let info = info(c, shown).await?;
     if let Some(info) = &info {
+        if info.get("role") == Some("slave") && c.follows_primary() {
+            // A failover made it a replica: the next command asks the sentinels.
+            c.forget();
+            return Err(BrokerError::Lost(
+                "redis: the primary became a replica (a failover); asking the sentinels again".into(),
+            ));
+        }
         if info.get("role") == Some("slave") {
             let primary =
                 format!("{}:{}", info.get("master_host").unwrap_or("?"), info.get("master_port").unwrap_or("?"));
@@ -202,16 +209,20 @@ pub async fn inspect(
     if checks.purpose != Purpose::Operate {
         policy(c, info.as_ref(), shown, checks, opening).await?;
     }
-    let came_back_empty = match info.as_ref().and_then(|i| i.get("run_id")) {
+    let another = match info.as_ref().and_then(|i| i.get("run_id")) {
         Some(id) if checks.purpose == Purpose::Run => restarted(c, location, checks, id).await,
-        _ => false,
+        _ => None,
     };
-    Ok(Server { info, came_back_empty })
+    if another.is_some() && c.follows_primary() && !opening {
+        // A failover's new primary: what the session runs is asked of it too.
+        permissions(c, location, &c.user(), shown, checks.purpose).await?;
+    }
+    Ok(Server { info, came_back_empty: another == Some(true) })
 }
 
 /// Refuses a `maxmemory-policy` that can evict (or one that cannot be read) unless allowed.
 async fn policy(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     info: Option<&Info>,
     shown: &str,
     checks: &Checks,
@@ -248,13 +259,14 @@ async fn policy(
 }
 
 /// Reports a restart of the server (its run id is `id` now): at ERROR, and counted, when it
-/// came back without the deployment's topology (its marker, the version key); whether it did.
-async fn restarted(c: &mut ConnectionManager, location: &Location, checks: &Checks, id: &str) -> bool {
+/// came back without the deployment's topology (its marker, the version key): `None` when the
+/// server is the one seen last, else whether it came back empty.
+async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str) -> Option<bool> {
     let before = {
         let mut seen = checks.seen.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         seen.replace(id.to_string())
     };
-    let Some(before) = before.filter(|b| b != id) else { return false };
+    let before = before.filter(|b| b != id)?;
     let marker = format!("{}v", location.prefix);
     let exists: Result<bool, _> = redis::cmd("EXISTS").arg(&marker).query_async(c).await;
     let empty = exists == Ok(false);
@@ -266,10 +278,12 @@ async fn restarted(c: &mut ConnectionManager, location: &Location, checks: &Chec
             run_id = %id,
             "the Redis server restarted and came back empty (no topology under the prefix): the messages queued, retries waiting, dead letters and idempotency keys it held may be lost (does it run with appendonly yes?); declaring the topology again"
         );
+    } else if c.follows_primary() {
+        tracing::info!(run_id_before = %before, run_id = %id, "another Redis primary (a failover), with the deployment's keys");
     } else {
         tracing::info!(run_id_before = %before, run_id = %id, "the Redis server restarted, with the deployment's keys");
     }
-    empty
+    Some(empty)
 }
 
 /// Registers the counter of empty restarts at 0, with its help: a runner on Redis shows it
@@ -329,7 +343,7 @@ fn wanted(purpose: Purpose) -> Vec<&'static str> {
 /// Refuses a user whose ACL would refuse a command the session runs (nothing is run: the
 /// scripts' `redis.acl_check_cmd` asks), or the scripts themselves.
 async fn permissions(
-    c: &mut ConnectionManager,
+    c: &mut Link,
     location: &Location,
     user: &str,
     shown: &str,

@@ -193,6 +193,13 @@ impl Kind for SqsQueues<'_> {
     type Broker = Sqs;
     const CAPABILITIES: Capabilities = capabilities::SQS;
 
+    /// With the longest queue name this deployment's prefix leaves.
+    fn capabilities(&self) -> Capabilities {
+        let prefix = sqs::Location::parse(self.0).map_or(sqs::DEFAULT_PREFIX.len(), |l| l.prefix.len());
+        let longest = sqs::LONGEST_NAME.saturating_sub(prefix + 1);
+        Capabilities { queue_names: Some(capabilities::QueueNames { longest }), ..Self::CAPABILITIES }
+    }
+
     fn display(&self) -> String {
         self.0.to_string()
     }

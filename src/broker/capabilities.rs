@@ -8,7 +8,7 @@
 //! (a delay longer than one copy can wait is served in hops by the runtime), the capability
 //! says the broker's limit and the pipeline is not refused.
 
-pub use crate::vocab::capabilities::{Capabilities, HandBack, Ordering};
+pub use crate::vocab::capabilities::{Capabilities, HandBack, Ordering, QueueNames};
 use crate::vocab::{ExchangeKind, QueueKind};
 
 /// RabbitMQ's, with its delay cascade in `amqp`.
@@ -35,6 +35,7 @@ pub const EMBEDDED: Capabilities = Capabilities {
     browse_in_order: true,
     atomic_copy_and_remove: false,
     admits_past_max_length: 0,
+    queue_names: None,
     counts_consumers: true,
     counts_waiting_consumers: true,
 };
@@ -74,6 +75,8 @@ pub const SQS: Capabilities = Capabilities {
     browse_in_order: false,
     counts_consumers: false,
     counts_waiting_consumers: false,
+    // Under the default prefix; each deployment's own is `Kind::capabilities`'.
+    queue_names: Some(QueueNames { longest: super::sqs::LONGEST_NAME - super::sqs::DEFAULT_PREFIX.len() - 1 }),
     ..EMBEDDED
 };
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::source::escape_token;
 use super::{Config, Validation};
-use crate::vocab::capabilities::{Capabilities, Ordering};
+use crate::vocab::capabilities::{Capabilities, Ordering, QueueNames};
 
 /// One setting of a pipeline the broker cannot honour.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +74,7 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
             refuse(None, pointer, format!("{} exchanges", x.kind.as_str()));
         }
     }
+    let mut written_as = std::collections::HashMap::new();
     for q in config.queues.values() {
         let base = format!("/queues/{}", escape_token(&q.name));
         let file = Some(&q.file);
@@ -103,6 +104,33 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
         if q.max_message_bytes > capabilities.largest_body {
             let what = format!("bodies over {} bytes (max_message_bytes)", capabilities.largest_body);
             refuse(file, format!("{base}/max_message_bytes"), what);
+        }
+        if let Some(names) = capabilities.queue_names {
+            // At the queue's key: a dead-letter queue's name is often not written out.
+            for name in [&q.name, &q.dead_letter] {
+                let pointer = base.clone();
+                let written = QueueNames::write(name);
+                if written.chars().count() > names.longest {
+                    let what = format!(
+                        "queue name \"{name}\" ({} characters as \"{written}\"; at most {} here)",
+                        written.chars().count(),
+                        names.longest
+                    );
+                    refuse(file, pointer.clone(), what);
+                }
+                match written_as.get(&written) {
+                    Some(other) if other != name => refuse(
+                        file,
+                        pointer,
+                        format!(
+                            "both \"{other}\" and \"{name}\" as queue names: each is \"{written}\" there (rename one)"
+                        ),
+                    ),
+                    _ => {
+                        written_as.insert(written, name.clone());
+                    }
+                }
+            }
         }
         if !capabilities.arguments {
             for name in q.arguments.keys() {
@@ -188,5 +216,32 @@ queues:
             assert!(refused[0].message.starts_with("RabbitMQ does not support "), "{what}: {}", refused[0].message);
             assert!(refused[0].message.contains(words), "{what}: {}", refused[0].message);
         }
+    }
+
+    /// Issue 36: on a broker that writes names its own way (SQS), two names written alike and
+    /// a name past its longest are refused at the queue, naming both; a body limit left to its
+    /// default takes the broker's largest body, one given past it is refused.
+    #[test]
+    fn names_that_would_meet_or_run_long_and_body_limits_on_a_narrower_broker() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.yaml");
+        let pipeline = "version: 1\nqueues:\n  orders.email:\n    handler: {command: {program: /bin/true}}\n  orders-email:\n    handler: {command: {program: /bin/true}}\n  a-long-name-of-thirty-chars-xx:\n    max_message_bytes: 300000\n    handler: {command: {program: /bin/true}}\n";
+        std::fs::write(&path, pipeline).expect("write");
+        let sqs = Capabilities { largest_body: 262_144, queue_names: Some(QueueNames { longest: 30 }), ..RABBITMQ };
+        let mut validation = super::super::load(std::slice::from_ref(&path));
+        validation.check_capabilities(&sqs);
+        let messages: Vec<String> =
+            validation.diagnostics.iter().map(|d| format!("{}: {}", d.pointer, d.message)).collect();
+        let all = messages.join("\n");
+        assert!(all.contains("both \"orders-email\" and \"orders.email\" as queue names"), "{all}");
+        assert!(all.contains("queue name \"a-long-name-of-thirty-chars-xx.dlq\" (34 characters"), "{all}");
+        assert!(!all.contains("queue name \"a-long-name-of-thirty-chars-xx\" "), "30 characters fit: {all}");
+        assert!(
+            all.contains("/queues/a-long-name-of-thirty-chars-xx/max_message_bytes"),
+            "given past the largest: {all}"
+        );
+        assert!(!all.contains("/queues/orders.email/max_message_bytes"), "a default is lowered, not refused: {all}");
+        assert!(all.contains("both \"orders-email.dlq\" and \"orders.email.dlq\""), "{all}");
+        assert_eq!(messages.len(), 4, "{all}");
     }
 }

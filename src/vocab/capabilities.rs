@@ -24,6 +24,22 @@ pub enum HandBack {
     FromOffset,
 }
 
+/// How a broker names queues, where it takes fewer names than sluice does: each character
+/// outside its own set (letters, digits, `-`, `_`) written as `-`, at most `longest`
+/// characters after its deployment's prefix. Two names written alike would meet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueNames {
+    /// The most characters of a queue's name as written, its deployment's prefix left out.
+    pub longest: usize,
+}
+
+impl QueueNames {
+    /// `name` as the broker writes it.
+    pub fn write(name: &str) -> String {
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '-' }).collect()
+    }
+}
+
 /// What a broker can honour of a pipeline, and how it keeps the broker contract where
 /// brokers may differ (`broker/mod.rs`, "The rules a broker keeps").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +83,8 @@ pub struct Capabilities {
     /// How many messages a queue at its `max_length` takes past it before refusing
     /// publishes (a quorum queue checks the limit only once it is exceeded: one).
     pub admits_past_max_length: usize,
+    /// How it names queues, where it takes fewer names than sluice (`None`: every name).
+    pub queue_names: Option<QueueNames>,
     /// Whether queue statistics count a queue's consumers at all (SQS does not know them).
     pub counts_consumers: bool,
     /// Whether queue statistics count the consumers of a single-active-consumer queue that

@@ -85,6 +85,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     browse_in_order: true,
     atomic_copy_and_remove: false,
     admits_past_max_length: 1,
+    queue_names: None,
     counts_consumers: true,
     counts_waiting_consumers: false,
 };

@@ -44,6 +44,7 @@ use serde_json::{Value, json};
 use tokio::sync::Notify;
 
 use self::aws::{Aws, AwsError};
+use super::capabilities::QueueNames;
 use super::declaration::{self, unsupported};
 use super::kit::carried::Carried;
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
@@ -170,8 +171,8 @@ impl Location {
 }
 
 /// A sluice name as SQS takes it: `.` and `:` (which SQS refuses) written as `-`.
-pub fn fold(name: &str) -> String {
-    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '-' }).collect()
+fn fold(name: &str) -> String {
+    QueueNames::write(name)
 }
 
 /// What `sluice plan --broker sqs://…` shows: the plan as this broker keeps it, with each

@@ -47,7 +47,7 @@ impl Validation {
             .filter(|q| {
                 let pointer = format!("/queues/{}/max_message_bytes", escape_token(&q.name));
                 let given = self.sources.get(&q.file).and_then(|text| super::source::parse(&q.file, text.clone()).ok());
-                !given.is_some_and(|file| file.value.pointer(&pointer).is_some())
+                given.is_none_or(|file| file.value.pointer(&pointer).is_none())
             })
             .map(|q| q.name.clone())
             .collect();

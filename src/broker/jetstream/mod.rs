@@ -1070,12 +1070,7 @@ impl Publish for JetStream {
         routing_key: &str,
         headers: &Headers,
     ) -> Result<Option<BodyLimits>, BrokerError> {
-        let t = self.topology().await?;
-        let targets = t.route(exchange, routing_key, headers, PLACE)?;
-        let size = |max: u64| usize::try_from(max).unwrap_or(usize::MAX);
-        Ok(Some(
-            targets.into_iter().map(|q| (q.clone(), t.queues.get(&q).and_then(|r| r.max_body).map(size))).collect(),
-        ))
+        Ok(Some(self.topology().await?.body_limits(exchange, routing_key, headers, PLACE)?))
     }
 }
 

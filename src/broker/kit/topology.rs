@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use super::lock;
-use crate::broker::{BrokerError, Headers};
+use crate::broker::{BodyLimits, BrokerError, Headers};
 use crate::topology::{BindingDecl, route};
 use crate::vocab::ExchangeKind;
 use crate::vocab::suggest::did_you_mean;
@@ -74,6 +74,20 @@ impl<V> Topology<V> {
             return Err(BrokerError::Unroutable { exchange: exchange.into(), routing_key: routing_key.into() });
         }
         Ok(targets)
+    }
+
+    /// The queues a message reaches, each with the largest body it takes where declared: what
+    /// `Publish::body_limits` answers.
+    pub fn body_limits(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: &Headers,
+        place: &str,
+    ) -> Result<BodyLimits, BrokerError> {
+        let size = |max: u64| usize::try_from(max).unwrap_or(usize::MAX);
+        let targets = self.route(exchange, routing_key, headers, place)?;
+        Ok(targets.into_iter().map(|q| (q.clone(), self.queues.get(&q).and_then(|r| r.max_body).map(size))).collect())
     }
 
     /// An exchange or queue (`what`) not declared, with the closest declared name; or, when

@@ -63,6 +63,7 @@ pub(crate) mod kit;
 pub mod memory;
 pub mod redis;
 pub mod render;
+pub mod sqs;
 
 use std::collections::BTreeMap;
 use std::future::Future;

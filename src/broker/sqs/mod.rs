@@ -1,0 +1,3 @@
+//! Amazon SQS as a broker (issue 36), over [`aws`]: signed requests of SQS's JSON protocol.
+
+pub mod aws;

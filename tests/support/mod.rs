@@ -14,6 +14,7 @@ use sluice::broker::{Broker, HeaderValue, Headers, Operate, Outgoing, Publish};
 use sluice::envelope::Envelope;
 
 pub mod cluster;
+pub mod moto;
 
 pub const RABBIT_HOST: &str = "127.0.0.1:5672";
 

@@ -69,7 +69,8 @@ async fn a_message_the_redrive_policy_moved_is_listed_with_why_and_redriven() {
     declare(dir.path(), &broker).await;
     publish(&broker, "ev", "x", "crasher", json!({"n": 1})).await;
     // Received and never deleted, its visibility ended at once each time: a runner dying on it.
-    let aws = sluice::broker::sqs::aws::Aws::new("us-east-1", Some(&sqs_endpoint())).expect("client");
+    let aws = sluice::broker::sqs::aws::Aws::with_env("us-east-1", Some(&moto::sqs_endpoint()), moto::credentials())
+        .expect("client");
     let name = format!("{}-work", place.prefix);
     let url = aws.call("GetQueueUrl", &json!({"QueueName": name})).await.expect("queue url")["QueueUrl"].clone();
     let receive = json!({"QueueUrl": url, "MaxNumberOfMessages": 1, "VisibilityTimeout": 0, "WaitTimeSeconds": 1});

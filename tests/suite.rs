@@ -62,6 +62,7 @@ mod run_retries;
 mod schedule;
 mod signing;
 mod sluice_test;
+mod sqs_aws;
 mod sqs_broker;
 mod test_hygiene;
 mod trace;

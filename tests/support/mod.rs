@@ -14,6 +14,7 @@ use sluice::broker::{Broker, HeaderValue, Headers, Operate, Outgoing, Publish};
 use sluice::envelope::Envelope;
 
 pub mod cluster;
+pub mod moto;
 pub mod redis_ha;
 
 pub const RABBIT_HOST: &str = "127.0.0.1:5672";
@@ -445,12 +446,6 @@ impl Place for NatsPrefix {
     }
 }
 
-/// Where the suite's SQS emulator answers: `SLUICE_TEST_SQS_ENDPOINT`, else the moto server
-/// `.ci/run` starts.
-pub fn sqs_endpoint() -> String {
-    std::env::var("SLUICE_TEST_SQS_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:5000".into())
-}
-
 /// A name prefix of its own on the suite's SQS emulator (moto), for one test: every queue
 /// under it is deleted on drop.
 pub struct SqsPrefix {
@@ -467,17 +462,7 @@ impl SqsPrefix {
 
     /// A prefix with extra URL parameters; fails (never skips) when the emulator is down.
     pub fn with(params: &str) -> SqsPrefix {
-        let endpoint = sqs_endpoint();
-        let address = endpoint.trim_start_matches("http://").trim_end_matches('/').to_string();
-        let reachable = std::net::ToSocketAddrs::to_socket_addrs(&address)
-            .ok()
-            .and_then(|mut a| a.next())
-            .is_some_and(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok());
-        if !reachable {
-            panic!(
-                "no SQS emulator answers at {endpoint}. Start moto with `pip install 'moto[server]' && moto_server -H 127.0.0.1 -p 5000 &` (or set SLUICE_TEST_SQS_ENDPOINT)."
-            );
-        }
+        moto::require_sqs();
         let id = uuid::Uuid::now_v7().simple().to_string();
         SqsPrefix { prefix: format!("t{}", &id[id.len() - 16..]), params: params.to_string() }
     }
@@ -490,7 +475,7 @@ impl Drop for SqsPrefix {
         let cleanup = std::thread::spawn(move || {
             let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
             runtime.block_on(async {
-                if let Ok(broker) = sluice::broker::sqs::Sqs::connect(&url).await {
+                if let Ok(broker) = sluice::broker::sqs::Sqs::connect_with_env(&url, moto::credentials()).await {
                     let _ = broker.destroy().await;
                 }
             });
@@ -503,11 +488,13 @@ impl Place for SqsPrefix {
     type Broker = sluice::broker::sqs::Sqs;
 
     fn url(&self) -> String {
-        format!("sqs://us-east-1/{}?endpoint={}{}", self.prefix, sqs_endpoint(), self.params)
+        format!("sqs://us-east-1/{}?endpoint={}{}", self.prefix, moto::sqs_endpoint(), self.params)
     }
 
     async fn connect(&self) -> Self::Broker {
-        sluice::broker::sqs::Sqs::connect(&self.url()).await.expect("connect to the SQS emulator")
+        sluice::broker::sqs::Sqs::connect_with_env(&self.url(), moto::credentials())
+            .await
+            .expect("connect to the SQS emulator")
     }
 
     /// Messages in the queue, visible or not: a killed runner's deliveries count until they
@@ -635,6 +622,7 @@ impl Sluice {
         if ["amqp", "nats", "sqs"].iter().any(|scheme| url.starts_with(scheme)) {
             command.env("SLUICE_DEDUP", dir.join(".sluice"));
         }
+        command.envs(moto::CREDENTIALS.iter().copied());
         let child = command
             .arg("run")
             .arg(dir)
@@ -899,6 +887,7 @@ pub fn sluice_cli(args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Fi
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(args)
         .env_remove("RUST_LOG")
+        .envs(moto::CREDENTIALS.iter().copied())
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(out.try_clone().expect("dup"))

@@ -298,11 +298,18 @@ struct Inner {
 }
 
 impl Sqs {
-    /// Connects to the deployment `url` names: its endpoint answers and takes the credentials.
+    /// Connects to the deployment `url` names: its endpoint answers and takes the credentials
+    /// (the standard chain, from this process's environment and files).
     pub async fn connect(url: &str) -> Result<Sqs, BrokerError> {
+        Sqs::connect_with_env(url, Arc::new(|name: &str| std::env::var(name).ok())).await
+    }
+
+    /// [`Sqs::connect`] with the environment read through `env` (an emulator's dummy keys).
+    pub async fn connect_with_env(url: &str, env: aws::Env) -> Result<Sqs, BrokerError> {
         let location = Location::parse(url)?;
         let refused = |reason: String| BrokerError::Connect { url: url.into(), reason: reason.into() };
-        let aws = Aws::new(&location.region, location.endpoint.as_deref()).map_err(|e| refused(e.to_string()))?;
+        let aws =
+            Aws::with_env(&location.region, location.endpoint.as_deref(), env).map_err(|e| refused(e.to_string()))?;
         let sqs = Sqs {
             inner: Arc::new(Inner {
                 aws,

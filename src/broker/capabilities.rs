@@ -60,25 +60,8 @@ pub const JETSTREAM: Capabilities = Capabilities {
     ..EMBEDDED
 };
 
-/// Amazon SQS (standard queues): a copy waits at most 15 minutes (longer delays in hops);
-/// bodies up to 256 KiB (the message with its attributes; send a reference to a larger blob
-/// kept elsewhere); no bound on a queue, no priorities, no expiry, no broker arguments, no
-/// single active consumer. sluice routes every exchange kind itself. SQS does not know a
-/// queue's consumers, and delivers in no strict order.
-pub const SQS: Capabilities = Capabilities {
-    name: "the SQS broker",
-    longest_delay: Some(super::sqs::LONGEST_DELAY),
-    largest_body: 256 << 10,
-    max_length: false,
-    orderings: &[],
-    holds_keys: false,
-    browse_in_order: false,
-    counts_consumers: false,
-    counts_waiting_consumers: false,
-    // Under the default prefix; each deployment's own is `Kind::capabilities`'.
-    queue_names: Some(QueueNames { longest: super::sqs::LONGEST_NAME - super::sqs::DEFAULT_PREFIX.len() - 1 }),
-    ..EMBEDDED
-};
+/// Amazon SQS, with its names in `sqs`.
+pub use super::sqs::CAPABILITIES as SQS;
 
 /// The in-memory test double: as the embedded broker, unless a test gives it a longest delay.
 pub const MEMORY: Capabilities =

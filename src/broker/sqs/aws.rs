@@ -219,7 +219,7 @@ impl Aws {
                 Ok(answer) => return Ok(answer),
                 Err(Failed { error, unapplied: true }) if tries < TRIES => {
                     tracing::debug!(action, tries, %error, "SQS did not apply the request; trying again");
-                    let wait = crate::backoff::reconnect_delay(tries + 2, MAX_BACKOFF, &mut rand::rng());
+                    let wait = crate::broker::failover::reconnect_delay(tries + 2, MAX_BACKOFF, &mut rand::rng());
                     tokio::time::sleep(wait).await;
                 }
                 Err(Failed { error, .. }) => return Err(error),

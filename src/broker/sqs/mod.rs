@@ -44,7 +44,6 @@ use serde_json::{Value, json};
 use tokio::sync::Notify;
 
 use self::aws::{Aws, AwsError};
-use super::capabilities::QueueNames;
 use super::declaration::{self, unsupported};
 use super::kit::carried::Carried;
 use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
@@ -58,6 +57,8 @@ use super::{
 };
 use crate::envelope;
 use crate::topology::{BindingDecl, Plan, QueueDecl, Role};
+use crate::vocab::capabilities::{Capabilities, HandBack, QueueNames};
+use crate::vocab::{ExchangeKind, QueueKind};
 
 /// How long a delivery stays leased to its consumer without a renewal, unless the URL says
 /// otherwise (`?lease=`).
@@ -70,6 +71,35 @@ pub const LONG_POLL: Duration = Duration::from_secs(2);
 /// How many times SQS delivers a message before its redrive policy moves it to the queue's
 /// dead-letter queue (a message that kills its runner each time): RabbitMQ's delivery limit.
 pub const MAX_RECEIVES: i64 = super::amqp::DELIVERY_LIMIT;
+
+/// Amazon SQS (standard queues): a copy waits at most 15 minutes (longer delays in hops);
+/// bodies up to 256 KiB (the message with its attributes; send a reference to a larger blob
+/// kept elsewhere); no bound on a queue, no priorities, no expiry, no broker arguments, no
+/// single active consumer. sluice routes every exchange kind itself. SQS does not know a
+/// queue's consumers, and delivers in no strict order.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    name: BROKER,
+    longest_delay: Some(LONGEST_DELAY),
+    largest_body: 256 << 10,
+    priorities: false,
+    message_ttl: false,
+    max_length: false,
+    queue_types: QueueKind::ALL,
+    exchange_kinds: ExchangeKind::ALL,
+    orderings: &[],
+    arguments: false,
+    hand_back: HandBack::PerMessage,
+    leases: true,
+    holds_acks: false,
+    holds_keys: false,
+    browse_in_order: false,
+    atomic_copy_and_remove: false,
+    admits_past_max_length: 0,
+    // Under the default prefix; each deployment's own is its `Kind`'s.
+    queue_names: Some(QueueNames { longest: LONGEST_NAME - DEFAULT_PREFIX.len() - 1 }),
+    counts_consumers: false,
+    counts_waiting_consumers: false,
+};
 
 /// The longest SQS holds one delayed copy.
 pub const LONGEST_DELAY: Duration = Duration::from_secs(900);
@@ -1063,7 +1093,7 @@ impl Broker for Sqs {
     }
 
     fn capabilities(&self) -> crate::broker::Capabilities {
-        crate::broker::capabilities::SQS
+        CAPABILITIES
     }
 
     fn is_connected(&self) -> bool {

@@ -102,7 +102,10 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
             );
         }
         if q.max_message_bytes > capabilities.largest_body {
-            let what = format!("bodies over {} bytes (max_message_bytes)", capabilities.largest_body);
+            let what = format!(
+                "bodies over {} bytes (max_message_bytes); keep a larger body elsewhere (object storage) and send a reference to it",
+                capabilities.largest_body
+            );
             refuse(file, format!("{base}/max_message_bytes"), what);
         }
         if let Some(names) = capabilities.queue_names {

@@ -623,3 +623,13 @@ pub struct Leased {
     /// it: seconds since the epoch.
     pub until: u64,
 }
+
+impl Leased {
+    /// `count` messages held (none: `None`), for a broker that keeps no lease's end: the last
+    /// runs out at most one `lease` from now.
+    pub fn within(count: u64, lease: Duration) -> Option<Leased> {
+        let until = std::time::SystemTime::now() + lease;
+        let until = until.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        (count > 0).then_some(Leased { count: u32::try_from(count).unwrap_or(u32::MAX), until })
+    }
+}

@@ -1084,9 +1084,7 @@ impl Operate for JetStream {
     /// lease from now.
     async fn leased(&self, queue: &str) -> Result<Option<super::Leased>, BrokerError> {
         let (_, pending) = self.counts(queue).await?;
-        let until = std::time::SystemTime::now() + self.inner.location.lease;
-        let until = until.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        Ok((pending > 0).then_some(super::Leased { count: u32::try_from(pending).unwrap_or(u32::MAX), until }))
+        Ok(super::Leased::within(pending, self.inner.location.lease))
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

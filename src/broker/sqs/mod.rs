@@ -1149,9 +1149,7 @@ impl Operate for Sqs {
     /// last lease ends is not kept, so it is given as at most one lease from now.
     async fn leased(&self, queue: &str) -> Result<Option<super::Leased>, BrokerError> {
         let held = self.attributes(queue, &["ApproximateNumberOfMessagesNotVisible"]).await?[0];
-        let until = std::time::SystemTime::now() + self.inner.location.lease;
-        let until = until.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        Ok((held > 0).then_some(super::Leased { count: u32::try_from(held).unwrap_or(u32::MAX), until }))
+        Ok(super::Leased::within(held, self.inner.location.lease))
     }
 
     async fn drift(&self, plan: &Plan) -> Result<Vec<Drift>, BrokerError> {

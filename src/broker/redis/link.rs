@@ -2,20 +2,20 @@
 //! which reconnects to that address by itself), or to the primary a set of Sentinels names
 //! (`redis+sentinel://`), which is never a fixed address.
 //!
-//! Through Sentinels, the primary is asked of the sentinels (the `redis` crate's
-//! [`Sentinel`], which asks each in turn), and the node named must answer `ROLE` as a primary
-//! before any command goes to it. A connection that breaks, times out, or answers `READONLY`
+//! Through Sentinels, every sentinel is asked for the primary (`SENTINEL MASTER`) and the one
+//! with the newest configuration (the highest `config-epoch`) is believed: a sentinel that has
+//! not yet heard of a failover names the old primary. The node named must answer `ROLE` as a
+//! primary before any command goes to it. A connection that breaks, times out, or answers `READONLY`
 //! (a primary demoted to a replica) or `MASTERDOWN` is dropped: the next command asks the
 //! sentinels again, never the old address (a restarted old primary is a standalone primary for
 //! a few seconds, until the sentinels make it a replica). Asking again waits a backoff (100 ms,
-//! doubling to 2 s) after a failed attempt, which starts the next with the next sentinel: a
-//! primary that cannot be found is never asked for in a loop.
+//! doubling to 2 s) after a failed attempt: a primary that cannot be found is never asked for
+//! in a loop.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection, PubSub};
-use redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
 use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Value};
 use tokio::time::Instant;
 
@@ -105,14 +105,8 @@ impl Link {
                 let primary = Primary {
                     settings: settings.clone(),
                     found: std::sync::atomic::AtomicU64::new(0),
-                    sentinel: tokio::sync::Mutex::new(Asking {
-                        sentinel: Sentinel::build(sentinels.clone())?,
-                        sentinels,
-                        next: Instant::now(),
-                        backoff: BACKOFF.0,
-                    }),
+                    sentinel: tokio::sync::Mutex::new(Asking { sentinels, next: Instant::now(), backoff: BACKOFF.0 }),
                     master,
-                    node: SentinelNodeConnectionInfo::default().set_redis_connection_info(settings),
                     config: AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(timeouts.connect))
                         .set_response_timeout(Some(timeouts.response)),
@@ -173,7 +167,6 @@ impl Link {
 pub struct Primary {
     sentinel: tokio::sync::Mutex<Asking>,
     master: String,
-    node: SentinelNodeConnectionInfo,
     /// The data nodes' user, password and database.
     settings: redis::RedisConnectionInfo,
     config: AsyncConnectionConfig,
@@ -185,8 +178,7 @@ pub struct Primary {
 
 /// The sentinels, and when they may be asked again.
 struct Asking {
-    sentinel: Sentinel,
-    /// Their addresses, in the order they are asked (the first that answers is believed).
+    /// Their addresses, all asked at once (the newest configuration is believed).
     sentinels: Vec<String>,
     next: Instant,
     backoff: Duration,
@@ -214,10 +206,11 @@ impl Primary {
         }
         tokio::time::sleep_until(asking.next).await;
         // A sentinel that takes no connection and refuses none (a host gone from the
-        // network) must not hold every attempt: each has its time, and a failed one starts
-        // the next with the next sentinel.
-        let within = self.timeouts.connect + self.timeouts.response;
-        let found = tokio::time::timeout(within, self.find(&mut asking.sentinel)).await.unwrap_or_else(|_| {
+        // network) must not hold every attempt: it has its time, and the others are asked
+        // beside it.
+        // The sentinels, then the primary they name.
+        let within = (self.timeouts.connect + self.timeouts.response) * 2;
+        let found = tokio::time::timeout(within, self.find(&asking.sentinels)).await.unwrap_or_else(|_| {
             Err(RedisError::from((
                 redis::ErrorKind::Io,
                 "no answer",
@@ -233,20 +226,43 @@ impl Primary {
             Err(e) => {
                 asking.next = Instant::now() + asking.backoff;
                 asking.backoff = (asking.backoff * 2).min(BACKOFF.1);
-                asking.sentinels.rotate_left(1);
-                if let Ok(rotated) = Sentinel::build(asking.sentinels.clone()) {
-                    asking.sentinel = rotated;
-                }
                 tracing::debug!(master = %self.master, error = %e, "redis: no primary found through the sentinels");
                 Err(e)
             }
         }
     }
 
-    /// Asks the sentinels for the primary, and has it say `ROLE` itself on the connection
-    /// that will carry the commands.
-    async fn find(&self, sentinel: &mut Sentinel) -> Result<Current, RedisError> {
-        let client = sentinel.async_master_for(&self.master, Some(&self.node)).await?;
+    /// Asks every sentinel for the primary and believes the one whose configuration is newest
+    /// (the highest `config-epoch`): a sentinel that has not yet heard of a failover still
+    /// names the old primary, which, restarted, would answer as a primary of its own. Then
+    /// has the node named say `ROLE` itself on the connection that will carry the commands.
+    async fn find(&self, sentinels: &[String]) -> Result<Current, RedisError> {
+        // A sentinel that never answers has its time, as each does.
+        let each = self.timeouts.connect + self.timeouts.response;
+        let ask = |s: &str| {
+            let s = s.to_string();
+            async move {
+                tokio::time::timeout(each, self.named_by(&s)).await.unwrap_or_else(|_| {
+                    Err(RedisError::from((redis::ErrorKind::Io, "no answer", format!("sentinel {s} did not answer"))))
+                })
+            }
+        };
+        let asked = futures_util::future::join_all(sentinels.iter().map(|s| ask(s))).await;
+        let mut last = None;
+        let mut newest: Option<(u64, String, u16)> = None;
+        for answer in asked {
+            match answer {
+                Ok(named) if newest.as_ref().is_none_or(|n| named.0 > n.0) => newest = Some(named),
+                Ok(_) => {}
+                Err(e) => last = Some(e),
+            }
+        }
+        let Some((_, host, port)) = newest else {
+            return Err(last.unwrap_or_else(|| RedisError::from((redis::ErrorKind::Io, "no sentinel answered"))));
+        };
+        let info =
+            format!("redis://{host}:{port}").as_str().into_connection_info()?.set_redis_settings(self.settings.clone());
+        let client = Client::open(info)?;
         let mut connection = client.get_multiplexed_async_connection_with_config(&self.config).await?;
         let role: Vec<Value> = redis::cmd("ROLE").query_async(&mut connection).await?;
         match role.first() {
@@ -257,13 +273,19 @@ impl Primary {
             _ => Err(RedisError::from((
                 redis::ErrorKind::Io,
                 "not a primary",
-                format!(
-                    "the sentinels named {} for \"{}\", which is no primary now",
-                    client.get_connection_info().addr(),
-                    self.master
-                ),
+                format!("the sentinels named {host}:{port} for \"{}\", which is no primary now", self.master),
             ))),
         }
+    }
+
+    /// What the sentinel at `url` names the primary: its configuration epoch and address.
+    async fn named_by(&self, url: &str) -> Result<(u64, String, u16), RedisError> {
+        let mut connection = Client::open(url)?.get_multiplexed_async_connection_with_config(&self.config).await?;
+        let master: std::collections::HashMap<String, String> =
+            redis::cmd("SENTINEL").arg("MASTER").arg(&self.master).query_async(&mut connection).await?;
+        let field = |name: &str| master.get(name).cloned().unwrap_or_default();
+        let port = field("port").parse().map_err(|_| RedisError::from((redis::ErrorKind::Parse, "no port")))?;
+        Ok((field("config-epoch").parse().unwrap_or(0), field("ip"), port))
     }
 
     /// Drops connection number `used` after `e`, when `e` says it is not the primary's any longer.

@@ -3,7 +3,6 @@
 //! machine's own `rabbit@localhost`) and taken down on drop. Starting it takes about 15 s on a
 //! two-core machine; nodes are numbered 1 to 3.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -149,30 +148,9 @@ impl Cluster {
     }
 
     /// The node process `pid` has an established TCP connection to (its first one found),
-    /// and the connection's local port (a new connection has another), from the socket
-    /// inodes in `/proc/<pid>/fd` matched against `/proc/net/tcp{,6}`.
+    /// and the connection's local port (a new connection has another).
     pub fn connection(&self, pid: u32) -> Option<(usize, u16)> {
-        let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .ok()?
-            .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
-            .filter_map(|target| {
-                let target = target.to_str()?;
-                Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
-            })
-            .collect();
-        ["/proc/net/tcp", "/proc/net/tcp6"].iter().find_map(|table| {
-            let table = std::fs::read_to_string(table).ok()?;
-            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            table.lines().skip(1).find_map(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                let (remote, state, inode) = (fields.get(2)?, fields.get(3)?, fields.get(9)?);
-                if *state != "01" || !inodes.contains(*inode) {
-                    return None; // not ESTABLISHED, or not the process's
-                }
-                let port = |address: &str| u16::from_str_radix(address.rsplit(':').next()?, 16).ok();
-                Some((self.node_of_port(port(remote)?)?, port(fields.get(1)?)?))
-            })
-        })
+        super::connections(pid).into_iter().find_map(|(local, remote)| Some((self.node_of_port(remote)?, local)))
     }
 }
 

@@ -15,6 +15,7 @@ use sluice::envelope::Envelope;
 
 pub mod cluster;
 pub mod moto;
+pub mod nats_cluster;
 pub mod redis_ha;
 
 pub const RABBIT_HOST: &str = "127.0.0.1:5672";
@@ -809,6 +810,16 @@ where
     }
 }
 
+/// Waits, blocking the thread, until `ready` holds, or panics after `deadline` saying `what`
+/// never happened (for servers a test starts itself; run from `block_in_place` in async tests).
+pub fn wait_blocking(deadline: Duration, what: &str, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < deadline, "{what}: not after {deadline:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The Idempotency-Key of every request a wiremock server received, in arrival order.
 pub async fn keys_received(server: &wiremock::MockServer) -> Vec<String> {
     server
@@ -966,6 +977,38 @@ pub fn is_running(pid: libc::pid_t) -> bool {
             // The state follows the parenthesised command name, which may contain spaces.
             stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
         })
+}
+
+/// The established TCP connections of process `pid`, as (local port, remote port): its socket
+/// inodes in `/proc/<pid>/fd` matched against `/proc/net/tcp{,6}`.
+pub fn connections(pid: u32) -> Vec<(u16, u16)> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    let inodes: std::collections::HashSet<String> = fds
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_str()?;
+            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let port = |address: &str| u16::from_str_radix(address.rsplit(':').next()?, 16).ok();
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| {
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let (local, remote, state, inode) =
+                        (fields.get(1)?, fields.get(2)?, fields.get(3)?, fields.get(9)?);
+                    // ESTABLISHED, and the process's.
+                    (*state == "01" && inodes.contains(*inode)).then(|| Some((port(local)?, port(remote)?)))?
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// The pid a script wrote to `pidfile`, once it is completely written.

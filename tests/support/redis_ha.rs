@@ -11,9 +11,9 @@
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::free_port;
+use super::{free_port, wait_blocking as wait};
 
 /// The name the sentinels know the primary by.
 pub const MASTER: &str = "sluice";
@@ -90,15 +90,6 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.kill();
-    }
-}
-
-/// Waits until `ready` holds, or panics after `deadline` saying `what` never happened.
-fn wait(deadline: Duration, what: &str, mut ready: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !ready() {
-        assert!(start.elapsed() < deadline, "{what}: not after {deadline:?}");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

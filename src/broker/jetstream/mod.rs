@@ -64,6 +64,13 @@ pub const LEASE: Duration = Duration::from_secs(30);
 /// delayed copy come due).
 pub const POLL: Duration = Duration::from_secs(1);
 
+/// How long a pull waits for the server's answer before it is given up (a lost answer, when a
+/// stream's leader changes, would otherwise hold the consumer for good).
+const PULL_ANSWER: Duration = Duration::from_secs(5);
+
+/// How often the client pings the server: a frozen server is noticed after two pings missed.
+const PING: Duration = Duration::from_secs(2);
+
 /// How long a consumer's registration lasts without being written again (it writes it every
 /// [`POLL`]).
 pub const REGISTRATION: Duration = Duration::from_secs(3);
@@ -291,6 +298,7 @@ impl JetStream {
         let mut options = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(5))
             .request_timeout(Some(Duration::from_secs(10)))
+            .ping_interval(PING)
             .name("sluice");
         if let Some(creds) = &location.creds {
             options = options
@@ -748,16 +756,25 @@ impl Claimer for JsClaimer {
         let room = ask.room - deliveries.len();
         let mut taken = 0;
         if room > 0 {
-            let fetched = self.pull.fetch().max_messages(room).messages().await;
+            // A pull whose answer is lost (its stream's leader changing) is given up at its
+            // deadline: what it would have delivered comes back when its lease runs out.
+            let deadline = tokio::time::Instant::now() + PULL_ANSWER;
+            let fetched = tokio::time::timeout_at(deadline, self.pull.fetch().max_messages(room).messages()).await;
             let mut messages = match fetched {
-                Ok(messages) => messages,
-                Err(e) => return self.failed(s, lost("pulling", e)),
+                Ok(Ok(messages)) => messages,
+                Ok(Err(e)) => return self.failed(s, lost("pulling", e)),
+                Err(_) => return self.failed(s, lost("pulling", format!("no answer within {PULL_ANSWER:?}"))),
             };
             let now = now_ms();
-            while let Some(m) = messages.next().await {
-                let m = match m {
-                    Ok(m) => m,
-                    Err(e) => return self.failed(s, lost("pulling", e)),
+            loop {
+                let m = match tokio::time::timeout_at(deadline, messages.next()).await {
+                    Ok(Some(Ok(m))) => m,
+                    Ok(None) => break,
+                    Ok(Some(Err(e))) => return self.failed(s, lost("pulling", e)),
+                    Err(_) => {
+                        tracing::warn!(queue = %s.queue, "jetstream broker: a pull's answer stopped coming; pulling again");
+                        break;
+                    }
                 };
                 taken += 1;
                 let (Some(reply), Ok(info)) = (m.reply.clone(), m.info()) else { continue };

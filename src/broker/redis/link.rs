@@ -5,7 +5,8 @@
 //! Through Sentinels, every sentinel is asked for the primary (`SENTINEL MASTER`) and the one
 //! with the newest configuration (the highest `config-epoch`) is believed: a sentinel that has
 //! not yet heard of a failover names the old primary. The node named must answer `ROLE` as a
-//! primary before any command goes to it. A connection that breaks, times out, or answers `READONLY`
+//! primary, with the run id the sentinels know (an old primary restarted has another), before
+//! any command goes to it. A connection that breaks, times out, or answers `READONLY`
 //! (a primary demoted to a replica) or `MASTERDOWN` is dropped: the next command asks the
 //! sentinels again, never the old address (a restarted old primary is a standalone primary for
 //! a few seconds, until the sentinels make it a replica). Asking again waits a backoff (100 ms,
@@ -249,7 +250,7 @@ impl Primary {
         };
         let asked = futures_util::future::join_all(sentinels.iter().map(|s| ask(s))).await;
         let mut last = None;
-        let mut newest: Option<(u64, String, u16)> = None;
+        let mut newest: Option<(u64, String, u16, String)> = None;
         for answer in asked {
             match answer {
                 Ok(named) if newest.as_ref().is_none_or(|n| named.0 > n.0) => newest = Some(named),
@@ -257,7 +258,7 @@ impl Primary {
                 Err(e) => last = Some(e),
             }
         }
-        let Some((_, host, port)) = newest else {
+        let Some((_, host, port, run_id)) = newest else {
             return Err(last.unwrap_or_else(|| RedisError::from((redis::ErrorKind::Io, "no sentinel answered"))));
         };
         let info =
@@ -265,11 +266,20 @@ impl Primary {
         let client = Client::open(info)?;
         let mut connection = client.get_multiplexed_async_connection_with_config(&self.config).await?;
         let role: Vec<Value> = redis::cmd("ROLE").query_async(&mut connection).await?;
+        // The process the sentinels know: an old primary restarted (empty, a primary of its
+        // own until they notice) has another run id.
+        let info: String = redis::cmd("INFO").arg("server").query_async(&mut connection).await?;
+        let running = info.lines().find_map(|l| l.strip_prefix("run_id:")).unwrap_or_default().trim().to_string();
         match role.first() {
-            Some(Value::BulkString(r)) if r == b"master" => {
+            Some(Value::BulkString(r)) if r == b"master" && (run_id.is_empty() || run_id == running) => {
                 let number = self.found.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
                 Ok(Current { number, connection, client })
             }
+            Some(Value::BulkString(r)) if r == b"master" => Err(RedisError::from((
+                redis::ErrorKind::Io,
+                "not the primary the sentinels know",
+                format!("{host}:{port} runs as {running}, the sentinels know {run_id} there (restarted?)"),
+            ))),
             _ => Err(RedisError::from((
                 redis::ErrorKind::Io,
                 "not a primary",
@@ -278,14 +288,14 @@ impl Primary {
         }
     }
 
-    /// What the sentinel at `url` names the primary: its configuration epoch and address.
-    async fn named_by(&self, url: &str) -> Result<(u64, String, u16), RedisError> {
+    /// What the sentinel at `url` names the primary: its configuration epoch, address and run id.
+    async fn named_by(&self, url: &str) -> Result<(u64, String, u16, String), RedisError> {
         let mut connection = Client::open(url)?.get_multiplexed_async_connection_with_config(&self.config).await?;
         let master: std::collections::HashMap<String, String> =
             redis::cmd("SENTINEL").arg("MASTER").arg(&self.master).query_async(&mut connection).await?;
         let field = |name: &str| master.get(name).cloned().unwrap_or_default();
         let port = field("port").parse().map_err(|_| RedisError::from((redis::ErrorKind::Parse, "no port")))?;
-        Ok((field("config-epoch").parse().unwrap_or(0), field("ip"), port))
+        Ok((field("config-epoch").parse().unwrap_or(0), field("ip"), port, field("runid")))
     }
 
     /// Drops connection number `used` after `e`, when `e` says it is not the primary's any longer.

@@ -10,102 +10,22 @@
 //! (`cargo test --test nats_cluster`): it waits on nodes and a stream, not on the cores.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[macro_use]
 mod support;
 
 use crate::support::nats_cluster::NatsCluster;
+use crate::support::stream::{Outcome, Stream};
 use crate::support::*;
-use serde_json::json;
+use sluice::broker::Broker as _;
 use sluice::broker::jetstream::JetStream;
-use sluice::broker::{Broker as _, Publish as _};
 
 /// The name prefix of every scenario (each has a cluster of its own).
 const PREFIX: &str = "t";
 
 /// The stream of the pipeline's queue `work`: `PREFIX_q_` and the name in hex.
 const WORK_STREAM: &str = "t_q_776f726b";
-
-/// Publishes envelopes keyed `{prefix}-{n}` to `ev` at about `per_second` through a session of
-/// its own (a new one after a failure), until stopped; a key is published again, the same
-/// key, until confirmed. The confirmed keys are what must reach the receiver.
-struct Stream {
-    stop: Arc<AtomicBool>,
-    confirmed: Arc<Mutex<BTreeMap<String, Instant>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Stream {
-    fn start(url: String, prefix: &str, per_second: u32) -> Stream {
-        let (stop, confirmed) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(BTreeMap::new())));
-        let (flag, done, prefix) = (stop.clone(), confirmed.clone(), prefix.to_string());
-        let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1) / per_second);
-            let mut n = 0u64;
-            let mut session: Option<JetStream> = None;
-            while !flag.load(Ordering::SeqCst) {
-                tick.tick().await;
-                let key = format!("{prefix}-{n}");
-                let broker = match &session {
-                    Some(b) => b.clone(),
-                    None => match JetStream::connect(&url).await {
-                        Ok(b) => session.insert(b).clone(),
-                        Err(_) => continue,
-                    },
-                };
-                let envelope = sluice::envelope::Envelope::new("test.event", &json!({"n": n}), Some(key.clone()));
-                let message = sluice::broker::Outgoing { body: envelope.encode(), ..Default::default() };
-                match broker.publish("ev", "k", message).await {
-                    Ok(()) => {
-                        done.lock().expect("lock").insert(key, Instant::now());
-                        n += 1;
-                    }
-                    Err(_) => {
-                        broker.close().await;
-                        session = None;
-                    }
-                }
-            }
-            if let Some(b) = session {
-                b.close().await;
-            }
-        });
-        Stream { stop, confirmed, task }
-    }
-
-    /// Waits until `n` keys were confirmed since `since` (a minute at most).
-    async fn confirmed_after(&self, since: Instant, n: usize) {
-        wait_until(Duration::from_secs(60), &format!("{n} publishes confirmed"), || async {
-            self.confirmed.lock().expect("lock").values().filter(|at| **at >= since).count() >= n
-        })
-        .await;
-    }
-
-    /// Each confirmed key and when it was confirmed.
-    async fn stop(self) -> BTreeMap<String, Instant> {
-        self.stop.store(true, Ordering::SeqCst);
-        self.task.await.expect("publisher task");
-        self.confirmed.lock().expect("lock").clone()
-    }
-}
-
-/// What a fault cost downstream.
-#[derive(Debug)]
-struct Outcome {
-    confirmed: usize,
-    /// Confirmed, and never handled within two minutes of the stream's end.
-    lost: usize,
-    /// Keys with more than one successful webhook call.
-    twice: usize,
-    /// The longest pause between two webhook calls from the last one before the fault on.
-    pause: Duration,
-    /// The longest pause between two confirmed publishes from the fault on: the receiver
-    /// cannot be called for what was not published.
-    publishing: Duration,
-}
 
 /// Waits until every confirmed key was handled (two minutes at most); counts what it finds.
 async fn outcome(receiver: &Receiver, confirmed: &BTreeMap<String, Instant>, from: Instant) -> Outcome {
@@ -117,20 +37,7 @@ async fn outcome(receiver: &Receiver, confirmed: &BTreeMap<String, Instant>, fro
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let handled = receiver.succeeded_keys();
-    let hits = receiver.hits();
-    let twice = counts(hits.iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()))
-        .into_values()
-        .filter(|n| *n > 1)
-        .count();
-    let mut times: Vec<Instant> = hits.iter().map(|h| h.at).collect();
-    times.sort();
-    let pause = times.windows(2).filter(|w| w[1] >= from).map(|w| w[1] - w[0]).max().unwrap_or_default();
-    let lost = confirmed.keys().filter(|k| !handled.contains(*k)).count();
-    let mut published: Vec<Instant> = confirmed.values().copied().collect();
-    published.sort();
-    let publishing = published.windows(2).filter(|w| w[1] >= from).map(|w| w[1] - w[0]).max().unwrap_or_default();
-    Outcome { confirmed: confirmed.len(), lost, twice, pause, publishing }
+    Outcome::count(receiver, confirmed, from)
 }
 
 /// What is done to the cluster once the runner consumes.
@@ -196,7 +103,7 @@ async fn under(fault: Fault) -> Outcome {
     // Published through the other nodes: the stream goes on through the fault, as far as
     // the cluster takes it (a publish waits for the stream's leader).
     let published = format!("{}?prefix={PREFIX}", cluster.urls(&[target]).join(","));
-    let stream = Stream::start(published, "k", 100);
+    let stream = Stream::start(|u| async move { JetStream::connect(&u).await }, published, "k", 100);
     let start = Instant::now();
     while receiver.succeeded_keys().is_empty() {
         assert!(start.elapsed() < Duration::from_secs(60), "nothing handled; log:\n{}", sluice.log());

@@ -9,85 +9,16 @@
 //! it waits on failovers, not on the cores.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[macro_use]
 mod support;
 
 use crate::support::redis_ha::SentinelSet;
+use crate::support::stream::{Outcome, Stream};
 use crate::support::*;
-use serde_json::json;
 use sluice::broker::redis::Redis;
 use sluice::broker::{Broker as _, Publish as _};
-
-/// Publishes envelopes keyed `{prefix}-{n}` to `ev` at about `per_second` through a session of
-/// its own (a new one after a failure), until stopped; each key is published until confirmed.
-/// The confirmed keys are what must reach the receiver.
-struct Stream {
-    stop: Arc<AtomicBool>,
-    confirmed: Arc<Mutex<BTreeMap<String, Instant>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Stream {
-    fn start(url: String, prefix: &str, per_second: u32) -> Stream {
-        let (stop, confirmed) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(BTreeMap::new())));
-        let (flag, done, prefix) = (stop.clone(), confirmed.clone(), prefix.to_string());
-        let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1) / per_second);
-            let mut n = 0u64;
-            let mut session: Option<Redis> = None;
-            while !flag.load(Ordering::SeqCst) {
-                tick.tick().await;
-                let key = format!("{prefix}-{n}");
-                let broker = match &session {
-                    Some(b) => b.clone(),
-                    None => match Redis::connect(&url).await {
-                        Ok(b) => session.insert(b).clone(),
-                        Err(_) => continue,
-                    },
-                };
-                let envelope = sluice::envelope::Envelope::new("test.event", &json!({"n": n}), Some(key.clone()));
-                let message = sluice::broker::Outgoing { body: envelope.encode(), ..Default::default() };
-                match broker.publish("ev", "k", message).await {
-                    Ok(()) => {
-                        done.lock().expect("lock").insert(key, Instant::now());
-                        n += 1;
-                    }
-                    Err(_) => {
-                        broker.close().await;
-                        session = None;
-                    }
-                }
-            }
-            if let Some(b) = session {
-                b.close().await;
-            }
-        });
-        Stream { stop, confirmed, task }
-    }
-
-    /// Each confirmed key and when it was confirmed.
-    async fn stop(self) -> BTreeMap<String, Instant> {
-        self.stop.store(true, Ordering::SeqCst);
-        self.task.await.expect("publisher task");
-        self.confirmed.lock().expect("lock").clone()
-    }
-}
-
-/// What a primary's loss cost downstream.
-#[derive(Debug)]
-struct Outcome {
-    confirmed: usize,
-    /// Confirmed, and never handled once the queue was drained.
-    lost: usize,
-    /// Keys with more than one successful webhook call.
-    twice: usize,
-    /// The longest pause between two webhook calls after the kill.
-    pause: Duration,
-}
 
 /// Waits until every confirmed key was handled, or the runner handled nothing new for 15 s
 /// with the queue empty (what is still missing then is lost); counts what it finds.
@@ -123,18 +54,7 @@ async fn outcome(
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let handled = receiver.succeeded_keys();
-    let hits = receiver.hits();
-    let twice = counts(hits.iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()))
-        .into_values()
-        .filter(|n| *n > 1)
-        .count();
-    let mut times: Vec<Instant> = hits.iter().map(|h| h.at).collect();
-    times.sort();
-    // From the last call before the kill on.
-    let pause = times.windows(2).filter(|w| w[1] >= from).map(|w| w[1] - w[0]).max().unwrap_or_default();
-    let lost = confirmed.keys().filter(|k| !handled.contains(*k)).count();
-    Outcome { confirmed: confirmed.len(), lost, twice, pause }
+    Outcome::count(receiver, confirmed, from)
 }
 
 /// A runner on a Sentinel set (`params` added to its URL), a steady stream of 100/s, and the
@@ -150,7 +70,7 @@ async fn kill_the_primary(params: &str) -> Outcome {
     declare(dir.path(), &broker).await;
     broker.close().await;
     let sluice = Sluice::run(dir.path(), &url, &[]);
-    let stream = Stream::start(url.clone(), "k", 100);
+    let stream = Stream::start(|u| async move { Redis::connect(&u).await }, url.clone(), "k", 100);
     let start = Instant::now();
     while receiver.succeeded_keys().is_empty() {
         assert!(start.elapsed() < Duration::from_secs(60), "nothing handled; log:\n{}", sluice.log());
@@ -171,7 +91,7 @@ async fn kill_the_primary(params: &str) -> Outcome {
     assert_eq!(ran, 0, "sluice ran scripts on the restarted old primary; log:\n{}", sluice.log());
     let confirmed = stream.stop().await;
     let outcome = outcome(&receiver, &confirmed, killed_at, &url, &sluice).await;
-    let Outcome { confirmed, lost, twice, pause } = &outcome;
+    let Outcome { confirmed, lost, twice, pause, .. } = &outcome;
     eprintln!(
         "kill -9 of the primary {primary} ({params:?}): the sentinels named {promoted} after {failover:?}; {confirmed} confirmed, {lost} lost, {twice} handled twice, longest pause between webhook calls {pause:?}"
     );

@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod moto;
 pub mod nats_cluster;
 pub mod redis_ha;
+pub mod stream;
 
 pub const RABBIT_HOST: &str = "127.0.0.1:5672";
 

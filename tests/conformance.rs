@@ -924,6 +924,7 @@ conformance! {
         rabbitmq: Vhost::new(),
         redis: OnRedis(RedisPrefix::with(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
         redis_sentinel: OnRedis(RedisPrefix::on_sentinels(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
+        redis_cluster: OnRedis(RedisPrefix::on_cluster(&format!("&lease={}s", REDIS_LEASE.as_secs()))),
         jetstream: OnNats(NatsPrefix::with(&format!("&lease={}s", NATS_LEASE.as_secs()))),
         sqs: OnSqs(SqsPrefix::with(&format!("&lease={}s", SQS_LEASE.as_secs()))),
     }

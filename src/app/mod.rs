@@ -67,6 +67,7 @@ fn classify(value: &str) -> anyhow::Result<Option<&str>> {
         "redis://",
         "rediss://",
         crate::broker::redis::link::SENTINEL,
+        crate::broker::redis::link::CLUSTER,
         "nats://",
         "tls://",
         "sqs://",
@@ -78,7 +79,7 @@ fn classify(value: &str) -> anyhow::Result<Option<&str>> {
     }
     if let Some((scheme, _)) = value.split_once("://") {
         anyhow::bail!(
-            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis://, rediss:// or redis+sentinel:// for Redis, nats:// or tls:// for NATS JetStream, sqs:// for Amazon SQS, or a directory for the embedded broker",
+            "--broker {}: \"{scheme}://\" is not a broker; use amqp:// or amqps:// for RabbitMQ, redis://, rediss://, redis+sentinel:// or redis+cluster:// for Redis, nats:// or tls:// for NATS JetStream, sqs:// for Amazon SQS, or a directory for the embedded broker",
             amqp::redact(value)
         );
     }
@@ -131,9 +132,11 @@ impl<'a> Endpoint<'a> {
     /// takes them in its own order, so runners spread over them.
     pub fn parse(values: &'a [String]) -> anyhow::Result<Endpoint<'a>> {
         let values: Vec<&str> = values.iter().map(|u| u.trim()).filter(|u| !u.is_empty()).collect();
-        // The sentinels of one Redis deployment, however `--broker` split them.
+        // The sentinels or cluster nodes of one Redis deployment, however `--broker` split them.
         if let [first, ..] = values.as_slice()
-            && first.starts_with(crate::broker::redis::link::SENTINEL)
+            && [crate::broker::redis::link::SENTINEL, crate::broker::redis::link::CLUSTER]
+                .iter()
+                .any(|scheme| first.starts_with(scheme))
         {
             return Ok(Endpoint::Redis(RedisServer(values.join(",").into())));
         }
@@ -307,6 +310,7 @@ mod tests {
             (&["amqps://a/v", " amqp://b/v ", ""], "rabbitmq, 2 node(s)"),
             (&["redis://h:6379"], "redis redis://h:6379"),
             (&["redis+sentinel://a:26379", "b:26379/m?prefix=p"], "redis redis+sentinel://a:26379,b:26379/m?prefix=p"),
+            (&["redis+cluster://a:7000", "b:7000?prefix=p"], "redis redis+cluster://a:7000,b:7000?prefix=p"),
             (&["state"], "embedded in state"),
             (&["nats://a:4222,tls://b:4222"], "nats nats://a:4222,tls://b:4222"),
             (&["nats://a:4222", "nats://b:4222"], "nats nats://a:4222,nats://b:4222"),

@@ -41,14 +41,17 @@ pub enum Location {
     /// A state directory, whose `broker.db` holds the keys (by default the embedded broker's
     /// directory, else `.sluice`).
     File(PathBuf),
-    /// A Redis URL (`redis://`, `rediss://` or `redis+sentinel://`).
+    /// A Redis URL (`redis://`, `rediss://`, `redis+sentinel://` or `redis+cluster://`).
     Redis(String),
 }
 
 impl Location {
     /// Parses `--dedup`: a redis URL, `file:PATH`, or a path.
     pub fn parse(text: &str) -> Location {
-        if ["redis://", "rediss://", crate::broker::redis::link::SENTINEL].iter().any(|s| text.starts_with(s)) {
+        if ["redis://", "rediss://", crate::broker::redis::link::SENTINEL, crate::broker::redis::link::CLUSTER]
+            .iter()
+            .any(|s| text.starts_with(s))
+        {
             Location::Redis(text.to_string())
         } else {
             Location::File(PathBuf::from(text.strip_prefix("file:").unwrap_or(text)))

@@ -124,13 +124,18 @@ impl RedisStore {
         if keys.is_empty() {
             return Ok(());
         }
-        let mut c = self.connection.clone();
         let ttl = u64::try_from(millis(ttl)).unwrap_or(u64::MAX).max(1);
-        let mut invocation = self.complete_script.prepare_invoke();
-        for key in keys {
-            invocation.key(idempotency_key(&self.prefix, key));
-        }
-        invocation.arg(DONE).arg(ttl).invoke_async::<i64>(&mut c).await.map(|_| ()).map_err(err)
+        // On a cluster each key is in a slot of its own.
+        let chunks: Vec<&[String]> = if self.connection.is_cluster() { keys.chunks(1).collect() } else { vec![keys] };
+        let each = chunks.into_iter().map(|keys| {
+            let mut invocation = self.complete_script.prepare_invoke();
+            for key in keys {
+                invocation.key(idempotency_key(&self.prefix, key));
+            }
+            let mut c = self.connection.clone();
+            async move { invocation.arg(DONE).arg(ttl).invoke_async::<i64>(&mut c).await }
+        });
+        futures_util::future::try_join_all(each).await.map(|_| ()).map_err(err)
     }
 
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {

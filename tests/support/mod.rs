@@ -264,10 +264,15 @@ pub fn require_redis() {
 /// A key prefix of its own on a Redis server (the shared one unless given), for one test:
 /// every key under it is deleted on drop.
 pub struct RedisPrefix {
-    /// What `--broker` takes: a server, or a Sentinel set.
+    /// What `--broker` takes: a server, a Sentinel set or a cluster.
     pub server: String,
-    /// The server that holds the data (`redis://host:port`), for looking at keys.
+    /// The server that holds the data (`redis://host:port`), for looking at keys: one node of
+    /// a cluster.
     pub data: String,
+    /// Every node that holds the prefix's keys (a cluster's), each cleaned on drop.
+    nodes: Vec<String>,
+    /// A cluster: the keys are named and reached as sluice does there.
+    cluster: bool,
     pub prefix: String,
     /// Extra URL parameters (`&lease=2s`).
     pub params: String,
@@ -292,6 +297,8 @@ impl RedisPrefix {
         let prefix = RedisPrefix {
             server: server.to_string(),
             data: server.to_string(),
+            nodes: vec![server.to_string()],
+            cluster: false,
             prefix: format!("{}:", owned_name()),
             params: params.to_string(),
         };
@@ -306,6 +313,21 @@ impl RedisPrefix {
         let mut prefix = RedisPrefix::on(&format!("redis://127.0.0.1:{}", set.primary()), params);
         prefix.server = set.url();
         prefix
+    }
+
+    /// A prefix on the test process's Redis Cluster ([`redis_ha::shared_cluster`]), with extra
+    /// URL parameters.
+    pub fn on_cluster(params: &str) -> RedisPrefix {
+        let cluster = redis_ha::shared_cluster();
+        let nodes = cluster.node_urls();
+        let mut prefix = RedisPrefix::on(&nodes[0], params);
+        (prefix.server, prefix.nodes, prefix.cluster) = (cluster.url(), nodes, true);
+        prefix
+    }
+
+    /// `queue`'s stream, as sluice names it on this deployment.
+    pub fn stream(&self, queue: &str) -> String {
+        if self.cluster { format!("{}s:{{{queue}}}", self.prefix) } else { format!("{}s:{queue}", self.prefix) }
     }
 
     /// Deletes, once per test process, the keys killed runs left under prefixes of their own on
@@ -332,12 +354,18 @@ impl RedisPrefix {
 }
 
 impl Drop for RedisPrefix {
+    /// Each node's keys, one at a time (a cluster's are in many slots).
     fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(self.data.as_str()) else { return };
-        let Ok(mut c) = client.get_connection() else { return };
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query(&mut c).unwrap_or_default();
-        for chunk in keys.chunks(500) {
-            let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut c);
+        for node in &self.nodes {
+            let Ok(client) = redis::Client::open(node.as_str()) else { continue };
+            let Ok(mut c) = client.get_connection() else { continue };
+            let keys: Vec<String> =
+                redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query(&mut c).unwrap_or_default();
+            let mut pipe = redis::pipe();
+            for key in &keys {
+                pipe.cmd("DEL").arg(key).ignore();
+            }
+            let _: Result<(), _> = pipe.query(&mut c);
         }
     }
 }
@@ -356,8 +384,12 @@ impl Place for RedisPrefix {
     /// Entries in the stream, delivered or not: a killed runner's deliveries count until
     /// they are acked, as on RabbitMQ. (Delayed copies not yet due do not count.)
     async fn depth(&self, queue: &str) -> u32 {
-        let mut c = self.raw();
-        redis::cmd("XLEN").arg(format!("{}s:{queue}", self.prefix)).query(&mut c).expect("XLEN")
+        let xlen = redis::cmd("XLEN").arg(self.stream(queue)).clone();
+        if self.cluster {
+            let client = redis::cluster::ClusterClient::new(self.nodes.clone()).expect("cluster nodes");
+            return xlen.query(&mut client.get_connection().expect("connect to the cluster")).expect("XLEN");
+        }
+        xlen.query(&mut self.raw()).expect("XLEN")
     }
 }
 

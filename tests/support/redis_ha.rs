@@ -1,8 +1,9 @@
 //! Redis deployments of a test's own, from the `redis-server` binary on free ports in a
 //! temporary directory, killed on drop: a Sentinel set ([`SentinelSet`]: a primary, two
-//! replicas, three sentinels). Replicas sync without a disk (`repl-diskless-sync-delay 0`), and
-//! a set is handed over only once every replica finished its first sync and every sentinel
-//! knows the replicas and the other sentinels: a replica that never synced is never promoted.
+//! replicas, three sentinels) and a Redis Cluster ([`RedisCluster`]: three primaries with a
+//! replica each). Replicas sync without a disk (`repl-diskless-sync-delay 0`), and a set or
+//! cluster is handed over only once every replica finished its first sync (and every sentinel
+//! knows the replicas and the other sentinels): a replica that never synced is never promoted.
 //!
 //! Each server is started with `PR_SET_PDEATHSIG`: it dies with the thread that started it,
 //! so a test process killed before its drops ran leaves no server behind. [`shared_sentinels`]
@@ -230,19 +231,141 @@ impl SentinelSet {
     }
 }
 
-/// One Sentinel set for the whole test process (the conformance matrix's), started by the
-/// first test that asks, from a thread that lives as long as the process, never failed over.
-pub fn shared_sentinels() -> &'static SentinelSet {
-    static SET: OnceLock<SentinelSet> = OnceLock::new();
-    SET.get_or_init(|| {
+/// A Redis Cluster: three primaries with a replica each, a node failed after 1 s
+/// (`cluster-node-timeout 1000`).
+pub struct RedisCluster {
+    /// The data nodes, primaries and replicas as `redis-cli --cluster create` made them.
+    pub nodes: Vec<Server>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    /// Starts the nodes, makes them a cluster, and waits until every slot is served and every
+    /// replica finished its first sync.
+    pub fn start() -> RedisCluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let nodes: Vec<Server> = (0..6)
+            .map(|_| {
+                let port = free_port();
+                let mut args = data_node(dir.path(), port);
+                args.extend(
+                    ["--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--cluster-config-file"]
+                        .map(String::from),
+                );
+                args.push(format!("nodes-{port}.conf"));
+                Server::start(dir.path(), port, &args)
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        create.args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        create.args(["--cluster-replicas", "1", "--cluster-yes"]);
+        let made = create.stdin(Stdio::null()).output().unwrap_or_else(|e| {
+            panic!("cannot run redis-cli ({e}): install it (apt-get install redis-tools) to run these tests")
+        });
+        assert!(made.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&made.stdout));
+        let cluster = RedisCluster { nodes, dir };
+        cluster.wait_ready();
+        cluster
+    }
+
+    /// What `sluice --broker` takes (without sluice's parameters): the primaries as started.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    /// The live nodes' `redis://` URLs.
+    pub fn node_urls(&self) -> Vec<String> {
+        self.nodes.iter().filter(|n| n.is_alive()).map(|n| format!("redis://127.0.0.1:{}", n.port)).collect()
+    }
+
+    /// The port of the primary that serves `key`'s slot now.
+    pub fn primary_of(&self, key: &str) -> u16 {
+        let node = self.nodes.iter().find(|n| n.is_alive()).expect("a live node");
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut node.raw()).expect("KEYSLOT");
+        let ranges: Vec<redis::Value> = redis::cmd("CLUSTER").arg("SLOTS").query(&mut node.raw()).expect("SLOTS");
+        ranges
+            .iter()
+            .find_map(|range| {
+                let redis::Value::Array(fields) = range else { return None };
+                let [redis::Value::Int(first), redis::Value::Int(last), redis::Value::Array(primary), ..] =
+                    fields.as_slice()
+                else {
+                    return None;
+                };
+                let redis::Value::Int(port) = primary.get(1)? else { return None };
+                (*first..=*last).contains(&slot).then(|| u16::try_from(*port).ok()).flatten()
+            })
+            .expect("a primary serves the slot")
+    }
+
+    /// The ports of the nodes that are primaries now.
+    pub fn primaries(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.is_alive() && n.info("replication").get("role").map(String::as_str) == Some("master"))
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// The data node on `port`.
+    pub fn node(&mut self, port: u16) -> &mut Server {
+        self.nodes.iter_mut().find(|n| n.port == port).expect("a node of the cluster")
+    }
+
+    /// Waits until every live node says every slot is served (`cluster_state:ok`) and every
+    /// live replica finished its first sync with a live primary.
+    pub fn wait_ready(&self) {
+        wait(Duration::from_secs(60), "the cluster serves every slot and every replica synced", || {
+            self.nodes.iter().filter(|n| n.is_alive()).all(|n| {
+                let replication = n.info("replication");
+                let synced = match replication.get("role").map(String::as_str) {
+                    Some("slave") => replication.get("master_link_status").map(String::as_str) == Some("up"),
+                    _ => true,
+                };
+                synced && Self::serves_every_slot(n)
+            })
+        });
+    }
+
+    /// Whether `n` says the cluster is up with three primaries serving all 16384 slots.
+    fn serves_every_slot(n: &Server) -> bool {
+        let info: String = redis::cmd("CLUSTER").arg("INFO").query(&mut n.raw()).unwrap_or_default();
+        ["cluster_state:ok", "cluster_slots_ok:16384", "cluster_size:3"]
+            .iter()
+            .all(|want| info.lines().any(|l| l.trim() == *want))
+    }
+
+    /// The directory the servers keep their logs in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+/// Starts `start` from a thread that lives as long as the process, once: a deployment shared by
+/// the whole test process (the conformance matrix's), never failed over.
+fn shared<T: Send + Sync + 'static>(cell: &'static OnceLock<T>, start: fn() -> T) -> &'static T {
+    cell.get_or_init(|| {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let set = SentinelSet::start();
-            let _ = tx.send(set);
+            let _ = tx.send(start());
             loop {
                 std::thread::park();
             }
         });
-        rx.recv().expect("the shared Sentinel set started")
+        rx.recv().expect("the shared Redis deployment started")
     })
+}
+
+/// One Sentinel set for the whole test process.
+pub fn shared_sentinels() -> &'static SentinelSet {
+    static SET: OnceLock<SentinelSet> = OnceLock::new();
+    shared(&SET, SentinelSet::start)
+}
+
+/// One Redis Cluster for the whole test process.
+pub fn shared_cluster() -> &'static RedisCluster {
+    static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+    shared(&CLUSTER, RedisCluster::start)
 }

@@ -1,6 +1,8 @@
 //! The connection a session's commands go through: to one server (a [`ConnectionManager`],
-//! which reconnects to that address by itself), or to the primary a set of Sentinels names
-//! (`redis+sentinel://`), which is never a fixed address.
+//! which reconnects to that address by itself), to the primary a set of Sentinels names
+//! (`redis+sentinel://`), which is never a fixed address, or to a Redis Cluster
+//! (`redis+cluster://`), whose client sends each command to the primary of its key's slot and
+//! follows a slot that moves (`MOVED`, `ASK`) or a primary that fails over.
 //!
 //! Through Sentinels, every sentinel is asked for the primary (`SENTINEL MASTER`) and the one
 //! with the newest configuration (the highest `config-epoch`) is believed: a sentinel that has
@@ -17,6 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection, PubSub};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Value};
 use tokio::time::Instant;
 
@@ -24,6 +28,9 @@ use crate::broker::kit::lock;
 
 /// The URL scheme of a deployment reached through Sentinels.
 pub const SENTINEL: &str = "redis+sentinel://";
+
+/// The URL scheme of a Redis Cluster.
+pub const CLUSTER: &str = "redis+cluster://";
 
 /// How long to wait for a connection, and for an answer.
 #[derive(Debug, Clone, Copy)]
@@ -44,11 +51,17 @@ pub enum Target {
     /// sentinels name `master`; the user and password are the data nodes' (the sentinels are
     /// asked without).
     Sentinels { sentinels: Vec<String>, master: String, node: String },
+    /// `redis+cluster://[USER:PASSWORD@]N1:PORT,N2:PORT`: the nodes to learn the cluster from
+    /// (`redis://` URLs, the user and password in each).
+    Cluster { seeds: Vec<String> },
 }
 
 impl Target {
     /// Reads a URL (its query already taken apart by `Location::parse`).
     pub fn parse(url: &str) -> Result<Target, String> {
+        if let Some(rest) = url.strip_prefix(CLUSTER) {
+            return Target::cluster(rest);
+        }
         let Some(rest) = url.strip_prefix(SENTINEL) else { return Ok(Target::Server(url.to_string())) };
         let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
         if !query.is_empty() {
@@ -74,6 +87,32 @@ impl Target {
         let node = format!("redis://{user}sentinel-named-primary/{db}");
         Ok(Target::Sentinels { sentinels, master: master.to_string(), node })
     }
+
+    /// Reads what follows `redis+cluster://`: a cluster has one database, so no path.
+    fn cluster(rest: &str) -> Result<Target, String> {
+        let expected = format!("expected {CLUSTER}[USER:PASSWORD@]NODE:PORT[,NODE:PORT...]");
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if !query.is_empty() {
+            return Err(format!("{CLUSTER} takes no parameter {query:?} (only prefix=, lease= and wait=)"));
+        }
+        let authority = match rest.split_once('/') {
+            None => rest,
+            Some((authority, "")) => authority,
+            Some((_, path)) => {
+                return Err(format!("a Redis Cluster has one database (0): {path:?} after the nodes; {expected}"));
+            }
+        };
+        let (user, hosts) = match authority.rsplit_once('@') {
+            Some((user, hosts)) => (format!("{user}@"), hosts),
+            None => (String::new(), authority),
+        };
+        let seeds: Vec<String> =
+            hosts.split(',').map(str::trim).filter(|h| !h.is_empty()).map(|h| format!("redis://{user}{h}")).collect();
+        if seeds.is_empty() {
+            return Err(expected);
+        }
+        Ok(Target::Cluster { seeds })
+    }
 }
 
 /// A session's connection to its data. Cheap to clone; clones share it.
@@ -85,6 +124,17 @@ pub enum Link {
     /// One connection to the primary, kept for commands that must follow each other on it
     /// (`WAIT` counts the replicas that have this connection's writes).
     Pinned(Arc<Primary>, Box<Current>),
+    /// A Redis Cluster: each command goes to the primary of its first key's slot.
+    Cluster(Arc<Cluster>),
+    /// One node of a cluster, by address, on the cluster's connections: every command goes to it.
+    Node(Arc<Cluster>, String, u16),
+}
+
+/// A session's connection to a Redis Cluster.
+pub struct Cluster {
+    connection: ClusterConnection,
+    /// The nodes' user and password (every node is reached alike).
+    settings: redis::RedisConnectionInfo,
 }
 
 impl Link {
@@ -120,6 +170,84 @@ impl Link {
                 }
                 Ok(link)
             }
+            Target::Cluster { seeds } => {
+                let seed = seeds.first().map(String::as_str).unwrap_or_default();
+                let settings = seed.into_connection_info()?.redis_settings().clone();
+                let client = redis::cluster::ClusterClient::builder(seeds)
+                    .connection_timeout(timeouts.connect)
+                    .response_timeout(timeouts.response)
+                    .retries(u32::try_from(retries).unwrap_or(u32::MAX).max(1))
+                    .build()?;
+                let connection = client.get_async_connection().await?;
+                Ok(Link::Cluster(Arc::new(Cluster { connection, settings })))
+            }
+        }
+    }
+
+    /// The primaries of the data: this link (one server, the sentinels' primary), or each
+    /// primary of a cluster as its slots say now (`CLUSTER SLOTS`), for what is asked of every
+    /// node (its policy, the user's commands).
+    pub async fn primaries(&self) -> Result<Vec<Link>, RedisError> {
+        let Link::Cluster(cluster) = self else { return Ok(vec![self.clone()]) };
+        let mut c = cluster.connection.clone();
+        let slots = c.route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), RANDOM).await?;
+        let mut primaries = std::collections::BTreeSet::new();
+        if let Value::Array(ranges) = slots {
+            for range in ranges {
+                // [first slot, last slot, [host, port, id, ...], replicas...]
+                if let Value::Array(fields) = range
+                    && let Some(Value::Array(primary)) = fields.get(2)
+                    && let [Value::BulkString(host), Value::Int(port), ..] = primary.as_slice()
+                {
+                    let port = u16::try_from(*port).unwrap_or_default();
+                    primaries.insert((String::from_utf8_lossy(host).into_owned(), port));
+                }
+            }
+        }
+        Ok(primaries.into_iter().map(|(host, port)| Link::Node(cluster.clone(), host, port)).collect())
+    }
+
+    /// Whether this is a cluster or one of its nodes.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Link::Cluster(_) | Link::Node(..))
+    }
+
+    /// The node this link reaches, for messages (`HOST:PORT`), when it is one node of a cluster.
+    pub fn node(&self) -> Option<String> {
+        match self {
+            Link::Node(_, host, port) => Some(format!("{host}:{port}")),
+            _ => None,
+        }
+    }
+
+    /// The primary that holds `key`'s slot (`HOST:PORT`), on a cluster.
+    pub async fn holder(&self, key: &str) -> Result<Option<String>, RedisError> {
+        let Link::Cluster(cluster) = self else { return Ok(None) };
+        let route = primary_of(key);
+        let mut c = cluster.connection.clone();
+        // The node that runs a command for the key says who it is.
+        let id: String =
+            redis::from_redis_value(c.route_command(redis::cmd("CLUSTER").arg("MYID").clone(), route.clone()).await?)?;
+        let nodes: String =
+            redis::from_redis_value(c.route_command(redis::cmd("CLUSTER").arg("NODES").clone(), route).await?)?;
+        Ok(nodes
+            .lines()
+            .find(|l| l.starts_with(id.trim()))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .map(|address| address.split('@').next().unwrap_or(address).to_string()))
+    }
+
+    /// `WAIT replicas timeout` on the connection that wrote `key` last (on a cluster, the
+    /// primary of its slot; elsewhere, this link, which must be pinned): how many replicas have
+    /// that connection's writes.
+    pub async fn wait(&mut self, key: &str, replicas: u32, timeout: Duration) -> Result<u32, RedisError> {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+        match self {
+            Link::Cluster(cluster) => {
+                Ok(redis::from_redis_value(cluster.connection.clone().route_command(wait, primary_of(key)).await?)?)
+            }
+            other => wait.query_async(other).await,
         }
     }
 
@@ -137,6 +265,7 @@ impl Link {
         let settings = match self {
             Link::Server(server) => server.1.get_connection_info().redis_settings().clone(),
             Link::Sentinel(p) | Link::Pinned(p, _) => p.settings.clone(),
+            Link::Cluster(c) | Link::Node(c, ..) => c.settings.clone(),
         };
         settings.username().unwrap_or("default").to_string()
     }
@@ -144,7 +273,7 @@ impl Link {
     /// Whether the primary is found anew after a loss (through Sentinels), so that finding a
     /// replica means a failover, not a wrong URL.
     pub fn follows_primary(&self) -> bool {
-        !matches!(self, Link::Server(_))
+        matches!(self, Link::Sentinel(_) | Link::Pinned(..))
     }
 
     /// Drops the connection to the primary, which turned out not to be one any longer: the
@@ -155,12 +284,50 @@ impl Link {
         }
     }
 
-    /// A subscription connection to the primary (found anew through Sentinels).
+    /// A subscription connection to the primary (found anew through Sentinels); on a cluster,
+    /// to one of its primaries (a publish reaches every node's subscribers).
     pub async fn pubsub(&self) -> Result<PubSub, RedisError> {
         match self {
             Link::Server(server) => server.1.get_async_pubsub().await,
             Link::Sentinel(p) | Link::Pinned(p, _) => p.connection().await?.client.get_async_pubsub().await,
+            Link::Cluster(cluster) | Link::Node(cluster, ..) => {
+                let mut last = RedisError::from((redis::ErrorKind::Io, "the cluster has no primary"));
+                for node in self.primaries().await? {
+                    let Link::Node(_, host, port) = node else { continue };
+                    match cluster.node_client(&host, port)?.get_async_pubsub().await {
+                        Ok(pubsub) => return Ok(pubsub),
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            }
         }
+    }
+}
+
+/// Any node of a cluster.
+const RANDOM: RoutingInfo = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+
+/// The node of a cluster at `host:port`.
+fn by_address(host: &str, port: u16) -> RoutingInfo {
+    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.to_string(), port })
+}
+
+/// The primary of `key`'s slot.
+fn primary_of(key: &str) -> RoutingInfo {
+    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(key, SlotAddr::Master)))
+}
+
+/// Whether two keys are in one slot of a cluster (one script may touch both).
+pub fn same_slot(a: &str, b: &str) -> bool {
+    redis::cluster_routing::Slot::for_key(a) == redis::cluster_routing::Slot::for_key(b)
+}
+
+impl Cluster {
+    /// A client of the node at `host:port`, with the cluster's user and password.
+    fn node_client(&self, host: &str, port: u16) -> Result<Client, RedisError> {
+        let info = format!("redis://{host}:{port}").as_str().into_connection_info()?;
+        Client::open(info.set_redis_settings(self.settings.clone()))
     }
 }
 
@@ -322,7 +489,9 @@ impl Link {
         match self {
             Link::Sentinel(p) => Ok((p, p.connection().await?)),
             Link::Pinned(p, current) => Ok((p, (**current).clone())),
-            Link::Server(_) => Err(RedisError::from((redis::ErrorKind::Client, "not through Sentinels"))),
+            Link::Server(_) | Link::Cluster(_) | Link::Node(..) => {
+                Err(RedisError::from((redis::ErrorKind::Client, "not through Sentinels")))
+            }
         }
     }
 }
@@ -342,6 +511,14 @@ impl ConnectionLike for Link {
                 }
                 answer
             }),
+            Link::Cluster(cluster) => {
+                let mut connection = cluster.connection.clone();
+                Box::pin(async move { connection.req_packed_command(cmd).await })
+            }
+            Link::Node(cluster, host, port) => {
+                let (mut connection, route) = (cluster.connection.clone(), by_address(host, *port));
+                Box::pin(async move { connection.route_command(cmd.clone(), route).await })
+            }
         }
     }
 
@@ -364,6 +541,15 @@ impl ConnectionLike for Link {
                 }
                 answer
             }),
+            Link::Cluster(cluster) => {
+                let mut connection = cluster.connection.clone();
+                Box::pin(async move { connection.req_packed_commands(pipeline, offset, count).await })
+            }
+            Link::Node(cluster, host, port) => {
+                let mut connection = cluster.connection.clone();
+                let route = SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port };
+                Box::pin(async move { connection.route_pipeline(pipeline.clone(), offset, count, route).await })
+            }
         }
     }
 
@@ -371,6 +557,7 @@ impl ConnectionLike for Link {
         match self {
             Link::Server(server) => server.0.get_db(),
             Link::Sentinel(p) | Link::Pinned(p, _) => p.settings.db(),
+            Link::Cluster(_) | Link::Node(..) => 0,
         }
     }
 }

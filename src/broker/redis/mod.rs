@@ -35,7 +35,13 @@
 //! `prefix` (default `sluice:`) keeps deployments and tests on one server apart. Through
 //! Sentinels: `redis+sentinel://[user:password@]s1:26379,s2:26379/MASTER_NAME[/db][?prefix=…]`,
 //! the user and password the data nodes' (the sentinels are asked without); the primary they
-//! name is checked with `ROLE` and found again after any loss ([`link`]).
+//! name is checked with `ROLE` and found again after any loss ([`link`]). On a Redis Cluster,
+//! `redis+cluster://[user:password@]n1:7000,n2:7000[?prefix=…]`, each queue's keys carry its
+//! name as their hash tag (`PREFIX` + `s:{QUEUE}`), so every script on one queue runs on one
+//! node and queues spread over the primaries; the topology's keys share the tag `{topology}`.
+//! What spans queues is done queue by queue there: a fan-out writes each copy apart (a publish
+//! refused midway may have reached some queues; its retry reaches them again), a redrive
+//! writes the copy, then removes the original.
 
 pub mod link;
 mod scripts;
@@ -109,6 +115,10 @@ pub struct Location {
     /// How many replicas must have a publish, a copy or an ack before it counts as done
     /// (`?wait=N`, `WAIT`); 0: none (replication is asynchronous).
     pub wait: u32,
+    /// A Redis Cluster (`redis+cluster://`): each queue's keys carry its name as their hash
+    /// tag, so that they share a slot (a script touches one node) and queues spread over the
+    /// primaries.
+    pub cluster: bool,
 }
 
 /// How long a write waits for the replicas `?wait=` asks for before it fails.
@@ -140,7 +150,36 @@ impl Location {
             }
         }
         let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
-        Ok(Location { url, prefix, lease, wait })
+        let cluster = url.starts_with(link::CLUSTER);
+        if cluster && prefix.contains(['{', '}']) {
+            return Err(bad(format!(
+                "prefix={prefix}: on a Redis Cluster the prefix may not hold {{ or }} (sluice puts each queue's name in braces, its hash tag)"
+            )));
+        }
+        Ok(Location { url, prefix, lease, wait, cluster })
+    }
+
+    /// A key of the topology (`v`, `x`, `q`, `limits`, `b`): `PREFIX` + `what`; on a cluster
+    /// all in the slot of the hash tag `{topology}`, read and written together.
+    pub fn topology_key(&self, what: &str) -> String {
+        if self.cluster { format!("{}{{topology}}:{what}", self.prefix) } else { format!("{}{what}", self.prefix) }
+    }
+
+    /// A key of `queue`'s (`kind` `s` its stream, `d` its delayed copies, `c` its consumers,
+    /// `sac` its single-active lease): `PREFIX` + `kind:queue`; on a cluster the queue's
+    /// name is the hash tag, `PREFIX` + `kind:{queue}`.
+    pub fn queue_key(&self, kind: &str, queue: &str) -> String {
+        if self.cluster {
+            format!("{}{kind}:{{{queue}}}", self.prefix)
+        } else {
+            format!("{}{kind}:{queue}", self.prefix)
+        }
+    }
+
+    /// What a delayed copy's key (its fields) starts with, its id following: `PREFIX` + `m:`;
+    /// on a cluster in its queue's slot, `PREFIX` + `m:{queue}:`.
+    fn delayed_prefix(&self, queue: &str) -> String {
+        if self.cluster { format!("{}m:{{{queue}}}:", self.prefix) } else { format!("{}m:", self.prefix) }
     }
 }
 
@@ -148,10 +187,18 @@ impl Location {
 /// location's prefix, with each queue's stream.
 pub fn picture(plan: &Plan, location: &Location) -> Picture {
     let prefix = &location.prefix;
-    let title = format!("the Redis broker, keys under {prefix:?} (a stream and a consumer group for each queue)");
-    let delays =
-        format!("delays: a retry waits in the sorted set {prefix}d:QUEUE until it is due (exact: no delay queues)");
-    declaration::picture(plan, BROKER, title, delays, |q| Some(("stream", format!("{:?}", format!("{prefix}s:{q}")))))
+    let title = if location.cluster {
+        format!(
+            "the Redis broker on a Redis Cluster, keys under {prefix:?} (a stream and a consumer group for each queue; a queue's keys in one slot, its name the hash tag)"
+        )
+    } else {
+        format!("the Redis broker, keys under {prefix:?} (a stream and a consumer group for each queue)")
+    };
+    let delays = format!(
+        "delays: a retry waits in the sorted set {} until it is due (exact: no delay queues)",
+        location.queue_key("d", "QUEUE")
+    );
+    declaration::picture(plan, BROKER, title, delays, |q| Some(("stream", format!("{:?}", location.queue_key("s", q)))))
 }
 
 /// What the server says of its persistence (`CONFIG GET`), for the start line and `plan`.
@@ -299,24 +346,31 @@ impl Redis {
     }
 
     /// The server's persistence settings, when `CONFIG GET` is allowed (managed services
-    /// often refuse it).
+    /// often refuse it); on a cluster, the weakest of its primaries'.
     pub async fn persistence(&self) -> Option<Persistence> {
-        let mut c = self.conn();
-        let get = |name: &'static str| {
-            let mut cmd = redis::cmd("CONFIG");
-            cmd.arg("GET").arg(name);
-            cmd
-        };
-        let mut pipe = redis::pipe();
-        pipe.add_command(get("appendonly")).add_command(get("appendfsync")).add_command(get("save"));
-        let answers: Vec<Vec<String>> = pipe.query_async(&mut c).await.ok()?;
-        let value = |i: usize| answers.get(i).and_then(|a| a.get(1)).cloned();
-        Some(Persistence {
-            appendonly: value(0)?,
-            appendfsync: value(1)?,
-            save: value(2)?,
-            wait: self.inner.location.wait,
-        })
+        let mut weakest: Option<Persistence> = None;
+        for mut node in self.conn().primaries().await.ok()? {
+            let get = |name: &'static str| {
+                let mut cmd = redis::cmd("CONFIG");
+                cmd.arg("GET").arg(name);
+                cmd
+            };
+            let mut pipe = redis::pipe();
+            pipe.add_command(get("appendonly")).add_command(get("appendfsync")).add_command(get("save"));
+            let answers: Vec<Vec<String>> = pipe.query_async(&mut node).await.ok()?;
+            let value = |i: usize| answers.get(i).and_then(|a| a.get(1)).cloned();
+            let found = Persistence {
+                appendonly: value(0)?,
+                appendfsync: value(1)?,
+                save: value(2)?,
+                wait: self.inner.location.wait,
+            };
+            let rank = |p: &Persistence| (p.loses_on_restart(), p.appendfsync != "always");
+            if weakest.as_ref().is_none_or(|w| rank(&found) > rank(w)) {
+                weakest = Some(found);
+            }
+        }
+        weakest
     }
 
     fn conn(&self) -> Link {
@@ -324,15 +378,19 @@ impl Redis {
     }
 
     fn key(&self, what: &str) -> String {
-        format!("{}{what}", self.inner.location.prefix)
+        self.inner.location.topology_key(what)
+    }
+
+    fn queue_key(&self, kind: &str, queue: &str) -> String {
+        self.inner.location.queue_key(kind, queue)
     }
 
     fn stream(&self, queue: &str) -> String {
-        self.key(&format!("s:{queue}"))
+        self.queue_key("s", queue)
     }
 
     fn wake_channel(&self) -> String {
-        self.key("wake")
+        format!("{}wake", self.inner.location.prefix)
     }
 
     /// The topology, read again when `stale` or never read.
@@ -389,7 +447,9 @@ impl Redis {
 
     /// Writes `message` into every queue of `targets` or none, under topology version
     /// `version` (`*`: any), refused by a full queue as a nack on `exchange`; by `script`, the
-    /// publish script or its copy's.
+    /// publish script or its copy's. On a cluster, where a script touches one slot, each
+    /// queue's copy is written apart, the version unchecked ([`Publish::publish`] checks it
+    /// after), and a refusal can come after some queues have theirs.
     async fn write(
         &self,
         t: &Topology,
@@ -398,24 +458,48 @@ impl Redis {
         exchange: &str,
         message: &Message,
     ) -> Result<Written, BrokerError> {
-        let mut invocation = script.prepare_invoke();
-        invocation.key(self.key("v")).arg(version);
-        for q in targets {
-            invocation.key(self.stream(q)).arg(max_length(t, q));
+        let fields = message.fields();
+        let invoke = |version_key: String, version: &str, queues: &[String]| {
+            let mut invocation = script.prepare_invoke();
+            invocation.key(version_key).arg(version);
+            for q in queues {
+                invocation.key(self.stream(q)).arg(max_length(t, q));
+            }
+            invocation.arg(self.wake_channel());
+            for (name, value) in &fields {
+                invocation.arg(*name).arg(value.as_slice());
+            }
+            invocation
+        };
+        if !self.inner.location.cluster {
+            let invocation = invoke(self.key("v"), version, targets);
+            let answer: String = self.durable(&self.key("v"), &invocation).await?;
+            return answer_of(&answer, targets, exchange);
         }
-        invocation.arg(self.wake_channel());
-        for (name, value) in message.fields() {
-            invocation.arg(name).arg(value);
+        for (i, q) in targets.iter().enumerate() {
+            // The script's first key only names the slot: no version is checked.
+            let invocation = invoke(self.stream(q), "*", std::slice::from_ref(q));
+            let answer: String = self.durable(&self.stream(q), &invocation).await?;
+            match answer_of(&answer, std::slice::from_ref(q), exchange)? {
+                Written::Ok => {}
+                refused => {
+                    if i > 0 {
+                        tracing::debug!(queue = %q, "redis cluster: a fan-out refused after {i} queue(s) had their copy");
+                    }
+                    return Ok(refused);
+                }
+            }
         }
-        let answer: String = self.durable(&invocation).await?;
-        answer_of(&answer, targets, exchange)
+        Ok(Written::Ok)
     }
 
-    /// Runs a script that writes what must not be lost: with `?wait=N`, done only once `N`
-    /// replicas have it (`WAIT`, on the connection the script ran on), and failed (to be
-    /// retried) when they do not within [`WAIT_TIMEOUT`].
+    /// Runs a script that writes what must not be lost, `key` its first key: with `?wait=N`,
+    /// done only once `N` replicas have it (`WAIT`, on the connection the script ran on: on a
+    /// cluster, the one to `key`'s primary), and failed (to be retried) when they do not
+    /// within [`WAIT_TIMEOUT`].
     async fn durable<T: redis::FromRedisValue>(
         &self,
+        key: &str,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, BrokerError> {
         let wait = self.inner.location.wait;
@@ -424,8 +508,14 @@ impl Redis {
         }
         let mut c = self.conn().pinned().await.map_err(lost)?;
         let answer = invocation.invoke_async(&mut c).await.map_err(lost)?;
-        let timeout = u64::try_from(WAIT_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
-        let replicas: u32 = redis::cmd("WAIT").arg(wait).arg(timeout).query_async(&mut c).await.map_err(lost)?;
+        self.waited(&mut c, key).await?;
+        Ok(answer)
+    }
+
+    /// Waits for the replicas `?wait=` asks for to have what `c` wrote to `key`'s node.
+    async fn waited(&self, c: &mut Link, key: &str) -> Result<(), BrokerError> {
+        let wait = self.inner.location.wait;
+        let replicas = c.wait(key, wait, WAIT_TIMEOUT).await.map_err(lost)?;
         if replicas < wait {
             return Err(BrokerError::Lost(
                 format!(
@@ -434,7 +524,7 @@ impl Redis {
                 .into(),
             ));
         }
-        Ok(answer)
+        Ok(())
     }
 
     /// Writes a copy into `queue` alone (delayed when `delay` is not zero).
@@ -455,8 +545,8 @@ impl Redis {
         let id = uuid::Uuid::now_v7().to_string();
         let mut invocation = self.inner.scripts.delay.prepare_invoke();
         invocation
-            .key(self.key(&format!("d:{queue}")))
-            .key(self.key(&format!("m:{id}")))
+            .key(self.queue_key("d", queue))
+            .key(format!("{}{id}", self.inner.location.delayed_prefix(queue)))
             .key(self.stream(queue))
             .arg(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX))
             .arg(&id)
@@ -464,43 +554,87 @@ impl Redis {
         for (name, value) in message.fields() {
             invocation.arg(name).arg(value);
         }
-        let answer: String = self.durable(&invocation).await?;
+        let answer: String = self.durable(&self.queue_key("d", queue), &invocation).await?;
         answer_of(&answer, &targets, "")?.done(queue)
     }
 
     /// Writes `message` into `queue` and removes entry `id` of consumer `s` in one script,
-    /// while the entry is still the consumer's.
+    /// while the entry is still the consumer's. On a cluster two queues are in two slots
+    /// (mostly): the copy is written, then the entry removed, so that a move whose answer was
+    /// lost between the two leaves the message in both queues (its copy keeps its id: an
+    /// idempotency key stops a second side effect), never in neither.
     async fn move_copy(&self, queue: &str, s: &ConsumerState, id: &str, message: &Message) -> Result<(), BrokerError> {
+        let (from, to) = (self.stream(&s.queue), self.stream(queue));
+        if self.inner.location.cluster && !link::same_slot(&from, &to) {
+            let pending: Vec<Value> = redis::cmd("XPENDING")
+                .arg(&from)
+                .arg("g")
+                .arg(id)
+                .arg(id)
+                .arg(1)
+                .arg(&s.own.name)
+                .query_async(&mut self.conn())
+                .await
+                .map_err(lost)?;
+            if pending.is_empty() {
+                return Err(gone(&s.queue));
+            }
+            self.send_copy(queue, Duration::ZERO, message).await?;
+            let removed = self.ack_entries(s, [id]).await?;
+            if removed == 0 {
+                tracing::warn!(queue = %s.queue, to = %queue, "redis cluster: a message moved was taken by another consumer before its removal: it is in both queues");
+            }
+            return Ok(());
+        }
         let targets = [queue.to_string()];
         let mut stale = false;
         loop {
             let t = self.topology(stale).await?;
             let mut invocation = self.inner.scripts.move_entry.prepare_invoke();
-            invocation
-                .key(self.stream(&s.queue))
-                .key(self.stream(queue))
-                .arg(&s.own.name)
-                .arg(id)
-                .arg(max_length(&t, queue))
-                .arg(self.wake_channel());
+            invocation.key(&from).key(&to).arg(&s.own.name).arg(id).arg(max_length(&t, queue)).arg(self.wake_channel());
             for (name, value) in message.fields() {
                 invocation.arg(name).arg(value);
             }
-            let answer: String = self.durable(&invocation).await?;
+            let answer: String = self.durable(&from, &invocation).await?;
             if answer == "GONE" {
-                return Err(BrokerError::Lost(
-                    format!(
-                        "a message of \"{}\" is no longer this consumer's (its lease ran out, or the consumer closed)",
-                        s.queue
-                    )
-                    .into(),
-                ));
+                return Err(gone(&s.queue));
             }
             match answer_of(&answer, &targets, "")? {
                 Written::Missing(_) if !stale => stale = true,
                 written => return written.done(queue),
             }
         }
+    }
+
+    /// Acks and removes the entries `ids` of consumer `s` that are still its own: how many.
+    async fn ack_entries<'a>(
+        &self,
+        s: &ConsumerState,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) -> Result<i64, BrokerError> {
+        let stream = self.stream(&s.queue);
+        let mut invocation = self.inner.scripts.ack.key(&stream);
+        invocation.arg(&s.own.name);
+        for id in ids {
+            invocation.arg(id);
+        }
+        self.durable(&stream, &invocation).await
+    }
+
+    /// Records the idempotency `keys` done for `ttl`, each in its own slot (on a cluster),
+    /// before the acks that follow.
+    async fn record_done(&self, keys: &[String], ttl: u64) -> Result<(), BrokerError> {
+        let prefix = self.prefix();
+        let each = keys.iter().map(|key| async move {
+            let key = idempotency_key(prefix, key);
+            let mut c = self.conn();
+            redis::cmd("SET").arg(&key).arg(DONE).arg("PX").arg(ttl).query_async::<()>(&mut c).await.map_err(lost)?;
+            if self.inner.location.wait > 0 {
+                self.waited(&mut c, &key).await?;
+            }
+            Ok::<(), BrokerError>(())
+        });
+        futures_util::future::try_join_all(each).await.map(|_| ())
     }
 
     /// The notifier of `queue`'s consumers in this session, listening on the wake channel
@@ -525,7 +659,7 @@ impl Redis {
                 .inner
                 .scripts
                 .lease
-                .key(self.key(&format!("sac:{queue}")))
+                .key(self.queue_key("sac", queue))
                 .arg(&state.own.name)
                 .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
                 .invoke_async(&mut self.conn())
@@ -551,8 +685,8 @@ impl Redis {
             .scripts
             .counts
             .key(self.stream(queue))
-            .key(self.key(&format!("c:{queue}")))
-            .key(self.key(&format!("d:{queue}")))
+            .key(self.queue_key("c", queue))
+            .key(self.queue_key("d", queue))
             .arg(u64::try_from(self.inner.location.lease.as_millis()).unwrap_or(u64::MAX))
             .invoke_async(&mut self.conn())
             .await
@@ -560,6 +694,14 @@ impl Redis {
         let at = |i: usize| u32::try_from(counts.get(i).copied().unwrap_or(0).max(0)).unwrap_or(u32::MAX);
         Ok([at(0), at(1), at(2), at(3)])
     }
+}
+
+/// A message of `queue` no longer the consumer's.
+fn gone(queue: &str) -> BrokerError {
+    BrokerError::Lost(
+        format!("a message of \"{queue}\" is no longer this consumer's (its lease ran out, or the consumer closed)")
+            .into(),
+    )
 }
 
 /// The outcome of a write script.
@@ -749,14 +891,14 @@ impl Claimer for RedisClaimer {
             .scripts
             .claim
             .key(broker.stream(&s.queue))
-            .key(broker.key(&format!("d:{}", s.queue)))
-            .key(broker.key(&format!("sac:{}", s.queue)))
-            .key(broker.key(&format!("c:{}", s.queue)))
+            .key(broker.queue_key("d", &s.queue))
+            .key(broker.queue_key("sac", &s.queue))
+            .key(broker.queue_key("c", &s.queue))
             .arg(&s.own.name)
             .arg(ask.room)
             .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
             .arg(u8::from(reclaim))
-            .arg(broker.key("m:"))
+            .arg(broker.inner.location.delayed_prefix(&s.queue))
             .arg(u8::from(renew))
             .arg(u8::from(s.own.single_active))
             .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
@@ -824,8 +966,8 @@ async fn hand_back(broker: &Redis, s: &ConsumerState) {
         .scripts
         .hand_back
         .key(broker.stream(&s.queue))
-        .key(broker.key(&format!("c:{}", s.queue)))
-        .key(broker.key(&format!("sac:{}", s.queue)))
+        .key(broker.queue_key("c", &s.queue))
+        .key(broker.queue_key("sac", &s.queue))
         .arg(&s.own.name)
         .arg(u64::try_from(idle.as_millis()).unwrap_or(u64::MAX))
         .arg(broker.wake_channel())
@@ -870,18 +1012,15 @@ impl Consumer for RedisConsumer {
         if settled.is_empty() {
             return Ok(());
         }
-        let mut invocation = self.broker.inner.scripts.ack.key(self.broker.stream(&s.queue));
-        invocation.arg(&s.own.name);
-        for d in settled {
-            invocation.arg(&d.tag.id);
-        }
-        let _removed: i64 = self.broker.durable(&invocation).await?;
+        let _removed = self.broker.ack_entries(s, settled.iter().map(|d| d.tag.id.as_str())).await?;
         s.settled(settled.iter().map(|d| d.tag.id.as_str()));
         Ok(())
     }
 
     /// [`RedisConsumer::ack`] with the keys set done in the same script: one round trip, and
-    /// on a server that syncs every write (`appendfsync always`) one sync fewer per batch.
+    /// on a server that syncs every write (`appendfsync always`) one sync fewer per batch. On
+    /// a cluster the keys are in slots of their own: set done first, then the entries acked
+    /// (a loss between the two leaves a message whose key is done, skipped when it comes again).
     async fn ack_recording(
         &self,
         settled: &[RedisDelivery],
@@ -890,16 +1029,21 @@ impl Consumer for RedisConsumer {
     ) -> Result<(), BrokerError> {
         let s = &self.state;
         s.still_open()?;
-        let mut invocation = self.broker.inner.scripts.ack_recording.key(self.broker.stream(&s.queue));
+        let ttl = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        if self.broker.inner.location.cluster {
+            self.broker.record_done(keys, ttl).await?;
+            return self.ack(settled).await;
+        }
+        let stream = self.broker.stream(&s.queue);
+        let mut invocation = self.broker.inner.scripts.ack_recording.key(&stream);
         for key in keys {
             invocation.key(idempotency_key(self.broker.prefix(), key));
         }
-        let ttl = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
         invocation.arg(&s.own.name).arg(DONE).arg(ttl);
         for d in settled {
             invocation.arg(&d.tag.id);
         }
-        let _removed: i64 = self.broker.durable(&invocation).await?;
+        let _removed: i64 = self.broker.durable(&stream, &invocation).await?;
         s.settled(settled.iter().map(|d| d.tag.id.as_str()));
         Ok(())
     }
@@ -970,12 +1114,19 @@ impl Broker for Redis {
             pipe.incr(self.key("v"), 1).ignore();
             pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
         }
-        let mut groups = self.inner.scripts.groups.prepare_invoke();
-        for q in &plan.queues {
-            groups.key(self.stream(&q.name));
+        // On a cluster, each stream is asked in its own slot.
+        let asked: Vec<&[crate::topology::QueueDecl]> =
+            if self.inner.location.cluster { plan.queues.chunks(1).collect() } else { vec![plan.queues.as_slice()] };
+        let mut missing = Vec::new();
+        for queues in asked {
+            let mut groups = self.inner.scripts.groups.prepare_invoke();
+            for q in queues {
+                groups.key(self.stream(&q.name));
+            }
+            let places: Vec<usize> = groups.invoke_async(&mut self.conn()).await.map_err(lost)?;
+            missing.extend(places.into_iter().filter_map(|i| queues.get(i.wrapping_sub(1))));
         }
-        let missing: Vec<usize> = groups.invoke_async(&mut self.conn()).await.map_err(lost)?;
-        for q in missing.into_iter().filter_map(|i| plan.queues.get(i.wrapping_sub(1))) {
+        for q in missing {
             let made: Result<(), redis::RedisError> = redis::cmd("XGROUP")
                 .arg("CREATE")
                 .arg(self.stream(&q.name))
@@ -1056,12 +1207,11 @@ impl Publish for Redis {
         let (body, properties) = kept::published(BROKER, exchange, routing_key, message)?;
         let message = Message { body, properties };
         let mut stale = false;
+        // On a cluster, the queues that have their copy: a topology changed meanwhile adds
+        // the queues it routes to as well, not the same copies again.
+        let mut written: Vec<String> = Vec::new();
         for _ in 0..5 {
-            let t = self.topology(stale).await;
-            let t = match t {
-                Ok(t) => t,
-                Err(e) => return Err(e),
-            };
+            let t = self.topology(stale).await?;
             // An exchange or route unknown to a cached topology may have been declared since.
             let targets = match t.route(exchange, routing_key, &message.properties.headers, PLACE) {
                 Ok(targets) => targets,
@@ -1071,10 +1221,31 @@ impl Publish for Redis {
                     continue;
                 }
             };
-            match self.write(&t, (&t.version, &self.inner.scripts.publish), &targets, exchange, &message).await? {
-                Written::Ok => return Ok(()),
-                Written::Stale | Written::Missing(_) => stale = true,
+            if !self.inner.location.cluster {
+                match self.write(&t, (&t.version, &self.inner.scripts.publish), &targets, exchange, &message).await? {
+                    Written::Ok => return Ok(()),
+                    Written::Stale | Written::Missing(_) => stale = true,
+                }
+                continue;
             }
+            for q in &targets {
+                if written.contains(q) {
+                    continue;
+                }
+                let one = std::slice::from_ref(q);
+                match self.write(&t, ("*", &self.inner.scripts.publish), one, exchange, &message).await? {
+                    Written::Ok => written.push(q.clone()),
+                    Written::Stale | Written::Missing(_) => stale = true,
+                }
+            }
+            // The version after the writes: the same, and no declare came between the route
+            // and the last copy.
+            let now: Option<String> =
+                redis::cmd("GET").arg(self.key("v")).query_async(&mut self.conn()).await.map_err(lost)?;
+            if !stale && now.as_deref() == Some(t.version.as_str()) {
+                return Ok(());
+            }
+            stale = true;
         }
         Err(BrokerError::Lost("the topology kept changing during a publish".into()))
     }

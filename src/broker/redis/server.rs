@@ -155,9 +155,16 @@ pub async fn check(
     redis::cmd("PING").query_async::<()>(c).await.map_err(|e| opening_error(shown, e))?;
     let server = inspect(c, location, shown, checks, true).await?;
     if checks.purpose != Purpose::Operate {
-        permissions(c, location, user, shown, checks.purpose).await?;
+        for mut node in primaries(c, shown).await? {
+            permissions(&mut node, location, user, shown, checks.purpose).await?;
+        }
     }
     Ok(server)
+}
+
+/// The primaries behind `c` (each of a cluster's), to check one by one.
+async fn primaries(c: &Link, shown: &str) -> Result<Vec<Link>, BrokerError> {
+    c.primaries().await.map_err(|e| opening_error(shown, e))
 }
 
 /// `INFO` (server, replication, memory, cluster), or `None` when this user may not run it.
@@ -172,7 +179,7 @@ async fn info(c: &mut Link, shown: &str) -> Result<Option<Info>, BrokerError> {
 }
 
 /// The checks `INFO` answers (role, cluster, policy) and a restart, for a session opening
-/// (which warns of an evicting policy allowed) or its watch.
+/// (which warns of an evicting policy allowed) or its watch; on a cluster, of every primary.
 pub async fn inspect(
     c: &mut Link,
     location: &Location,
@@ -180,44 +187,94 @@ pub async fn inspect(
     checks: &Checks,
     opening: bool,
 ) -> Result<Server, BrokerError> {
-    let info = info(c, shown).await?;
-    if let Some(info) = &info {
-        if info.get("role") == Some("slave") && c.follows_primary() {
-            // A failover made it a replica: the next command asks the sentinels.
-            c.forget();
-            return Err(BrokerError::Lost(
-                "redis: the primary became a replica (a failover); asking the sentinels again".into(),
-            ));
+    let mut found: Option<Info> = None;
+    for mut node in primaries(c, shown).await? {
+        let info = info(&mut node, shown).await?;
+        if let Some(info) = &info {
+            role(c, info, node.node().as_deref(), shown)?;
         }
-        if info.get("role") == Some("slave") {
-            let primary =
-                format!("{}:{}", info.get("master_host").unwrap_or("?"), info.get("master_port").unwrap_or("?"));
-            return Err(refuse(
-                shown,
-                format!(
-                    "the server is a replica of {primary}: replicas are read-only and copy asynchronously; point the URL at the primary"
-                ),
-            ));
+        if checks.purpose != Purpose::Operate {
+            policy(&mut node, info.as_ref(), shown, checks, opening).await?;
         }
-        if info.get("cluster_enabled") == Some("1") {
-            return Err(refuse(
-                shown,
-                "the server is a Redis Cluster node (cluster-enabled yes): sluice needs a standalone server (a primary, with replicas if you like)",
-            ));
+        // The one that says most: a full node's, or the first.
+        if found.is_none() || info.as_ref().is_some_and(|i| i.full().is_some()) {
+            found = info.or(found);
         }
     }
-    if checks.purpose != Purpose::Operate {
-        policy(c, info.as_ref(), shown, checks, opening).await?;
-    }
-    let another = match info.as_ref().and_then(|i| i.get("run_id")) {
-        Some(id) if checks.purpose == Purpose::Run => restarted(c, location, checks, id).await,
-        _ => None,
+    let another = if c.is_cluster() {
+        emptied(c, location, checks).await
+    } else {
+        match found.as_ref().and_then(|i| i.get("run_id")) {
+            Some(id) if checks.purpose == Purpose::Run => restarted(c, location, checks, id).await,
+            _ => None,
+        }
     };
     if another.is_some() && c.follows_primary() && !opening {
         // A failover's new primary: what the session runs is asked of it too.
         permissions(c, location, &c.user(), shown, checks.purpose).await?;
     }
-    Ok(Server { info, came_back_empty: another == Some(true) })
+    Ok(Server { info: found, came_back_empty: another == Some(true) })
+}
+
+/// Refuses a node whose role sluice cannot use: a replica (unless a failover made it one,
+/// which the link follows), a cluster node reached as a standalone server (or a standalone
+/// server as a cluster). `node` names a cluster's node.
+fn role(c: &Link, info: &Info, node: Option<&str>, shown: &str) -> Result<(), BrokerError> {
+    if info.get("role") == Some("slave") && (c.follows_primary() || c.is_cluster()) {
+        // A failover made it a replica: the next command asks the sentinels (a cluster's
+        // client follows the slots by itself).
+        c.forget();
+        return Err(BrokerError::Lost(
+            format!("redis: the primary {} became a replica (a failover)", node.unwrap_or_default()).into(),
+        ));
+    }
+    if info.get("role") == Some("slave") {
+        let primary = format!("{}:{}", info.get("master_host").unwrap_or("?"), info.get("master_port").unwrap_or("?"));
+        return Err(refuse(
+            shown,
+            format!(
+                "the server is a replica of {primary}: replicas are read-only and copy asynchronously; point the URL at the primary"
+            ),
+        ));
+    }
+    match (info.get("cluster_enabled") == Some("1"), c.is_cluster()) {
+        (true, false) => Err(refuse(
+            shown,
+            format!(
+                "the server is a Redis Cluster node (cluster-enabled yes): give its nodes as {}HOST:PORT,HOST:PORT (sluice needs to know it is a cluster)",
+                super::link::CLUSTER
+            ),
+        )),
+        (false, true) => Err(refuse(
+            shown,
+            format!(
+                "the node {} is no Redis Cluster node (cluster-enabled no): use redis://HOST:PORT for one server",
+                node.unwrap_or_default()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// On a cluster, whether the topology's marker (the version key) is gone since the last look
+/// saw it: a node restarted empty without a replica to take over (`None` when it was never
+/// seen, as before a first declare). Reported as [`restarted`] reports an empty server.
+async fn emptied(c: &mut Link, location: &Location, checks: &Checks) -> Option<bool> {
+    if checks.purpose != Purpose::Run {
+        return None;
+    }
+    let marker = location.topology_key("v");
+    let exists: bool = redis::cmd("EXISTS").arg(&marker).query_async(c).await.ok()?;
+    let before = checks.seen.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).replace(exists.to_string());
+    if exists || before.as_deref() != Some("true") {
+        return None;
+    }
+    metrics::counter!("sluice_redis_empty_restarts_total").increment(1);
+    tracing::error!(
+        prefix = %location.prefix,
+        "the Redis Cluster lost the deployment's topology (a node restarted empty, with no replica to take over): the messages queued, retries waiting, dead letters and idempotency keys it held may be lost (do the nodes run with appendonly yes, and with replicas?); declaring the topology again"
+    );
+    Some(true)
 }
 
 /// Refuses a `maxmemory-policy` that can evict (or one that cannot be read) unless allowed.
@@ -267,7 +324,7 @@ async fn restarted(c: &mut Link, location: &Location, checks: &Checks, id: &str)
         seen.replace(id.to_string())
     };
     let before = before.filter(|b| b != id)?;
-    let marker = format!("{}v", location.prefix);
+    let marker = location.topology_key("v");
     let exists: Result<bool, _> = redis::cmd("EXISTS").arg(&marker).query_async(c).await;
     let empty = exists == Ok(false);
     if empty {
@@ -350,7 +407,7 @@ async fn permissions(
     purpose: Purpose,
 ) -> Result<(), BrokerError> {
     let prefix = &location.prefix;
-    let (stream, key, channel) = (format!("{prefix}s:q"), format!("{prefix}x"), format!("{prefix}wake"));
+    let (stream, key, channel) = (location.queue_key("s", "q"), location.topology_key("x"), format!("{prefix}wake"));
     let script = redis::Script::new(super::scripts::PROBE);
     let mut invocation = script.prepare_invoke();
     invocation.arg(&stream).arg(&key).arg(&channel);

@@ -1,5 +1,6 @@
-//! Issue 37: sluice on a Redis Sentinel set of the test's own (tests/support/redis_ha.rs): a
-//! real `sluice run` under a steady confirmed stream, the primary killed with `kill -9`. Each
+//! Issue 37: sluice on a Redis Sentinel set and on a Redis Cluster of the test's own
+//! (tests/support/redis_ha.rs): a real `sluice run` under a steady confirmed stream, the
+//! primary (of the queue's slot, on a cluster) killed with `kill -9`. Each
 //! scenario counts, by idempotency key, what reached the receiver: no key handled twice, the
 //! confirmed messages lost (replication is asynchronous: a write the dead primary confirmed
 //! before a replica had it is gone; none with `?wait=1`), and the longest pause between two
@@ -14,8 +15,8 @@ use std::time::{Duration, Instant};
 #[macro_use]
 mod support;
 
-use crate::support::redis_ha::SentinelSet;
-use crate::support::stream::{Outcome, Stream};
+use crate::support::redis_ha::{RedisCluster, SentinelSet};
+use crate::support::stream::{Outcome, Stream, longest_pause};
 use crate::support::*;
 use sluice::broker::redis::Redis;
 use sluice::broker::{Broker as _, Publish as _};
@@ -40,7 +41,7 @@ async fn outcome(
         if handled.len() != seen {
             (last, seen) = (Instant::now(), handled.len());
         } else if last.elapsed() > Duration::from_secs(15) {
-            let broker = Redis::connect(url).await.expect("connect through the sentinels");
+            let broker = Redis::connect(url).await.expect("connect to the deployment");
             let stats = broker.stats("work").await.expect("stats");
             broker.close().await;
             if stats.ready == 0 {
@@ -158,4 +159,152 @@ async fn a_sentinel_that_never_answers_is_passed_over() {
     let broker = Redis::connect(&format!("{url}?prefix=h:")).await.expect("a session through the next sentinel");
     eprintln!("a session through the second sentinel after {:?}", start.elapsed());
     broker.close().await;
+}
+
+/// A runner on a cluster of its own (`params` added to its URL), a steady stream of 100/s, and
+/// the primary of the queue's slot killed with `kill -9` once the runner consumes: the cluster
+/// promotes its replica, and the runner and the publisher follow the slot to it.
+async fn kill_the_queues_primary(params: &str) -> Outcome {
+    let mut cluster = tokio::task::block_in_place(RedisCluster::start);
+    let url = format!("{}?prefix=t:&lease=5s{params}", cluster.url());
+    let receiver = Receiver::ok().await;
+    let dir = idempotent_pipeline(&receiver, 8);
+    let broker = Redis::connect(&url).await.expect("connect to the cluster");
+    declare(dir.path(), &broker).await;
+    broker.close().await;
+    let sluice = Sluice::run(dir.path(), &url, &[]);
+    let stream = Stream::start(|u| async move { Redis::connect(&u).await }, url.clone(), "k", 100);
+    let start = Instant::now();
+    while receiver.succeeded_keys().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(60), "nothing handled; log:\n{}", sluice.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let primary = cluster.primary_of("t:s:{work}");
+    let killed_at = Instant::now();
+    cluster.node(primary).kill();
+    tokio::task::block_in_place(|| cluster.wait_ready());
+    let promoted = cluster.primary_of("t:s:{work}");
+    let failover = killed_at.elapsed();
+    assert_ne!(promoted, primary, "the cluster still names the killed primary");
+    // The old primary comes back (empty) as the new one's replica: `?wait=1` has a replica again.
+    tokio::task::block_in_place(|| {
+        cluster.node(primary).restart();
+        cluster.wait_ready();
+    });
+    stream.confirmed_after(Instant::now(), 200).await;
+    let confirmed = stream.stop().await;
+    let outcome = outcome(&receiver, &confirmed, killed_at, &url, &sluice).await;
+    let Outcome { confirmed, lost, twice, pause, .. } = &outcome;
+    eprintln!(
+        "kill -9 of the queue's primary {primary} ({params:?}): {promoted} served its slot after {failover:?}; {confirmed} confirmed, {lost} lost, {twice} handled twice, longest pause between webhook calls {pause:?}"
+    );
+    assert_eq!(outcome.twice, 0, "keys handled twice; log:\n{}", sluice.log());
+    outcome
+}
+
+/// Without `?wait=`: the slot's new primary is followed; what the dead primary confirmed and
+/// its replica did not have is lost, counted and printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_under_a_steady_stream() {
+    kill_the_queues_primary("").await;
+}
+
+/// With `?wait=1`: nothing confirmed is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_with_wait_loses_nothing() {
+    let outcome = kill_the_queues_primary("&wait=1").await;
+    assert_eq!(outcome.lost, 0, "{outcome:?}");
+}
+
+/// Three queues whose slots are on the three primaries, each with a stream of its own; one
+/// primary killed: its queue waits for the failover, and the other two are handled all along
+/// (each handles messages published after the kill before the slot has its new primary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_lost_pauses_only_its_own_queues() {
+    let mut cluster = tokio::task::block_in_place(RedisCluster::start);
+    let url = format!("{}?prefix=t:&lease=5s", cluster.url());
+    // Three queue names whose slots are on three primaries.
+    let mut names: Vec<(String, u16)> = Vec::new();
+    for n in 0.. {
+        let name = format!("q{n}");
+        let primary = cluster.primary_of(&format!("t:s:{{{name}}}"));
+        if names.iter().all(|(_, p)| *p != primary) {
+            names.push((name, primary));
+        }
+        if names.len() == 3 {
+            break;
+        }
+    }
+    let receiver = Receiver::ok().await;
+    let queues: String = names
+        .iter()
+        .map(|(q, _)| {
+            format!(
+                "  {q}:\n    bind: [{{exchange: ev, routing_key: {q}}}]\n    concurrency: 4\n    idempotency: {{ttl: 1h}}\n    handler:\n      webhook: {{url: \"{}/{q}\"}}\n",
+                receiver.uri()
+            )
+        })
+        .collect();
+    let dir = pipeline(&format!("version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n{queues}"));
+    let broker = Redis::connect(&url).await.expect("connect to the cluster");
+    declare(dir.path(), &broker).await;
+    broker.close().await;
+    let plan = broker_cli(&["plan", dir.path().to_str().expect("utf-8")], &url).await;
+    for (q, primary) in &names {
+        assert!(plan.stdout.contains(&format!("127.0.0.1:{primary}")), "plan names {q}'s node; {}", plan.stdout);
+    }
+    let sluice = Sluice::run(dir.path(), &url, &[]);
+    let streams: Vec<Stream> = names
+        .iter()
+        .map(|(q, _)| Stream::start_to(|u| async move { Redis::connect(&u).await }, url.clone(), (q, q), 50))
+        .collect();
+    let handled = |q: &str, after: Instant| {
+        receiver.hits().iter().filter(|h| h.target == format!("/{q}") && h.succeeded() && h.at > after).count()
+    };
+    wait_until(Duration::from_secs(60), "every queue handles messages", || async {
+        names.iter().all(|(q, _)| handled(q, Instant::now() - Duration::from_secs(60)) > 0)
+    })
+    .await;
+    let (victim, primary) = names[0].clone();
+    let killed_at = Instant::now();
+    cluster.node(primary).kill();
+    // While the slot has no primary, the other queues are handled.
+    let mut promoted = None;
+    while promoted.is_none() {
+        let now = tokio::task::block_in_place(|| cluster.primary_of(&format!("t:s:{{{victim}}}")));
+        promoted = (now != primary).then_some(now);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let failover = killed_at.elapsed();
+    for (q, _) in &names[1..] {
+        let during = handled(q, killed_at);
+        assert!(during > 0, "{q} handled nothing during the failover of {victim}'s primary; log:\n{}", sluice.log());
+    }
+    tokio::task::block_in_place(|| cluster.wait_ready());
+    for s in &streams {
+        s.confirmed_after(Instant::now(), 50).await;
+    }
+    let mut confirmed = BTreeMap::new();
+    for s in streams {
+        confirmed.extend(s.stop().await);
+    }
+    wait_until(Duration::from_secs(120), "every confirmed key handled", || async {
+        let handled = receiver.succeeded_keys();
+        confirmed.keys().all(|k| handled.contains(k))
+    })
+    .await;
+    let hits = receiver.hits();
+    let pauses: Vec<(String, Duration)> = names
+        .iter()
+        .map(|(q, _)| {
+            let at = hits.iter().filter(|h| h.target == format!("/{q}")).map(|h| h.at);
+            (q.clone(), longest_pause(at, killed_at))
+        })
+        .collect();
+    let twice = Outcome::count(&receiver, &confirmed, killed_at).twice;
+    eprintln!(
+        "kill -9 of {victim}'s primary {primary}: a new primary after {failover:?}; longest pause between webhook calls per queue: {pauses:?}; {twice} handled twice"
+    );
+    assert_eq!(twice, 0, "keys handled twice; log:\n{}", sluice.log());
 }

@@ -59,6 +59,12 @@ pub trait Kind {
         std::future::ready(None)
     }
 
+    /// Which node holds each queue of `plan`, as `plan` shows it, where the broker spreads
+    /// queues over nodes (a Redis Cluster); `None` elsewhere.
+    fn placement(&self, _plan: &Plan) -> impl Future<Output = Option<Vec<(String, String)>>> {
+        std::future::ready(None)
+    }
+
     /// Sessions with its nodes as `dial` says, and how the admin API opens its own.
     fn sessions<'a>(&'a self, dial: &Dial<'a>) -> (Sessions<'a, Self::Broker>, Connect<Self::Broker>);
 }
@@ -133,6 +139,20 @@ impl Kind for RedisServer<'_> {
             Err(_) => None,
         };
         Some(persistence_line(persistence))
+    }
+
+    async fn placement(&self, plan: &Plan) -> Option<Vec<(String, String)>> {
+        if !redis::Location::parse(&self.0).ok()?.cluster {
+            return None;
+        }
+        let session = Redis::connect(&self.0).await.ok()?;
+        let mut placed = Vec::new();
+        for q in &plan.queues {
+            let node = session.holder(&q.name).await.unwrap_or_else(|e| format!("unknown ({e})"));
+            placed.push((q.name.clone(), node));
+        }
+        session.close().await;
+        Some(placed)
     }
 
     fn sessions<'a>(&'a self, dial: &Dial<'a>) -> (Sessions<'a, Redis>, Connect<Redis>) {

@@ -210,6 +210,11 @@ impl<'a> Endpoint<'a> {
     pub async fn persistence(&self) -> Option<(String, Option<String>)> {
         by_kind!(self, kind => kind.persistence().await)
     }
+
+    /// Which node holds each queue of `plan`, where the broker spreads queues over nodes.
+    pub async fn placement(&self, plan: &Plan) -> Option<Vec<(String, String)>> {
+        by_kind!(self, kind => kind.placement(plan).await)
+    }
 }
 
 /// Opens a session with one node of a broker, by the node's index.

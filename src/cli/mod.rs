@@ -773,6 +773,12 @@ async fn drift(plan: topology::Plan, broker: BrokerArg, format: PlanFormat) -> a
         let tail = warning.map(|w| format!("\n  warning: {w}")).unwrap_or_default();
         text = format!("\nbroker persistence: {persistence}{tail}{text}");
     }
+    if let Some(placed) = endpoint.placement(&plan).await {
+        text.push_str("  each queue's node (the Redis Cluster primary of its slot):\n");
+        for (queue, node) in placed {
+            text.push_str(&format!("    {queue}: {node}\n"));
+        }
+    }
     for d in &drift {
         text.push_str(&format!("  {d}\n"));
     }

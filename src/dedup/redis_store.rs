@@ -18,14 +18,14 @@ use redis::Script;
 use super::{Claim, StoreError, millis};
 use crate::broker::redis::link::{Link, Timeouts};
 use crate::broker::redis::server::{self, Checks, Purpose};
-use crate::broker::redis::{DONE, idempotency_key};
+use crate::broker::redis::{DONE, Location};
 
 /// The Redis idempotency store.
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Link,
-    /// The deployment's key prefix ([`idempotency_key`] names a key under it).
-    prefix: String,
+    /// The deployment (its prefix names the keys: [`Location::idempotency_key`]).
+    location: Location,
     /// `busy:<runner id>`: the value of this runner's leases.
     lease_value: String,
     claim_script: Script,
@@ -46,7 +46,7 @@ impl RedisStore {
     /// sentinels name, found again after a loss) once the server passes the
     /// checks; `allow_evicting` runs on a server whose policy can evict keys.
     pub async fn open(url: &str, allow_evicting: bool) -> Result<RedisStore, StoreError> {
-        let location = crate::broker::redis::Location::parse(url).map_err(|e| StoreError::new(e.to_string()))?;
+        let location = Location::parse(url).map_err(|e| StoreError::new(e.to_string()))?;
         let shown = crate::broker::amqp::redact(url);
         let timeouts = Timeouts { connect: Duration::from_secs(2), response: Duration::from_secs(2) };
         let mut connection =
@@ -56,7 +56,7 @@ impl RedisStore {
         server::check(&mut connection, &location, &user, &shown, &checks).await.map_err(|e| refusal(&e))?;
         let store = RedisStore {
             connection,
-            prefix: location.prefix.clone(),
+            location: location.clone(),
             lease_value: format!("busy:{}", uuid::Uuid::now_v7()),
             claim_script: Script::new(
                 "#!lua flags=allow-oom
@@ -103,7 +103,7 @@ impl RedisStore {
         let mut c = self.connection.clone();
         let answer: String = self
             .claim_script
-            .key(idempotency_key(&self.prefix, key))
+            .key(self.location.idempotency_key(key))
             .arg(&self.lease_value)
             .arg(millis(lease).max(1))
             .invoke_async(&mut c)
@@ -125,12 +125,12 @@ impl RedisStore {
             return Ok(());
         }
         let ttl = u64::try_from(millis(ttl)).unwrap_or(u64::MAX).max(1);
-        // On a cluster each key is in a slot of its own.
+        // On a cluster, a queue's keys are in its slot: the keys of several queues go apart.
         let chunks: Vec<&[String]> = if self.connection.is_cluster() { keys.chunks(1).collect() } else { vec![keys] };
         let each = chunks.into_iter().map(|keys| {
             let mut invocation = self.complete_script.prepare_invoke();
             for key in keys {
-                invocation.key(idempotency_key(&self.prefix, key));
+                invocation.key(self.location.idempotency_key(key));
             }
             let mut c = self.connection.clone();
             async move { invocation.arg(DONE).arg(ttl).invoke_async::<i64>(&mut c).await }
@@ -141,7 +141,7 @@ impl RedisStore {
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {
         let mut c = self.connection.clone();
         self.release_script
-            .key(idempotency_key(&self.prefix, key))
+            .key(self.location.idempotency_key(key))
             .arg(&self.lease_value)
             .invoke_async::<i64>(&mut c)
             .await
@@ -163,7 +163,7 @@ fn refusal(e: &crate::broker::BrokerError) -> StoreError {
 /// logged once, for every call to fail with until a check passes again.
 async fn watch(
     (mut c, refused): (Link, Weak<Mutex<Option<String>>>),
-    location: crate::broker::redis::Location,
+    location: Location,
     shown: String,
     checks: Checks,
 ) {

@@ -232,7 +232,8 @@ impl SentinelSet {
 }
 
 /// A Redis Cluster: three primaries with a replica each, a node failed after 1 s
-/// (`cluster-node-timeout 1000`).
+/// (`cluster-node-timeout 1000`), the slots of the others served while one has no primary
+/// (`cluster-require-full-coverage no`).
 pub struct RedisCluster {
     /// The data nodes, primaries and replicas as `redis-cli --cluster create` made them.
     pub nodes: Vec<Server>,
@@ -249,8 +250,16 @@ impl RedisCluster {
                 let port = free_port();
                 let mut args = data_node(dir.path(), port);
                 args.extend(
-                    ["--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--cluster-config-file"]
-                        .map(String::from),
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-node-timeout",
+                        "1000",
+                        "--cluster-require-full-coverage",
+                        "no",
+                        "--cluster-config-file",
+                    ]
+                    .map(String::from),
                 );
                 args.push(format!("nodes-{port}.conf"));
                 Server::start(dir.path(), port, &args)

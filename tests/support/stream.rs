@@ -30,6 +30,17 @@ impl Stream {
         C: Fn(String) -> F + Send + 'static,
         F: Future<Output = Result<B, BrokerError>> + Send,
     {
+        Stream::start_to(connect, url, (prefix, "k"), per_second)
+    }
+
+    /// [`Stream::start`] with the routing key `routing_key`.
+    pub fn start_to<B, C, F>(connect: C, url: String, (prefix, routing_key): (&str, &str), per_second: u32) -> Stream
+    where
+        B: Publish,
+        C: Fn(String) -> F + Send + 'static,
+        F: Future<Output = Result<B, BrokerError>> + Send,
+    {
+        let routing_key = routing_key.to_string();
         let (stop, confirmed) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(BTreeMap::new())));
         let (flag, done, prefix) = (stop.clone(), confirmed.clone(), prefix.to_string());
         let task = tokio::spawn(async move {
@@ -48,7 +59,7 @@ impl Stream {
                 };
                 let envelope = sluice::envelope::Envelope::new("test.event", &json!({"n": n}), Some(key.clone()));
                 let message = sluice::broker::Outgoing { body: envelope.encode(), ..Default::default() };
-                match broker.publish("ev", "k", message).await {
+                match broker.publish("ev", &routing_key, message).await {
                     Ok(()) => {
                         done.lock().expect("lock").insert(key, Instant::now());
                         n += 1;
@@ -114,7 +125,7 @@ impl Outcome {
 }
 
 /// The longest time between two of `times` that ends at or after `from`.
-fn longest_pause(times: impl Iterator<Item = Instant>, from: Instant) -> Duration {
+pub fn longest_pause(times: impl Iterator<Item = Instant>, from: Instant) -> Duration {
     let mut times: Vec<Instant> = times.collect();
     times.sort();
     times.windows(2).filter(|w| w[1] >= from).map(|w| w[1] - w[0]).max().unwrap_or_default()

@@ -93,12 +93,6 @@ const BROKER: &str = "the Redis broker";
 /// Where this broker looks for declarations, as a refusal on an empty one says.
 const PLACE: &str = "under this prefix";
 
-/// An idempotency key's name under a deployment's `prefix`: the idempotency store's keys
-/// (`crate::dedup`) beside the broker's, which the broker's acks can record done.
-pub fn idempotency_key(prefix: &str, key: &str) -> String {
-    format!("{prefix}dedup:{key}")
-}
-
 /// The value of an idempotency key recorded done.
 pub const DONE: &str = "done";
 
@@ -173,6 +167,17 @@ impl Location {
             format!("{}{kind}:{{{queue}}}", self.prefix)
         } else {
             format!("{}{kind}:{queue}", self.prefix)
+        }
+    }
+
+    /// An idempotency key's name (`key` is `QUEUE\0KEY`, as `crate::dedup` names it): the
+    /// store's keys beside the broker's, which the broker's acks can record done; `PREFIX` +
+    /// `dedup:` + `key`, on a cluster with the queue's name as the hash tag, in the queue's
+    /// slot (`PREFIX` + `dedup:{QUEUE}\0KEY`): a queue's messages wait on no other node.
+    pub fn idempotency_key(&self, key: &str) -> String {
+        match key.split_once('\0') {
+            Some((queue, key)) if self.cluster => format!("{}dedup:{{{queue}}}\0{key}", self.prefix),
+            _ => format!("{}dedup:{key}", self.prefix),
         }
     }
 
@@ -373,6 +378,28 @@ impl Redis {
         weakest
     }
 
+    /// On a cluster, brings each queue's own copy of the topology's version (`PREFIX` +
+    /// `v:{queue}`, in its slot) up to `version`: a publish's script checks the copy of each
+    /// queue it writes, so that no copy is written on a route older than a declare that
+    /// ended, and a publish never waits on the node that holds the topology. Never lowers a
+    /// copy (declares may race).
+    async fn spread_version(&self, queues: &[String], version: &str) -> Result<(), BrokerError> {
+        if !self.inner.location.cluster {
+            return Ok(());
+        }
+        let each = queues.iter().map(|q| async move {
+            let mut c = self.conn();
+            self.inner.scripts.version.key(self.queue_key("v", q)).arg(version).invoke_async::<()>(&mut c).await
+        });
+        futures_util::future::try_join_all(each).await.map(|_| ()).map_err(lost)
+    }
+
+    /// The node (`HOST:PORT`) that holds `queue`'s keys, on a cluster.
+    pub async fn holder(&self, queue: &str) -> Result<String, BrokerError> {
+        let node = self.conn().holder(&self.stream(queue)).await.map_err(lost)?;
+        Ok(node.unwrap_or_else(|| self.inner.shown.clone()))
+    }
+
     fn conn(&self) -> Link {
         self.inner.connection.clone()
     }
@@ -448,8 +475,8 @@ impl Redis {
     /// Writes `message` into every queue of `targets` or none, under topology version
     /// `version` (`*`: any), refused by a full queue as a nack on `exchange`; by `script`, the
     /// publish script or its copy's. On a cluster, where a script touches one slot, each
-    /// queue's copy is written apart, the version unchecked ([`Publish::publish`] checks it
-    /// after), and a refusal can come after some queues have theirs.
+    /// queue's copy is written apart, the version checked against the queue's own copy of it
+    /// ([`Redis::spread_version`]), and a refusal can come after some queues have theirs.
     async fn write(
         &self,
         t: &Topology,
@@ -477,8 +504,8 @@ impl Redis {
             return answer_of(&answer, targets, exchange);
         }
         for (i, q) in targets.iter().enumerate() {
-            // The script's first key only names the slot: no version is checked.
-            let invocation = invoke(self.stream(q), "*", std::slice::from_ref(q));
+            // The queue's own copy of the version, in its slot.
+            let invocation = invoke(self.queue_key("v", q), version, std::slice::from_ref(q));
             let answer: String = self.durable(&self.stream(q), &invocation).await?;
             match answer_of(&answer, std::slice::from_ref(q), exchange)? {
                 Written::Ok => {}
@@ -619,22 +646,6 @@ impl Redis {
             invocation.arg(id);
         }
         self.durable(&stream, &invocation).await
-    }
-
-    /// Records the idempotency `keys` done for `ttl`, each in its own slot (on a cluster),
-    /// before the acks that follow.
-    async fn record_done(&self, keys: &[String], ttl: u64) -> Result<(), BrokerError> {
-        let prefix = self.prefix();
-        let each = keys.iter().map(|key| async move {
-            let key = idempotency_key(prefix, key);
-            let mut c = self.conn();
-            redis::cmd("SET").arg(&key).arg(DONE).arg("PX").arg(ttl).query_async::<()>(&mut c).await.map_err(lost)?;
-            if self.inner.location.wait > 0 {
-                self.waited(&mut c, &key).await?;
-            }
-            Ok::<(), BrokerError>(())
-        });
-        futures_util::future::try_join_all(each).await.map(|_| ())
     }
 
     /// The notifier of `queue`'s consumers in this session, listening on the wake channel
@@ -1018,9 +1029,8 @@ impl Consumer for RedisConsumer {
     }
 
     /// [`RedisConsumer::ack`] with the keys set done in the same script: one round trip, and
-    /// on a server that syncs every write (`appendfsync always`) one sync fewer per batch. On
-    /// a cluster the keys are in slots of their own: set done first, then the entries acked
-    /// (a loss between the two leaves a message whose key is done, skipped when it comes again).
+    /// on a server that syncs every write (`appendfsync always`) one sync fewer per batch (on
+    /// a cluster, the keys are in the queue's slot).
     async fn ack_recording(
         &self,
         settled: &[RedisDelivery],
@@ -1030,14 +1040,10 @@ impl Consumer for RedisConsumer {
         let s = &self.state;
         s.still_open()?;
         let ttl = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        if self.broker.inner.location.cluster {
-            self.broker.record_done(keys, ttl).await?;
-            return self.ack(settled).await;
-        }
         let stream = self.broker.stream(&s.queue);
         let mut invocation = self.broker.inner.scripts.ack_recording.key(&stream);
         for key in keys {
-            invocation.key(idempotency_key(self.broker.prefix(), key));
+            invocation.key(self.broker.inner.location.idempotency_key(key));
         }
         invocation.arg(&s.own.name).arg(DONE).arg(ttl);
         for d in settled {
@@ -1140,8 +1146,8 @@ impl Broker for Redis {
                 _ => {}
             }
         }
-        self.topology(true).await?;
-        Ok(())
+        let t = self.topology(true).await?;
+        self.spread_version(&t.queues.keys().cloned().collect::<Vec<_>>(), &t.version).await
     }
 
     async fn unbind(&self, bindings: &[BindingDecl]) -> Result<(), BrokerError> {
@@ -1151,8 +1157,8 @@ impl Broker for Redis {
         }
         pipe.incr(self.key("v"), 1).ignore();
         pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
-        self.topology(true).await?;
-        Ok(())
+        let t = self.topology(true).await?;
+        self.spread_version(&t.queues.keys().cloned().collect::<Vec<_>>(), &t.version).await
     }
 
     async fn copy(&self, original: &RedisDelivery, target: Target<'_>, edits: &Edits) -> Result<(), BrokerError> {
@@ -1233,19 +1239,22 @@ impl Publish for Redis {
                     continue;
                 }
                 let one = std::slice::from_ref(q);
-                match self.write(&t, ("*", &self.inner.scripts.publish), one, exchange, &message).await? {
+                match self.write(&t, (&t.version, &self.inner.scripts.publish), one, exchange, &message).await? {
                     Written::Ok => written.push(q.clone()),
-                    Written::Stale | Written::Missing(_) => stale = true,
+                    Written::Missing(_) => stale = true,
+                    Written::Stale => {
+                        // A declare since the route, or the queue's copy of the version behind
+                        // the topology (a declare still spreading it, or one that ended first):
+                        // the topology is read again and the copy brought up to it.
+                        let fresh = self.topology(true).await?;
+                        self.spread_version(one, &fresh.version).await?;
+                        stale = true;
+                    }
                 }
             }
-            // The version after the writes: the same, and no declare came between the route
-            // and the last copy.
-            let now: Option<String> =
-                redis::cmd("GET").arg(self.key("v")).query_async(&mut self.conn()).await.map_err(lost)?;
-            if !stale && now.as_deref() == Some(t.version.as_str()) {
+            if !stale {
                 return Ok(());
             }
-            stale = true;
         }
         Err(BrokerError::Lost("the topology kept changing during a publish".into()))
     }

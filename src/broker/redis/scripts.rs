@@ -59,8 +59,8 @@ const GROWS: &str = "#!lua\n";
 
 /// Writes one copy of a message into every stream in `KEYS[2..]`, or none: each stream must
 /// exist, and one with a maximum length (`ARGV[1 + i]`, empty for none) must hold fewer ready
-/// entries. `KEYS[1]` is the topology's version, which must still be `ARGV[1]` (`*`: not
-/// checked) since the caller routed. `ARGV[2 + n]` is the wake channel; the fields follow.
+/// entries. `KEYS[1]` is the topology's version (on a cluster, the queue's copy of it), which
+/// must still be `ARGV[1]` (`*`: not checked) since the caller routed. `ARGV[2 + n]` is the wake channel; the fields follow.
 /// Answers `OK`, `STALE`, `MISSING:i` or `FULL:i` (i: 1-based among the streams); an error
 /// (`NOPERM`) before writing anything when the user may not run what it would.
 const PUBLISH: &str = r#"
@@ -319,6 +319,12 @@ const LEASE: &str = r#"
 return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 "#;
 
+/// Sets a queue's copy of the topology's version `KEYS[1]` to `ARGV[1]`, unless it holds a
+/// newer one (versions are counted up by `INCR`).
+const VERSION: &str = r#"
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+"#;
+
 /// Which of the commands `ARGV[4..]` the user's ACL refuses, run nothing: each a line of
 /// words, `{s}`, `{k}`, `{c}` standing for `ARGV[1..3]` (not keys of the script, which a user
 /// limited to other keys could not run at all). Answers their names (with the subcommand for
@@ -358,6 +364,7 @@ pub(super) struct Scripts {
     pub read: Script,
     pub groups: Script,
     pub lease: Script,
+    pub version: Script,
 }
 
 impl Scripts {
@@ -377,6 +384,7 @@ impl Scripts {
             read: plain(NO_WRITES, READ),
             groups: plain(NO_WRITES, GROUPS),
             lease: plain(ALLOW_OOM, LEASE),
+            version: plain(ALLOW_OOM, VERSION),
         }
     }
 }

@@ -196,6 +196,9 @@ pub async fn inspect(
         if checks.purpose != Purpose::Operate {
             policy(&mut node, info.as_ref(), shown, checks, opening).await?;
         }
+        if opening && checks.purpose == Purpose::Run && c.is_cluster() {
+            coverage(&mut node).await;
+        }
         // The one that says most: a full node's, or the first.
         if found.is_none() || info.as_ref().is_some_and(|i| i.full().is_some()) {
             found = info.or(found);
@@ -253,6 +256,20 @@ fn role(c: &Link, info: &Info, node: Option<&str>, shown: &str) -> Result<(), Br
             ),
         )),
         _ => Ok(()),
+    }
+}
+
+/// Warns when a cluster node stops serving every slot while any is without a primary
+/// (`cluster-require-full-coverage yes`, Redis's default): one primary lost then pauses every
+/// queue until its replica takes over, not only the queues on it.
+async fn coverage(node: &mut Link) {
+    let answer: Result<Vec<String>, _> =
+        redis::cmd("CONFIG").arg("GET").arg("cluster-require-full-coverage").query_async(node).await;
+    if answer.ok().and_then(|a| a.get(1).cloned()).as_deref() == Some("yes") {
+        tracing::warn!(
+            node = %node.node().unwrap_or_default(),
+            "the Redis Cluster node runs with cluster-require-full-coverage yes: while one primary is lost, every queue waits, not only its own; set cluster-require-full-coverage no"
+        );
     }
 }
 

@@ -308,3 +308,81 @@ async fn a_primary_lost_pauses_only_its_own_queues() {
     );
     assert_eq!(twice, 0, "keys handled twice; log:\n{}", sluice.log());
 }
+
+/// What a runner asks of its server, it asks of every primary of a cluster: one primary whose
+/// policy evicts is refused, named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_primary_that_evicts_is_refused_by_name() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let evicting = cluster.primaries()[1];
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query(&mut cluster.nodes.iter().find(|n| n.port == evicting).expect("the primary").raw())
+        .expect("CONFIG SET");
+    let url = format!("{}?prefix=e:", cluster.url());
+    let checks = sluice::broker::redis::Checks::new(sluice::broker::redis::Purpose::Run, false);
+    let refused = Redis::open(&url, &checks).await.err().expect("an evicting primary is refused");
+    let said = refused.to_string();
+    assert!(said.contains("maxmemory-policy allkeys-lru"), "{said}");
+    assert!(said.contains(&format!("node 127.0.0.1:{evicting}")), "names the node: {said}");
+}
+
+/// The queue's slot moved to another primary while a steady stream runs (`CLUSTER SETSLOT`
+/// IMPORTING and MIGRATING, its keys moved with `MIGRATE`, then the slot given to the new
+/// node), as `redis-cli --cluster reshard` does: the runner and the publisher follow it
+/// (`ASK`, then `MOVED`); nothing confirmed is lost, nothing handled twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_whose_slot_moves_is_followed() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let url = format!("{}?prefix=t:&lease=5s", cluster.url());
+    let receiver = Receiver::ok().await;
+    let dir = idempotent_pipeline(&receiver, 8);
+    let broker = Redis::connect(&url).await.expect("connect to the cluster");
+    declare(dir.path(), &broker).await;
+    broker.close().await;
+    let sluice = Sluice::run(dir.path(), &url, &[]);
+    let stream = Stream::start(|u| async move { Redis::connect(&u).await }, url.clone(), "k", 100);
+    wait_until(Duration::from_secs(60), "messages handled", || async { !receiver.succeeded_keys().is_empty() }).await;
+    let from = cluster.primary_of("t:s:{work}");
+    let to = *cluster.primaries().iter().find(|p| **p != from).expect("another primary");
+    let moved_at = Instant::now();
+    tokio::task::block_in_place(|| {
+        let node = |port: u16| cluster.nodes.iter().find(|n| n.port == port).expect("a node").raw();
+        let id = |port: u16| -> String { redis::cmd("CLUSTER").arg("MYID").query(&mut node(port)).expect("MYID") };
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg("t:s:{work}").query(&mut node(from)).expect("KEYSLOT");
+        let (from_id, to_id) = (id(from), id(to));
+        let setslot = |port: u16, how: &[&str]| {
+            let _: () =
+                redis::cmd("CLUSTER").arg("SETSLOT").arg(slot).arg(how).query(&mut node(port)).expect("SETSLOT");
+        };
+        setslot(to, &["IMPORTING", &from_id]);
+        setslot(from, &["MIGRATING", &to_id]);
+        loop {
+            let keys: Vec<String> =
+                redis::cmd("CLUSTER").arg("GETKEYSINSLOT").arg(slot).arg(100).query(&mut node(from)).expect("keys");
+            if keys.is_empty() {
+                break;
+            }
+            let _: () = redis::cmd("MIGRATE")
+                .arg(&["127.0.0.1", &to.to_string(), "", "0", "5000", "KEYS"][..])
+                .arg(&keys)
+                .query(&mut node(from))
+                .expect("MIGRATE");
+        }
+        for port in cluster.primaries() {
+            setslot(port, &["NODE", &to_id]);
+        }
+    });
+    let moved = moved_at.elapsed();
+    assert_eq!(cluster.primary_of("t:s:{work}"), to, "the slot is on its new primary");
+    stream.confirmed_after(Instant::now(), 200).await;
+    let confirmed = stream.stop().await;
+    let outcome = outcome(&receiver, &confirmed, moved_at, &url, &sluice).await;
+    let Outcome { confirmed, lost, twice, pause, .. } = &outcome;
+    eprintln!(
+        "the queue's slot moved from {from} to {to} in {moved:?}; {confirmed} confirmed, {lost} lost, {twice} handled twice, longest pause between webhook calls {pause:?}"
+    );
+    assert_eq!((outcome.lost, outcome.twice), (0, 0), "{outcome:?}; log:\n{}", sluice.log());
+}

@@ -156,7 +156,8 @@ pub async fn check(
     let server = inspect(c, location, shown, checks, true).await?;
     if checks.purpose != Purpose::Operate {
         for mut node in primaries(c, shown).await? {
-            permissions(&mut node, location, user, shown, checks.purpose).await?;
+            let named = node.node().map(|n| format!("{shown} (node {n})"));
+            permissions(&mut node, location, user, named.as_deref().unwrap_or(shown), checks.purpose).await?;
         }
     }
     Ok(server)
@@ -189,6 +190,8 @@ pub async fn inspect(
 ) -> Result<Server, BrokerError> {
     let mut found: Option<Info> = None;
     for mut node in primaries(c, shown).await? {
+        let named = node.node().map(|n| format!("{shown} (node {n})"));
+        let shown = named.as_deref().unwrap_or(shown);
         let info = info(&mut node, shown).await?;
         if let Some(info) = &info {
             role(c, info, node.node().as_deref(), shown)?;

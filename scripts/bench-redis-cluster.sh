@@ -6,9 +6,10 @@
 # Each run: a fresh key prefix, MESSAGES published with `publish --jsonl` (a sixth to each
 # queue), then `run --exit-when-idle` timed as a whole process. The sides alternate; the
 # ratios of the medians come last, then the commands each node ran in the last cluster run
-# (INFO commandstats): the queues spread over the primaries.
+# (INFO commandstats): the queues spread over the primaries. With WAIT=1 a third side runs on
+# the cluster with `?wait=1` (a publish and an ack wait for a replica): what it costs.
 #
-#   scripts/bench-redis-cluster.sh SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
+#   [WAIT=1] scripts/bench-redis-cluster.sh SLUICE [MESSAGES] [RUNS]   # defaults: 30000 5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sluice=$(realpath "$1")
@@ -29,7 +30,7 @@ start_node() {
     --maxmemory-policy noeviction --repl-diskless-sync yes --repl-diskless-sync-delay 0 \
     --logfile "$tmp/$port/log" "$@" &
   servers+=($!)
-  for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
+  for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
   echo "redis-server on $port did not start" >&2
   exit 1
 }
@@ -39,8 +40,9 @@ start_node "$single"
 nodes=()
 for _ in 1 2 3 4 5 6; do
   port=$(free_port)
-  start_node "$port" --cluster-enabled yes --cluster-node-timeout 1000 --cluster-require-full-coverage no \
-    --cluster-config-file "nodes-$port.conf"
+  # The bus port is given: the default, the port + 10000, may be taken or past 65535.
+  start_node "$port" --cluster-enabled yes --cluster-port "$(free_port)" --cluster-node-timeout 1000 \
+    --cluster-require-full-coverage no --cluster-config-file "nodes-$port.conf"
   nodes+=("127.0.0.1:$port")
 done
 redis-cli --cluster create "${nodes[@]}" --cluster-replicas 1 --cluster-yes >/dev/null
@@ -74,6 +76,7 @@ run_once() {
   case $1 in
     single) url="redis://127.0.0.1:$single/?prefix=b${dir##*.}:" ;;
     cluster) url="$cluster_url?prefix=b${dir##*.}:" ;;
+    cluster+wait) url="$cluster_url?prefix=b${dir##*.}:&wait=1" ;;
   esac
   (cd "$dir" && "$sluice" run "$tmp/p" --broker "$url" --exit-when-idle 2>/dev/null &&
     for q in 0 1 2 3 4 5; do
@@ -91,15 +94,17 @@ run_once() {
 
 echo "sluice: $sluice; $messages messages over 6 queues; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 results=()
+sides=(single cluster)
+[[ ${WAIT:-} == 1 ]] && sides+=(cluster+wait)
 for i in $(seq "$runs"); do
-  for side in single cluster; do
+  for side in "${sides[@]}"; do
     read -r rate cpu rss < <(run_once "$side")
     printf '%-7s run %d: %6d messages/s, %5.2f CPU s, %4d MiB peak RSS\n' "$side" "$i" "$rate" "$cpu" "$rss"
     results+=("$side $rate $cpu $rss")
   done
 done
 echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "commands per node in the last cluster drain (INFO commandstats, calls):"
+echo "commands per node in the last drain on the cluster (INFO commandstats, calls):"
 for node in "${nodes[@]}"; do
   role=$(redis-cli -p "${node#*:}" info replication | tr -d '\r' | sed -n 's/^role://p')
   calls=$(redis-cli -p "${node#*:}" info commandstats | tr -d '\r' | sed -n 's/.*calls=\([0-9]*\).*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
@@ -112,7 +117,10 @@ med = lambda b, i: st.median(float(r[i]) for r in rows if r[0] == b)
 singles = [float(r[1]) for r in rows if r[0] == 'single']
 clusters = [float(r[1]) for r in rows if r[0] == 'cluster']
 n = $messages // 6 * 6
-for side in ('single', 'cluster'):
+for side in ('single', 'cluster', 'cluster+wait'):
+    if not any(r[0] == side for r in rows): continue
     print(f'median {side}: {med(side, 1):.0f} msg/s, {med(side, 2):.2f} CPU s ({med(side, 2) / n * 1e6:.0f} CPU µs per message), {med(side, 3):.0f} MiB')
 print('per-run cluster / single: ' + ', '.join(f'{c / s:.2f}' for s, c in zip(singles, clusters)))
-print(f'throughput cluster / single {med(\"cluster\", 1) / med(\"single\", 1):.3f}; CPU per message cluster / single {med(\"cluster\", 2) / med(\"single\", 2):.3f}')"
+print(f'throughput cluster / single {med(\"cluster\", 1) / med(\"single\", 1):.3f}; CPU per message cluster / single {med(\"cluster\", 2) / med(\"single\", 2):.3f}')
+if any(r[0] == 'cluster+wait' for r in rows):
+    print(f'throughput cluster with ?wait=1 / cluster {med(\"cluster+wait\", 1) / med(\"cluster\", 1):.3f}')"

@@ -249,6 +249,8 @@ impl RedisCluster {
             .map(|_| {
                 let port = free_port();
                 let mut args = data_node(dir.path(), port);
+                // The bus port is given: the default, the port + 10000, may be taken or past 65535.
+                args.extend(["--cluster-port".to_string(), free_port().to_string()]);
                 args.extend(
                     [
                         "--cluster-enabled",

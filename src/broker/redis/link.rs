@@ -584,4 +584,16 @@ mod tests {
             assert!(Target::parse(bad).is_err(), "{bad}");
         }
     }
+
+    #[test]
+    fn a_cluster_url_names_its_seed_nodes_with_their_user_and_no_database() {
+        let t = Target::parse("redis+cluster://u:p%40w@n1:7000, n2:7001/").expect("parse");
+        assert_eq!(
+            t,
+            Target::Cluster { seeds: vec!["redis://u:p%40w@n1:7000".into(), "redis://u:p%40w@n2:7001".into()] }
+        );
+        for bad in ["redis+cluster://", "redis+cluster://n1:7000/3", "redis+cluster://n1:7000?x=1"] {
+            assert!(Target::parse(bad).is_err(), "{bad}");
+        }
+    }
 }

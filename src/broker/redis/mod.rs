@@ -1422,6 +1422,22 @@ mod tests {
         assert!(Location::parse("redis://h?prefix=").is_err());
         assert_eq!(Location::parse("redis://h?wait=1").map(|l| (l.wait, l.url)).ok(), Some((1, "redis://h".into())));
         assert!(Location::parse("redis://h?wait=one").is_err());
+        assert!(Location::parse("redis+cluster://h:1?prefix=a{b}:").is_err(), "a hash tag in a cluster's prefix");
+    }
+
+    /// A cluster's keys carry the queue's name as their hash tag (its idempotency keys too); one
+    /// server's keep the names they always had.
+    #[test]
+    fn a_cluster_puts_each_queue_in_a_slot_of_its_own() {
+        let one = Location::parse("redis://h?prefix=p:").expect("one server");
+        let cluster = Location::parse("redis+cluster://h:1?prefix=p:").expect("a cluster");
+        assert_eq!((one.queue_key("s", "a.b"), one.topology_key("v")), ("p:s:a.b".into(), "p:v".into()));
+        assert_eq!(cluster.queue_key("s", "a.b"), "p:s:{a.b}");
+        assert_eq!(cluster.topology_key("v"), "p:{topology}:v");
+        assert_eq!(one.idempotency_key("a.b\0k"), "p:dedup:a.b\0k");
+        assert_eq!(cluster.idempotency_key("a.b\0k"), "p:dedup:{a.b}\0k");
+        assert!(link::same_slot(&cluster.queue_key("s", "a.b"), &cluster.idempotency_key("a.b\0k")));
+        assert!(link::same_slot(&cluster.queue_key("d", "a.b"), &format!("{}1", cluster.delayed_prefix("a.b"))));
     }
 
     /// A Redis error is kept as the source of the lost session it ends.

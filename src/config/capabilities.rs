@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::source::escape_token;
 use super::{Config, Validation};
-use crate::vocab::capabilities::{Capabilities, Ordering, QueueNames};
+use crate::vocab::capabilities::{Capabilities, QueueNames};
 
 /// One setting of a pipeline the broker cannot honour.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,10 +91,10 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
         if q.max_length.is_some() && !capabilities.max_length {
             refuse(file, format!("{base}/max_length"), "a queue bounded by max_length".into());
         }
-        if q.ordered && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
+        if q.ordered && !capabilities.orders() {
             refuse(file, format!("{base}/ordered"), "ordered queues (a single active consumer)".into());
         }
-        if q.order_by.is_some() && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
+        if q.order_by.is_some() && !capabilities.orders() {
             refuse(
                 file,
                 format!("{base}/order_by"),
@@ -110,14 +110,17 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
         }
         if let Some(names) = capabilities.queue_names {
             // At the queue's key: a dead-letter queue's name is often not written out.
+            let longest = match q.ordered || q.order_by.is_some() {
+                true => names.longest.saturating_sub(names.ordered_suffix),
+                false => names.longest,
+            };
             for name in [&q.name, &q.dead_letter] {
                 let pointer = base.clone();
                 let written = QueueNames::write(name);
-                if written.chars().count() > names.longest {
+                if written.chars().count() > longest {
                     let what = format!(
-                        "queue name \"{name}\" ({} characters as \"{written}\"; at most {} here)",
+                        "queue name \"{name}\" ({} characters as \"{written}\"; at most {longest} here)",
                         written.chars().count(),
-                        names.longest
                     );
                     refuse(file, pointer.clone(), what);
                 }
@@ -230,7 +233,11 @@ queues:
         let path = dir.path().join("p.yaml");
         let pipeline = "version: 1\nqueues:\n  orders.email:\n    handler: {command: {program: /bin/true}}\n  orders-email:\n    handler: {command: {program: /bin/true}}\n  a-long-name-of-thirty-chars-xx:\n    max_message_bytes: 300000\n    handler: {command: {program: /bin/true}}\n";
         std::fs::write(&path, pipeline).expect("write");
-        let sqs = Capabilities { largest_body: 262_144, queue_names: Some(QueueNames { longest: 30 }), ..RABBITMQ };
+        let sqs = Capabilities {
+            largest_body: 262_144,
+            queue_names: Some(QueueNames { longest: 30, ordered_suffix: 5 }),
+            ..RABBITMQ
+        };
         let mut validation = super::super::load(std::slice::from_ref(&path));
         validation.check_capabilities(&sqs);
         let messages: Vec<String> =

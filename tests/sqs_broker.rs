@@ -32,6 +32,17 @@ async fn poison_messages_go_to_the_dead_letter_queue_at_once() {
     .await;
 }
 
+/// `kill -9` of a real `sluice run` between a webhook's side effect and its ack: once their
+/// visibility timeout (3 s) runs out, the killed runner's messages come back to the next one;
+/// every key reaches the receiver, at most the in-flight ones twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_runner_loses_nothing() {
+    crate::failure_injection::a_crash_between_webhook_side_effect_and_ack_repeats_at_most_the_in_flight_messages(
+        SqsPrefix::with("&lease=3s"),
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_listed_and_redriven() {
     crate::dlq::messages_dead_lettered_while_the_receiver_was_down_run_once_each_after_a_redrive(SqsPrefix::new())

@@ -254,4 +254,24 @@ queues:
         assert!(all.contains("both \"orders-email.dlq\" and \"orders.email.dlq\""), "{all}");
         assert_eq!(messages.len(), 4, "{all}");
     }
+    /// Issue 36: an ordered queue's name, and its dead-letter queue's, take the broker's
+    /// suffix for ordered queues more (SQS's `.fifo`); a standard queue's do not.
+    #[test]
+    fn an_ordered_queues_names_count_the_suffix() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.yaml");
+        let pipeline = "version: 1\nqueues:\n  twenty-six-characters-xxxx:\n    ordered: true\n    handler: {command: {program: /bin/true}}\n  twenty-six-characters-yyyy:\n    handler: {command: {program: /bin/true}}\n";
+        std::fs::write(&path, pipeline).expect("write");
+        let names = QueueNames { longest: 30, ordered_suffix: 5 };
+        let sqs = Capabilities { queue_names: Some(names), ..RABBITMQ };
+        let mut validation = super::super::load(std::slice::from_ref(&path));
+        validation.check_capabilities(&sqs);
+        let messages: Vec<String> = validation.diagnostics.iter().map(|d| d.message.clone()).collect();
+        let all = messages.join("\n");
+        assert!(all.contains("queue name \"twenty-six-characters-xxxx\" (26 characters"), "{all}");
+        assert!(all.contains("queue name \"twenty-six-characters-xxxx.dlq\" (30 characters"), "{all}");
+        assert!(all.contains("at most 25 here"), "{all}");
+        assert!(!all.contains("yyyy"), "a standard queue's names fit: {all}");
+        assert_eq!(messages.len(), 2, "{all}");
+    }
 }

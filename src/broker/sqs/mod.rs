@@ -1377,12 +1377,56 @@ mod tests {
             limit: Some(10),
             bindings: (0..30).map(|i| format!(r#"{{"exchange":"ev","queue":"q","routing_key":"k{i}"}}"#)).collect(),
             exchanges: [("ev".to_string(), "topic".to_string())].into(),
+            fifo: Some(Grouping::Key { template: "{{payload.k}}".into(), format: "json".into() }),
         };
         let tags = record.tags();
         assert!(tags.len() > 1 && tags.values().all(|v| v.len() <= TAG_CHARS), "{tags:?}");
         let map: serde_json::Map<String, Value> = tags.into_iter().map(|(k, v)| (k, Value::String(v))).collect();
         assert_eq!(Record::from_tags(&map), Some(record.clone()));
         assert_eq!(record.role().as_deref(), Some("work"));
+    }
+
+    /// Issue 36: an ordered queue and its dead-letter queue are FIFO queues (`.fifo`); a
+    /// message's group is its `order_by` key as the template renders it, its message id when
+    /// it does not render, one group for `ordered`; a key SQS would not take goes as its digest.
+    #[test]
+    fn ordered_queues_are_fifo_and_grouped_by_their_rendered_key() {
+        use crate::topology::OrderKey;
+        let keyed = OrderKey { template: "{{payload.k}}".into(), format: crate::vocab::format::Format::Envelope };
+        let plan = Plan {
+            queues: vec![
+                QueueDecl {
+                    single_active_consumer: true,
+                    dead_letter: Some("w.dlq".into()),
+                    order_key: Some(keyed),
+                    ..QueueDecl::new("w", Role::Work)
+                },
+                QueueDecl::new("w.dlq", Role::DeadLetter),
+                QueueDecl { single_active_consumer: true, ..QueueDecl::new("all", Role::Work) },
+                QueueDecl::new("plain", Role::Work),
+            ],
+            ..Plan::default()
+        };
+        let fifo = fifo_queues(&plan);
+        let mut names: Vec<&str> = fifo.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(names, ["all", "w", "w.dlq"]);
+        let location = Location::parse("sqs://us-east-1/p").expect("parse");
+        assert_eq!(
+            (location.name_of("w.dlq", true), location.name_of("plain", false)),
+            ("p-w-dlq.fifo".into(), "p-plain".into())
+        );
+        let message = |payload: Value| Carried {
+            body: Bytes::from(crate::envelope::Envelope::new("t", &payload, None).encode()),
+            properties: Properties { message_id: Some("m-1".into()), ..Properties::default() },
+            due: None,
+        };
+        assert_eq!(fifo["w"].group("w", &message(json!({"k": "c1"}))), "c1");
+        assert_eq!(fifo["w"].group("w", &message(json!({"other": 1}))), "m-1", "no key: its message id");
+        assert!(fifo["w"].group("w", &message(json!({"k": "é t"}))).starts_with("sha256:"));
+        assert_eq!(fifo["all"].group("all", &message(json!({"k": "c1"}))), ONE_GROUP);
+        assert_eq!(sqs_id(&"x".repeat(LONGEST_ID)), "x".repeat(LONGEST_ID));
+        assert!(sqs_id(&"x".repeat(LONGEST_ID + 1)).starts_with("sha256:"));
     }
 
     #[test]

@@ -122,6 +122,43 @@ async fn a_retry_longer_than_a_hop_is_served_in_hops_and_never_early() {
     broker.close().await;
 }
 
+/// An `ordered` queue is one FIFO group: one call at a time, in publish order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_queue_calls_one_at_a_time_in_publish_order() {
+    crate::run_behaviour::ordered_queue_calls_one_at_a_time_in_publish_order(SqsPrefix::new()).await;
+}
+
+/// A retry on an `ordered` queue (a FIFO queue, which takes no delay per message) is a copy
+/// sent at once with its due time, held by the runner until then: handled once due, its
+/// group waiting behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_queues_retry_is_held_until_due() {
+    let place = SqsPrefix::new();
+    let receiver = Receiver::start(|hit, earlier| match (hit.key(), earlier) {
+        ("key-2", 0) => Reply::status(503),
+        _ => Reply::ok(),
+    })
+    .await;
+    let dir = webhook_pipeline(
+        &receiver,
+        "    ordered: true\n    retry: {max_attempts: 3, initial: 2s, max: 2s, jitter: none}\n",
+    );
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for n in 1..=4 {
+        publish(&broker, "ev", "x", &format!("key-{n}"), json!({"n": n})).await;
+    }
+    let mut sluice = Sluice::run(dir.path(), &place.url(), &[]);
+    let hits = receiver.wait_for(5, Duration::from_secs(60)).await;
+    let second = hits.iter().filter(|h| h.key() == "key-2").map(|h| h.at).collect::<Vec<_>>();
+    assert_eq!(second.len(), 2, "key-2 retried once");
+    assert!(second[1] - second[0] >= Duration::from_secs(2), "retried before its due time");
+    assert_eq!(receiver.max_in_flight(), 1, "calls overlapped");
+    assert_eq!(sluice.stop(Duration::from_secs(30)), Some(0), "{}", sluice.log());
+    assert_eq!((place.depth("work").await, place.depth("work.dlq").await), (0, 0));
+    broker.close().await;
+}
+
 /// A poison message of a FIFO queue goes to its FIFO dead-letter queue and releases its key,
 /// or holds it until redriven (one runner: moto's group lock holds for one consumer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

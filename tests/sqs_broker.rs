@@ -159,6 +159,29 @@ async fn an_ordered_queues_retry_is_held_until_due() {
     broker.close().await;
 }
 
+/// A FIFO dead-letter queue holding more dead letters of one key than one receive takes (10):
+/// `dlq list` lists them all (each dead letter is a group of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_dead_letter_queue_is_listed_whole() {
+    let place = SqsPrefix::new();
+    let receiver = Receiver::start(|_, _| Reply::status(400)).await;
+    let dir = webhook_pipeline(&receiver, "    ordered: true\n");
+    let broker = place.connect().await;
+    declare(dir.path(), &broker).await;
+    for n in 0..12 {
+        publish(&broker, "ev", "x", &format!("dead-{n}"), json!({"n": n})).await;
+    }
+    let mut sluice = Sluice::run(dir.path(), &place.url(), &["--exit-when-idle"]);
+    assert_eq!(sluice.wait(Duration::from_secs(60)), Some(0), "{}", sluice.log());
+    let path = dir.path().to_str().expect("utf-8");
+    let listed = broker_cli(&["dlq", "list", "work", "--pipelines", path, "--format", "json"], &place.url()).await;
+    assert_eq!(listed.code, Some(0), "{}", listed.stderr);
+    for n in 0..12 {
+        assert!(listed.stdout.contains(&format!("\"dead-{n}\"")), "dead-{n} not listed: {}", listed.stdout);
+    }
+    broker.close().await;
+}
+
 /// A poison message of a FIFO queue goes to its FIFO dead-letter queue and releases its key,
 /// or holds it until redriven (one runner: moto's group lock holds for one consumer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

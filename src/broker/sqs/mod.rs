@@ -27,9 +27,10 @@
 //!   queue only to a FIFO queue). A message's group (`MessageGroupId`) is its `order_by` key,
 //!   rendered by whoever sends it from the template the queue's tags keep, or one group for
 //!   `ordered`; SQS then hands out a group's messages in order, none while one of them is held,
-//!   so per-key order holds across runners. A retry's or dead-letter copy keeps its
-//!   original's group; a redriven one is a group of its own (its key may be held for it by a
-//!   runner holding the key's next message, which SQS would not let it pass). Its
+//!   so per-key order holds across runners. A delayed copy keeps its original's group; a
+//!   dead-letter copy is a group of its own (a browse holding a group's first messages would
+//!   never see the rest), and so is a redriven one (its key may be held for it by a runner
+//!   holding the key's next message, which SQS would not let it pass). Its
 //!   deduplication id is the message id on a publish (a send repeated within SQS's 5 minutes is
 //!   dropped), a fresh one on a copy (a redrive is the same message again). SQS takes no delay
 //!   per message there: a delayed copy is sent at once with its due time and held by the
@@ -249,7 +250,7 @@ pub fn picture(plan: &Plan, location: &Location) -> Picture {
         location.prefix,
         location.lease_seconds()
     );
-    let delays = "delays: a retry is a copy sent with DelaySeconds (at most 15 minutes: longer delays are served in hops), held by its consumer for the last second".to_string();
+    let delays = "delays: a retry is a copy sent with DelaySeconds (at most 15 minutes: longer delays are served in hops), held by its consumer for the last second; on a FIFO queue, which takes no delay per message, an order_by retry waits in the runner, and another delayed copy is sent at once and held by its consumer until due".to_string();
     let fifo = fifo_queues(plan);
     declaration::picture(plan, BROKER, title, delays, |q| {
         Some(("sqs queue", format!("{:?}", location.name_of(q, fifo.contains_key(q)))))
@@ -260,15 +261,16 @@ pub fn picture(plan: &Plan, location: &Location) -> Picture {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Grouping {
-    /// All in one group: an `ordered` queue, a dead-letter queue (whose copies keep their
-    /// original's group).
+    /// All in one group: an `ordered` queue, a dead-letter queue (what a producer of another
+    /// kind sends there).
     One,
     /// By the `order_by` key the template renders over a message read in the format.
     Key { template: String, format: String },
 }
 
 impl Grouping {
-    /// The group of a message sent to `queue` (none for `ordered`): its key, as SQS takes it.
+    /// The group of a message sent to `queue`: its `order_by` key as SQS takes it, or the one
+    /// group.
     fn group(&self, queue: &str, message: &Carried) -> String {
         let Grouping::Key { template, format } = self else { return ONE_GROUP.into() };
         let key = crate::vocab::format::Format::parse(format).and_then(|format| {
@@ -1228,12 +1230,14 @@ impl Broker for Sqs {
         let fifo = routes.fifo.get(target.queue()).map(|grouping| {
             let id = fresh_id(&copy);
             let group = match (&target, &original.tag.group) {
+                (Target::Later { .. }, Some(group)) => group.clone(),
+                (Target::Later { .. }, None) => grouping.group(target.queue(), &copy),
                 // A redrive is a group of its own: its key may be held by the runner for it
                 // (`on_dead_letter: hold`), that key's next message in flight meanwhile,
-                // which SQS would not let it pass in its key's group.
-                (Target::Queue(_), _) => id.clone(),
-                (_, Some(group)) => group.clone(),
-                (_, None) => grouping.group(target.queue(), &copy),
+                // which SQS would not let it pass in its key's group. So is a dead letter:
+                // a dead-letter queue is read by browsing, which a group's first messages,
+                // held, would keep from the rest.
+                (Target::Queue(_) | Target::DeadLetter(_), _) => id.clone(),
             };
             (group, id)
         });

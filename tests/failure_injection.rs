@@ -302,7 +302,9 @@ async fn a_crash_between_command_side_effect_and_ack_repeats_at_most_the_in_flig
     crash_between_side_effect_and_ack(dir.path(), &place, || lines(&effects)).await;
 }
 
-async fn a_crash_between_webhook_side_effect_and_ack_repeats_at_most_the_in_flight_messages<P: Place>(place: P) {
+pub(crate) async fn a_crash_between_webhook_side_effect_and_ack_repeats_at_most_the_in_flight_messages<P: Place>(
+    place: P,
+) {
     // The receiver records the call when it arrives and answers a second later.
     let receiver = Receiver::start(|_, _| Reply::ok().after(Duration::from_secs(1))).await;
     let dir = webhook_pipeline(&receiver, "    concurrency: 4\n");

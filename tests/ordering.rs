@@ -1,4 +1,5 @@
-//! Issue 34 part 2, per-key ordering end to end on every broker: an `order_by` queue hands the
+//! Issue 34 part 2, per-key ordering end to end on every broker (SQS's FIFO queues in
+//! `sqs_broker.rs`): an `order_by` queue hands the
 //! receiver each key's messages in publish order, a failed first attempt retried before the
 //! key's next message, while keys run in parallel; a poison message releases its key, or
 //! holds it until it is redriven; on RabbitMQ, a standby runner takes over a killed one in key
@@ -31,8 +32,13 @@ fn key_and_n(hit: &support::Hit) -> (String, usize) {
 }
 
 async fn keys_in_publish_order_under_retries<P: Place>(place: P) {
+    keys_in_publish_order_under_retries_on(place, 20, 1).await;
+}
+
+/// 20 keys of `each` messages, published before `runners` runners start (concurrency 8
+/// each), a receiver failing one first attempt in five: per key, every call in publish order.
+pub async fn keys_in_publish_order_under_retries_on<P: Place>(place: P, each: usize, runners: usize) {
     const KEYS: usize = 20;
-    const EACH: usize = 20;
     // One message in five fails its first attempt.
     let receiver = Receiver::start(|hit, earlier| {
         let (_, n) = key_and_n(hit);
@@ -48,13 +54,13 @@ async fn keys_in_publish_order_under_retries<P: Place>(place: P) {
     }
     let broker = place.connect().await;
     support::declare(dir.path(), &broker).await;
-    for n in 0..EACH {
+    for n in 0..each {
         for k in 0..KEYS {
             support::publish(&broker, "ev", "order", &format!("c{k}-{n}"), serde_json::json!({"k": k})).await;
         }
     }
-    let mut runner = Sluice::run(dir.path(), &place.url(), &[]);
-    let total = KEYS * EACH;
+    let mut started: Vec<Sluice> = (0..runners).map(|_| Sluice::run(dir.path(), &place.url(), &[])).collect();
+    let total = KEYS * each;
     support::wait_until(Duration::from_secs(120), "every message handled", || async {
         receiver.succeeded_keys().len() == total
     })
@@ -70,12 +76,17 @@ async fn keys_in_publish_order_under_retries<P: Place>(place: P) {
         assert!(ns.is_sorted(), "{k}'s calls out of order: {ns:?}");
         let mut firsts = ns.clone();
         firsts.dedup();
-        assert_eq!(firsts, (0..EACH).collect::<Vec<_>>(), "{k}'s successes");
+        assert_eq!(firsts, (0..each).collect::<Vec<_>>(), "{k}'s successes");
     }
-    assert_eq!(receiver.hits().len(), total + KEYS * EACH / 5, "each failed first attempt retried once");
+    assert_eq!(calls.len(), KEYS, "every key called");
+    let failed = KEYS * (0..each).filter(|n| n % 5 == 2).count();
+    assert_eq!(receiver.hits().len(), total + failed, "each failed first attempt retried once");
     assert!(receiver.max_in_flight() > 1, "the keys never ran in parallel");
-    assert!(receiver.max_in_flight() <= 8, "over the concurrency: {}", receiver.max_in_flight());
-    assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
+    let most = 8 * runners;
+    assert!(receiver.max_in_flight() <= most, "over the concurrency: {}", receiver.max_in_flight());
+    for runner in &mut started {
+        assert_eq!(runner.stop(Duration::from_secs(30)), Some(0), "{}", runner.log());
+    }
     assert_eq!((place.depth("work").await, place.depth("work.dlq").await), (0, 0));
     broker.close().await;
 }
@@ -139,11 +150,11 @@ async fn a_poison_message_releases_or_holds_its_key<P: Place>(place: P, hold: bo
     broker.close().await;
 }
 
-async fn a_poison_message_releases_its_key<P: Place>(place: P) {
+pub async fn a_poison_message_releases_its_key<P: Place>(place: P) {
     a_poison_message_releases_or_holds_its_key(place, false).await;
 }
 
-async fn a_poison_message_holds_its_key_until_redriven<P: Place>(place: P) {
+pub async fn a_poison_message_holds_its_key_until_redriven<P: Place>(place: P) {
     a_poison_message_releases_or_holds_its_key(place, true).await;
 }
 

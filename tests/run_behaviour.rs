@@ -311,7 +311,7 @@ async fn rate_limit_spreads_calls_over_time<P: Place>(place: P) {
     assert!(spread >= Duration::from_millis(1600), "6 calls at 2/s spread over only {spread:?}");
 }
 
-async fn ordered_queue_calls_one_at_a_time_in_publish_order<P: Place>(place: P) {
+pub(crate) async fn ordered_queue_calls_one_at_a_time_in_publish_order<P: Place>(place: P) {
     // Each call stays in flight a while, so that any overlap would be seen.
     let receiver = Receiver::start(|_, _| Reply::status(200).after(Duration::from_millis(25))).await;
     let dir = webhook_pipeline(&receiver, "    ordered: true\n");

@@ -84,7 +84,7 @@ async fn a_missing_queue_is_queue_does_not_exist() {
 /// A moto of the test's own starts, serves, and is gone once dropped.
 #[tokio::test]
 async fn a_moto_of_its_own_is_killed_on_drop() {
-    let moto = support::moto::Moto::start();
+    let moto = support::moto::Emulator::moto();
     let aws = Aws::with_env("eu-west-1", Some(&moto.endpoint), support::moto::credentials()).expect("a client");
     let listed = aws.call("ListQueues", &json!({})).await.expect("ListQueues");
     assert!(listed.get("QueueUrls").is_none_or(|urls| urls.as_array().is_some_and(Vec::is_empty)), "{listed}");

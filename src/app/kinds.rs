@@ -217,7 +217,8 @@ impl Kind for SqsQueues<'_> {
     fn capabilities(&self) -> Capabilities {
         let prefix = sqs::Location::parse(self.0).map_or(sqs::DEFAULT_PREFIX.len(), |l| l.prefix.len());
         let longest = sqs::LONGEST_NAME.saturating_sub(prefix + 1);
-        Capabilities { queue_names: Some(capabilities::QueueNames { longest }), ..Self::CAPABILITIES }
+        let names = capabilities::QueueNames { longest, ordered_suffix: sqs::FIFO.len() };
+        Capabilities { queue_names: Some(names), ..Self::CAPABILITIES }
     }
 
     fn display(&self) -> String {

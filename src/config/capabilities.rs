@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::source::escape_token;
 use super::{Config, Validation};
-use crate::vocab::capabilities::{Capabilities, Ordering, QueueNames};
+use crate::vocab::capabilities::{Capabilities, QueueNames};
 
 /// One setting of a pipeline the broker cannot honour.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,10 +91,10 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
         if q.max_length.is_some() && !capabilities.max_length {
             refuse(file, format!("{base}/max_length"), "a queue bounded by max_length".into());
         }
-        if q.ordered && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
+        if q.ordered && !capabilities.orders() {
             refuse(file, format!("{base}/ordered"), "ordered queues (a single active consumer)".into());
         }
-        if q.order_by.is_some() && !capabilities.orderings.contains(&Ordering::SingleActiveConsumer) {
+        if q.order_by.is_some() && !capabilities.orders() {
             refuse(
                 file,
                 format!("{base}/order_by"),
@@ -110,14 +110,17 @@ fn refusals(capabilities: &Capabilities, config: &Config) -> Vec<Refusal> {
         }
         if let Some(names) = capabilities.queue_names {
             // At the queue's key: a dead-letter queue's name is often not written out.
+            let longest = match q.ordered || q.order_by.is_some() {
+                true => names.longest.saturating_sub(names.ordered_suffix),
+                false => names.longest,
+            };
             for name in [&q.name, &q.dead_letter] {
                 let pointer = base.clone();
                 let written = QueueNames::write(name);
-                if written.chars().count() > names.longest {
+                if written.chars().count() > longest {
                     let what = format!(
-                        "queue name \"{name}\" ({} characters as \"{written}\"; at most {} here)",
+                        "queue name \"{name}\" ({} characters as \"{written}\"; at most {longest} here)",
                         written.chars().count(),
-                        names.longest
                     );
                     refuse(file, pointer.clone(), what);
                 }
@@ -230,7 +233,11 @@ queues:
         let path = dir.path().join("p.yaml");
         let pipeline = "version: 1\nqueues:\n  orders.email:\n    handler: {command: {program: /bin/true}}\n  orders-email:\n    handler: {command: {program: /bin/true}}\n  a-long-name-of-thirty-chars-xx:\n    max_message_bytes: 300000\n    handler: {command: {program: /bin/true}}\n";
         std::fs::write(&path, pipeline).expect("write");
-        let sqs = Capabilities { largest_body: 262_144, queue_names: Some(QueueNames { longest: 30 }), ..RABBITMQ };
+        let sqs = Capabilities {
+            largest_body: 262_144,
+            queue_names: Some(QueueNames { longest: 30, ordered_suffix: 5 }),
+            ..RABBITMQ
+        };
         let mut validation = super::super::load(std::slice::from_ref(&path));
         validation.check_capabilities(&sqs);
         let messages: Vec<String> =
@@ -246,5 +253,25 @@ queues:
         assert!(!all.contains("/queues/orders.email/max_message_bytes"), "a default is lowered, not refused: {all}");
         assert!(all.contains("both \"orders-email.dlq\" and \"orders.email.dlq\""), "{all}");
         assert_eq!(messages.len(), 4, "{all}");
+    }
+    /// Issue 36: an ordered queue's name, and its dead-letter queue's, take the broker's
+    /// suffix for ordered queues more (SQS's `.fifo`); a standard queue's do not.
+    #[test]
+    fn an_ordered_queues_names_count_the_suffix() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.yaml");
+        let pipeline = "version: 1\nqueues:\n  twenty-six-characters-xxxx:\n    ordered: true\n    handler: {command: {program: /bin/true}}\n  twenty-six-characters-yyyy:\n    handler: {command: {program: /bin/true}}\n";
+        std::fs::write(&path, pipeline).expect("write");
+        let names = QueueNames { longest: 30, ordered_suffix: 5 };
+        let sqs = Capabilities { queue_names: Some(names), ..RABBITMQ };
+        let mut validation = super::super::load(std::slice::from_ref(&path));
+        validation.check_capabilities(&sqs);
+        let messages: Vec<String> = validation.diagnostics.iter().map(|d| d.message.clone()).collect();
+        let all = messages.join("\n");
+        assert!(all.contains("queue name \"twenty-six-characters-xxxx\" (26 characters"), "{all}");
+        assert!(all.contains("queue name \"twenty-six-characters-xxxx.dlq\" (30 characters"), "{all}");
+        assert!(all.contains("at most 25 here"), "{all}");
+        assert!(!all.contains("yyyy"), "a standard queue's names fit: {all}");
+        assert_eq!(messages.len(), 2, "{all}");
     }
 }

@@ -72,6 +72,19 @@ pub struct QueueDecl {
     /// can keep it tells publishers what no queue would accept.
     #[serde(skip)]
     pub max_message_bytes: Option<usize>,
+    /// Its `order_by` key, for a broker that groups a queue's messages by key itself (SQS FIFO
+    /// message groups) and so must render the key where a message is sent. The runner's
+    /// setting, not part of the declaration, as `max_message_bytes`.
+    #[serde(skip)]
+    pub order_key: Option<OrderKey>,
+}
+
+/// An `order_by` key as a broker renders it: the template's source and the format the queue
+/// reads its messages in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderKey {
+    pub template: String,
+    pub format: crate::vocab::format::Format,
 }
 
 impl QueueDecl {
@@ -88,6 +101,7 @@ impl QueueDecl {
             max_priority: None,
             arguments: BTreeMap::new(),
             max_message_bytes: None,
+            order_key: None,
         }
     }
 }
@@ -127,6 +141,7 @@ pub fn plan(config: &Config) -> Plan {
             max_priority: q.priority,
             arguments: q.arguments.clone(),
             max_message_bytes: Some(q.max_message_bytes),
+            order_key: q.order_by.as_ref().map(|o| OrderKey { template: o.key.source().to_string(), format: q.format }),
         });
         plan.queues.push(QueueDecl { kind: q.kind, ..QueueDecl::new(&q.dead_letter, Role::DeadLetter) });
         plan.bindings.extend(bindings(q));
@@ -170,6 +185,7 @@ mod tests {
                     max_priority: None,
                     arguments: Default::default(),
                     max_message_bytes: Some(crate::config::DEFAULT_MAX_MESSAGE_BYTES),
+                    order_key: None,
                 },
                 QueueDecl {
                     name: "work.dlq".into(),
@@ -182,6 +198,7 @@ mod tests {
                     max_priority: None,
                     arguments: Default::default(),
                     max_message_bytes: None,
+                    order_key: None,
                 },
             ]
         );

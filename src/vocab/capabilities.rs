@@ -10,7 +10,8 @@ use super::{ExchangeKind, QueueKind};
 pub enum Ordering {
     /// One consumer at a time receives, in queue order (`ordered: true`).
     SingleActiveConsumer,
-    /// In order per key, consumers in parallel across keys.
+    /// In order per key, consumers in parallel across keys (SQS FIFO message groups): the
+    /// broker keeps `ordered` (one key) and `order_by` across runners by itself.
     PerKey,
 }
 
@@ -31,6 +32,17 @@ pub enum HandBack {
 pub struct QueueNames {
     /// The most characters of a queue's name as written, its deployment's prefix left out.
     pub longest: usize,
+    /// How many of those an ordered queue's name (`ordered`, `order_by`) and its dead-letter
+    /// queue's take more (SQS's `.fifo`).
+    pub ordered_suffix: usize,
+}
+
+impl Capabilities {
+    /// Whether it keeps a queue's order (`ordered`, `order_by`) across runners, one way or the
+    /// other.
+    pub fn orders(&self) -> bool {
+        !self.orderings.is_empty()
+    }
 }
 
 impl QueueNames {

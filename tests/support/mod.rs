@@ -480,12 +480,14 @@ impl Place for NatsPrefix {
     }
 }
 
-/// A name prefix of its own on the suite's SQS emulator (moto), for one test: every queue
-/// under it is deleted on drop.
+/// A name prefix of its own on the suite's SQS emulator (moto) or another, for one test: every
+/// queue under it is deleted on drop.
 pub struct SqsPrefix {
     pub prefix: String,
     /// Extra URL parameters (`&lease=3s`).
     pub params: String,
+    /// The emulator's endpoint.
+    pub endpoint: String,
 }
 
 impl SqsPrefix {
@@ -496,9 +498,18 @@ impl SqsPrefix {
 
     /// A prefix with extra URL parameters; fails (never skips) when the emulator is down.
     pub fn with(params: &str) -> SqsPrefix {
-        moto::require_sqs();
+        SqsPrefix::on(&moto::require_sqs(), params)
+    }
+
+    /// A prefix on the emulator at `endpoint` (one of the test's own), with extra URL
+    /// parameters.
+    pub fn on(endpoint: &str, params: &str) -> SqsPrefix {
         let id = uuid::Uuid::now_v7().simple().to_string();
-        SqsPrefix { prefix: format!("t{}", &id[id.len() - 16..]), params: params.to_string() }
+        SqsPrefix {
+            prefix: format!("t{}", &id[id.len() - 16..]),
+            params: params.to_string(),
+            endpoint: endpoint.into(),
+        }
     }
 }
 
@@ -522,7 +533,7 @@ impl Place for SqsPrefix {
     type Broker = sluice::broker::sqs::Sqs;
 
     fn url(&self) -> String {
-        format!("sqs://us-east-1/{}?endpoint={}{}", self.prefix, moto::sqs_endpoint(), self.params)
+        format!("sqs://us-east-1/{}?endpoint={}{}", self.prefix, self.endpoint, self.params)
     }
 
     async fn connect(&self) -> Self::Broker {
@@ -890,14 +901,14 @@ pub fn idempotent_pipeline(receiver: &Receiver, concurrency: u32) -> tempfile::T
     webhook_pipeline(receiver, &format!("    concurrency: {concurrency}\n    idempotency: {{ttl: 1h}}\n"))
 }
 
-/// Whether `place`'s broker lacks single active consumer, in which case `validate --broker`
+/// Whether `place`'s broker keeps no order across runners (no single active consumer, no
+/// order per key), in which case `validate --broker`
 /// has been checked to refuse the pipeline in `dir` at `setting` (`ordered`, `order_by`)
 /// before anything runs: a body that needs the capability ends there on such a broker.
 pub async fn refused_without_single_active_consumer<P: Place>(place: &P, dir: &Path, setting: &str) -> bool {
     use sluice::broker::Broker as _;
-    use sluice::broker::capabilities::Ordering;
     let broker = place.connect().await;
-    let lacks = !broker.capabilities().orderings.contains(&Ordering::SingleActiveConsumer);
+    let lacks = !broker.capabilities().orders();
     broker.close().await;
     if lacks {
         let path = dir.to_str().expect("utf-8");

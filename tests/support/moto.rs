@@ -1,6 +1,7 @@
-//! moto, the AWS emulator the SQS tests run against (issue 36): the shared one at
+//! The AWS emulators the SQS tests run against (issue 36): moto, the shared one at
 //! [`sqs_endpoint`] (`.ci/run` starts it on 127.0.0.1:5000; `SLUICE_TEST_SQS_ENDPOINT` names
-//! another), or a [`Moto`] of a test's own, killed when it drops. moto takes any credentials.
+//! another), or an [`Emulator`] of a test's own, moto or LocalStack, killed when it drops.
+//! Both take any credentials.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::process::{Child, Command, Stdio};
@@ -51,44 +52,88 @@ fn address(endpoint: &str) -> SocketAddr {
         .unwrap_or_else(|| panic!("SQS endpoint {endpoint:?}: {host} has no address"))
 }
 
-/// A moto server of one test's own on a free port, killed on drop.
-pub struct Moto {
+/// Where `.ci/run` installs LocalStack (`localstack-core`, in a Python 3.13 virtualenv) unless
+/// `SLUICE_TEST_LOCALSTACK_PYTHON` names another interpreter that has it.
+pub const LOCALSTACK_PYTHON: &str = "/opt/localstack-venv/bin/python";
+
+/// An AWS emulator of one test's own on a free port, killed on drop: moto, or LocalStack (the
+/// second oracle: its own SQS, whose FIFO message groups hold across concurrent receives).
+pub struct Emulator {
     /// `http://127.0.0.1:PORT`.
     pub endpoint: String,
     child: Child,
     /// Its output, quoted when it does not start.
     log: tempfile::NamedTempFile,
+    /// LocalStack's files.
+    _data: Option<tempfile::TempDir>,
 }
 
-impl Moto {
+impl Emulator {
     /// Starts `moto_server` and waits until it takes connections (it starts in about a second).
-    pub fn start() -> Moto {
+    pub fn moto() -> Emulator {
         let port = super::free_port();
+        let mut command = Command::new("moto_server");
+        command.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+        let how = "install it with `pip install 'moto[server]'`";
+        Emulator::start(command, port, None, how, |_| true)
+    }
+
+    /// Starts LocalStack in host mode, SQS only, and waits until it says it is ready (about 2 s
+    /// here; its first start after an install takes longer).
+    pub fn localstack() -> Emulator {
+        let port = super::free_port();
+        let data = tempfile::tempdir().expect("LocalStack's directory");
+        let python = std::env::var("SLUICE_TEST_LOCALSTACK_PYTHON").unwrap_or_else(|_| LOCALSTACK_PYTHON.into());
+        let mut command = Command::new(python);
+        command
+            .args(["-m", "localstack.runtime.main"])
+            .env("GATEWAY_LISTEN", format!("127.0.0.1:{port}"))
+            .env("SERVICES", "sqs")
+            .env("EAGER_SERVICE_LOADING", "1")
+            .env("DNS_ADDRESS", "0")
+            .env("SKIP_SSL_CERT_DOWNLOAD", "1")
+            .env("DISABLE_EVENTS", "1")
+            .env("FILESYSTEM_ROOT", data.path());
+        let how = "install it as .ci/run does (localstack-core in a Python 3.13 virtualenv), or name its python in \
+                   SLUICE_TEST_LOCALSTACK_PYTHON";
+        Emulator::start(command, port, Some(data), how, |log| log.lines().any(|l| l.trim() == "Ready."))
+    }
+
+    /// Runs `command` and waits until it takes connections on `port` and `ready` says so of
+    /// its output.
+    fn start(
+        mut command: Command,
+        port: u16,
+        data: Option<tempfile::TempDir>,
+        how: &str,
+        ready: impl Fn(&str) -> bool,
+    ) -> Emulator {
         let log = tempfile::NamedTempFile::new().expect("a log file");
         let output = || Stdio::from(log.reopen().expect("the log file"));
-        let child = Command::new("moto_server")
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        let child = command
             .stdin(Stdio::null())
             .stdout(output())
             .stderr(output())
             .spawn()
-            .unwrap_or_else(|e| panic!("moto_server does not run ({e}): install it with `pip install 'moto[server]'`"));
-        let mut moto = Moto { endpoint: format!("http://127.0.0.1:{port}"), child, log };
-        let address = address(&moto.endpoint);
+            .unwrap_or_else(|e| panic!("{:?} does not run ({e}): {how}", command.get_program()));
+        let mut emulator = Emulator { endpoint: format!("http://127.0.0.1:{port}"), child, log, _data: data };
+        let address = address(&emulator.endpoint);
         let start = Instant::now();
-        while TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_err() {
-            let exited = moto.child.try_wait().ok().flatten();
-            if exited.is_some() || start.elapsed() > Duration::from_secs(30) {
-                let log = std::fs::read_to_string(moto.log.path()).unwrap_or_default();
-                panic!("moto_server on port {port} did not start ({exited:?}): {log}");
+        loop {
+            let output = std::fs::read_to_string(emulator.log.path()).unwrap_or_default();
+            if TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_ok() && ready(&output) {
+                return emulator;
+            }
+            let exited = emulator.child.try_wait().ok().flatten();
+            if exited.is_some() || start.elapsed() > Duration::from_secs(60) {
+                panic!("{:?} on port {port} did not start ({exited:?}; {how}): {output}", command.get_program());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        moto
     }
 }
 
-impl Drop for Moto {
+impl Drop for Emulator {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -1,4 +1,4 @@
-//! The Amazon SQS broker: the [`Broker`] trait on SQS standard queues, through the SQS JSON
+//! The Amazon SQS broker: the [`Broker`] trait on SQS standard and FIFO queues, through the SQS JSON
 //! protocol over our own HTTP client ([`aws`]). Many processes on many hosts share one
 //! deployment (a name prefix in one account and region).
 //!
@@ -22,12 +22,26 @@
 //!   sluice's header, not SQS's receive count. Every work queue has a redrive policy to its
 //!   dead-letter queue (`maxReceiveCount` [`MAX_RECEIVES`]) only as a safety net for a message
 //!   that kills its runner; it lands there with the reason `delivery_limit`.
+//! - An ordered queue (`ordered`, `order_by`: a declaration with a single active consumer) is
+//!   a FIFO queue, `PREFIX-NAME.fifo`, and so is its dead-letter queue (SQS redrives a FIFO
+//!   queue only to a FIFO queue). A message's group (`MessageGroupId`) is its `order_by` key,
+//!   rendered by whoever sends it from the template the queue's tags keep, or one group for
+//!   `ordered`; SQS then hands out a group's messages in order, none while one of them is held,
+//!   so per-key order holds across runners. A delayed copy keeps its original's group; a
+//!   dead-letter copy is a group of its own (a browse holding a group's first messages would
+//!   never see the rest), and so is a redriven one (its key may be held for it by a runner
+//!   holding the key's next message, which SQS would not let it pass). Its
+//!   deduplication id is the message id on a publish (a send repeated within SQS's 5 minutes is
+//!   dropped), a fresh one on a copy (a redrive is the same message again). SQS takes no delay
+//!   per message there: a delayed copy is sent at once with its due time and held by the
+//!   consumer that receives it, its group waiting behind it (an `order_by` retry never is a
+//!   copy: it waits in the runner, holding its key).
 //! - sluice's properties ride in one message attribute, `sluice`; a body SQS cannot carry as
 //!   text (not UTF-8, or characters SQS refuses) goes base64 with the attribute `sluice-body`.
 //!   A message of another producer is read as it is: its attributes are its headers, its SQS
 //!   id its message id.
 //!
-//! URL: `sqs://REGION[/PREFIX][?endpoint=http://HOST:PORT&lease=DUR]`; credentials from the
+//! URL: `sqs://REGION[/PREFIX][?endpoint=http://HOST:PORT&lease=DUR&hop=DUR]`; credentials from the
 //! standard AWS chain ([`aws`]).
 
 pub mod aws;
@@ -72,11 +86,12 @@ pub const LONG_POLL: Duration = Duration::from_secs(2);
 /// dead-letter queue (a message that kills its runner each time): RabbitMQ's delivery limit.
 pub const MAX_RECEIVES: i64 = super::amqp::DELIVERY_LIMIT;
 
-/// Amazon SQS (standard queues): a copy waits at most 15 minutes (longer delays in hops);
-/// bodies up to 256 KiB (the message with its attributes; send a reference to a larger blob
-/// kept elsewhere); no bound on a queue, no priorities, no expiry, no broker arguments, no
-/// single active consumer. sluice routes every exchange kind itself. SQS does not know a
-/// queue's consumers, and delivers in no strict order.
+/// Amazon SQS: a copy waits at most 15 minutes (longer delays in hops); bodies up to 256 KiB
+/// (the message with its attributes; send a reference to a larger blob kept elsewhere); no
+/// bound on a queue, no priorities, no expiry, no broker arguments, no single active
+/// consumer: order per key (FIFO queues' message groups) instead. sluice routes every exchange
+/// kind itself. SQS does not know a queue's consumers; a standard queue delivers in no strict
+/// order.
 pub const CAPABILITIES: Capabilities = Capabilities {
     name: BROKER,
     longest_delay: Some(LONGEST_DELAY),
@@ -86,7 +101,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     max_length: false,
     queue_types: QueueKind::ALL,
     exchange_kinds: ExchangeKind::ALL,
-    orderings: &[],
+    orderings: &[crate::vocab::capabilities::Ordering::PerKey],
     arguments: false,
     hand_back: HandBack::PerMessage,
     leases: true,
@@ -96,7 +111,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     atomic_copy_and_remove: false,
     admits_past_max_length: 0,
     // Under the default prefix; each deployment's own is its `Kind`'s.
-    queue_names: Some(QueueNames { longest: LONGEST_NAME - DEFAULT_PREFIX.len() - 1 }),
+    queue_names: Some(QueueNames { longest: LONGEST_NAME - DEFAULT_PREFIX.len() - 1, ordered_suffix: FIFO.len() }),
     counts_consumers: false,
     counts_waiting_consumers: false,
 };
@@ -106,6 +121,12 @@ pub const LONGEST_DELAY: Duration = Duration::from_secs(900);
 
 /// The most characters of an SQS queue name.
 pub const LONGEST_NAME: usize = 80;
+
+/// How a FIFO queue's name ends.
+pub const FIFO: &str = ".fifo";
+
+/// The most characters of a FIFO message's group and deduplication ids.
+const LONGEST_ID: usize = 128;
 
 /// How long SQS keeps a message (its longest): a message never handled is deleted after it.
 const RETENTION: Duration = Duration::from_secs(14 * 24 * 3600);
@@ -150,10 +171,13 @@ pub struct Location {
     pub prefix: String,
     pub endpoint: Option<String>,
     pub lease: Duration,
+    /// The longest one delayed copy is sent to wait ([`LONGEST_DELAY`] unless `?hop=` lowers
+    /// it: tests serve a long delay in many short hops so).
+    pub hop: Duration,
 }
 
 impl Location {
-    /// Parses `sqs://REGION[/PREFIX][?endpoint=URL&lease=DUR]`.
+    /// Parses `sqs://REGION[/PREFIX][?endpoint=URL&lease=DUR&hop=DUR]`.
     pub fn parse(url: &str) -> Result<Location, BrokerError> {
         let bad = |reason: String| BrokerError::Connect { url: url.into(), reason: reason.into() };
         let rest = url.strip_prefix("sqs://").ok_or_else(|| bad("expected sqs://REGION[/PREFIX]".into()))?;
@@ -169,7 +193,8 @@ impl Location {
         {
             return Err(bad(format!("prefix {prefix:?}: expected 1 to 40 letters, digits, - or _")));
         }
-        let mut location = Location { region: region.into(), prefix: prefix.into(), endpoint: None, lease: LEASE };
+        let mut location =
+            Location { region: region.into(), prefix: prefix.into(), endpoint: None, lease: LEASE, hop: LONGEST_DELAY };
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("endpoint", value)) if value.starts_with("http://") || value.starts_with("https://") => {
@@ -183,15 +208,26 @@ impl Location {
                         .filter(|d| *d >= Duration::from_secs(3) && *d <= Duration::from_secs(12 * 3600))
                         .ok_or_else(|| bad(format!("lease={value}: expected a duration from 3s to 12h, e.g. 30s")))?;
                 }
-                _ => return Err(bad(format!("unknown parameter {pair:?}: expected endpoint or lease"))),
+                Some(("hop", value)) => {
+                    location.hop = crate::vocab::parse_duration(value)
+                        .filter(|d| *d >= Duration::from_secs(1) && *d <= LONGEST_DELAY && d.subsec_nanos() == 0)
+                        .ok_or_else(|| bad(format!("hop={value}: expected whole seconds from 1s to 15m, e.g. 2s")))?;
+                }
+                _ => return Err(bad(format!("unknown parameter {pair:?}: expected endpoint, lease or hop"))),
             }
         }
         Ok(location)
     }
 
-    /// The SQS name of sluice's queue `queue`.
+    /// The SQS name of sluice's queue `queue` (a standard queue's).
     pub fn queue_name(&self, queue: &str) -> String {
         format!("{}-{}", self.prefix, fold(queue))
+    }
+
+    /// The SQS name of sluice's queue `queue`, a FIFO queue's when `fifo`.
+    fn name_of(&self, queue: &str, fifo: bool) -> String {
+        let name = self.queue_name(queue);
+        if fifo { name + FIFO } else { name }
     }
 
     /// The lease in whole seconds, as SQS takes it (rounded up).
@@ -209,13 +245,78 @@ fn fold(name: &str) -> String {
 /// queue's SQS name.
 pub fn picture(plan: &Plan, location: &Location) -> Picture {
     let title = format!(
-        "the SQS broker in {}, names under {:?} (a standard queue for each queue; sluice routes on publish, bindings kept in the queues' tags; lease {}s)",
+        "the SQS broker in {}, names under {:?} (a standard queue for each queue, a FIFO queue for an ordered one and its dead-letter queue, grouped by its order_by key; sluice routes on publish, bindings kept in the queues' tags; lease {}s)",
         location.region,
         location.prefix,
         location.lease_seconds()
     );
-    let delays = "delays: a retry is a copy sent with DelaySeconds (at most 15 minutes: longer delays are served in hops), held by its consumer for the last second".to_string();
-    declaration::picture(plan, BROKER, title, delays, |q| Some(("sqs queue", format!("{:?}", location.queue_name(q)))))
+    let delays = "delays: a retry is a copy sent with DelaySeconds (at most 15 minutes: longer delays are served in hops), held by its consumer for the last second; on a FIFO queue, which takes no delay per message, an order_by retry waits in the runner, and another delayed copy is sent at once and held by its consumer until due".to_string();
+    let fifo = fifo_queues(plan);
+    declaration::picture(plan, BROKER, title, delays, |q| {
+        Some(("sqs queue", format!("{:?}", location.name_of(q, fifo.contains_key(q)))))
+    })
+}
+
+/// How the messages of a FIFO queue are grouped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Grouping {
+    /// All in one group: an `ordered` queue, a dead-letter queue (what a producer of another
+    /// kind sends there).
+    One,
+    /// By the `order_by` key the template renders over a message read in the format.
+    Key { template: String, format: String },
+}
+
+impl Grouping {
+    /// The group of a message sent to `queue`: its `order_by` key as SQS takes it, or the one
+    /// group.
+    fn group(&self, queue: &str, message: &Carried) -> String {
+        let Grouping::Key { template, format } = self else { return ONE_GROUP.into() };
+        let key = crate::vocab::format::Format::parse(format).and_then(|format| {
+            let key = crate::topology::OrderKey { template: template.clone(), format };
+            let delivery = Kept::standalone(message.body.clone(), message.properties.clone());
+            crate::call::order_key_of(&key, queue, &delivery)
+        });
+        // One whose key does not render is dead-lettered by its runner: a group of its own.
+        sqs_id(&key.unwrap_or_else(|| message.properties.message_id.clone().unwrap_or_default()))
+    }
+}
+
+/// The group of an ordered queue's messages, and of a copy whose original had none.
+const ONE_GROUP: &str = "sluice";
+
+/// `text` as a FIFO message's group or deduplication id takes it (at most 128 characters,
+/// letters, digits and ASCII punctuation), else its digest.
+fn sqs_id(text: &str) -> String {
+    let fits = !text.is_empty() && text.len() <= LONGEST_ID && text.chars().all(|c| c.is_ascii_graphic());
+    if fits { text.to_string() } else { crate::format::sha256_id(text.as_bytes()) }
+}
+
+/// A deduplication id of its own for a copy.
+fn fresh_id(message: &Carried) -> String {
+    static COPIES: AtomicU64 = AtomicU64::new(0);
+    let id = message.properties.message_id.as_deref().unwrap_or_default();
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let copy = COPIES.fetch_add(1, Ordering::SeqCst);
+    crate::format::sha256_id(format!("{id} {} {nanos} {copy}", std::process::id()).as_bytes())
+}
+
+/// The FIFO queues of `plan`, by name: its ordered work queues (single active consumer) and
+/// their dead-letter queues.
+fn fifo_queues(plan: &Plan) -> HashMap<String, Grouping> {
+    let mut fifo = HashMap::new();
+    for q in plan.queues.iter().filter(|q| q.role == Role::Work && q.single_active_consumer) {
+        let grouping = match &q.order_key {
+            Some(k) => Grouping::Key { template: k.template.clone(), format: k.format.name().into() },
+            None => Grouping::One,
+        };
+        fifo.insert(q.name.clone(), grouping);
+        if let Some(dlq) = &q.dead_letter {
+            fifo.insert(dlq.clone(), Grouping::One);
+        }
+    }
+    fifo
 }
 
 /// What a queue's tags record of it: its declaration, body limit, bindings, and the
@@ -227,6 +328,9 @@ struct Record {
     limit: Option<u64>,
     bindings: Vec<String>,
     exchanges: BTreeMap<String, String>,
+    /// A FIFO queue's grouping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fifo: Option<Grouping>,
 }
 
 impl Record {
@@ -275,6 +379,11 @@ impl Stored {
         self.queues.get(&b.queue).is_some_and(|r| r.bindings.contains(&text))
     }
 
+    fn routes(&self) -> Routes {
+        let fifo = self.queues.iter().filter_map(|(name, r)| Some((name.clone(), r.fifo.clone()?))).collect();
+        Routes { topology: self.topology(), fifo }
+    }
+
     fn topology(&self) -> Topology {
         let mut exchanges = HashMap::new();
         let mut bindings = Vec::new();
@@ -297,6 +406,12 @@ impl Stored {
 
 /// The topology as last read.
 type Topology = topology::Topology<()>;
+
+/// What a publish reads: the topology, and the FIFO queues' groupings by name.
+struct Routes {
+    topology: Topology,
+    fifo: HashMap<String, Grouping>,
+}
 
 /// An AWS error as the broker's: a missing queue is [`BrokerError::NotFound`]; anything else
 /// may pass on a retry.
@@ -321,7 +436,7 @@ struct Inner {
     /// Queue URLs by sluice name.
     urls: Mutex<HashMap<String, String>>,
     /// The topology last read, and when.
-    topology: Mutex<Option<(tokio::time::Instant, Arc<Topology>)>>,
+    topology: Mutex<Option<(tokio::time::Instant, Arc<Routes>)>>,
     /// Whether the last request was answered.
     answered: AtomicBool,
     closed: AtomicBool,
@@ -442,14 +557,14 @@ impl Sqs {
         Ok(stored)
     }
 
-    /// The topology, read at most [`TOPOLOGY_FRESH`] ago.
-    async fn topology(&self) -> Result<Arc<Topology>, BrokerError> {
+    /// The topology and groupings, read at most [`TOPOLOGY_FRESH`] ago.
+    async fn routes(&self) -> Result<Arc<Routes>, BrokerError> {
         if let Some((read, t)) = lock(&self.inner.topology).as_ref()
             && read.elapsed() < TOPOLOGY_FRESH
         {
             return Ok(t.clone());
         }
-        let t = Arc::new(self.stored().await?.topology());
+        let t = Arc::new(self.stored().await?.routes());
         *lock(&self.inner.topology) = Some((tokio::time::Instant::now(), t.clone()));
         Ok(t)
     }
@@ -464,18 +579,19 @@ impl Sqs {
         if let Some(url) = lock(&self.inner.urls).get(queue) {
             return Ok(url.clone());
         }
-        let name = self.inner.location.queue_name(queue);
-        match self.call("GetQueueUrl", &json!({"QueueName": name})).await {
-            Ok(answer) => {
-                let url = answer.get("QueueUrl").and_then(Value::as_str).unwrap_or_default().to_string();
-                lock(&self.inner.urls).insert(queue.into(), url.clone());
-                Ok(url)
+        for fifo in [false, true] {
+            let name = self.inner.location.name_of(queue, fifo);
+            match self.call("GetQueueUrl", &json!({"QueueName": name})).await {
+                Ok(answer) => {
+                    let url = answer.get("QueueUrl").and_then(Value::as_str).unwrap_or_default().to_string();
+                    lock(&self.inner.urls).insert(queue.into(), url.clone());
+                    return Ok(url);
+                }
+                Err(AwsError::Service { code, .. }) if code == "QueueDoesNotExist" => {}
+                Err(e) => return Err(failed("finding a queue", e)),
             }
-            Err(AwsError::Service { code, .. }) if code == "QueueDoesNotExist" => {
-                Err(self.topology().await?.missing("queue", queue, PLACE))
-            }
-            Err(e) => Err(failed("finding a queue", e)),
         }
+        Err(self.routes().await?.topology.missing("queue", queue, PLACE))
     }
 
     /// A queue's attribute `name`, as a number.
@@ -497,7 +613,7 @@ impl Sqs {
     /// Makes `q`'s queue with `record` in its tags, or brings an existing one's tags and
     /// settings up to date; its URL.
     async fn make_queue(&self, q: &QueueDecl, record: &Record) -> Result<String, BrokerError> {
-        let name = self.inner.location.queue_name(&q.name);
+        let name = self.inner.location.name_of(&q.name, record.fifo.is_some());
         let mut tags = record.tags();
         tags.insert(TAG_DEPLOYMENT.into(), self.inner.location.prefix.clone());
         tags.insert(TAG_QUEUE.into(), q.name.clone());
@@ -511,6 +627,11 @@ impl Sqs {
         let url = match self.call("GetQueueUrl", &json!({"QueueName": name})).await {
             Ok(answer) => answer.get("QueueUrl").and_then(Value::as_str).unwrap_or_default().to_string(),
             Err(AwsError::Service { code, .. }) if code == "QueueDoesNotExist" => {
+                let mut attributes = attributes;
+                if record.fifo.is_some() {
+                    // Set once, when the queue is made: SQS cannot change it.
+                    attributes["FifoQueue"] = Value::String("true".into());
+                }
                 let input = json!({"QueueName": name, "Attributes": attributes, "tags": tags});
                 let made = self.call("CreateQueue", &input).await.map_err(|e| failed(&context, e))?;
                 let url = made.get("QueueUrl").and_then(Value::as_str).unwrap_or_default().to_string();
@@ -559,9 +680,17 @@ impl Sqs {
         Ok(answer.pointer(&format!("/Attributes/{name}")).and_then(Value::as_str).unwrap_or_default().to_string())
     }
 
-    /// Sends one copy of `message` into `queue`, no sooner than `delay` from now;
-    /// `exchange` names where a refusal came from.
-    async fn send(&self, queue: &str, exchange: &str, message: &Carried, delay: Duration) -> Result<(), BrokerError> {
+    /// Sends one copy of `message` into `queue`, no sooner than `delay` from now (a standard
+    /// queue), or with its group and deduplication id (a FIFO queue, which takes no delay per
+    /// message); `exchange` names where a refusal came from.
+    async fn send(
+        &self,
+        queue: &str,
+        exchange: &str,
+        message: &Carried,
+        delay: Duration,
+        fifo: Option<(String, String)>,
+    ) -> Result<(), BrokerError> {
         let url = self.url(queue).await?;
         let mut attributes = json!({PROPERTIES: {"DataType": "String", "StringValue": message.properties_json()}});
         let body = match std::str::from_utf8(&message.body) {
@@ -571,8 +700,14 @@ impl Sqs {
                 base64::engine::general_purpose::STANDARD.encode(&message.body)
             }
         };
-        let delay_seconds = delay.min(LONGEST_DELAY).as_secs();
-        let input = json!({"QueueUrl": url, "MessageBody": body, "DelaySeconds": delay_seconds, "MessageAttributes": attributes});
+        let mut input = json!({"QueueUrl": url, "MessageBody": body, "MessageAttributes": attributes});
+        match fifo {
+            Some((group, deduplication)) => {
+                input["MessageGroupId"] = Value::String(group);
+                input["MessageDeduplicationId"] = Value::String(deduplication);
+            }
+            None => input["DelaySeconds"] = json!(delay.min(self.inner.location.hop).as_secs()),
+        }
         match self.call("SendMessage", &input).await {
             Ok(_) => Ok(()),
             Err(AwsError::Service { code, message, .. })
@@ -654,6 +789,7 @@ impl Sqs {
         ));
         let claimer = SqsClaimer {
             broker: self.clone(),
+            fifo: url.ends_with(FIFO),
             url,
             wake: Arc::new(Notify::new()),
             renewal: Renewal::new(self.inner.location.lease),
@@ -758,6 +894,8 @@ struct SqsClaimer {
     /// Its queue is a dead-letter queue: a message there without sluice's reason was moved by
     /// SQS's redrive policy.
     dead_letters: bool,
+    /// Its queue is a FIFO queue.
+    fifo: bool,
 }
 
 impl SqsClaimer {
@@ -806,6 +944,20 @@ impl SqsClaimer {
             let asks = (0..left.div_ceil(BATCH).min(RECEIVES - 1))
                 .map(|i| ask((left - i * BATCH).min(BATCH), 0))
                 .collect::<Vec<_>>();
+            if self.fifo {
+                // One after the other: a group's messages are handed out in order, and a
+                // receive answered later must not be read first.
+                for a in &asks {
+                    let more =
+                        messages(self.broker.call("ReceiveMessage", a).await.map_err(|e| failed("receiving", e))?);
+                    let full = more.len() == BATCH;
+                    received.extend(more);
+                    if !full {
+                        break;
+                    }
+                }
+                return Ok(received);
+            }
             let more = futures_util::future::join_all(asks.iter().map(|a| self.broker.call("ReceiveMessage", a))).await;
             for answer in more {
                 received.extend(messages(answer.map_err(|e| failed("receiving", e))?));
@@ -837,7 +989,8 @@ impl SqsClaimer {
             );
         }
         let number = s.own.next.fetch_add(1, Ordering::SeqCst);
-        Some((Kept::whole(Tag { number, receipt }, body, properties, s.live.clone()), due))
+        let group = m.pointer("/Attributes/MessageGroupId").and_then(Value::as_str).map(str::to_string);
+        Some((Kept::whole(Tag { number, receipt, group }, body, properties, s.live.clone()), due))
     }
 }
 
@@ -942,6 +1095,8 @@ async fn hand_back(broker: &Sqs, s: &ConsumerState, ids: Vec<u64>) {
 pub struct Tag {
     number: u64,
     receipt: String,
+    /// Its FIFO queue's message group.
+    group: Option<String>,
 }
 
 /// A delivery from the SQS broker.
@@ -1017,10 +1172,18 @@ impl Broker for Sqs {
                 format!("{what} \"{name}\" conflicts with what exists: {detail}").into(),
             ));
         }
+        let fifo = fifo_queues(plan);
+        let changes_kind =
+            |q: &&QueueDecl| stored.queues.get(&q.name).is_some_and(|r| r.fifo.is_some() != fifo.contains_key(&q.name));
+        if let Some(q) = plan.queues.iter().find(changes_kind) {
+            let detail = "SQS cannot turn a standard queue into a FIFO queue (an ordered queue's, or its dead-letter queue's) or back; delete it first, or keep its ordering";
+            return Err(BrokerError::Conflict(format!("queue \"{}\": {detail}", q.name).into()));
+        }
         let mut queues: Vec<&QueueDecl> = plan.queues.iter().collect();
         queues.sort_by_key(|q| q.role != Role::DeadLetter);
         for q in queues {
             let mut record = stored.queues.get(&q.name).cloned().unwrap_or_default();
+            record.fifo = fifo.get(&q.name).cloned();
             if record.declaration.is_empty() {
                 record.declaration = serde_json::to_string(q)
                     .map_err(|e| BrokerError::Conflict(format!("queue \"{}\": {e}", q.name).into()))?;
@@ -1063,8 +1226,23 @@ impl Broker for Sqs {
             Target::Queue(_) | Target::DeadLetter(_) => (None, Duration::ZERO),
         };
         let copy = Carried { body: original.body.clone(), properties: original.copied_properties(edits), due };
+        let routes = self.routes().await?;
+        let fifo = routes.fifo.get(target.queue()).map(|grouping| {
+            let id = fresh_id(&copy);
+            let group = match (&target, &original.tag.group) {
+                (Target::Later { .. }, Some(group)) => group.clone(),
+                (Target::Later { .. }, None) => grouping.group(target.queue(), &copy),
+                // A redrive is a group of its own: its key may be held by the runner for it
+                // (`on_dead_letter: hold`), that key's next message in flight meanwhile,
+                // which SQS would not let it pass in its key's group. So is a dead letter:
+                // a dead-letter queue is read by browsing, which a group's first messages,
+                // held, would keep from the rest.
+                (Target::Queue(_) | Target::DeadLetter(_), _) => id.clone(),
+            };
+            (group, id)
+        });
         // Whole seconds, rounded down: the rest is held by the consumer that receives it.
-        self.send(target.queue(), "", &copy, Duration::from_secs(delay.as_secs())).await
+        self.send(target.queue(), "", &copy, Duration::from_secs(delay.as_secs()), fifo).await
     }
 
     async fn consume(&self, queue: &str, credit: Credit) -> Result<(SqsDeliveries, SqsConsumer), BrokerError> {
@@ -1092,8 +1270,9 @@ impl Broker for Sqs {
         Ok(u32::try_from(total).unwrap_or(u32::MAX))
     }
 
+    /// [`CAPABILITIES`], with the deployment's hop.
     fn capabilities(&self) -> crate::broker::Capabilities {
-        CAPABILITIES
+        crate::broker::Capabilities { longest_delay: Some(self.inner.location.hop), ..CAPABILITIES }
     }
 
     fn is_connected(&self) -> bool {
@@ -1107,11 +1286,6 @@ impl Broker for Sqs {
 
 /// Why this broker refuses a queue's declaration, if it does.
 fn refused(q: &QueueDecl) -> Option<String> {
-    if q.single_active_consumer {
-        return Some(format!(
-            "single_active_consumer: {BROKER} cannot honour it (standard queues have no single consumer); remove ordered: or order_by:, or run on RabbitMQ"
-        ));
-    }
     if q.max_length.is_some() {
         return Some(format!("max_length: {BROKER} cannot bound a queue; remove it or run on RabbitMQ"));
     }
@@ -1121,11 +1295,15 @@ fn refused(q: &QueueDecl) -> Option<String> {
 impl Publish for Sqs {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
         let (body, properties) = kept::published(BROKER, exchange, routing_key, message)?;
-        let t = self.topology().await?;
-        let targets = t.route(exchange, routing_key, &properties.headers, PLACE)?;
+        let routes = self.routes().await?;
+        let targets = routes.topology.route(exchange, routing_key, &properties.headers, PLACE)?;
         let message = Carried { body, properties, due: None };
         for queue in &targets {
-            self.send(queue, exchange, &message, Duration::ZERO).await?;
+            let fifo = routes.fifo.get(queue).map(|grouping| {
+                let id = message.properties.message_id.as_deref().map(sqs_id);
+                (grouping.group(queue, &message), id.unwrap_or_else(|| fresh_id(&message)))
+            });
+            self.send(queue, exchange, &message, Duration::ZERO, fifo).await?;
         }
         Ok(())
     }
@@ -1136,7 +1314,7 @@ impl Publish for Sqs {
         routing_key: &str,
         headers: &Headers,
     ) -> Result<Option<BodyLimits>, BrokerError> {
-        Ok(Some(self.topology().await?.body_limits(exchange, routing_key, headers, PLACE)?))
+        Ok(Some(self.routes().await?.topology.body_limits(exchange, routing_key, headers, PLACE)?))
     }
 }
 
@@ -1174,14 +1352,23 @@ mod tests {
 
     #[test]
     fn a_url_gives_its_region_prefix_and_parameters() {
-        let l = Location::parse("sqs://us-east-1/shop?endpoint=http://127.0.0.1:5000&lease=10s").expect("parse");
+        let l = Location::parse("sqs://us-east-1/shop?endpoint=http://127.0.0.1:5000&lease=10s&hop=2s").expect("parse");
+        assert_eq!(l.hop, Duration::from_secs(2));
         assert_eq!((l.region.as_str(), l.prefix.as_str()), ("us-east-1", "shop"));
         assert_eq!((l.endpoint.as_deref(), l.lease), (Some("http://127.0.0.1:5000"), Duration::from_secs(10)));
         let plain = Location::parse("sqs://eu-west-2").expect("parse");
         assert_eq!((plain.prefix.as_str(), plain.endpoint, plain.lease), (DEFAULT_PREFIX, None, LEASE));
-        for bad in
-            ["sqs://", "sqs://US/x", "sqs://r/a.b", "sqs://r?lease=1s", "sqs://r?x=1", "sqs://r?endpoint=ftp://h"]
-        {
+        assert_eq!(plain.hop, LONGEST_DELAY);
+        for bad in [
+            "sqs://",
+            "sqs://US/x",
+            "sqs://r/a.b",
+            "sqs://r?lease=1s",
+            "sqs://r?x=1",
+            "sqs://r?endpoint=ftp://h",
+            "sqs://r?hop=16m",
+            "sqs://r?hop=1500ms",
+        ] {
             assert!(Location::parse(bad).is_err(), "{bad}");
         }
         assert_eq!(l.queue_name("orders.email:v2"), "shop-orders-email-v2");
@@ -1194,12 +1381,56 @@ mod tests {
             limit: Some(10),
             bindings: (0..30).map(|i| format!(r#"{{"exchange":"ev","queue":"q","routing_key":"k{i}"}}"#)).collect(),
             exchanges: [("ev".to_string(), "topic".to_string())].into(),
+            fifo: Some(Grouping::Key { template: "{{payload.k}}".into(), format: "json".into() }),
         };
         let tags = record.tags();
         assert!(tags.len() > 1 && tags.values().all(|v| v.len() <= TAG_CHARS), "{tags:?}");
         let map: serde_json::Map<String, Value> = tags.into_iter().map(|(k, v)| (k, Value::String(v))).collect();
         assert_eq!(Record::from_tags(&map), Some(record.clone()));
         assert_eq!(record.role().as_deref(), Some("work"));
+    }
+
+    /// Issue 36: an ordered queue and its dead-letter queue are FIFO queues (`.fifo`); a
+    /// message's group is its `order_by` key as the template renders it, its message id when
+    /// it does not render, one group for `ordered`; a key SQS would not take goes as its digest.
+    #[test]
+    fn ordered_queues_are_fifo_and_grouped_by_their_rendered_key() {
+        use crate::topology::OrderKey;
+        let keyed = OrderKey { template: "{{payload.k}}".into(), format: crate::vocab::format::Format::Envelope };
+        let plan = Plan {
+            queues: vec![
+                QueueDecl {
+                    single_active_consumer: true,
+                    dead_letter: Some("w.dlq".into()),
+                    order_key: Some(keyed),
+                    ..QueueDecl::new("w", Role::Work)
+                },
+                QueueDecl::new("w.dlq", Role::DeadLetter),
+                QueueDecl { single_active_consumer: true, ..QueueDecl::new("all", Role::Work) },
+                QueueDecl::new("plain", Role::Work),
+            ],
+            ..Plan::default()
+        };
+        let fifo = fifo_queues(&plan);
+        let mut names: Vec<&str> = fifo.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(names, ["all", "w", "w.dlq"]);
+        let location = Location::parse("sqs://us-east-1/p").expect("parse");
+        assert_eq!(
+            (location.name_of("w.dlq", true), location.name_of("plain", false)),
+            ("p-w-dlq.fifo".into(), "p-plain".into())
+        );
+        let message = |payload: Value| Carried {
+            body: Bytes::from(crate::envelope::Envelope::new("t", &payload, None).encode()),
+            properties: Properties { message_id: Some("m-1".into()), ..Properties::default() },
+            due: None,
+        };
+        assert_eq!(fifo["w"].group("w", &message(json!({"k": "c1"}))), "c1");
+        assert_eq!(fifo["w"].group("w", &message(json!({"other": 1}))), "m-1", "no key: its message id");
+        assert!(fifo["w"].group("w", &message(json!({"k": "é t"}))).starts_with("sha256:"));
+        assert_eq!(fifo["all"].group("all", &message(json!({"k": "c1"}))), ONE_GROUP);
+        assert_eq!(sqs_id(&"x".repeat(LONGEST_ID)), "x".repeat(LONGEST_ID));
+        assert!(sqs_id(&"x".repeat(LONGEST_ID + 1)).starts_with("sha256:"));
     }
 
     #[test]

@@ -107,7 +107,7 @@ echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "commands per node in the last drain on the cluster (INFO commandstats, calls):"
 for node in "${nodes[@]}"; do
   role=$(redis-cli -p "${node#*:}" info replication | tr -d '\r' | sed -n 's/^role://p')
-  calls=$(redis-cli -p "${node#*:}" info commandstats | tr -d '\r' | sed -n 's/.*calls=\([0-9]*\).*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
+  calls=$(redis-cli -p "${node#*:}" info commandstats | tr -d '\r' | sed -n 's/^cmdstat_[^:]*:calls=\([0-9]*\),.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
   echo "  $node ($role): ${calls:-0}"
 done
 printf '%s\n' "${results[@]}" | python3 -c "

@@ -222,22 +222,10 @@ async fn cluster_failover_with_wait_loses_nothing() {
 async fn a_primary_lost_pauses_only_its_own_queues() {
     let mut cluster = tokio::task::block_in_place(RedisCluster::start);
     let url = format!("{}?prefix=t:&lease=5s", cluster.url());
-    // Three queue names whose slots are on three primaries.
-    let mut names: Vec<(String, u16)> = Vec::new();
-    for n in 0.. {
-        let name = format!("q{n}");
-        let primary = cluster.primary_of(&format!("t:s:{{{name}}}"));
-        if names.iter().all(|(_, p)| *p != primary) {
-            names.push((name, primary));
-        }
-        if names.len() == 3 {
-            break;
-        }
-    }
     let receiver = Receiver::ok().await;
-    let queues: String = names
+    let queues: String = ["q0", "q1", "q2"]
         .iter()
-        .map(|(q, _)| {
+        .map(|q| {
             format!(
                 "  {q}:\n    bind: [{{exchange: ev, routing_key: {q}}}]\n    concurrency: 4\n    idempotency: {{ttl: 1h}}\n    handler:\n      webhook: {{url: \"{}/{q}\"}}\n",
                 receiver.uri()
@@ -249,9 +237,16 @@ async fn a_primary_lost_pauses_only_its_own_queues() {
     declare(dir.path(), &broker).await;
     broker.close().await;
     let plan = broker_cli(&["plan", dir.path().to_str().expect("utf-8")], &url).await;
-    for (q, primary) in &names {
-        assert!(plan.stdout.contains(&format!("127.0.0.1:{primary}")), "plan names {q}'s node; {}", plan.stdout);
-    }
+    // The victim: a queue alone on its primary among the three (the six queues with their
+    // dead-letter queues go two to a primary).
+    let placed = placements(&plan.stdout);
+    let mut names: Vec<(String, (u16, String))> =
+        ["q0", "q1", "q2"].iter().map(|q| (q.to_string(), placed[*q].clone())).collect();
+    let alone = |(_, (port, _)): &(String, (u16, String)), all: &[(String, (u16, String))]| {
+        all.iter().filter(|(_, (p, _))| p == port).count() == 1
+    };
+    let victim_at = names.iter().position(|n| alone(n, &names)).expect("a queue alone on its primary");
+    names.swap(0, victim_at);
     let sluice = Sluice::run(dir.path(), &url, &[]);
     let streams: Vec<Stream> = names
         .iter()
@@ -264,13 +259,13 @@ async fn a_primary_lost_pauses_only_its_own_queues() {
         names.iter().all(|(q, _)| handled(q, Instant::now() - Duration::from_secs(60)) > 0)
     })
     .await;
-    let (victim, primary) = names[0].clone();
+    let (victim, (primary, stream)) = names[0].clone();
     let killed_at = Instant::now();
     cluster.node(primary).kill();
     // While the slot has no primary, the other queues are handled.
     let mut promoted = None;
     while promoted.is_none() {
-        let now = tokio::task::block_in_place(|| cluster.primary_of(&format!("t:s:{{{victim}}}")));
+        let now = tokio::task::block_in_place(|| cluster.primary_of(&stream));
         promoted = (now != primary).then_some(now);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -383,4 +378,60 @@ async fn a_queue_whose_slot_moves_is_followed() {
         "the queue's slot moved from {from} to {to} in {moved:?}; {confirmed} confirmed, {lost} lost, {twice} handled twice, longest pause between webhook calls {pause:?}"
     );
     assert_eq!((outcome.lost, outcome.twice), (0, 0), "{outcome:?}; log:\n{}", sluice.log());
+}
+
+/// Six queues (and their dead-letter queues) declared on a cluster of three primaries go four
+/// to each, whatever their names'
+/// slots: a queue whose name's primary holds more than another gets a hash tag of its own
+/// (`plan --broker` names each queue's node), and every process names its keys alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_spread_evenly_over_the_primaries() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let url = format!("{}?prefix=s:", cluster.url());
+    let queues: String = (0..6)
+        .map(|n| format!("  q{n}:\n    bind: [{{exchange: ev, routing_key: q{n}}}]\n    handler: {{command: {{program: /bin/true}}}}\n"))
+        .collect();
+    let dir = pipeline(&format!("version: 1\nexchanges:\n  ev: {{type: direct}}\nqueues:\n{queues}"));
+    let broker = Redis::connect(&url).await.expect("connect to the cluster");
+    declare(dir.path(), &broker).await;
+    broker.close().await;
+    let plan = broker_cli(&["plan", dir.path().to_str().expect("utf-8")], &url).await;
+    let per_node = counts(placements(&plan.stdout).into_values().map(|(port, _)| port.to_string()));
+    // Twelve queues: six and their dead-letter queues.
+    assert_eq!(per_node.values().copied().collect::<Vec<_>>(), [4, 4, 4], "{per_node:?}; {}", plan.stdout);
+    // Another process publishes to each queue by its tag: every message is where the runner looks.
+    let dir_arg = dir.path().to_str().expect("utf-8");
+    for n in 0..6 {
+        let published = broker_cli(
+            &["publish", "--exchange", "ev", "--routing-key", &format!("q{n}"), "--type", "t", "--payload", "{}"],
+            &url,
+        )
+        .await;
+        assert_eq!(published.code, Some(0), "{}", published.stderr);
+    }
+    let status = broker_cli(&["status", dir_arg], &url).await;
+    assert_eq!(status.code, Some(0), "{}", status.stderr);
+    for n in 0..6 {
+        assert!(
+            status.stdout.lines().any(|l| l.split_whitespace().take(2).eq([format!("q{n}").as_str(), "1"])),
+            "q{n} holds its message: {}",
+            status.stdout
+        );
+    }
+}
+
+/// What `plan --broker redis+cluster://…` says of each queue: the port of its node, and its
+/// stream's key.
+fn placements(plan: &str) -> BTreeMap<String, (u16, String)> {
+    plan.lines()
+        .skip_while(|l| !l.contains("each queue's node"))
+        .skip(1)
+        .map_while(|l| {
+            // `    QUEUE: 127.0.0.1:PORT, stream "KEY"`
+            let (queue, rest) = l.trim().split_once(": ")?;
+            let (node, stream) = rest.split_once(", stream ")?;
+            let port = node.rsplit_once(':')?.1.parse().ok()?;
+            Some((queue.to_string(), (port, stream.trim_matches('"').to_string())))
+        })
+        .collect()
 }

@@ -148,7 +148,10 @@ impl Kind for RedisServer<'_> {
         let session = Redis::connect(&self.0).await.ok()?;
         let mut placed = Vec::new();
         for q in &plan.queues {
-            let node = session.holder(&q.name).await.unwrap_or_else(|e| format!("unknown ({e})"));
+            let node = match session.holder(&q.name).await {
+                Ok((stream, node)) => format!("{node}, stream {stream:?}"),
+                Err(e) => format!("unknown ({e})"),
+            };
             placed.push((q.name.clone(), node));
         }
         session.close().await;

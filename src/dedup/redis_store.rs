@@ -31,6 +31,8 @@ pub struct RedisStore {
     claim_script: Script,
     complete_script: Script,
     release_script: Script,
+    /// On a cluster, the hash tags of the queues whose keys it named ([`RedisStore::name`]).
+    tags: Arc<Mutex<std::collections::HashMap<String, String>>>,
     /// Why the server may not be used, as its last check found: every call fails with it.
     refused: Arc<Mutex<Option<String>>>,
     /// The keys are the Redis broker's deployment's: its acks record them.
@@ -72,6 +74,7 @@ impl RedisStore {
                 "#!lua flags=allow-oom
                  if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
             ),
+            tags: Arc::default(),
             refused: Arc::default(),
             rides_acks: false,
         };
@@ -90,6 +93,33 @@ impl RedisStore {
         self.rides_acks
     }
 
+    /// An idempotency key's name (`key` is `QUEUE\0KEY`): on a cluster in its queue's slot,
+    /// under the hash tag the queue was declared with (the topology's `tags`, read once per
+    /// queue; a queue not tagged yet goes by its name).
+    async fn name(&self, key: &str) -> Result<String, StoreError> {
+        let Some((queue, rest)) = key.split_once('\0').filter(|_| self.location.cluster) else {
+            return Ok(self.location.idempotency_key(key));
+        };
+        let known = crate::broker::kit::lock(&self.tags).get(queue).cloned();
+        let tag = match known {
+            Some(tag) => tag,
+            None => {
+                let mut c = self.connection.clone();
+                let found: Option<String> = redis::cmd("HGET")
+                    .arg(self.location.topology_key("tags"))
+                    .arg(queue)
+                    .query_async(&mut c)
+                    .await
+                    .map_err(err)?;
+                if let Some(tag) = &found {
+                    crate::broker::kit::lock(&self.tags).insert(queue.to_string(), tag.clone());
+                }
+                found.unwrap_or_else(|| queue.to_string())
+            }
+        };
+        Ok(self.location.idempotency_key(&format!("{tag}\0{rest}")))
+    }
+
     /// Fails while the server's last check refused it.
     fn usable(&self) -> Result<(), StoreError> {
         match &*self.refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
@@ -103,7 +133,7 @@ impl RedisStore {
         let mut c = self.connection.clone();
         let answer: String = self
             .claim_script
-            .key(self.location.idempotency_key(key))
+            .key(self.name(key).await?)
             .arg(&self.lease_value)
             .arg(millis(lease).max(1))
             .invoke_async(&mut c)
@@ -125,12 +155,17 @@ impl RedisStore {
             return Ok(());
         }
         let ttl = u64::try_from(millis(ttl)).unwrap_or(u64::MAX).max(1);
+        let mut names = Vec::with_capacity(keys.len());
+        for key in keys {
+            names.push(self.name(key).await?);
+        }
         // On a cluster, a queue's keys are in its slot: the keys of several queues go apart.
-        let chunks: Vec<&[String]> = if self.connection.is_cluster() { keys.chunks(1).collect() } else { vec![keys] };
-        let each = chunks.into_iter().map(|keys| {
+        let chunks: Vec<&[String]> =
+            if self.connection.is_cluster() { names.chunks(1).collect() } else { vec![&names] };
+        let each = chunks.into_iter().map(|names| {
             let mut invocation = self.complete_script.prepare_invoke();
-            for key in keys {
-                invocation.key(self.location.idempotency_key(key));
+            for name in names {
+                invocation.key(name);
             }
             let mut c = self.connection.clone();
             async move { invocation.arg(DONE).arg(ttl).invoke_async::<i64>(&mut c).await }
@@ -141,7 +176,7 @@ impl RedisStore {
     pub async fn release(&self, key: &str) -> Result<(), StoreError> {
         let mut c = self.connection.clone();
         self.release_script
-            .key(self.location.idempotency_key(key))
+            .key(self.name(key).await?)
             .arg(&self.lease_value)
             .invoke_async::<i64>(&mut c)
             .await

@@ -271,7 +271,7 @@ pub struct RedisPrefix {
     pub data: String,
     /// Every node that holds the prefix's keys (a cluster's), each cleaned on drop.
     nodes: Vec<String>,
-    /// A cluster: the keys are named and reached as sluice does there.
+    /// A cluster (whose queues' keys are named by tags the broker chooses).
     cluster: bool,
     pub prefix: String,
     /// Extra URL parameters (`&lease=2s`).
@@ -323,11 +323,6 @@ impl RedisPrefix {
         let mut prefix = RedisPrefix::on(&nodes[0], params);
         (prefix.server, prefix.nodes, prefix.cluster) = (cluster.url(), nodes, true);
         prefix
-    }
-
-    /// `queue`'s stream, as sluice names it on this deployment.
-    pub fn stream(&self, queue: &str) -> String {
-        if self.cluster { format!("{}s:{{{queue}}}", self.prefix) } else { format!("{}s:{queue}", self.prefix) }
     }
 
     /// Deletes, once per test process, the keys killed runs left under prefixes of their own on
@@ -384,12 +379,8 @@ impl Place for RedisPrefix {
     /// Entries in the stream, delivered or not: a killed runner's deliveries count until
     /// they are acked, as on RabbitMQ. (Delayed copies not yet due do not count.)
     async fn depth(&self, queue: &str) -> u32 {
-        let xlen = redis::cmd("XLEN").arg(self.stream(queue)).clone();
-        if self.cluster {
-            let client = redis::cluster::ClusterClient::new(self.nodes.clone()).expect("cluster nodes");
-            return xlen.query(&mut client.get_connection().expect("connect to the cluster")).expect("XLEN");
-        }
-        xlen.query(&mut self.raw()).expect("XLEN")
+        assert!(!self.cluster, "depth is read on one server: a cluster's keys are named by the broker's hash tags");
+        redis::cmd("XLEN").arg(format!("{}s:{queue}", self.prefix)).query(&mut self.raw()).expect("XLEN")
     }
 }
 

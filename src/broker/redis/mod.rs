@@ -36,9 +36,10 @@
 //! Sentinels: `redis+sentinel://[user:password@]s1:26379,s2:26379/MASTER_NAME[/db][?prefix=…]`,
 //! the user and password the data nodes' (the sentinels are asked without); the primary they
 //! name is checked with `ROLE` and found again after any loss ([`link`]). On a Redis Cluster,
-//! `redis+cluster://[user:password@]n1:7000,n2:7000[?prefix=…]`, each queue's keys carry its
-//! name as their hash tag (`PREFIX` + `s:{QUEUE}`), so every script on one queue runs on one
-//! node and queues spread over the primaries; the topology's keys share the tag `{topology}`.
+//! `redis+cluster://[user:password@]n1:7000,n2:7000[?prefix=…]`, each queue's keys carry one
+//! hash tag (`PREFIX` + `s:{TAG}`: its name, or its name and `~N` where that spreads queues
+//! more evenly over the primaries, kept with the topology), so every script on one queue runs
+//! on one node; the topology's keys share the tag `{topology}`.
 //! What spans queues is done queue by queue there: a fan-out writes each copy apart (a publish
 //! refused midway may have reached some queues; its retry reaches them again), a redrive
 //! writes the copy, then removes the original.
@@ -147,7 +148,7 @@ impl Location {
         let cluster = url.starts_with(link::CLUSTER);
         if cluster && prefix.contains(['{', '}']) {
             return Err(bad(format!(
-                "prefix={prefix}: on a Redis Cluster the prefix may not hold {{ or }} (sluice puts each queue's name in braces, its hash tag)"
+                "prefix={prefix}: on a Redis Cluster the prefix may not hold {{ or }} (sluice puts each queue's hash tag in braces)"
             )));
         }
         Ok(Location { url, prefix, lease, wait, cluster })
@@ -159,9 +160,9 @@ impl Location {
         if self.cluster { format!("{}{{topology}}:{what}", self.prefix) } else { format!("{}{what}", self.prefix) }
     }
 
-    /// A key of `queue`'s (`kind` `s` its stream, `d` its delayed copies, `c` its consumers,
-    /// `sac` its single-active lease): `PREFIX` + `kind:queue`; on a cluster the queue's
-    /// name is the hash tag, `PREFIX` + `kind:{queue}`.
+    /// A key of a queue's (`kind` `s` its stream, `d` its delayed copies, `c` its consumers,
+    /// `sac` its single-active lease), `queue` its name, or on a cluster its hash tag:
+    /// `PREFIX` + `kind:queue`, on a cluster `PREFIX` + `kind:{tag}`.
     pub fn queue_key(&self, kind: &str, queue: &str) -> String {
         if self.cluster {
             format!("{}{kind}:{{{queue}}}", self.prefix)
@@ -170,10 +171,10 @@ impl Location {
         }
     }
 
-    /// An idempotency key's name (`key` is `QUEUE\0KEY`, as `crate::dedup` names it): the
-    /// store's keys beside the broker's, which the broker's acks can record done; `PREFIX` +
-    /// `dedup:` + `key`, on a cluster with the queue's name as the hash tag, in the queue's
-    /// slot (`PREFIX` + `dedup:{QUEUE}\0KEY`): a queue's messages wait on no other node.
+    /// An idempotency key's name (`key` is `QUEUE\0KEY`, as `crate::dedup` names it, the queue
+    /// given by its hash tag on a cluster): the store's keys beside the broker's, which the
+    /// broker's acks can record done; `PREFIX` + `dedup:` + `key`, on a cluster in the queue's
+    /// slot (`PREFIX` + `dedup:{TAG}\0KEY`): a queue's messages wait on no other node.
     pub fn idempotency_key(&self, key: &str) -> String {
         match key.split_once('\0') {
             Some((queue, key)) if self.cluster => format!("{}dedup:{{{queue}}}\0{key}", self.prefix),
@@ -192,13 +193,15 @@ impl Location {
 /// location's prefix, with each queue's stream.
 pub fn picture(plan: &Plan, location: &Location) -> Picture {
     let prefix = &location.prefix;
-    let title = if location.cluster {
-        format!(
-            "the Redis broker on a Redis Cluster, keys under {prefix:?} (a stream and a consumer group for each queue; a queue's keys in one slot, its name the hash tag)"
-        )
-    } else {
-        format!("the Redis broker, keys under {prefix:?} (a stream and a consumer group for each queue)")
-    };
+    if location.cluster {
+        let title = format!(
+            "the Redis broker on a Redis Cluster, keys under {prefix:?} (a stream and a consumer group for each queue; a queue's keys in one slot, its hash tag its name, or its name and ~N where that spreads the queues evenly: `plan --broker` names each queue's stream and node)"
+        );
+        let delays =
+            "delays: a retry waits in a sorted set of its queue's until it is due (exact: no delay queues)".to_string();
+        return declaration::picture(plan, BROKER, title, delays, |_| None);
+    }
+    let title = format!("the Redis broker, keys under {prefix:?} (a stream and a consumer group for each queue)");
     let delays = format!(
         "delays: a retry waits in the sorted set {} until it is due (exact: no delay queues)",
         location.queue_key("d", "QUEUE")
@@ -255,13 +258,15 @@ impl std::fmt::Display for Persistence {
 }
 
 /// The topology as Redis keeps it: the version (empty when none), exchanges' kinds, queues'
-/// declarations, their body limits, and the bindings (their JSON).
+/// declarations, their body limits, the bindings (their JSON), and on a cluster each queue's
+/// hash tag.
 struct Stored {
     version: String,
     exchanges: HashMap<String, String>,
     queues: HashMap<String, String>,
     limits: HashMap<String, String>,
     bindings: Vec<String>,
+    tags: HashMap<String, String>,
 }
 
 /// The topology as last read (its version is the `v` key's value, empty when none).
@@ -285,6 +290,8 @@ struct Inner {
     shown: String,
     scripts: Scripts,
     topology: Cache<String>,
+    /// On a cluster, each queue's hash tag as the topology last read said ([`Redis::tag`]).
+    tags: Mutex<HashMap<String, String>>,
     /// Per queue: poked when its stream may have something new (the wake channel).
     wakers: Mutex<HashMap<String, Arc<Notify>>>,
     listening: AtomicBool,
@@ -334,6 +341,7 @@ impl Redis {
             scripts: Scripts::new(),
             topology: Cache::default(),
             wakers: Mutex::new(HashMap::new()),
+            tags: Mutex::new(HashMap::new()),
             listening: AtomicBool::new(false),
             connected: AtomicBool::new(true),
             stop: CancellationToken::new(),
@@ -394,10 +402,57 @@ impl Redis {
         futures_util::future::try_join_all(each).await.map(|_| ()).map_err(lost)
     }
 
-    /// The node (`HOST:PORT`) that holds `queue`'s keys, on a cluster.
-    pub async fn holder(&self, queue: &str) -> Result<String, BrokerError> {
-        let node = self.conn().holder(&self.stream(queue)).await.map_err(lost)?;
-        Ok(node.unwrap_or_else(|| self.inner.shown.clone()))
+    /// On a cluster, gives each queue of `plan` that has none a hash tag that puts it on a
+    /// primary holding the fewest of the deployment's queues: its name when that is one of
+    /// them, else its name and `~N`, the first N that is. The tags are kept with the topology
+    /// (`tags`), so that every process names a queue's keys alike, and never change (a queue's
+    /// keys stay where they are; a slot an operator moves takes them along).
+    async fn spread(&self, plan: &Plan, mut tags: HashMap<String, String>) -> Result<(), BrokerError> {
+        let location = &self.inner.location;
+        let conn = self.conn();
+        let holder = |tag: String| {
+            let conn = conn.clone();
+            async move { conn.holder(&location.queue_key("s", &tag)).await.map(Option::unwrap_or_default).map_err(lost) }
+        };
+        let mut load: HashMap<String, usize> =
+            conn.primaries().await.map_err(lost)?.iter().filter_map(|p| Some((p.node()?, 0))).collect();
+        for tag in tags.values() {
+            *load.entry(holder(tag.clone()).await?).or_default() += 1;
+        }
+        let untagged: Vec<&String> = plan.queues.iter().map(|q| &q.name).filter(|q| !tags.contains_key(*q)).collect();
+        for q in untagged {
+            let least = load.values().min().copied().unwrap_or(0);
+            let mut chosen = (q.clone(), holder(q.clone()).await?);
+            for n in 1..64 {
+                if load.get(&chosen.1).copied().unwrap_or(0) <= least {
+                    break;
+                }
+                let tag = format!("{q}~{n}");
+                chosen = (tag.clone(), holder(tag).await?);
+            }
+            redis::cmd("HSETNX")
+                .arg(self.key("tags"))
+                .arg(q)
+                .arg(&chosen.0)
+                .query_async::<()>(&mut self.conn())
+                .await
+                .map_err(lost)?;
+            *load.entry(chosen.1).or_default() += 1;
+            tags.insert(q.clone(), chosen.0);
+        }
+        // Another process's declare may have tagged a queue first: its tag stands.
+        let stored: HashMap<String, String> =
+            redis::cmd("HGETALL").arg(self.key("tags")).query_async(&mut self.conn()).await.map_err(lost)?;
+        *lock(&self.inner.tags) = stored;
+        Ok(())
+    }
+
+    /// Where `queue` is: its stream's key and the node (`HOST:PORT`) that holds it.
+    pub async fn holder(&self, queue: &str) -> Result<(String, String), BrokerError> {
+        self.tags_known(&[queue]).await?;
+        let stream = self.stream(queue);
+        let node = self.conn().holder(&stream).await.map_err(lost)?;
+        Ok((stream, node.unwrap_or_else(|| self.inner.shown.clone())))
     }
 
     fn conn(&self) -> Link {
@@ -409,7 +464,31 @@ impl Redis {
     }
 
     fn queue_key(&self, kind: &str, queue: &str) -> String {
-        self.inner.location.queue_key(kind, queue)
+        self.inner.location.queue_key(kind, &self.tag(queue))
+    }
+
+    /// `queue`'s hash tag on a cluster: the one declared for it (its name, or its name and
+    /// `~N` where that spreads the queues more evenly over the primaries: [`Redis::spread`]),
+    /// known once the topology is read; its name elsewhere.
+    fn tag(&self, queue: &str) -> String {
+        lock(&self.inner.tags).get(queue).cloned().unwrap_or_else(|| queue.to_string())
+    }
+
+    /// Reads the topology when `queues` are not all known to it, on a cluster: their keys are
+    /// named by their hash tags.
+    async fn tags_known(&self, queues: &[&str]) -> Result<(), BrokerError> {
+        if self.inner.location.cluster && queues.iter().any(|q| !lock(&self.inner.tags).contains_key(*q)) {
+            self.topology(true).await?;
+        }
+        Ok(())
+    }
+
+    /// An idempotency key's name (`key` is `QUEUE\0KEY`), in its queue's slot on a cluster.
+    fn idempotency_key(&self, key: &str) -> String {
+        match key.split_once('\0') {
+            Some((queue, key)) => self.inner.location.idempotency_key(&format!("{}\0{key}", self.tag(queue))),
+            None => self.inner.location.idempotency_key(key),
+        }
     }
 
     fn stream(&self, queue: &str) -> String {
@@ -425,7 +504,8 @@ impl Redis {
         if !stale && let Some(t) = self.inner.topology.get() {
             return Ok(t);
         }
-        let Stored { version, exchanges, queues, limits, bindings } = self.stored().await?;
+        let Stored { version, exchanges, queues, limits, bindings, tags } = self.stored().await?;
+        *lock(&self.inner.tags) = tags;
         let exchanges =
             exchanges.into_iter().filter_map(|(name, kind)| Some((name, topology::exchange_kind(&kind)?))).collect();
         let queues = queues
@@ -447,8 +527,9 @@ impl Redis {
 
     /// The topology as stored, read at once without writing (on a full server too).
     async fn stored(&self) -> Result<Stored, BrokerError> {
-        let (version, exchanges, queues, limits, bindings): (
+        let (version, exchanges, queues, limits, bindings, tags): (
             String,
+            Vec<String>,
             Vec<String>,
             Vec<String>,
             Vec<String>,
@@ -462,6 +543,7 @@ impl Redis {
             .key(self.key("q"))
             .key(self.key("limits"))
             .key(self.key("b"))
+            .key(self.key("tags"))
             .invoke_async(&mut self.conn())
             .await
             .map_err(lost)?;
@@ -469,7 +551,14 @@ impl Redis {
             let mut flat = flat.into_iter();
             std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
         };
-        Ok(Stored { version, exchanges: pairs(exchanges), queues: pairs(queues), limits: pairs(limits), bindings })
+        Ok(Stored {
+            version,
+            exchanges: pairs(exchanges),
+            queues: pairs(queues),
+            limits: pairs(limits),
+            bindings,
+            tags: pairs(tags),
+        })
     }
 
     /// Writes `message` into every queue of `targets` or none, under topology version
@@ -569,11 +658,12 @@ impl Redis {
             };
             return written.done(queue);
         }
+        self.tags_known(&[queue]).await?;
         let id = uuid::Uuid::now_v7().to_string();
         let mut invocation = self.inner.scripts.delay.prepare_invoke();
         invocation
             .key(self.queue_key("d", queue))
-            .key(format!("{}{id}", self.inner.location.delayed_prefix(queue)))
+            .key(format!("{}{id}", self.inner.location.delayed_prefix(&self.tag(queue))))
             .key(self.stream(queue))
             .arg(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX))
             .arg(&id)
@@ -591,6 +681,7 @@ impl Redis {
     /// lost between the two leaves the message in both queues (its copy keeps its id: an
     /// idempotency key stops a second side effect), never in neither.
     async fn move_copy(&self, queue: &str, s: &ConsumerState, id: &str, message: &Message) -> Result<(), BrokerError> {
+        self.tags_known(&[&s.queue, queue]).await?;
         let (from, to) = (self.stream(&s.queue), self.stream(queue));
         if self.inner.location.cluster && !link::same_slot(&from, &to) {
             let pending: Vec<Value> = redis::cmd("XPENDING")
@@ -909,7 +1000,7 @@ impl Claimer for RedisClaimer {
             .arg(ask.room)
             .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
             .arg(u8::from(reclaim))
-            .arg(broker.inner.location.delayed_prefix(&s.queue))
+            .arg(broker.inner.location.delayed_prefix(&broker.tag(&s.queue)))
             .arg(u8::from(renew))
             .arg(u8::from(s.own.single_active))
             .arg(u64::try_from(REGISTRATION.as_millis()).unwrap_or(u64::MAX))
@@ -1043,7 +1134,7 @@ impl Consumer for RedisConsumer {
         let stream = self.broker.stream(&s.queue);
         let mut invocation = self.broker.inner.scripts.ack_recording.key(&stream);
         for key in keys {
-            invocation.key(self.broker.inner.location.idempotency_key(key));
+            invocation.key(self.broker.idempotency_key(key));
         }
         invocation.arg(&s.own.name).arg(DONE).arg(ttl);
         for d in settled {
@@ -1119,6 +1210,9 @@ impl Broker for Redis {
         if changes > 0 || stored.version.is_empty() {
             pipe.incr(self.key("v"), 1).ignore();
             pipe.query_async::<()>(&mut self.conn()).await.map_err(lost)?;
+        }
+        if self.inner.location.cluster {
+            self.spread(plan, stored.tags).await?;
         }
         // On a cluster, each stream is asked in its own slot.
         let asked: Vec<&[crate::topology::QueueDecl]> =
@@ -1306,6 +1400,7 @@ impl Operate for Redis {
 
     /// The stream's first entry (`XRANGE`), delivered or not: it is still in the queue.
     async fn oldest(&self, queue: &str) -> Result<Option<Option<RedisDelivery>>, BrokerError> {
+        self.tags_known(&[queue]).await?;
         let entries: Vec<Value> = redis::cmd("XRANGE")
             .arg(self.stream(queue))
             .arg("-")

@@ -286,7 +286,8 @@ return { redis.call('XLEN', KEYS[1]) - pending + expired, live, math.max(0, pend
 "#;
 
 /// The topology, read at once: `{version (empty when none), exchanges, queues, limits,
-/// bindings}` from `KEYS[1..5]` (`v`, `x`, `q`, `limits`, `b`), the hashes as flat lists.
+/// bindings, tags}` from `KEYS[1..6]` (`v`, `x`, `q`, `limits`, `b`, `tags`), the hashes as
+/// flat lists.
 const READ: &str = r#"
 return {
   redis.call('GET', KEYS[1]) or '',
@@ -294,6 +295,7 @@ return {
   redis.call('HGETALL', KEYS[3]),
   redis.call('HGETALL', KEYS[4]),
   redis.call('SMEMBERS', KEYS[5]),
+  redis.call('HGETALL', KEYS[6]),
 }
 "#;
 

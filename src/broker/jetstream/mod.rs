@@ -7,6 +7,11 @@
 //!   publish. sluice routes on publish with the kit's [`Topology`](super::kit::topology) (AMQP's
 //!   direct, fanout, topic and headers semantics exactly: no mapping onto NATS wildcards), and
 //!   writes one copy into the stream of each queue reached.
+//! - A session routes on the copy of the topology it last read or wrote, kept current by a
+//!   watch of the bucket from its first publish on: a publish does not wait on the bucket,
+//!   whose stream may be between leaders (a node lost) while the queues' streams take writes.
+//!   A declare is routed on by the session that made it as soon as it returns, and by others
+//!   as soon as the watch brings it; a route the copy does not know is read again.
 //! - A queue is a stream `PREFIX_q_HEX` (the queue's name in hex) on the subject
 //!   `PREFIX.q.HEX`, with work-queue retention and file storage: a message stays until a
 //!   consumer acks it, whatever other queues did with their copies. `max_length` is the
@@ -48,7 +53,7 @@ use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
 use super::kit::kept;
 use super::kit::lease::Renewal;
 use super::kit::lock;
-use super::kit::topology::{self, QueueRule, binding_from, binding_text};
+use super::kit::topology::{self, Cache, QueueRule, binding_from, binding_text};
 use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Cause, Consumer, Credit, Drift, Edits, Headers, Kept, KeptDeliveries, Operate,
@@ -265,6 +270,46 @@ async fn bucket(
     }
 }
 
+/// The topology an entry of the bucket holds, with its revision (a deleted one: none).
+fn stored_in(entry: &kv::Entry) -> Result<(Stored, u64), BrokerError> {
+    if entry.operation != kv::Operation::Put {
+        return Ok((Stored::default(), entry.revision));
+    }
+    let stored = serde_json::from_slice(&entry.value)
+        .map_err(|e| BrokerError::Damaged(Cause::from_error(e).within("the topology in the bucket is not sluice's")))?;
+    Ok((stored, entry.revision))
+}
+
+/// Keeps `known` current until `stop`: each revision of the topology the bucket's watch brings,
+/// from the one stored when it starts. The client's watch follows the bucket's stream through
+/// a change of leader; one that ends is started again after [`POLL`].
+fn watch(bucket: kv::Store, known: Arc<Cache<u64>>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        loop {
+            match bucket.watch_with_history("plan").await {
+                Ok(mut entries) => loop {
+                    let entry = tokio::select! {
+                        () = stop.cancelled() => return,
+                        entry = entries.next() => entry,
+                    };
+                    match entry.map(|e| e.map_err(|e| lost("watching the topology", e)).and_then(|e| stored_in(&e))) {
+                        Some(Ok((stored, revision))) => {
+                            known.keep_newer(stored.topology(revision));
+                        }
+                        Some(Err(e)) => tracing::debug!(error = %e, "jetstream broker: the topology's watch; it goes on"),
+                        None => break,
+                    }
+                },
+                Err(e) => tracing::debug!(error = %e, "jetstream broker: cannot watch the topology; trying again"),
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(POLL) => {}
+            }
+        }
+    });
+}
+
 /// A session with a JetStream deployment. Cheap to clone; clones share the connection.
 #[derive(Clone)]
 pub struct JetStream {
@@ -276,6 +321,10 @@ struct Inner {
     js: jetstream::Context,
     location: Location,
     topology: kv::Store,
+    /// The topology as last read or written; see [`JetStream::topology`].
+    known: Arc<Cache<u64>>,
+    /// Whether the watch that keeps `known` current was started.
+    watching: AtomicBool,
     consumers: kv::Store,
     /// Per queue: poked when its stream may have something new (the wake subject).
     wakers: Mutex<HashMap<String, Arc<Notify>>>,
@@ -320,6 +369,8 @@ impl JetStream {
             js,
             location,
             topology,
+            known: Arc::new(Cache::default()),
+            watching: AtomicBool::new(false),
             consumers,
             wakers: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(true),
@@ -352,40 +403,58 @@ impl JetStream {
         Ok(u32::try_from(messages).unwrap_or(u32::MAX))
     }
 
-    /// The topology as stored, with its revision (0: none stored).
+    /// The topology as stored, with its revision (0: none stored); kept as the session's copy.
     async fn stored(&self) -> Result<(Stored, u64), BrokerError> {
         let entry = self.inner.topology.entry("plan").await.map_err(|e| lost("reading the topology", e))?;
-        match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => {
-                let stored = serde_json::from_slice(&entry.value).map_err(|e| {
-                    BrokerError::Damaged(Cause::from_error(e).within("the topology in the bucket is not sluice's"))
-                })?;
-                Ok((stored, entry.revision))
-            }
-            Some(entry) => Ok((Stored::default(), entry.revision)),
-            None => Ok((Stored::default(), 0)),
-        }
+        let (stored, revision) = match entry {
+            Some(entry) => stored_in(&entry)?,
+            None => (Stored::default(), 0),
+        };
+        self.inner.known.keep_newer(stored.topology(revision));
+        Ok((stored, revision))
     }
 
-    /// Writes `stored` over revision `revision`; false when another process wrote first.
+    /// Writes `stored` over revision `revision` and keeps it as the session's copy; false when
+    /// another process wrote first.
     async fn store(&self, stored: &Stored, revision: u64) -> Result<bool, BrokerError> {
         let value: Bytes = serde_json::to_vec(stored).map_err(|e| lost("writing the topology", e))?.into();
         let written = if revision == 0 {
-            self.inner.topology.create("plan", value).await.map(|_| ()).map_err(|e| e.to_string())
+            self.inner.topology.create("plan", value).await.map_err(|e| e.to_string())
         } else {
-            self.inner.topology.update("plan", value, revision).await.map(|_| ()).map_err(|e| e.to_string())
+            self.inner.topology.update("plan", value, revision).await.map_err(|e| e.to_string())
         };
         match written {
-            Ok(()) => Ok(true),
+            Ok(revision) => {
+                self.inner.known.keep_newer(stored.topology(revision));
+                Ok(true)
+            }
             Err(e) if e.contains("wrong last sequence") || e.contains("exists") => Ok(false),
             Err(e) => Err(BrokerError::Lost(format!("nats: writing the topology: {e}").into())),
         }
     }
 
-    /// The topology, read now.
-    async fn topology(&self) -> Result<Topology, BrokerError> {
-        let (stored, revision) = self.stored().await?;
-        Ok(stored.topology(revision))
+    /// The topology: the session's copy unless `fresh` (or none is held), else read now. The
+    /// first call starts the watch that keeps the copy current.
+    async fn topology(&self, fresh: bool) -> Result<Arc<Topology>, BrokerError> {
+        if !self.inner.watching.swap(true, Ordering::SeqCst) {
+            watch(self.inner.topology.clone(), self.inner.known.clone(), self.inner.stop.clone());
+        }
+        match self.inner.known.get() {
+            Some(t) if !fresh => Ok(t),
+            _ => {
+                self.stored().await?;
+                Ok(self.inner.known.get().unwrap_or_default())
+            }
+        }
+    }
+
+    /// The queues a message reaches: on the session's copy of the topology, read again when
+    /// the copy knows no such route (it may have been declared since).
+    async fn route(&self, exchange: &str, routing_key: &str, headers: &Headers) -> Result<Vec<String>, BrokerError> {
+        match self.topology(false).await?.route(exchange, routing_key, headers, PLACE) {
+            Ok(targets) => Ok(targets),
+            Err(_) => self.topology(true).await?.route(exchange, routing_key, headers, PLACE),
+        }
     }
 
     /// The stream of a declared queue, or what is missing.
@@ -393,7 +462,7 @@ impl JetStream {
         match self.inner.js.get_stream(self.inner.location.stream(queue)).await {
             Ok(s) => Ok(s),
             Err(e) if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(_)) => {
-                Err(self.topology().await?.missing("queue", queue, PLACE))
+                Err(self.topology(true).await?.missing("queue", queue, PLACE))
             }
             Err(e) => Err(lost("reading a stream", e)),
         }
@@ -1070,15 +1139,29 @@ fn refused(q: &crate::topology::QueueDecl) -> Option<String> {
 impl Publish for JetStream {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
         let (body, properties) = kept::published(BROKER, exchange, routing_key, message)?;
-        let t = self.topology().await?;
-        let targets = t.route(exchange, routing_key, &properties.headers, PLACE)?;
+        let mut targets = self.route(exchange, routing_key, &properties.headers).await?;
         let message = Carried { body, properties, due: None };
-        // One id for every try and every queue: each stream dedups its own copy.
+        // One id for every try and every queue: each stream dedups its own copy, and a queue
+        // written before a retry below takes its copy once.
         let id = uuid::Uuid::now_v7().to_string();
-        for queue in &targets {
-            self.write(queue, exchange, &message, &id).await?;
+        let mut fresh = false;
+        loop {
+            let mut written = Ok(());
+            for queue in &targets {
+                written = self.write(queue, exchange, &message, &id).await;
+                if written.is_err() {
+                    break;
+                }
+            }
+            match written {
+                // A queue gone since the session's copy was read: route on the topology now.
+                Err(BrokerError::NotFound(_)) if !fresh => {
+                    fresh = true;
+                    targets = self.topology(true).await?.route(exchange, routing_key, &message.properties.headers, PLACE)?;
+                }
+                written => return written,
+            }
         }
-        Ok(())
     }
 
     async fn body_limits(
@@ -1087,7 +1170,11 @@ impl Publish for JetStream {
         routing_key: &str,
         headers: &Headers,
     ) -> Result<Option<BodyLimits>, BrokerError> {
-        Ok(Some(self.topology().await?.body_limits(exchange, routing_key, headers, PLACE)?))
+        let limits = match self.topology(false).await?.body_limits(exchange, routing_key, headers, PLACE) {
+            Ok(limits) => limits,
+            Err(_) => self.topology(true).await?.body_limits(exchange, routing_key, headers, PLACE)?,
+        };
+        Ok(Some(limits))
     }
 }
 

@@ -40,6 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, consumer::pull, kv, stream};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
@@ -76,6 +77,17 @@ const PULL_ANSWER: Duration = Duration::from_secs(5);
 /// How often the client pings the server: a frozen server is noticed after two pings missed.
 const PING: Duration = Duration::from_secs(2);
 
+/// How long an ack, NAK or renewal waits for the server's answer (it comes in milliseconds):
+/// one sent on a connection that died, or to a node frozen, is never answered, and a
+/// delivery whose ack waits holds its consumer's credit. A settle given up is sent again
+/// (the runtime acks again; a renewal is tried again soon).
+const SETTLE_ANSWER: Duration = Duration::from_secs(2);
+
+/// How long a consumer's registration (statistics) may hold up a pull or an ack: a write to
+/// the bucket waits for its stream's leader, which a node lost takes seconds to replace.
+/// One not written in time is written again at the next [`POLL`].
+const REGISTER_ANSWER: Duration = Duration::from_millis(500);
+
 /// How long a consumer's registration lasts without being written again (it writes it every
 /// [`POLL`]).
 pub const REGISTRATION: Duration = Duration::from_secs(3);
@@ -95,8 +107,18 @@ const DURABLE: &str = "sluice";
 /// The header holding sluice's properties of a message (one JSON object).
 const PROPERTIES: &str = "Sluice";
 
-/// How many times a publish is tried (the same `Nats-Msg-Id` each time).
+/// How many times a publish is tried after errors other than a stream's leader missing
+/// (the same `Nats-Msg-Id` each time).
 const TRIES: usize = 3;
+
+/// How long a write waits for its queue's stream to take its subject again, and pulls may
+/// fail before the session is given up: longer than the election of a new leader after a
+/// node's loss (4 to 9 s measured on a 3-node cluster). A queue whose stream is gone is known
+/// missing after it.
+const LEADERLESS: Duration = Duration::from_secs(15);
+
+/// How often a write waiting for its stream's new leader tries again.
+const LEADERLESS_POLL: Duration = Duration::from_millis(250);
 
 /// Where a deployment is: its servers, the name prefix, the lease, credentials and replicas.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -405,7 +427,18 @@ impl JetStream {
 
     /// The topology as stored, with its revision (0: none stored); kept as the session's copy.
     async fn stored(&self) -> Result<(Stored, u64), BrokerError> {
-        let entry = self.inner.topology.entry("plan").await.map_err(|e| lost("reading the topology", e))?;
+        let started = tokio::time::Instant::now();
+        let entry = loop {
+            match self.inner.topology.entry("plan").await {
+                Ok(entry) => break entry,
+                // Nobody answers for the bucket's stream: it is between leaders (a node lost,
+                // or the stream just made on a cluster) for a few seconds.
+                Err(e) if e.to_string().contains("no responders") && started.elapsed() < LEADERLESS => {
+                    tokio::time::sleep(LEADERLESS_POLL).await;
+                }
+                Err(e) => return Err(lost("reading the topology", e)),
+            }
+        };
         let (stored, revision) = match entry {
             Some(entry) => stored_in(&entry)?,
             None => (Stored::default(), 0),
@@ -509,8 +542,8 @@ impl JetStream {
         headers.insert("Nats-Msg-Id", id);
         headers.insert(PROPERTIES, message.properties_json().as_str());
         let subject = self.inner.location.subject(queue);
-        let mut last = None;
-        for _ in 0..TRIES {
+        let (started, mut tries) = (tokio::time::Instant::now(), 0);
+        loop {
             let sent = self.inner.js.publish_with_headers(subject.clone(), headers.clone(), message.body.clone()).await;
             let acked = match sent {
                 Ok(ack) => ack.await,
@@ -530,17 +563,28 @@ impl JetStream {
                             reason: format!("queue \"{queue}\" is full"),
                         });
                     }
-                    if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
-                        return Err(BrokerError::NotFound(format!("queue \"{queue}\"").into()));
+                    // Nobody takes the stream's subject (the stream is gone, or it is between
+                    // leaders, a node lost, for a few seconds), or no answer came (its leader
+                    // lost or frozen): tried again until a new leader is surely elected.
+                    match e.kind() {
+                        PublishErrorKind::StreamNotFound if started.elapsed() >= LEADERLESS => {
+                            return Err(BrokerError::NotFound(format!("queue \"{queue}\"").into()));
+                        }
+                        PublishErrorKind::StreamNotFound => {
+                            tokio::time::sleep(LEADERLESS_POLL).await;
+                            continue;
+                        }
+                        PublishErrorKind::TimedOut if started.elapsed() < LEADERLESS => continue,
+                        PublishErrorKind::TimedOut => return Err(lost(&format!("writing to queue \"{queue}\""), e)),
+                        _ => {}
                     }
-                    last = Some(e);
+                    tries += 1;
+                    if tries >= TRIES {
+                        return Err(lost(&format!("writing to queue \"{queue}\""), e));
+                    }
                 }
             }
         }
-        Err(match last {
-            Some(e) => lost(&format!("writing to queue \"{queue}\""), e),
-            None => BrokerError::Lost("nats: no answer".into()),
-        })
     }
 
     /// The notifier of `queue`'s consumers in this session, listening on its wake subject
@@ -597,7 +641,7 @@ impl JetStream {
             registered: tokio::time::Instant::now(),
             due: None,
             waiting: Vec::new(),
-            failures: 0,
+            failing: None,
         };
         let deliveries = claim::start(claimer, &state);
         Ok((deliveries, JsConsumer { broker: self.clone(), state }))
@@ -650,11 +694,15 @@ impl JetStream {
         format!("{}.{}", Location::hex(&s.queue), s.own.name)
     }
 
-    /// Writes a consumer's registration: how many deliveries it holds.
+    /// Writes a consumer's registration: how many deliveries it holds; given up after
+    /// [`REGISTER_ANSWER`].
     async fn register(&self, s: &ConsumerState) {
         let held = lock(&s.own.replies).len();
-        if let Err(e) = self.inner.consumers.put(self.registration(s), held.to_string().into()).await {
-            tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot register a consumer");
+        let put = self.inner.consumers.put(self.registration(s), held.to_string().into());
+        match tokio::time::timeout(REGISTER_ANSWER, put).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot register a consumer"),
+            Err(_) => tracing::debug!(queue = %s.queue, "jetstream broker: a consumer's registration not answered in time"),
         }
     }
 
@@ -702,14 +750,14 @@ impl JetStream {
         Ok((messages, pending as u64))
     }
 
-    /// Sends `kind` for a delivery (by its reply subject) and waits for the server's answer.
+    /// Sends `kind` for a delivery (by its reply subject) and waits for the server's answer,
+    /// [`SETTLE_ANSWER`] at most.
     async fn settle(&self, reply: &str, kind: jetstream::AckKind) -> Result<(), BrokerError> {
-        self.inner
-            .client
-            .request(reply.to_string(), kind.into())
-            .await
-            .map(|_| ())
-            .map_err(|e| lost("settling a delivery", e))
+        let request = self.inner.client.request(reply.to_string(), kind.into());
+        match tokio::time::timeout(SETTLE_ANSWER, request).await {
+            Ok(answer) => answer.map(|_| ()).map_err(|e| lost("settling a delivery", e)),
+            Err(_) => Err(lost("settling a delivery", format!("no answer within {SETTLE_ANSWER:?}"))),
+        }
     }
 }
 
@@ -767,8 +815,8 @@ struct JsClaimer {
     /// Delayed copies pulled shortly before they are due, held here (leased, renewed) until
     /// then: not yet the consumer's deliveries.
     waiting: Vec<(tokio::time::Instant, JsDelivery)>,
-    /// Pulls failed in a row.
-    failures: u32,
+    /// Since when pulls have failed in a row.
+    failing: Option<tokio::time::Instant>,
 }
 
 impl JsClaimer {
@@ -860,7 +908,7 @@ impl Claimer for JsClaimer {
                 }
             }
         }
-        self.failures = 0;
+        self.failing = None;
         if !deliveries.is_empty() {
             // Registered as held before the stream hands them out: statistics see them held.
             self.broker.register(s).await;
@@ -890,11 +938,17 @@ impl Claimer for JsClaimer {
 }
 
 impl JsClaimer {
-    /// A pull that failed: the stream ends with it after a few in a row.
+    /// A pull that failed: the stream ends with it once pulls have failed for [`LEADERLESS`]
+    /// (the queue's consumer answers none while it is between leaders, a node lost).
     fn failed(&mut self, s: &ConsumerState, e: BrokerError) -> Claimed<Tag> {
-        self.failures += 1;
-        tracing::warn!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
-        let failed = (self.failures >= 5).then_some(e);
+        let now = tokio::time::Instant::now();
+        let since = *self.failing.get_or_insert(now);
+        if since == now {
+            tracing::warn!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
+        } else {
+            tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
+        }
+        let failed = (now - since >= LEADERLESS).then_some(e);
         Claimed { within: Some(self.wait()), failed, ..Claimed::default() }
     }
 

@@ -123,7 +123,8 @@ async fn fan_out_with_one_queues_runner_down_for_a_minute() {
         let twice = counts(receiver.hits().iter().filter(|h| h.succeeded()).map(|h| h.key().to_string()));
         assert!(twice.values().all(|n| *n == 1), "a key handled twice: {twice:?}");
     }
-    wait_until(Duration::from_secs(30), "b's stream emptied by its acks", || async { place.depth("b").await == 0 }).await;
+    wait_until(Duration::from_secs(30), "b's stream emptied by its acks", || async { place.depth("b").await == 0 })
+        .await;
     broker.close().await;
 }
 
@@ -171,7 +172,12 @@ impl Drop for AckHoldingProxy {
 /// Relays one connection to the machine's nats-server, counting the client's publishes that
 /// start with `needle`; the first of them (of every connection: `held`) holds the server's
 /// side for [`HOLD`].
-async fn hold_once(inbound: tokio::net::TcpStream, needle: Vec<u8>, publishes: Arc<AtomicUsize>, held: Arc<AtomicBool>) {
+async fn hold_once(
+    inbound: tokio::net::TcpStream,
+    needle: Vec<u8>,
+    publishes: Arc<AtomicUsize>,
+    held: Arc<AtomicBool>,
+) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let Ok(upstream) = tokio::net::TcpStream::connect("127.0.0.1:4222").await else { return };
     let (mut client_read, mut client_write) = inbound.into_split();
@@ -240,4 +246,37 @@ async fn a_publish_retried_after_a_timeout_is_stored_once() {
     assert_eq!(place.depth("work").await, 1, "one copy in the stream");
     broker.close().await;
     direct.close().await;
+}
+
+/// A fan-out exchange `ev` and a queue `queue` bound to it whose handler does nothing.
+fn bound_queue(queue: &str) -> tempfile::TempDir {
+    pipeline(&format!(
+        "version: 1\nexchanges:\n  ev: {{type: fanout}}\nqueues:\n  {queue}:\n    bind: [{{exchange: ev}}]\n    handler: {{command: {{program: /bin/true}}}}\n"
+    ))
+}
+
+/// A session routes on its copy of the topology: a binding another process declares is routed
+/// on once the bucket's watch brings it, one its own declare made as soon as the declare
+/// returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_routes_on_bindings_declared_since() {
+    let place = NatsPrefix::new();
+    let publisher = place.connect().await;
+    declare(bound_queue("a").path(), &publisher).await;
+    publish(&publisher, "ev", "", "first", serde_json::json!({})).await;
+    assert_eq!(place.depth("a").await, 1, "routed on the copy read");
+    let other = place.connect().await;
+    declare(bound_queue("b").path(), &other).await;
+    other.close().await;
+    let n = AtomicUsize::new(0);
+    wait_until(Duration::from_secs(10), "a publish reaches b, declared by another session", || async {
+        let key = format!("k{}", n.fetch_add(1, Ordering::SeqCst));
+        publish(&publisher, "ev", "", &key, serde_json::json!({})).await;
+        place.depth("b").await > 0
+    })
+    .await;
+    declare(bound_queue("c").path(), &publisher).await;
+    publish(&publisher, "ev", "", "last", serde_json::json!({})).await;
+    assert_eq!(place.depth("c").await, 1, "the session's own declare is routed on at once");
+    publisher.close().await;
 }

@@ -24,6 +24,10 @@
 //!   a pull asks for no more than the consumer has room for.
 //! - A publish carries a `Nats-Msg-Id`, the same on each try: a publish retried after a
 //!   timeout is taken once (the server's duplicate window, 2 minutes by default).
+//! - A node's loss leaves its streams and consumers between leaders for seconds: writes, reads
+//!   of the topology and pulls wait for the new leader (15 s at most) instead of failing, and
+//!   what waits for a server's answer (an ack, a registration) gives up in time not to hold a
+//!   consumer's credit.
 //! - A delayed copy is written into its queue's stream with its due time; a consumer that
 //!   pulls it before then NAKs it with the time left, and the server redelivers it when due
 //!   (exact, and nothing waits behind it).
@@ -318,7 +322,9 @@ fn watch(bucket: kv::Store, known: Arc<Cache<u64>>, stop: CancellationToken) {
                         Some(Ok((stored, revision))) => {
                             known.keep_newer(stored.topology(revision));
                         }
-                        Some(Err(e)) => tracing::debug!(error = %e, "jetstream broker: the topology's watch; it goes on"),
+                        Some(Err(e)) => {
+                            tracing::debug!(error = %e, "jetstream broker: the topology's watch; it goes on")
+                        }
                         None => break,
                     }
                 },
@@ -702,7 +708,9 @@ impl JetStream {
         match tokio::time::timeout(REGISTER_ANSWER, put).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot register a consumer"),
-            Err(_) => tracing::debug!(queue = %s.queue, "jetstream broker: a consumer's registration not answered in time"),
+            Err(_) => {
+                tracing::debug!(queue = %s.queue, "jetstream broker: a consumer's registration not answered in time")
+            }
         }
     }
 
@@ -748,6 +756,18 @@ impl JetStream {
             stream.get_consumer(DURABLE).await.map_err(|e| lost("reading a queue's consumer", e))?;
         let pending = pull.info().await.map_err(|e| lost("reading a queue's consumer", e))?.num_ack_pending;
         Ok((messages, pending as u64))
+    }
+
+    /// Whether message `sequence` has left `queue`'s stream (a work queue: it was acked, by
+    /// this consumer or another after its lease, or purged), as the stream's leader answers
+    /// within [`SETTLE_ANSWER`]. A consumer's new leader never answers an ack of what its old
+    /// leader had acked (the answer lost with the old one): the stream tells.
+    async fn gone(&self, queue: &str, sequence: u64) -> bool {
+        let Ok(stream) = self.inner.js.get_stream_no_info(self.inner.location.stream(queue)).await else {
+            return false;
+        };
+        let found = tokio::time::timeout(SETTLE_ANSWER, stream.get_raw_message(sequence)).await;
+        matches!(found, Ok(Err(e)) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound)
     }
 
     /// Sends `kind` for a delivery (by its reply subject) and waits for the server's answer,
@@ -1029,7 +1049,13 @@ impl Consumer for JsConsumer {
     async fn ack(&self, settled: &[JsDelivery]) -> Result<(), BrokerError> {
         let s = &self.state;
         s.still_open()?;
-        let acks = settled.iter().map(|d| self.broker.settle(&d.tag.reply, jetstream::AckKind::Ack));
+        let acks = settled.iter().map(|d| async {
+            let acked = self.broker.settle(&d.tag.reply, jetstream::AckKind::Ack).await;
+            match acked {
+                Err(_) if self.broker.gone(&s.queue, d.tag.sequence).await => Ok(()),
+                acked => acked,
+            }
+        });
         let results = futures_util::future::join_all(acks).await;
         let acked: Vec<u64> =
             settled.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(d, _)| d.tag.sequence).collect();
@@ -1211,7 +1237,8 @@ impl Publish for JetStream {
                 // A queue gone since the session's copy was read: route on the topology now.
                 Err(BrokerError::NotFound(_)) if !fresh => {
                     fresh = true;
-                    targets = self.topology(true).await?.route(exchange, routing_key, &message.properties.headers, PLACE)?;
+                    targets =
+                        self.topology(true).await?.route(exchange, routing_key, &message.properties.headers, PLACE)?;
                 }
                 written => return written,
             }

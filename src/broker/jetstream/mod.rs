@@ -1195,9 +1195,12 @@ impl Broker for JetStream {
         crate::broker::capabilities::JETSTREAM
     }
 
+    /// Until closed: the client connects again by itself, to another seed when its server is
+    /// lost or frozen, and the session's consumers go on through it (pulls failing for
+    /// [`LEADERLESS`] end the session). Ending the session at once made the runner hand its
+    /// deliveries back and wait for their acks through a server that no longer answers.
     fn is_connected(&self) -> bool {
         self.inner.connected.load(Ordering::SeqCst)
-            && self.inner.client.connection_state() != async_nats::connection::State::Disconnected
     }
 
     async fn close(&self) {

@@ -472,8 +472,8 @@ impl JetStream {
         }
     }
 
-    /// The topology: the session's copy unless `fresh` (or none is held), else read now. The
-    /// first call starts the watch that keeps the copy current.
+    /// The topology: the session's copy unless `fresh` (or none is held), else the one read
+    /// now. The first call starts the watch that keeps the copy current.
     async fn topology(&self, fresh: bool) -> Result<Arc<Topology>, BrokerError> {
         if !self.inner.watching.swap(true, Ordering::SeqCst) {
             watch(self.inner.topology.clone(), self.inner.known.clone(), self.inner.stop.clone());
@@ -481,8 +481,8 @@ impl JetStream {
         match self.inner.known.get() {
             Some(t) if !fresh => Ok(t),
             _ => {
-                self.stored().await?;
-                Ok(self.inner.known.get().unwrap_or_default())
+                let (stored, revision) = self.stored().await?;
+                Ok(Arc::new(stored.topology(revision)))
             }
         }
     }

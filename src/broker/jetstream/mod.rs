@@ -7,6 +7,11 @@
 //!   publish. sluice routes on publish with the kit's [`Topology`](super::kit::topology) (AMQP's
 //!   direct, fanout, topic and headers semantics exactly: no mapping onto NATS wildcards), and
 //!   writes one copy into the stream of each queue reached.
+//! - A session routes on the copy of the topology it last read or wrote, kept current by a
+//!   watch of the bucket from its first publish on: a publish does not wait on the bucket,
+//!   whose stream may be between leaders (a node lost) while the queues' streams take writes.
+//!   A declare is routed on by the session that made it as soon as it returns, and by others
+//!   as soon as the watch brings it; a route the copy does not know is read again.
 //! - A queue is a stream `PREFIX_q_HEX` (the queue's name in hex) on the subject
 //!   `PREFIX.q.HEX`, with work-queue retention and file storage: a message stays until a
 //!   consumer acks it, whatever other queues did with their copies. `max_length` is the
@@ -19,6 +24,10 @@
 //!   a pull asks for no more than the consumer has room for.
 //! - A publish carries a `Nats-Msg-Id`, the same on each try: a publish retried after a
 //!   timeout is taken once (the server's duplicate window, 2 minutes by default).
+//! - A node's loss leaves its streams and consumers between leaders for seconds: writes, reads
+//!   of the topology and pulls wait for the new leader (15 s at most) instead of failing, and
+//!   what waits for a server's answer (an ack, a registration) gives up in time not to hold a
+//!   consumer's credit.
 //! - A delayed copy is written into its queue's stream with its due time; a consumer that
 //!   pulls it before then NAKs it with the time left, and the server redelivers it when due
 //!   (exact, and nothing waits behind it).
@@ -35,6 +44,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, consumer::pull, kv, stream};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
@@ -48,7 +58,7 @@ use super::kit::claim::{self, Ask, Claimed, Claimer, Holder};
 use super::kit::kept;
 use super::kit::lease::Renewal;
 use super::kit::lock;
-use super::kit::topology::{self, QueueRule, binding_from, binding_text};
+use super::kit::topology::{self, Cache, QueueRule, binding_from, binding_text};
 use super::render::Picture;
 use super::{
     BodyLimits, Broker, BrokerError, Cause, Consumer, Credit, Drift, Edits, Headers, Kept, KeptDeliveries, Operate,
@@ -71,6 +81,17 @@ const PULL_ANSWER: Duration = Duration::from_secs(5);
 /// How often the client pings the server: a frozen server is noticed after two pings missed.
 const PING: Duration = Duration::from_secs(2);
 
+/// How long an ack, NAK or renewal waits for the server's answer (it comes in milliseconds):
+/// one sent on a connection that died, or to a node frozen, is never answered, and a
+/// delivery whose ack waits holds its consumer's credit. A settle given up is sent again
+/// (the runtime acks again; a renewal is tried again soon).
+const SETTLE_ANSWER: Duration = Duration::from_secs(2);
+
+/// How long a consumer's registration (statistics) may hold up a pull or an ack: a write to
+/// the bucket waits for its stream's leader, which a node lost takes seconds to replace.
+/// One not written in time is written again at the next [`POLL`].
+const REGISTER_ANSWER: Duration = Duration::from_millis(500);
+
 /// How long a consumer's registration lasts without being written again (it writes it every
 /// [`POLL`]).
 pub const REGISTRATION: Duration = Duration::from_secs(3);
@@ -90,8 +111,18 @@ const DURABLE: &str = "sluice";
 /// The header holding sluice's properties of a message (one JSON object).
 const PROPERTIES: &str = "Sluice";
 
-/// How many times a publish is tried (the same `Nats-Msg-Id` each time).
+/// How many times a publish is tried after errors other than a stream's leader missing
+/// (the same `Nats-Msg-Id` each time).
 const TRIES: usize = 3;
+
+/// How long a write waits for its queue's stream to take its subject again, and pulls may
+/// fail before the session is given up: longer than the election of a new leader after a
+/// node's loss (4 to 9 s measured on a 3-node cluster). A queue whose stream is gone is known
+/// missing after it.
+const LEADERLESS: Duration = Duration::from_secs(15);
+
+/// How often a write waiting for its stream's new leader tries again.
+const LEADERLESS_POLL: Duration = Duration::from_millis(250);
 
 /// Where a deployment is: its servers, the name prefix, the lease, credentials and replicas.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -265,6 +296,48 @@ async fn bucket(
     }
 }
 
+/// The topology an entry of the bucket holds, with its revision (a deleted one: none).
+fn stored_in(entry: &kv::Entry) -> Result<(Stored, u64), BrokerError> {
+    if entry.operation != kv::Operation::Put {
+        return Ok((Stored::default(), entry.revision));
+    }
+    let stored = serde_json::from_slice(&entry.value)
+        .map_err(|e| BrokerError::Damaged(Cause::from_error(e).within("the topology in the bucket is not sluice's")))?;
+    Ok((stored, entry.revision))
+}
+
+/// Keeps `known` current until `stop`: each revision of the topology the bucket's watch brings,
+/// from the one stored when it starts. The client's watch follows the bucket's stream through
+/// a change of leader; one that ends is started again after [`POLL`].
+fn watch(bucket: kv::Store, known: Arc<Cache<u64>>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        loop {
+            match bucket.watch_with_history("plan").await {
+                Ok(mut entries) => loop {
+                    let entry = tokio::select! {
+                        () = stop.cancelled() => return,
+                        entry = entries.next() => entry,
+                    };
+                    match entry.map(|e| e.map_err(|e| lost("watching the topology", e)).and_then(|e| stored_in(&e))) {
+                        Some(Ok((stored, revision))) => {
+                            known.keep_newer(stored.topology(revision));
+                        }
+                        Some(Err(e)) => {
+                            tracing::debug!(error = %e, "jetstream broker: the topology's watch; it goes on")
+                        }
+                        None => break,
+                    }
+                },
+                Err(e) => tracing::debug!(error = %e, "jetstream broker: cannot watch the topology; trying again"),
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(POLL) => {}
+            }
+        }
+    });
+}
+
 /// A session with a JetStream deployment. Cheap to clone; clones share the connection.
 #[derive(Clone)]
 pub struct JetStream {
@@ -276,6 +349,10 @@ struct Inner {
     js: jetstream::Context,
     location: Location,
     topology: kv::Store,
+    /// The topology as last read or written; see [`JetStream::topology`].
+    known: Arc<Cache<u64>>,
+    /// Whether the watch that keeps `known` current was started.
+    watching: AtomicBool,
     consumers: kv::Store,
     /// Per queue: poked when its stream may have something new (the wake subject).
     wakers: Mutex<HashMap<String, Arc<Notify>>>,
@@ -320,6 +397,8 @@ impl JetStream {
             js,
             location,
             topology,
+            known: Arc::new(Cache::default()),
+            watching: AtomicBool::new(false),
             consumers,
             wakers: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(true),
@@ -352,40 +431,69 @@ impl JetStream {
         Ok(u32::try_from(messages).unwrap_or(u32::MAX))
     }
 
-    /// The topology as stored, with its revision (0: none stored).
+    /// The topology as stored, with its revision (0: none stored); kept as the session's copy.
     async fn stored(&self) -> Result<(Stored, u64), BrokerError> {
-        let entry = self.inner.topology.entry("plan").await.map_err(|e| lost("reading the topology", e))?;
-        match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => {
-                let stored = serde_json::from_slice(&entry.value).map_err(|e| {
-                    BrokerError::Damaged(Cause::from_error(e).within("the topology in the bucket is not sluice's"))
-                })?;
-                Ok((stored, entry.revision))
+        let started = tokio::time::Instant::now();
+        let entry = loop {
+            match self.inner.topology.entry("plan").await {
+                Ok(entry) => break entry,
+                // Nobody answers for the bucket's stream: it is between leaders (a node lost,
+                // or the stream just made on a cluster) for a few seconds.
+                Err(e) if e.to_string().contains("no responders") && started.elapsed() < LEADERLESS => {
+                    tokio::time::sleep(LEADERLESS_POLL).await;
+                }
+                Err(e) => return Err(lost("reading the topology", e)),
             }
-            Some(entry) => Ok((Stored::default(), entry.revision)),
-            None => Ok((Stored::default(), 0)),
-        }
+        };
+        let (stored, revision) = match entry {
+            Some(entry) => stored_in(&entry)?,
+            None => (Stored::default(), 0),
+        };
+        self.inner.known.keep_newer(stored.topology(revision));
+        Ok((stored, revision))
     }
 
-    /// Writes `stored` over revision `revision`; false when another process wrote first.
+    /// Writes `stored` over revision `revision` and keeps it as the session's copy; false when
+    /// another process wrote first.
     async fn store(&self, stored: &Stored, revision: u64) -> Result<bool, BrokerError> {
         let value: Bytes = serde_json::to_vec(stored).map_err(|e| lost("writing the topology", e))?.into();
         let written = if revision == 0 {
-            self.inner.topology.create("plan", value).await.map(|_| ()).map_err(|e| e.to_string())
+            self.inner.topology.create("plan", value).await.map_err(|e| e.to_string())
         } else {
-            self.inner.topology.update("plan", value, revision).await.map(|_| ()).map_err(|e| e.to_string())
+            self.inner.topology.update("plan", value, revision).await.map_err(|e| e.to_string())
         };
         match written {
-            Ok(()) => Ok(true),
+            Ok(revision) => {
+                self.inner.known.keep_newer(stored.topology(revision));
+                Ok(true)
+            }
             Err(e) if e.contains("wrong last sequence") || e.contains("exists") => Ok(false),
             Err(e) => Err(BrokerError::Lost(format!("nats: writing the topology: {e}").into())),
         }
     }
 
-    /// The topology, read now.
-    async fn topology(&self) -> Result<Topology, BrokerError> {
-        let (stored, revision) = self.stored().await?;
-        Ok(stored.topology(revision))
+    /// The topology: the session's copy unless `fresh` (or none is held), else the one read
+    /// now. The first call starts the watch that keeps the copy current.
+    async fn topology(&self, fresh: bool) -> Result<Arc<Topology>, BrokerError> {
+        if !self.inner.watching.swap(true, Ordering::SeqCst) {
+            watch(self.inner.topology.clone(), self.inner.known.clone(), self.inner.stop.clone());
+        }
+        match self.inner.known.get() {
+            Some(t) if !fresh => Ok(t),
+            _ => {
+                let (stored, revision) = self.stored().await?;
+                Ok(Arc::new(stored.topology(revision)))
+            }
+        }
+    }
+
+    /// The queues a message reaches: on the session's copy of the topology, read again when
+    /// the copy knows no such route (it may have been declared since).
+    async fn route(&self, exchange: &str, routing_key: &str, headers: &Headers) -> Result<Vec<String>, BrokerError> {
+        match self.topology(false).await?.route(exchange, routing_key, headers, PLACE) {
+            Ok(targets) => Ok(targets),
+            Err(_) => self.topology(true).await?.route(exchange, routing_key, headers, PLACE),
+        }
     }
 
     /// The stream of a declared queue, or what is missing.
@@ -393,7 +501,7 @@ impl JetStream {
         match self.inner.js.get_stream(self.inner.location.stream(queue)).await {
             Ok(s) => Ok(s),
             Err(e) if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(_)) => {
-                Err(self.topology().await?.missing("queue", queue, PLACE))
+                Err(self.topology(true).await?.missing("queue", queue, PLACE))
             }
             Err(e) => Err(lost("reading a stream", e)),
         }
@@ -440,8 +548,8 @@ impl JetStream {
         headers.insert("Nats-Msg-Id", id);
         headers.insert(PROPERTIES, message.properties_json().as_str());
         let subject = self.inner.location.subject(queue);
-        let mut last = None;
-        for _ in 0..TRIES {
+        let (started, mut tries) = (tokio::time::Instant::now(), 0);
+        loop {
             let sent = self.inner.js.publish_with_headers(subject.clone(), headers.clone(), message.body.clone()).await;
             let acked = match sent {
                 Ok(ack) => ack.await,
@@ -461,17 +569,28 @@ impl JetStream {
                             reason: format!("queue \"{queue}\" is full"),
                         });
                     }
-                    if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
-                        return Err(BrokerError::NotFound(format!("queue \"{queue}\"").into()));
+                    // Nobody takes the stream's subject (the stream is gone, or it is between
+                    // leaders, a node lost, for a few seconds), or no answer came (its leader
+                    // lost or frozen): tried again until a new leader is surely elected.
+                    match e.kind() {
+                        PublishErrorKind::StreamNotFound if started.elapsed() >= LEADERLESS => {
+                            return Err(BrokerError::NotFound(format!("queue \"{queue}\"").into()));
+                        }
+                        PublishErrorKind::StreamNotFound => {
+                            tokio::time::sleep(LEADERLESS_POLL).await;
+                            continue;
+                        }
+                        PublishErrorKind::TimedOut if started.elapsed() < LEADERLESS => continue,
+                        PublishErrorKind::TimedOut => return Err(lost(&format!("writing to queue \"{queue}\""), e)),
+                        _ => {}
                     }
-                    last = Some(e);
+                    tries += 1;
+                    if tries >= TRIES {
+                        return Err(lost(&format!("writing to queue \"{queue}\""), e));
+                    }
                 }
             }
         }
-        Err(match last {
-            Some(e) => lost(&format!("writing to queue \"{queue}\""), e),
-            None => BrokerError::Lost("nats: no answer".into()),
-        })
     }
 
     /// The notifier of `queue`'s consumers in this session, listening on its wake subject
@@ -528,7 +647,7 @@ impl JetStream {
             registered: tokio::time::Instant::now(),
             due: None,
             waiting: Vec::new(),
-            failures: 0,
+            failing: None,
         };
         let deliveries = claim::start(claimer, &state);
         Ok((deliveries, JsConsumer { broker: self.clone(), state }))
@@ -581,11 +700,17 @@ impl JetStream {
         format!("{}.{}", Location::hex(&s.queue), s.own.name)
     }
 
-    /// Writes a consumer's registration: how many deliveries it holds.
+    /// Writes a consumer's registration: how many deliveries it holds; given up after
+    /// [`REGISTER_ANSWER`].
     async fn register(&self, s: &ConsumerState) {
         let held = lock(&s.own.replies).len();
-        if let Err(e) = self.inner.consumers.put(self.registration(s), held.to_string().into()).await {
-            tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot register a consumer");
+        let put = self.inner.consumers.put(self.registration(s), held.to_string().into());
+        match tokio::time::timeout(REGISTER_ANSWER, put).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot register a consumer"),
+            Err(_) => {
+                tracing::debug!(queue = %s.queue, "jetstream broker: a consumer's registration not answered in time")
+            }
         }
     }
 
@@ -633,14 +758,26 @@ impl JetStream {
         Ok((messages, pending as u64))
     }
 
-    /// Sends `kind` for a delivery (by its reply subject) and waits for the server's answer.
+    /// Whether message `sequence` has left `queue`'s stream (a work queue: it was acked, by
+    /// this consumer or another after its lease, or purged), as the stream's leader answers
+    /// within [`SETTLE_ANSWER`]. A consumer's new leader never answers an ack of what its old
+    /// leader had acked (the answer lost with the old one): the stream tells.
+    async fn gone(&self, queue: &str, sequence: u64) -> bool {
+        let Ok(stream) = self.inner.js.get_stream_no_info(self.inner.location.stream(queue)).await else {
+            return false;
+        };
+        let found = tokio::time::timeout(SETTLE_ANSWER, stream.get_raw_message(sequence)).await;
+        matches!(found, Ok(Err(e)) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound)
+    }
+
+    /// Sends `kind` for a delivery (by its reply subject) and waits for the server's answer,
+    /// [`SETTLE_ANSWER`] at most.
     async fn settle(&self, reply: &str, kind: jetstream::AckKind) -> Result<(), BrokerError> {
-        self.inner
-            .client
-            .request(reply.to_string(), kind.into())
-            .await
-            .map(|_| ())
-            .map_err(|e| lost("settling a delivery", e))
+        let request = self.inner.client.request(reply.to_string(), kind.into());
+        match tokio::time::timeout(SETTLE_ANSWER, request).await {
+            Ok(answer) => answer.map(|_| ()).map_err(|e| lost("settling a delivery", e)),
+            Err(_) => Err(lost("settling a delivery", format!("no answer within {SETTLE_ANSWER:?}"))),
+        }
     }
 }
 
@@ -698,8 +835,8 @@ struct JsClaimer {
     /// Delayed copies pulled shortly before they are due, held here (leased, renewed) until
     /// then: not yet the consumer's deliveries.
     waiting: Vec<(tokio::time::Instant, JsDelivery)>,
-    /// Pulls failed in a row.
-    failures: u32,
+    /// Since when pulls have failed in a row.
+    failing: Option<tokio::time::Instant>,
 }
 
 impl JsClaimer {
@@ -791,7 +928,7 @@ impl Claimer for JsClaimer {
                 }
             }
         }
-        self.failures = 0;
+        self.failing = None;
         if !deliveries.is_empty() {
             // Registered as held before the stream hands them out: statistics see them held.
             self.broker.register(s).await;
@@ -821,11 +958,17 @@ impl Claimer for JsClaimer {
 }
 
 impl JsClaimer {
-    /// A pull that failed: the stream ends with it after a few in a row.
+    /// A pull that failed: the stream ends with it once pulls have failed for [`LEADERLESS`]
+    /// (the queue's consumer answers none while it is between leaders, a node lost).
     fn failed(&mut self, s: &ConsumerState, e: BrokerError) -> Claimed<Tag> {
-        self.failures += 1;
-        tracing::warn!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
-        let failed = (self.failures >= 5).then_some(e);
+        let now = tokio::time::Instant::now();
+        let since = *self.failing.get_or_insert(now);
+        if since == now {
+            tracing::warn!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
+        } else {
+            tracing::debug!(queue = %s.queue, error = %e, "jetstream broker: cannot pull messages; trying again");
+        }
+        let failed = (now - since >= LEADERLESS).then_some(e);
         Claimed { within: Some(self.wait()), failed, ..Claimed::default() }
     }
 
@@ -906,7 +1049,13 @@ impl Consumer for JsConsumer {
     async fn ack(&self, settled: &[JsDelivery]) -> Result<(), BrokerError> {
         let s = &self.state;
         s.still_open()?;
-        let acks = settled.iter().map(|d| self.broker.settle(&d.tag.reply, jetstream::AckKind::Ack));
+        let acks = settled.iter().map(|d| async {
+            let acked = self.broker.settle(&d.tag.reply, jetstream::AckKind::Ack).await;
+            match acked {
+                Err(_) if self.broker.gone(&s.queue, d.tag.sequence).await => Ok(()),
+                acked => acked,
+            }
+        });
         let results = futures_util::future::join_all(acks).await;
         let acked: Vec<u64> =
             settled.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(d, _)| d.tag.sequence).collect();
@@ -1046,9 +1195,12 @@ impl Broker for JetStream {
         crate::broker::capabilities::JETSTREAM
     }
 
+    /// Until closed: the client connects again by itself, to another seed when its server is
+    /// lost or frozen, and the session's consumers go on through it (pulls failing for
+    /// [`LEADERLESS`] end the session). Ending the session at once made the runner hand its
+    /// deliveries back and wait for their acks through a server that no longer answers.
     fn is_connected(&self) -> bool {
         self.inner.connected.load(Ordering::SeqCst)
-            && self.inner.client.connection_state() != async_nats::connection::State::Disconnected
     }
 
     async fn close(&self) {
@@ -1070,15 +1222,30 @@ fn refused(q: &crate::topology::QueueDecl) -> Option<String> {
 impl Publish for JetStream {
     async fn publish(&self, exchange: &str, routing_key: &str, message: Outgoing) -> Result<(), BrokerError> {
         let (body, properties) = kept::published(BROKER, exchange, routing_key, message)?;
-        let t = self.topology().await?;
-        let targets = t.route(exchange, routing_key, &properties.headers, PLACE)?;
+        let mut targets = self.route(exchange, routing_key, &properties.headers).await?;
         let message = Carried { body, properties, due: None };
-        // One id for every try and every queue: each stream dedups its own copy.
+        // One id for every try and every queue: each stream dedups its own copy, and a queue
+        // written before a retry below takes its copy once.
         let id = uuid::Uuid::now_v7().to_string();
-        for queue in &targets {
-            self.write(queue, exchange, &message, &id).await?;
+        let mut fresh = false;
+        loop {
+            let mut written = Ok(());
+            for queue in &targets {
+                written = self.write(queue, exchange, &message, &id).await;
+                if written.is_err() {
+                    break;
+                }
+            }
+            match written {
+                // A queue gone since the session's copy was read: route on the topology now.
+                Err(BrokerError::NotFound(_)) if !fresh => {
+                    fresh = true;
+                    targets =
+                        self.topology(true).await?.route(exchange, routing_key, &message.properties.headers, PLACE)?;
+                }
+                written => return written,
+            }
         }
-        Ok(())
     }
 
     async fn body_limits(
@@ -1087,7 +1254,11 @@ impl Publish for JetStream {
         routing_key: &str,
         headers: &Headers,
     ) -> Result<Option<BodyLimits>, BrokerError> {
-        Ok(Some(self.topology().await?.body_limits(exchange, routing_key, headers, PLACE)?))
+        let limits = match self.topology(false).await?.body_limits(exchange, routing_key, headers, PLACE) {
+            Ok(limits) => limits,
+            Err(_) => self.topology(true).await?.body_limits(exchange, routing_key, headers, PLACE)?,
+        };
+        Ok(Some(limits))
     }
 }
 

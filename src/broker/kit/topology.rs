@@ -134,6 +134,19 @@ impl<V: PartialEq> Cache<V> {
         topology
     }
 
+    /// Keeps a copy just read unless the one held is newer (copies read by several tasks
+    /// arrive in any order); returns the newer of the two.
+    pub fn keep_newer(&self, topology: Topology<V>) -> Arc<Topology<V>>
+    where
+        V: PartialOrd,
+    {
+        let mut held = lock(&self.0);
+        match held.as_ref() {
+            Some(t) if t.version > topology.version => t.clone(),
+            _ => held.insert(Arc::new(topology)).clone(),
+        }
+    }
+
     /// Forgets the copy: the next reader reads again.
     pub fn forget(&self) {
         *lock(&self.0) = None;
@@ -203,5 +216,15 @@ mod tests {
         assert!(cache.get().is_none());
         assert_eq!(exchange_kind("topic"), Some(ExchangeKind::Topic));
         assert_eq!(exchange_kind("x-delayed"), None);
+    }
+
+    #[test]
+    fn the_cache_keeps_the_newer_copy() {
+        let cache = Cache::default();
+        let at = |version| Topology { version, ..topology() };
+        assert_eq!(cache.keep_newer(at(2)).version, 2);
+        assert_eq!(cache.keep_newer(at(1)).version, 2, "an older copy read late is not kept");
+        assert_eq!(cache.get().map(|t| t.version), Some(2));
+        assert_eq!(cache.keep_newer(at(3)).version, 3);
     }
 }

@@ -269,6 +269,10 @@ struct Stored {
     tags: HashMap<String, String>,
 }
 
+/// What the read script answers: the version, then the flat lists of exchanges, queues,
+/// limits, bindings and tags.
+type Read = (String, Vec<String>, Vec<String>, Vec<String>, Vec<String>, Vec<String>);
+
 /// The topology as last read (its version is the `v` key's value, empty when none).
 type Topology = topology::Topology<String>;
 
@@ -527,14 +531,7 @@ impl Redis {
 
     /// The topology as stored, read at once without writing (on a full server too).
     async fn stored(&self) -> Result<Stored, BrokerError> {
-        let (version, exchanges, queues, limits, bindings, tags): (
-            String,
-            Vec<String>,
-            Vec<String>,
-            Vec<String>,
-            Vec<String>,
-            Vec<String>,
-        ) = self
+        let (version, exchanges, queues, limits, bindings, tags): Read = self
             .inner
             .scripts
             .read

@@ -1237,8 +1237,9 @@ impl Publish for JetStream {
                 }
             }
             match written {
-                // A queue gone since the session's copy was read: route on the topology now.
-                Err(BrokerError::NotFound(_)) if !fresh => {
+                // A queue gone since the session's copy was read, or full and unbound since
+                // (a reload that removed it): route on the topology now.
+                Err(BrokerError::NotFound(_) | BrokerError::Rejected { .. }) if !fresh => {
                     fresh = true;
                     targets =
                         self.topology(true).await?.route(exchange, routing_key, &message.properties.headers, PLACE)?;

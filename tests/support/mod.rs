@@ -1066,6 +1066,9 @@ pub fn counts<I: IntoIterator<Item = S>, S: Into<String>>(items: I) -> std::coll
 pub struct Hit {
     /// When its head arrived.
     pub at: Instant,
+    /// The same on the wall clock, which brokers keep due times on: what "not before it was
+    /// due" is measured with (a wall clock being slewed runs at another rate than `at`'s).
+    pub wall: std::time::SystemTime,
     pub method: String,
     /// Path and query exactly as sent (still percent-encoded).
     pub target: String,
@@ -1075,6 +1078,23 @@ pub struct Hit {
     pub status: u16,
     /// Requests in flight at the receiver when it arrived, itself included.
     pub in_flight: usize,
+}
+
+/// How long after `earlier` `later` arrived, on the wall clock (zero if it came first).
+pub fn wall_gap(earlier: &Hit, later: &Hit) -> Duration {
+    later.wall.duration_since(earlier.wall).unwrap_or_default()
+}
+
+/// How long since `since` on the wall clock, which brokers keep due times on.
+pub fn wall_elapsed(since: std::time::SystemTime) -> Duration {
+    since.elapsed().unwrap_or_default()
+}
+
+/// Whether `elapsed` (on the wall clock) is not before `delay`: brokers keep due times in
+/// whole milliseconds (RabbitMQ's message TTL, Redis's `TIME` in the scripts), so a copy sent
+/// in the middle of a millisecond may come back up to one millisecond short of its delay.
+pub fn not_before(elapsed: Duration, delay: Duration) -> bool {
+    elapsed + Duration::from_millis(1) >= delay
 }
 
 impl Hit {
@@ -1275,6 +1295,7 @@ impl ReceiverState {
         let body = body.collect().await.map(|b| b.to_bytes().to_vec()).unwrap_or_default();
         let mut hit = Hit {
             at,
+            wall: std::time::SystemTime::now(),
             method: parts.method.to_string(),
             target: parts.uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default(),
             headers: parts

@@ -215,9 +215,10 @@ async fn cluster_failover_with_wait_loses_nothing() {
     assert_eq!(outcome.lost, 0, "{outcome:?}");
 }
 
-/// Three queues whose slots are on the three primaries, each with a stream of its own; one
-/// primary killed: its queue waits for the failover, and the other two are handled all along
-/// (each handles messages published after the kill before the slot has its new primary).
+/// Three queues (spread with their dead-letter queues over the three primaries), each with a
+/// stream of its own; the primary of one alone on it killed: its queue waits for the failover,
+/// and the other two are handled all along (each handles messages published after the kill
+/// before the slot has its new primary).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_lost_pauses_only_its_own_queues() {
     let mut cluster = tokio::task::block_in_place(RedisCluster::start);

@@ -270,15 +270,14 @@ pub fn order_key(queue: &Queue, message: &format::Message<'_>) -> Result<Option<
 }
 
 /// The ordering key a queue's `order_by` template (`key`) renders over a message sent to it,
-/// read in the queue's format: what a broker that keeps order per key itself (SQS FIFO message
-/// groups) groups the message by, as it is sent. `None` when it does not render (no such
-/// field, not a message of the format): the runner dead-letters that message.
-pub fn order_key_of(key: &OrderKey, queue: &str, delivery: &dyn crate::broker::Delivery) -> Option<String> {
+/// read in the queue's format (`message`): what a broker that keeps order per key itself (SQS
+/// FIFO message groups) groups the message by, as it is sent. `None` when it does not render
+/// (no such field): the runner dead-letters that message.
+pub fn order_key_of(key: &OrderKey, queue: &str, message: &format::Message<'_>) -> Option<String> {
     let template = Template::compile(&key.template, crate::handler::template::Escape::Plain).ok()?;
-    let message = format::Message::decode(key.format, delivery).ok()?;
     let ctx = match template.literal() {
         Some(_) => Context::null(),
-        None => context(&message, 1, queue, &[&template], false).ok()?,
+        None => context(message, 1, queue, &[&template], false).ok()?,
     };
     render(&template, "order_by", &ctx).ok()
 }

@@ -276,7 +276,8 @@ impl Grouping {
         let key = crate::vocab::format::Format::parse(format).and_then(|format| {
             let key = crate::topology::OrderKey { template: template.clone(), format };
             let delivery = Kept::standalone(message.body.clone(), message.properties.clone());
-            crate::call::order_key_of(&key, queue, &delivery)
+            let read = crate::format::Message::decode(format, &delivery).ok()?;
+            crate::call::order_key_of(&key, queue, &read)
         });
         // One whose key does not render is dead-lettered by its runner: a group of its own.
         sqs_id(&key.unwrap_or_else(|| message.properties.message_id.clone().unwrap_or_default()))

@@ -2,13 +2,14 @@
 # receiver and runner a bench starts, all removed when it exits (Ctrl-C included). Every
 # bench uses a vhost (or prefix) of its own and deletes it: the broker is shared.
 tmp=$(mktemp -d)
+scripts=$(dirname "$(realpath "${BASH_SOURCE[0]}")") # this directory, wherever a bench cds to
 vhost="" nats_prefix="" receiver="" runner=""
 nats=${NATS:-127.0.0.1:4222}
 bench_cleanup() {
   if [ -n "$runner" ]; then kill "$runner" 2>/dev/null || true; wait "$runner" 2>/dev/null || true; fi
   if [ -n "$receiver" ]; then kill "$receiver" 2>/dev/null || true; fi
   if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
-  if [ -n "$nats_prefix" ]; then scripts/nats-drop-prefix.py "$nats_prefix" "$nats" >/dev/null 2>&1 || true; fi
+  if [ -n "$nats_prefix" ]; then "$scripts/nats-drop-prefix.py" "$nats_prefix" "$nats" >/dev/null 2>&1 || true; fi
   rm -rf "$tmp"
 }
 trap bench_cleanup EXIT
@@ -30,7 +31,7 @@ drop_vhost() { rabbitmqctl -q delete_vhost "$vhost" >/dev/null; vhost=""; }
 # sets nats_prefix to a pattern (`NAME-*`) for the exit to sweep.
 drop_nats_prefix() {
   local dropped
-  dropped=$(scripts/nats-drop-prefix.py "$1" "$nats")
+  dropped=$("$scripts/nats-drop-prefix.py" "$1" "$nats")
   if [ "$dropped" -eq 0 ]; then echo "no streams under prefix $1" >&2; return 1; fi
 }
 

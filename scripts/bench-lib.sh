@@ -1,12 +1,15 @@
-# Sourced by the bench scripts: a temporary directory, and the vhost, receiver and runner a
-# bench starts, all removed when it exits (Ctrl-C included). Every bench uses a vhost of its
-# own and deletes it: the broker is shared.
+# Sourced by the bench scripts: a temporary directory, and the vhost, JetStream prefix,
+# receiver and runner a bench starts, all removed when it exits (Ctrl-C included). Every
+# bench uses a vhost (or prefix) of its own and deletes it: the broker is shared.
 tmp=$(mktemp -d)
-vhost="" receiver="" runner=""
+scripts=$(dirname "$(realpath "${BASH_SOURCE[0]}")") # this directory, wherever a bench cds to
+vhost="" nats_prefix="" receiver="" runner=""
+nats=${NATS:-127.0.0.1:4222}
 bench_cleanup() {
   if [ -n "$runner" ]; then kill "$runner" 2>/dev/null || true; wait "$runner" 2>/dev/null || true; fi
   if [ -n "$receiver" ]; then kill "$receiver" 2>/dev/null || true; fi
   if [ -n "$vhost" ]; then rabbitmqctl -q delete_vhost "$vhost" >/dev/null 2>&1 || true; fi
+  if [ -n "$nats_prefix" ]; then "$scripts/nats-drop-prefix.py" "$nats_prefix" "$nats" >/dev/null 2>&1 || true; fi
   rm -rf "$tmp"
 }
 trap bench_cleanup EXIT
@@ -22,6 +25,15 @@ make_vhost() {
 
 # drop_vhost: deletes the current vhost.
 drop_vhost() { rabbitmqctl -q delete_vhost "$vhost" >/dev/null; vhost=""; }
+
+# drop_nats_prefix PREFIX: deletes the streams of a JetStream deployment on $nats; fails when
+# there were none (a run that made nothing measured nothing). A bench that runs in subshells
+# sets nats_prefix to a pattern (`NAME-*`) for the exit to sweep.
+drop_nats_prefix() {
+  local dropped
+  dropped=$("$scripts/nats-drop-prefix.py" "$1" "$nats")
+  if [ "$dropped" -eq 0 ]; then echo "no streams under prefix $1" >&2; return 1; fi
+}
 
 # free_port: a TCP port free on 127.0.0.1 now.
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

@@ -19,10 +19,12 @@
 //! It exits after acking COUNT messages and prints one JSON line: how many it handled and
 //! the wall-clock time (Unix seconds) of the first and the last.
 
+#[path = "common/baseline.rs"]
+mod baseline;
+
 use std::collections::BTreeMap;
 use std::process::{ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -60,38 +62,15 @@ fn parse_args() -> Option<Args> {
     Some(Args { broker, queue, prefetch: prefetch.parse().ok()?, count: count.parse().ok()?, handler, batched_acks })
 }
 
-/// Handled count and first/last completion, for the summary line.
-#[derive(Default)]
-struct Progress {
-    handled: u64,
-    first: Option<f64>,
-    last: Option<f64>,
-}
-
-fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default()
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Run bare (by `cargo bench` or `cargo test --all-targets`) there is nothing to consume.
-    if std::env::args().skip(1).all(|a| a == "--bench") {
-        eprintln!("baseline_consumer is driven by scripts/bench.sh (see BENCHMARKS.md)");
-        return ExitCode::SUCCESS;
-    }
-    let Some(args) = parse_args() else {
-        eprintln!(
-            "usage: baseline_consumer AMQP_URL QUEUE PREFETCH COUNT (--webhook URL | --command PROGRAM) [--batched-acks]"
-        );
-        return ExitCode::from(2);
-    };
-    match consume(args).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    baseline::main(
+        "baseline_consumer is driven by scripts/bench.sh (see BENCHMARKS.md)",
+        "usage: baseline_consumer AMQP_URL QUEUE PREFETCH COUNT (--webhook URL | --command PROGRAM) [--batched-acks]",
+        parse_args,
+        consume,
+    )
+    .await
 }
 
 async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -109,7 +88,7 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     sluice::install_tls_provider();
     let client = reqwest::Client::new();
     let handler = Arc::new(args.handler);
-    let progress = Arc::new(Mutex::new(Progress::default()));
+    let progress = Arc::new(Mutex::new(baseline::Progress::default()));
     let done = Arc::new(Notify::new());
     let count = args.count;
     let (acks, ack_events) = mpsc::unbounded_channel();
@@ -158,12 +137,7 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }
             }
-            let mut p = progress.lock().expect("progress lock");
-            let t = now();
-            p.first.get_or_insert(t);
-            p.last = Some(t);
-            p.handled += 1;
-            if p.handled == count {
+            if progress.lock().expect("progress lock").handled() == count {
                 done.notify_one();
             }
         });
@@ -174,8 +148,7 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let _ = acker.await;
     }
     let _ = connection.close(200, "done".into()).await;
-    let p = progress.lock().expect("progress lock");
-    println!(r#"{{"handled": {}, "first": {}, "last": {}}}"#, p.handled, p.first.unwrap_or(0.0), p.last.unwrap_or(0.0));
+    progress.lock().expect("progress lock").print();
     Ok(())
 }
 

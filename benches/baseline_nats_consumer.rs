@@ -19,9 +19,11 @@
 //! It exits after acking COUNT messages and prints one JSON line: how many it handled and
 //! the wall-clock time (Unix seconds) of the first and the last.
 
+#[path = "common/baseline.rs"]
+mod baseline;
+
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures_util::StreamExt;
@@ -58,38 +60,15 @@ fn parse_args() -> Option<Args> {
     })
 }
 
-/// Handled count and first/last completion, for the summary line.
-#[derive(Default)]
-struct Progress {
-    handled: u64,
-    first: Option<f64>,
-    last: Option<f64>,
-}
-
-fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default()
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    // Run bare (by `cargo bench` or `cargo test --all-targets`) there is nothing to consume.
-    if std::env::args().skip(1).all(|a| a == "--bench") {
-        eprintln!("baseline_nats_consumer is driven by scripts/bench-ab.sh (see BENCHMARKS.md)");
-        return ExitCode::SUCCESS;
-    }
-    let Some(args) = parse_args() else {
-        eprintln!(
-            "usage: baseline_nats_consumer NATS_URL STREAM CONSUMER CONCURRENCY COUNT --webhook URL [--double-ack]"
-        );
-        return ExitCode::from(2);
-    };
-    match consume(args).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    baseline::main(
+        "baseline_nats_consumer is driven by scripts/bench-ab.sh (see BENCHMARKS.md)",
+        "usage: baseline_nats_consumer NATS_URL STREAM CONSUMER CONCURRENCY COUNT --webhook URL [--double-ack]",
+        parse_args,
+        consume,
+    )
+    .await
 }
 
 async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -101,7 +80,7 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sy
     let http = reqwest::Client::new();
     let webhook = Arc::new(args.webhook);
     let running = Arc::new(Semaphore::new(args.concurrency));
-    let progress = Arc::new(Mutex::new(Progress::default()));
+    let progress = Arc::new(Mutex::new(baseline::Progress::default()));
     let done = Arc::new(Notify::new());
     let (count, double_ack) = (args.count, args.double_ack);
     loop {
@@ -126,19 +105,13 @@ async fn consume(args: Args) -> Result<(), Box<dyn std::error::Error + Send + Sy
             if acked.is_err() {
                 return;
             }
-            let mut p = progress.lock().expect("progress lock");
-            let t = now();
-            p.first.get_or_insert(t);
-            p.last = Some(t);
-            p.handled += 1;
-            if p.handled == count {
+            if progress.lock().expect("progress lock").handled() == count {
                 done.notify_one();
             }
         });
     }
     // Fire-and-forget acks still buffered in the client go out before it closes.
     client.flush().await?;
-    let p = progress.lock().expect("progress lock");
-    println!(r#"{{"handled": {}, "first": {}, "last": {}}}"#, p.handled, p.first.unwrap_or(0.0), p.last.unwrap_or(0.0));
+    progress.lock().expect("progress lock").print();
     Ok(())
 }

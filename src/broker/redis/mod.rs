@@ -412,6 +412,12 @@ impl Redis {
     /// (`tags`), so that every process names a queue's keys alike, and never change (a queue's
     /// keys stay where they are; a slot an operator moves takes them along).
     async fn spread(&self, plan: &Plan, mut tags: HashMap<String, String>) -> Result<(), BrokerError> {
+        let untagged: Vec<&String> = plan.queues.iter().map(|q| &q.name).filter(|q| !tags.contains_key(*q)).collect();
+        if untagged.is_empty() {
+            // Every queue has its tag (a runner starting again): nothing to ask the nodes.
+            *lock(&self.inner.tags) = tags;
+            return Ok(());
+        }
         let location = &self.inner.location;
         let conn = self.conn();
         let holder = |tag: String| {
@@ -423,7 +429,6 @@ impl Redis {
         for tag in tags.values() {
             *load.entry(holder(tag.clone()).await?).or_default() += 1;
         }
-        let untagged: Vec<&String> = plan.queues.iter().map(|q| &q.name).filter(|q| !tags.contains_key(*q)).collect();
         for q in untagged {
             let least = load.values().min().copied().unwrap_or(0);
             let mut chosen = (q.clone(), holder(q.clone()).await?);
